@@ -1,0 +1,9 @@
+//! kvwire-proto: the kvwire wire format and its sans-IO state machines.
+//!
+//! Nothing in this crate performs I/O, reads a clock, or touches memory it does not own:
+//! time enters as an argument (`now`), frames enter as values, and every effect (a write to
+//! post, a digest to compute, a fence, pages to release) leaves as a value polled by the
+//! driver. The normative description is `SPEC.md` beside this crate.
+#![forbid(unsafe_code)]
+
+pub mod wire;
