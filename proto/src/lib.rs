@@ -6,4 +6,15 @@
 //! driver. The normative description is `SPEC.md` beside this crate.
 #![forbid(unsafe_code)]
 
+pub mod error;
+pub mod handshake;
+mod history;
+pub mod receiver;
+mod scope;
+mod timers;
 pub mod wire;
+
+pub use error::{CountField, FailureReason, Wait};
+pub use scope::{FrameError, Scope};
+pub mod admission;
+pub mod sender;

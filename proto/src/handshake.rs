@@ -1,0 +1,342 @@
+//! The connection handshake: HELLO, then HELLO_ACK or HELLO_REJECT (SPEC.md §4).
+//!
+//! The client sends HELLO; the server checks it against its own hello and answers HELLO_ACK
+//! (carrying its own body) or HELLO_REJECT with the exact mismatch. The client checks the
+//! HELLO_ACK the same way and, on a mismatch, sends HELLO_REJECT and closes. Either way, a
+//! mismatch is found at connect time, never later as garbage.
+
+use std::time::{Duration, Instant};
+
+use crate::error::{unexpected, UnexpectedFrame};
+use crate::wire::{
+    DigestAlgorithm, ErrorCode, Frame, FrameType, Hello, HelloReject, KvLayout, Role, VERSION,
+};
+
+/// A completed handshake: what both sides agreed on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Established {
+    /// This node's hello.
+    pub local: Hello,
+    /// The peer's hello.
+    pub peer: Hello,
+    /// Digest algorithms both support, in the local node's order of preference.
+    pub digests: Vec<DigestAlgorithm>,
+}
+
+impl Established {
+    /// The layout both sides share.
+    pub fn layout(&self) -> &KvLayout {
+        &self.local.layout
+    }
+}
+
+/// Why a handshake failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HandshakeError {
+    /// This node refused the peer (and sent the HELLO_REJECT it carries).
+    Refused(HelloReject),
+    /// The peer refused this node.
+    RefusedByPeer(HelloReject),
+    /// The peer sent a frame the handshake does not accept.
+    Unexpected(UnexpectedFrame),
+    /// No answer before the deadline.
+    Timeout,
+    /// The connection closed first.
+    PeerLost,
+}
+
+impl std::fmt::Display for HandshakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused(r) => write!(f, "refused the peer: {}: {}", r.code, r.detail),
+            Self::RefusedByPeer(r) => write!(f, "refused by the peer: {}: {}", r.code, r.detail),
+            Self::Unexpected(u) => write!(f, "{u}"),
+            Self::Timeout => write!(f, "handshake timed out"),
+            Self::PeerLost => write!(f, "connection lost during the handshake"),
+        }
+    }
+}
+
+impl std::error::Error for HandshakeError {}
+
+/// Checks a peer's hello against ours. `Ok` holds the common digest algorithms in our order.
+pub fn check_peer(local: &Hello, peer: &Hello) -> Result<Vec<DigestAlgorithm>, HelloReject> {
+    let refuse = |code, detail: String| Err(HelloReject { code, detail });
+    let want = match local.role {
+        Role::SENDER => Role::RECEIVER,
+        _ => Role::SENDER,
+    };
+    if peer.role != want {
+        return refuse(
+            ErrorCode::ROLE_MISMATCH,
+            format!(
+                "local role {}, peer role {} (expected {want})",
+                local.role, peer.role
+            ),
+        );
+    }
+    let (l, p) = (&local.layout, &peer.layout);
+    if l.tokens_per_page != p.tokens_per_page {
+        return refuse(
+            ErrorCode::LAYOUT_MISMATCH,
+            format!(
+                "tokens per page: local {}, peer {}",
+                l.tokens_per_page, p.tokens_per_page
+            ),
+        );
+    }
+    if l.buffers() != p.buffers() {
+        return refuse(
+            ErrorCode::LAYOUT_MISMATCH,
+            format!("buffer count: local {}, peer {}", l.buffers(), p.buffers()),
+        );
+    }
+    if let Some((i, (a, b))) = l
+        .buffer_page_bytes
+        .iter()
+        .zip(&p.buffer_page_bytes)
+        .enumerate()
+        .find(|(_, (a, b))| a != b)
+    {
+        return refuse(
+            ErrorCode::LAYOUT_MISMATCH,
+            format!("bytes per page of buffer {i}: local {a}, peer {b}"),
+        );
+    }
+    if l.fingerprint != p.fingerprint {
+        return refuse(
+            ErrorCode::FINGERPRINT_MISMATCH,
+            format!(
+                "model fingerprint: local {}, peer {}",
+                hex(&l.fingerprint),
+                hex(&p.fingerprint)
+            ),
+        );
+    }
+    let common: Vec<_> = local
+        .digests
+        .iter()
+        .copied()
+        .filter(|d| d.is_known() && peer.digests.contains(d))
+        .collect();
+    if common.is_empty() {
+        return refuse(
+            ErrorCode::NO_COMMON_DIGEST,
+            format!(
+                "local digests {:?}, peer digests {:?}",
+                local.digests, peer.digests
+            ),
+        );
+    }
+    Ok(common)
+}
+
+fn hex(b: &[u8]) -> String {
+    let mut s: String = b.iter().take(16).map(|x| format!("{x:02x}")).collect();
+    if b.len() > 16 {
+        s.push_str("...");
+    }
+    if s.is_empty() {
+        s.push_str("(empty)");
+    }
+    s
+}
+
+/// The HELLO_REJECT a node sends when a frame arrives with a version it does not speak.
+pub fn version_reject(peer_version: u16) -> HelloReject {
+    HelloReject {
+        code: ErrorCode::VERSION_MISMATCH,
+        detail: format!("peer speaks version {peer_version}, this node speaks only {VERSION}"),
+    }
+}
+
+/// Client: HELLO sent, waiting for HELLO_ACK.
+#[derive(Debug)]
+struct AwaitingAck {
+    local: Hello,
+    deadline: Instant,
+}
+
+/// Server: waiting for HELLO.
+#[derive(Debug)]
+struct AwaitingHello {
+    local: Hello,
+    deadline: Instant,
+}
+
+#[derive(Debug)]
+enum State {
+    AwaitingAck(AwaitingAck),
+    AwaitingHello(AwaitingHello),
+    Done,
+}
+
+const CLIENT_EXPECTS: &[FrameType] = &[FrameType::HELLO_ACK, FrameType::HELLO_REJECT];
+const SERVER_EXPECTS: &[FrameType] = &[FrameType::HELLO];
+
+impl AwaitingAck {
+    fn handle_frame(self, frame: Frame) -> (Result<Established, HandshakeError>, Option<Frame>) {
+        match frame {
+            Frame::HelloAck(peer) => match check_peer(&self.local, &peer) {
+                Ok(digests) => (
+                    Ok(Established {
+                        local: self.local,
+                        peer,
+                        digests,
+                    }),
+                    None,
+                ),
+                Err(r) => (
+                    Err(HandshakeError::Refused(r.clone())),
+                    Some(Frame::HelloReject(r)),
+                ),
+            },
+            Frame::HelloReject(r) => (Err(HandshakeError::RefusedByPeer(r)), None),
+            other => (
+                Err(HandshakeError::Unexpected(unexpected(
+                    &other,
+                    "AwaitingAck",
+                    CLIENT_EXPECTS,
+                ))),
+                None,
+            ),
+        }
+    }
+}
+
+impl AwaitingHello {
+    fn handle_frame(self, frame: Frame) -> (Result<Established, HandshakeError>, Option<Frame>) {
+        match frame {
+            Frame::Hello(peer) => match check_peer(&self.local, &peer) {
+                Ok(digests) => {
+                    let ack = Frame::HelloAck(self.local.clone());
+                    (
+                        Ok(Established {
+                            local: self.local,
+                            peer,
+                            digests,
+                        }),
+                        Some(ack),
+                    )
+                }
+                Err(r) => (
+                    Err(HandshakeError::Refused(r.clone())),
+                    Some(Frame::HelloReject(r)),
+                ),
+            },
+            other => (
+                Err(HandshakeError::Unexpected(unexpected(
+                    &other,
+                    "AwaitingHello",
+                    SERVER_EXPECTS,
+                ))),
+                None,
+            ),
+        }
+    }
+}
+
+/// The handshake of one connection, as a sans-IO machine.
+///
+/// Feed it frames with [`Handshake::handle_frame`] and time with
+/// [`Handshake::handle_timeout`]; send what [`Handshake::poll_transmit`] returns; the
+/// outcome appears once in [`Handshake::poll_outcome`].
+#[derive(Debug)]
+pub struct Handshake {
+    state: State,
+    transmit: Option<Frame>,
+    outcome: Option<Result<Established, HandshakeError>>,
+}
+
+impl Handshake {
+    /// Starts a client handshake: the HELLO is ready to transmit.
+    pub fn client(now: Instant, local: Hello, timeout: Duration) -> Self {
+        Self {
+            transmit: Some(Frame::Hello(local.clone())),
+            state: State::AwaitingAck(AwaitingAck {
+                local,
+                deadline: now + timeout,
+            }),
+            outcome: None,
+        }
+    }
+
+    /// Starts a server handshake, waiting for the client's HELLO.
+    pub fn server(now: Instant, local: Hello, timeout: Duration) -> Self {
+        Self {
+            transmit: None,
+            state: State::AwaitingHello(AwaitingHello {
+                local,
+                deadline: now + timeout,
+            }),
+            outcome: None,
+        }
+    }
+
+    /// Handles a frame from the peer.
+    pub fn handle_frame(&mut self, frame: Frame) {
+        let (outcome, reply) = match std::mem::replace(&mut self.state, State::Done) {
+            State::AwaitingAck(s) => s.handle_frame(frame),
+            State::AwaitingHello(s) => s.handle_frame(frame),
+            State::Done => return,
+        };
+        self.transmit = reply;
+        self.outcome = Some(outcome);
+    }
+
+    /// Handles a frame the peer sent with a protocol version this node does not speak: the
+    /// handshake fails and a HELLO_REJECT with `VERSION_MISMATCH` is queued.
+    pub fn handle_unsupported_version(&mut self, peer_version: u16) {
+        if matches!(self.state, State::Done) {
+            return;
+        }
+        self.state = State::Done;
+        let r = version_reject(peer_version);
+        self.transmit = Some(Frame::HelloReject(r.clone()));
+        self.outcome = Some(Err(HandshakeError::Refused(r)));
+    }
+
+    /// Handles the passage of time.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let expired = match &self.state {
+            State::AwaitingAck(s) => now >= s.deadline,
+            State::AwaitingHello(s) => now >= s.deadline,
+            State::Done => false,
+        };
+        if expired {
+            self.state = State::Done;
+            self.outcome = Some(Err(HandshakeError::Timeout));
+        }
+    }
+
+    /// Handles the loss of the connection.
+    pub fn handle_peer_lost(&mut self) {
+        if !matches!(self.state, State::Done) {
+            self.state = State::Done;
+            self.outcome = Some(Err(HandshakeError::PeerLost));
+        }
+    }
+
+    /// The next frame to send.
+    pub fn poll_transmit(&mut self) -> Option<Frame> {
+        self.transmit.take()
+    }
+
+    /// When [`Handshake::handle_timeout`] must next be called.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match &self.state {
+            State::AwaitingAck(s) => Some(s.deadline),
+            State::AwaitingHello(s) => Some(s.deadline),
+            State::Done => None,
+        }
+    }
+
+    /// The outcome, once (after any frame in [`Handshake::poll_transmit`] has been taken).
+    pub fn poll_outcome(&mut self) -> Option<Result<Established, HandshakeError>> {
+        if self.transmit.is_some() {
+            return None;
+        }
+        self.outcome.take()
+    }
+}

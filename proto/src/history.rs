@@ -1,0 +1,50 @@
+//! A bounded memory of finished transfers, so late and duplicate frames for them are
+//! recognised (SPEC.md §7.4) instead of being mistaken for unknown transfers.
+
+use std::collections::{HashMap, VecDeque};
+
+/// How a finished transfer ended, as remembered for late frames.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Finished {
+    pub(crate) nonce: u64,
+    /// `None` if it verified, else the code it failed with.
+    pub(crate) failure: Option<(crate::wire::ErrorCode, String)>,
+}
+
+#[derive(Debug)]
+pub(crate) struct History {
+    capacity: usize,
+    order: VecDeque<u64>,
+    entries: HashMap<u64, Finished>,
+}
+
+impl History {
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            capacity: capacity.max(1),
+            order: VecDeque::new(),
+            entries: HashMap::new(),
+        }
+    }
+
+    pub(crate) fn insert(&mut self, transfer_id: u64, finished: Finished) {
+        if self.entries.insert(transfer_id, finished).is_none() {
+            self.order.push_back(transfer_id);
+            while self.order.len() > self.capacity {
+                if let Some(old) = self.order.pop_front() {
+                    self.entries.remove(&old);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn get(&self, transfer_id: u64) -> Option<&Finished> {
+        self.entries.get(&transfer_id)
+    }
+
+    pub(crate) fn remove(&mut self, transfer_id: u64) -> Option<Finished> {
+        let f = self.entries.remove(&transfer_id)?;
+        self.order.retain(|&t| t != transfer_id);
+        Some(f)
+    }
+}

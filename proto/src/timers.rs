@@ -1,0 +1,48 @@
+//! Deadlines of many transfers: a lazy min-heap, O(log n) per arm and per expiry.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::time::Instant;
+
+/// Armed deadlines keyed by transfer id. An entry is live only while the transfer's current
+/// deadline equals it; stale entries are discarded when they reach the top.
+#[derive(Debug, Default)]
+pub(crate) struct Timers {
+    heap: BinaryHeap<Reverse<(Instant, u64)>>,
+}
+
+impl Timers {
+    pub(crate) fn arm(&mut self, at: Instant, transfer_id: u64) {
+        self.heap.push(Reverse((at, transfer_id)));
+    }
+
+    /// The earliest live deadline; `current(id)` returns a transfer's armed deadline.
+    pub(crate) fn next(&mut self, current: impl Fn(u64) -> Option<Instant>) -> Option<Instant> {
+        while let Some(&Reverse((at, id))) = self.heap.peek() {
+            if current(id) == Some(at) {
+                return Some(at);
+            }
+            self.heap.pop();
+        }
+        None
+    }
+
+    /// Pops every live deadline at or before `now`, returning the transfer ids in deadline order.
+    pub(crate) fn expired(
+        &mut self,
+        now: Instant,
+        current: impl Fn(u64) -> Option<Instant>,
+    ) -> Vec<u64> {
+        let mut out = Vec::new();
+        while let Some(&Reverse((at, id))) = self.heap.peek() {
+            if at > now {
+                break;
+            }
+            self.heap.pop();
+            if current(id) == Some(at) {
+                out.push(id);
+            }
+        }
+        out
+    }
+}
