@@ -8,4 +8,8 @@ pub use kvwire_proto as proto;
 
 pub mod checksum;
 pub mod config;
+pub mod harness;
 pub mod pool;
+pub mod receiver;
+pub mod sender;
+pub mod transport;

@@ -1,1 +1,284 @@
-//! config (in progress)
+//! Engine configuration and the invariants checked against the running engine.
+//!
+//! The incident kvwire answers began with a KV pool (sized at start from free GPU memory)
+//! that was smaller than the configured maximum context length, and nothing noticed. Here the
+//! check is made against the pool *as built*, not against the numbers that were configured
+//! for it: call [`EngineConfig::validate`] at start and on every reconfiguration, and refuse
+//! to serve when it fails.
+
+use std::fmt;
+
+use crate::pool::PagePool;
+
+/// The engine-level settings the pool must be able to honour.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// The longest context (prompt plus generated tokens) the engine advertises.
+    pub max_context_tokens: u64,
+    /// Start anyway (with a loud warning) when the pool cannot hold one maximum-length
+    /// context. Such requests must then be rejected at admission; never set this to paper
+    /// over a sizing mistake.
+    pub allow_undersized_pool: bool,
+}
+
+/// A configuration the engine must not start (or keep running) with.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The pool cannot hold even one maximum-length context.
+    #[error(
+        "KV pool holds {pool_tokens} tokens ({pages} pages x {tokens_per_page} tokens/page) \
+         but the configured maximum context length is {context_tokens} tokens; a request \
+         longer than the pool can never be served. Grow the pool or lower the context length \
+         (or set allow_undersized_pool to downgrade this to a warning)"
+    )]
+    PoolSmallerThanContext {
+        /// Tokens the pool holds, as built.
+        pool_tokens: u64,
+        /// The configured maximum context length.
+        context_tokens: u64,
+        /// Pages in the pool, as built.
+        pages: u32,
+        /// Tokens per page, as built.
+        tokens_per_page: u32,
+    },
+    /// The maximum context length is zero: no request could ever be served.
+    #[error(
+        "the configured maximum context length is 0 tokens; no request could ever be served. \
+         Set max_context_tokens to the longest context the engine advertises"
+    )]
+    ZeroContext,
+}
+
+/// A configuration problem the engine was told to tolerate; it still starts, loudly.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigWarning {
+    /// The pool cannot hold one maximum-length context, and `allow_undersized_pool` is set.
+    PoolSmallerThanContext {
+        /// Tokens the pool holds, as built.
+        pool_tokens: u64,
+        /// The configured maximum context length.
+        context_tokens: u64,
+    },
+}
+
+impl fmt::Display for ConfigWarning {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigWarning::PoolSmallerThanContext {
+                pool_tokens,
+                context_tokens,
+            } => write!(
+                f,
+                "KV pool holds {pool_tokens} tokens but the configured maximum context length \
+                 is {context_tokens} tokens (allowed by allow_undersized_pool): requests longer \
+                 than {pool_tokens} tokens must be rejected at admission"
+            ),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// A configuration advertising `max_context_tokens`, refusing an undersized pool.
+    pub fn new(max_context_tokens: u64) -> Self {
+        Self {
+            max_context_tokens,
+            allow_undersized_pool: false,
+        }
+    }
+
+    /// Validated from the pool AS BUILT (not from configured numbers): the check the
+    /// incident lacked. Call it at start and on every reconfiguration.
+    ///
+    /// Fails with [`ConfigError::PoolSmallerThanContext`] when the pool holds fewer tokens
+    /// than `max_context_tokens` (a pool of exactly that size passes), unless
+    /// `allow_undersized_pool` is set: then it logs a `tracing` warning with both numbers
+    /// and returns [`ConfigWarning::PoolSmallerThanContext`].
+    pub fn validate(&self, pool: &PagePool) -> Result<Vec<ConfigWarning>, ConfigError> {
+        if self.max_context_tokens == 0 {
+            return Err(ConfigError::ZeroContext);
+        }
+        let mut warnings = Vec::new();
+        let pool_tokens = pool.capacity_tokens();
+        let context_tokens = self.max_context_tokens;
+        if pool_tokens < context_tokens {
+            let geometry = pool.geometry();
+            if !self.allow_undersized_pool {
+                return Err(ConfigError::PoolSmallerThanContext {
+                    pool_tokens,
+                    context_tokens,
+                    pages: geometry.pages,
+                    tokens_per_page: geometry.tokens_per_page,
+                });
+            }
+            let warning = ConfigWarning::PoolSmallerThanContext {
+                pool_tokens,
+                context_tokens,
+            };
+            tracing::warn!(
+                pool_tokens,
+                context_tokens,
+                pages = geometry.pages,
+                tokens_per_page = geometry.tokens_per_page,
+                "UNDERSIZED KV POOL: {warning}"
+            );
+            warnings.push(warning);
+        }
+        Ok(warnings)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::{PoolGeometry, Scrub};
+    use std::sync::{Arc, Mutex};
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::subscriber::Interest;
+    use tracing::{Event, Level, Metadata, Subscriber};
+
+    fn pool(pages: u32, tokens_per_page: u32) -> PagePool {
+        PagePool::new(
+            PoolGeometry {
+                tokens_per_page,
+                buffer_page_bytes: vec![1],
+                pages,
+            },
+            Scrub::None,
+        )
+        .unwrap()
+    }
+
+    /// Records every event's level and fields, rendered as `name=value` text.
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<(Level, String)>>>);
+
+    struct Fields(String);
+    impl Visit for Fields {
+        fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+            self.0.push_str(&format!("{}={:?} ", field.name(), value));
+        }
+    }
+
+    impl Subscriber for Capture {
+        fn register_callsite(&self, _: &'static Metadata<'static>) -> Interest {
+            Interest::always()
+        }
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &Attributes<'_>) -> Id {
+            Id::from_u64(1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, event: &Event<'_>) {
+            let mut fields = Fields(String::new());
+            event.record(&mut fields);
+            self.0
+                .lock()
+                .unwrap()
+                .push((*event.metadata().level(), fields.0));
+        }
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+
+    #[test]
+    fn pool_smaller_than_context_refuses_to_start() {
+        let p = pool(100, 16); // 1600 tokens
+        let err = EngineConfig::new(4096).validate(&p).unwrap_err();
+        assert_eq!(
+            err,
+            ConfigError::PoolSmallerThanContext {
+                pool_tokens: 1600,
+                context_tokens: 4096,
+                pages: 100,
+                tokens_per_page: 16
+            }
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("1600") && msg.contains("4096"), "{msg}");
+        assert!(msg.contains("100 pages x 16 tokens/page"), "{msg}");
+    }
+
+    #[test]
+    fn one_token_short_refuses() {
+        let p = pool(100, 16);
+        assert!(matches!(
+            EngineConfig::new(1601).validate(&p),
+            Err(ConfigError::PoolSmallerThanContext { .. })
+        ));
+    }
+
+    #[test]
+    fn exact_capacity_passes() {
+        let p = pool(100, 16);
+        assert_eq!(EngineConfig::new(1600).validate(&p), Ok(vec![]));
+        assert_eq!(EngineConfig::new(1).validate(&p), Ok(vec![]));
+    }
+
+    #[test]
+    fn zero_context_is_refused() {
+        let p = pool(1, 1);
+        let err = EngineConfig::new(0).validate(&p).unwrap_err();
+        assert_eq!(err, ConfigError::ZeroContext);
+        assert!(err.to_string().contains("0 tokens"));
+    }
+
+    #[test]
+    fn override_returns_warning_and_logs_it_loudly() {
+        let p = pool(100, 16);
+        let config = EngineConfig {
+            max_context_tokens: 4096,
+            allow_undersized_pool: true,
+        };
+        let capture = Capture::default();
+        let result = tracing::subscriber::with_default(capture.clone(), || config.validate(&p));
+        assert_eq!(
+            result,
+            Ok(vec![ConfigWarning::PoolSmallerThanContext {
+                pool_tokens: 1600,
+                context_tokens: 4096
+            }])
+        );
+        let events = capture.0.lock().unwrap();
+        let warn = events
+            .iter()
+            .find(|(level, _)| *level == Level::WARN)
+            .unwrap_or_else(|| panic!("no warning logged: {events:?}"));
+        assert!(warn.1.contains("pool_tokens=1600"), "{}", warn.1);
+        assert!(warn.1.contains("context_tokens=4096"), "{}", warn.1);
+        let text = result.unwrap()[0].to_string();
+        assert!(text.contains("1600") && text.contains("4096"), "{text}");
+    }
+
+    #[test]
+    fn override_is_silent_when_pool_is_big_enough() {
+        let p = pool(256, 16);
+        let config = EngineConfig {
+            max_context_tokens: 4096,
+            allow_undersized_pool: true,
+        };
+        let capture = Capture::default();
+        let result = tracing::subscriber::with_default(capture.clone(), || config.validate(&p));
+        assert_eq!(result, Ok(vec![]));
+        assert!(capture.0.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn validates_the_pool_as_built() {
+        // The check reads the built pool's geometry: a pool that came out smaller than
+        // planned is caught even though the plan would have passed.
+        let planned = PoolGeometry {
+            tokens_per_page: 16,
+            buffer_page_bytes: vec![1],
+            pages: 256,
+        };
+        assert!(planned.capacity_tokens() >= 4096);
+        let built = pool(255, 16);
+        assert!(EngineConfig::new(4096).validate(&built).is_err());
+    }
+}

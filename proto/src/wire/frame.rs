@@ -72,7 +72,7 @@ pub struct HelloReject {
 }
 
 /// Names one reservation of one transfer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TransferRef {
     /// The transfer id both engines agreed on (the request id).
     pub transfer_id: u64,

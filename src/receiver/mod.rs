@@ -1,0 +1,375 @@
+//! The decode-side driver: reservation, fencing, verification over landed memory, deferred
+//! release, delivery of verified handles.
+//!
+//! [`ReceiverEndpoint`] wraps the sans-IO [`ReceiverSession`] with real memory: it leases
+//! destination pages, opens an access scope over exactly those pages, fences (closes the
+//! scope) when the session asks, computes digests over the memory that actually landed,
+//! quarantines the pages of failed transfers and releases them only after their fence. The
+//! engine receives a [`VerifiedKv`] only for a transfer whose digests matched.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use kvwire_proto::handshake::Established;
+use kvwire_proto::receiver::{
+    ReceiverAction, ReceiverConfig, ReceiverEvent, ReceiverSession, ReservationRequest,
+    ReserveError,
+};
+use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, TransferRef};
+use kvwire_proto::{FailureReason, FrameError};
+
+use crate::checksum::{digest_transfer, DigestBinding};
+use crate::config::{ConfigError, EngineConfig};
+use crate::pool::{PageLease, PagePool, PoolError};
+use crate::transport::ScopeTable;
+
+/// What the engine asks to receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReserveParams {
+    /// The transfer id (the request id both engines know).
+    pub transfer_id: u64,
+    /// Tokens expected.
+    pub tokens: u32,
+    /// How long the sender has to commit.
+    pub timeout: Duration,
+    /// The digest algorithm; `None` for the first agreed.
+    pub digest: Option<DigestAlgorithm>,
+    /// Require per-page digests (names the first bad page on a mismatch).
+    pub page_digests: bool,
+}
+
+/// Why a reservation could not be made.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReceiveError {
+    /// Too few free pages.
+    #[error("receiver pool: {0}")]
+    Pool(#[from] PoolError),
+    /// The session refused the reservation.
+    #[error("reservation refused: {0}")]
+    Reserve(#[from] ReserveError),
+}
+
+/// KV pages of a verified transfer, owned by the engine until it gives them back with
+/// [`ReceiverEndpoint::release`].
+#[derive(Debug)]
+#[must_use = "verified pages must be released to the pool when the engine is done with them"]
+pub struct VerifiedKv {
+    /// The transfer.
+    pub transfer: TransferRef,
+    /// Tokens verified.
+    pub tokens: u32,
+    leases: Vec<PageLease>,
+}
+
+impl VerifiedKv {
+    /// The bytes of page `ordinal` in `buffer`.
+    pub fn page<'a>(
+        &self,
+        pool: &'a PagePool,
+        ordinal: usize,
+        buffer: usize,
+    ) -> Result<&'a [u8], PoolError> {
+        let lease = self.leases.get(ordinal).ok_or(PoolError::PageOutOfRange {
+            page: ordinal as u32,
+            pages: self.leases.len() as u32,
+        })?;
+        pool.page(lease, buffer)
+    }
+
+    /// Pages.
+    pub fn pages(&self) -> usize {
+        self.leases.len()
+    }
+}
+
+/// The end of a transfer, for the engine.
+#[derive(Debug)]
+pub enum ReceiveOutcome {
+    /// Verified: the pages are the engine's.
+    Verified(VerifiedKv),
+    /// Failed: the pages were fenced and released.
+    Failed {
+        /// The transfer.
+        transfer: TransferRef,
+        /// Why.
+        reason: FailureReason,
+    },
+}
+
+/// Counters of a receiver endpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReceiverEndpointStats {
+    /// Fences carried out.
+    pub fences: u64,
+    /// Pages quarantined.
+    pub pages_quarantined: u64,
+    /// Releases the session asked for while the transfer's scope was still open. The
+    /// endpoint fences first anyway; a non-zero count is a protocol-machine bug.
+    pub release_before_fence: u64,
+}
+
+/// The decode side of one connection, over real destination memory.
+#[derive(Debug)]
+pub struct ReceiverEndpoint {
+    session: ReceiverSession,
+    pool: PagePool,
+    scopes: ScopeTable,
+    leases: BTreeMap<u64, (TransferRef, Vec<PageLease>)>,
+    outcomes: VecDeque<ReceiveOutcome>,
+    fenced: VecDeque<TransferRef>,
+    stats: ReceiverEndpointStats,
+}
+
+impl ReceiverEndpoint {
+    /// Builds the endpoint; refuses to start if the pool as built cannot hold the configured
+    /// context length (unless explicitly allowed, with a warning).
+    pub fn new(
+        established: &Established,
+        pool: PagePool,
+        engine: &EngineConfig,
+        config: ReceiverConfig,
+    ) -> Result<Self, ConfigError> {
+        engine.validate(&pool)?;
+        Ok(Self {
+            session: ReceiverSession::new(established, config),
+            pool,
+            scopes: ScopeTable::default(),
+            leases: BTreeMap::new(),
+            outcomes: VecDeque::new(),
+            fenced: VecDeque::new(),
+            stats: ReceiverEndpointStats::default(),
+        })
+    }
+
+    /// Leases pages, opens an access scope over them and sends RESERVE.
+    pub fn reserve(&mut self, now: Instant, p: ReserveParams) -> Result<TransferRef, ReceiveError> {
+        let tpp = self.pool.geometry().tokens_per_page.max(1);
+        let leases = self.pool.allocate(p.tokens.div_ceil(tpp))?;
+        let pages: Vec<u32> = leases.iter().map(PageLease::page).collect();
+        let key = self.scopes.open(p.transfer_id, &pages);
+        let req = ReservationRequest {
+            transfer_id: p.transfer_id,
+            tokens: p.tokens,
+            pages,
+            digest: p.digest,
+            page_digests: p.page_digests,
+            timeout: p.timeout,
+            access: key.to_descriptor(),
+        };
+        match self.session.reserve(now, req) {
+            Ok(transfer) => {
+                self.scopes.bind(transfer);
+                self.leases.insert(p.transfer_id, (transfer, leases));
+                Ok(transfer)
+            }
+            Err(e) => {
+                // A duplicate id must not close the open transfer's scope.
+                if !matches!(e, ReserveError::DuplicateTransfer(_)) {
+                    self.scopes.close(p.transfer_id);
+                }
+                for l in leases {
+                    let _ = self.pool.release(l);
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Aborts a transfer: fence, release, then ABORT.
+    pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+        let r = self.session.abort(now, transfer_id, code);
+        self.process(now);
+        r
+    }
+
+    /// Handles a frame from the sender.
+    pub fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError> {
+        let r = self.session.handle_frame(now, frame);
+        self.process(now);
+        r
+    }
+
+    /// Handles the passage of time.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.session.handle_timeout(now);
+        self.process(now);
+    }
+
+    /// The connection is gone: every open transfer is fenced, released and failed.
+    pub fn handle_peer_lost(&mut self, now: Instant) {
+        self.session.handle_peer_lost(now);
+        self.process(now);
+    }
+
+    /// Gives verified pages back to the pool.
+    pub fn release(&mut self, kv: VerifiedKv) -> Result<(), PoolError> {
+        let mut first = Ok(());
+        for l in kv.leases {
+            if let Err(e) = self.pool.release(l) {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+
+    fn leases_of(&self, transfer: TransferRef) -> Option<&Vec<PageLease>> {
+        self.leases
+            .get(&transfer.transfer_id)
+            .filter(|(t, _)| *t == transfer)
+            .map(|(_, l)| l)
+    }
+
+    fn process(&mut self, now: Instant) {
+        loop {
+            while let Some(action) = self.session.poll_action() {
+                self.act(now, action);
+            }
+            let Some(event) = self.session.poll_event() else {
+                break;
+            };
+            match event {
+                ReceiverEvent::Delivered(d) => {
+                    let (_, leases) = self
+                        .leases
+                        .remove(&d.transfer.transfer_id)
+                        .unwrap_or((d.transfer, Vec::new()));
+                    self.outcomes
+                        .push_back(ReceiveOutcome::Verified(VerifiedKv {
+                            transfer: d.transfer,
+                            tokens: d.tokens,
+                            leases,
+                        }));
+                }
+                ReceiverEvent::Failed { transfer, reason } => {
+                    self.outcomes
+                        .push_back(ReceiveOutcome::Failed { transfer, reason });
+                }
+            }
+        }
+    }
+
+    fn act(&mut self, now: Instant, action: ReceiverAction) {
+        match action {
+            ReceiverAction::Quarantine(t) => {
+                if let Some((_, leases)) = self.leases.get(&t.transfer_id).filter(|(r, _)| *r == t)
+                {
+                    for l in leases {
+                        if self.pool.quarantine(l).is_ok() {
+                            self.stats.pages_quarantined += 1;
+                        }
+                    }
+                }
+            }
+            ReceiverAction::Fence(t) => {
+                self.scopes.close(t.transfer_id);
+                self.stats.fences += 1;
+                self.fenced.push_back(t);
+                self.session.handle_fenced(now, t);
+            }
+            ReceiverAction::ComputeDigests {
+                transfer,
+                algorithm,
+                page_digests,
+            } => {
+                let Some(leases) = self.leases_of(transfer) else {
+                    return;
+                };
+                let pool = &self.pool;
+                let binding = DigestBinding {
+                    transfer_id: transfer.transfer_id,
+                    nonce: transfer.nonce,
+                };
+                // Digests of the memory that actually landed, after the fence.
+                let landed = digest_transfer(
+                    algorithm,
+                    binding,
+                    pool.buffers(),
+                    leases.len(),
+                    page_digests,
+                    |b, o| pool.raw_page(leases[o].page(), b).unwrap_or(&[]),
+                );
+                match landed {
+                    Ok(d) => self.session.handle_digests(now, transfer, d),
+                    Err(_) => {
+                        self.session.abort(
+                            now,
+                            transfer.transfer_id,
+                            ErrorCode::DIGEST_UNSUPPORTED,
+                        );
+                    }
+                }
+            }
+            ReceiverAction::Release(t) => {
+                if self.scopes.close(t.transfer_id) {
+                    self.stats.release_before_fence += 1;
+                    tracing::error!(
+                        transfer_id = t.transfer_id,
+                        "release requested before fence; fenced now"
+                    );
+                }
+                if let Some((_, leases)) = self.leases.remove(&t.transfer_id) {
+                    for l in leases {
+                        if let Err(e) = self.pool.release(l) {
+                            tracing::error!(transfer_id = t.transfer_id, error = %e, "page release refused");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The next frame to send.
+    pub fn poll_transmit(&mut self) -> Option<Frame> {
+        self.session.poll_transmit()
+    }
+
+    /// The next finished transfer.
+    pub fn poll_outcome(&mut self) -> Option<ReceiveOutcome> {
+        self.outcomes.pop_front()
+    }
+
+    /// The next transfer whose fence completed (for transports that must react to it).
+    pub fn poll_fenced(&mut self) -> Option<TransferRef> {
+        self.fenced.pop_front()
+    }
+
+    /// When [`ReceiverEndpoint::handle_timeout`] must next be called.
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        self.session.poll_timeout()
+    }
+
+    /// Whether `page` is currently leased to `transfer` (by this endpoint, for an open
+    /// transfer). Used by transports to detect writes landing where they must not.
+    pub fn is_leased_to(&self, transfer: TransferRef, page: u32) -> bool {
+        self.leases_of(transfer).is_some_and(|ls| {
+            ls.iter()
+                .any(|l| l.page() == page && self.pool.holds(l.page(), l.generation()))
+        })
+    }
+
+    /// The destination page pool.
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    /// The pool and the scope table, for a transport landing writes.
+    pub fn landing_parts(&mut self) -> (&mut PagePool, &ScopeTable) {
+        (&mut self.pool, &self.scopes)
+    }
+
+    /// Open access scopes.
+    pub fn open_scopes(&self) -> usize {
+        self.scopes.open_scopes()
+    }
+
+    /// The protocol session.
+    pub fn session(&self) -> &ReceiverSession {
+        &self.session
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ReceiverEndpointStats {
+        self.stats
+    }
+}

@@ -1,0 +1,102 @@
+//! Helpers shared by the integration tests: starting transfers on a Pair and checking the
+//! safety invariants every scenario must keep.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use kvwire::harness::{kv_pattern, Pair};
+use kvwire::proto::admission::{AdmissionError, Request};
+use kvwire::proto::wire::TransferRef;
+use kvwire::receiver::ReserveParams;
+
+/// The receiver reserves for `tokens`; the commit deadline is `timeout`.
+pub fn reserve(pair: &mut Pair, id: u64, tokens: u32) -> TransferRef {
+    let now = pair.now;
+    pair.receiver
+        .reserve(
+            now,
+            ReserveParams {
+                transfer_id: id,
+                tokens,
+                timeout: Duration::from_secs(2),
+                digest: None,
+                page_digests: true,
+            },
+        )
+        .expect("reserve")
+}
+
+/// The sender admits `tokens` and, if admitted, fills and submits its pages.
+pub fn send(pair: &mut Pair, id: u64, tokens: u64) -> Result<(), AdmissionError> {
+    let admitted = pair.sender.admit(Request {
+        transfer_id: id,
+        tokens,
+    })?;
+    let now = pair.now;
+    pair.sender
+        .submit(now, admitted, |ord, b, page| kv_pattern(id, ord, b, page))
+        .expect("submit");
+    Ok(())
+}
+
+/// Both sides start transfer `id` of `tokens` tokens.
+pub fn transfer(pair: &mut Pair, id: u64, tokens: u32) {
+    send(pair, id, u64::from(tokens)).expect("admitted");
+    reserve(pair, id, tokens);
+}
+
+/// The invariants every run must keep once it has settled:
+/// 1. nothing unverified was delivered: every verified transfer holds exactly the sender's bytes;
+/// 2. every page is back in its pool (for the sides that did not crash);
+/// 3. no write landed in a page not leased to its transfer;
+/// 4. no open transfers, no open access scopes, no release before fence.
+pub fn assert_invariants(pair: &Pair) {
+    assert!(
+        pair.wrong_content.is_empty(),
+        "verified transfers with wrong bytes: {:?}",
+        pair.wrong_content
+    );
+    assert!(
+        pair.landings.illegal.is_empty(),
+        "writes landed in unleased pages: {:?}",
+        pair.landings.illegal
+    );
+    assert_eq!(
+        pair.receiver.stats().release_before_fence,
+        0,
+        "a page was released before its fence"
+    );
+    if pair.crashed != Some(kvwire::transport::loopback::Side::Receiver) {
+        let pool = pair.receiver.pool();
+        assert_eq!(
+            pool.free_pages(),
+            pool.capacity_pages(),
+            "receiver pages leaked: {:?}",
+            pool.stats()
+        );
+        assert_eq!(
+            pair.receiver.session().open_transfers(),
+            0,
+            "receiver transfers still open"
+        );
+        assert_eq!(
+            pair.receiver.open_scopes(),
+            0,
+            "receiver access scopes still open"
+        );
+    }
+    if pair.crashed != Some(kvwire::transport::loopback::Side::Sender) {
+        let pool = pair.sender.pool();
+        assert_eq!(
+            pool.free_pages(),
+            pool.capacity_pages(),
+            "sender pages leaked: {:?}",
+            pool.stats()
+        );
+        assert_eq!(
+            pair.sender.session().open_transfers(),
+            0,
+            "sender transfers still open"
+        );
+    }
+}
