@@ -53,3 +53,20 @@ fn reservation_before_request_is_parked_then_served() {
     );
     assert_invariants(&pair);
 }
+
+/// Regression: a duplicated RESERVE (same nonce) reached a sender already writing, which
+/// answered REJECT(DUPLICATE_TRANSFER) and so failed a healthy transfer. A duplicate of the
+/// current reservation is now dropped.
+#[test]
+fn duplicated_reserve_is_idempotent() {
+    use kvwire::proto::wire::FrameType;
+    use kvwire::transport::loopback::{Fault, FaultRule};
+    let mut pair = Pair::new(PairConfig::small()).unwrap();
+    pair.fault(FaultRule::on(31, Fault::DuplicateFrame(FrameType::RESERVE)));
+    transfer(&mut pair, 31, 64);
+    pair.drive();
+    assert_eq!(pair.verified, vec![31], "{:?}", pair.receiver_failures);
+    assert!(pair.sender_verified(31));
+    assert_eq!(pair.sender.session().stats().rejected_reservations, 0);
+    assert_invariants(&pair);
+}

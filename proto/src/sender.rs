@@ -456,6 +456,14 @@ impl Transfer {
                     }
                 }
             }
+            (state, Frame::Reserve(r)) if r.nonce == current => {
+                // The same reservation again (a duplicated frame): idempotent.
+                cx.out.stats.dropped_frames += 1;
+                (
+                    Next::Stay(state),
+                    Err(FrameError::frame("duplicate RESERVE")),
+                )
+            }
             (state, Frame::Reserve(r)) => {
                 // A second reservation while one is being served: refuse the newcomer.
                 cx.out.stats.rejected_reservations += 1;

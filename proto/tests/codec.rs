@@ -373,8 +373,16 @@ fn frame() -> impl Strategy<Value = Frame> {
 // ---------------------------------------------------------------------------------------------
 // Property tests.
 
+/// 512 cases per property, or `PROPTEST_CASES` when set (for longer fuzzing runs).
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(512)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(512))]
+    #![proptest_config(ProptestConfig::with_cases(cases()))]
 
     /// Arbitrary bytes never make `decode` panic, and whatever it accepts re-encodes to exactly
     /// the bytes it consumed.
