@@ -70,3 +70,27 @@ fn duplicated_reserve_is_idempotent() {
     assert_eq!(pair.sender.session().stats().rejected_reservations, 0);
     assert_invariants(&pair);
 }
+
+/// Regression (found by the interleavings proptest): writes posted after the receiver had
+/// already fenced the transfer were held forever by the loopback link, so the sender never
+/// finished draining and leaked its source pages. A write to a fenced scope must be refused
+/// at once, and the sender must end with every source page back.
+#[test]
+fn writes_posted_after_the_fence_are_refused_and_the_sender_drains() {
+    use kvwire::proto::wire::FrameType;
+    use kvwire::transport::loopback::{Fault, FaultRule};
+    use std::time::Duration;
+    let mut pair = Pair::new(PairConfig::small()).unwrap();
+    pair.fault(FaultRule::on(41, Fault::LateWrites));
+    // The RESERVE arrives after the receiver's 2 s commit deadline: it has fenced already.
+    pair.fault(FaultRule::on(
+        41,
+        Fault::DelayFrame(FrameType::RESERVE, Duration::from_millis(2001)),
+    ));
+    transfer(&mut pair, 41, 16);
+    pair.drive();
+    assert!(pair.verified.is_empty());
+    assert!(pair.link.stats.writes_refused > 0);
+    assert!(pair.sender_failure(41).is_some());
+    assert_invariants(&pair);
+}

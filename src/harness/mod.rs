@@ -386,8 +386,7 @@ impl Pair {
                 }
                 while let Some(t) = self.receiver.poll_fenced() {
                     any = true;
-                    self.link
-                        .release_held(self.now, t.transfer_id, HoldUntil::Fenced);
+                    self.link.release_held(self.now, t, HoldUntil::Fenced);
                 }
                 while let Some(o) = self.receiver.poll_outcome() {
                     any = true;
@@ -428,7 +427,7 @@ impl Pair {
                     }
                 };
                 let commit_of = match &frame {
-                    Frame::Commit(c) => Some(c.transfer.transfer_id),
+                    Frame::Commit(c) => Some(c.transfer),
                     _ => None,
                 };
                 let result = match to {

@@ -233,6 +233,8 @@ pub struct Link {
     to_receiver: VecDeque<InFlight>,
     to_sender: VecDeque<InFlight>,
     held: Vec<(HoldUntil, WriteOp)>,
+    /// Transfers whose hold events already happened: a write posted afterwards is not held.
+    passed: Vec<(HoldUntil, TransferRef)>,
     /// Fault rules.
     pub rules: Vec<FaultRule>,
     /// Counters.
@@ -247,6 +249,7 @@ impl Link {
             to_receiver: VecDeque::new(),
             to_sender: VecDeque::new(),
             held: Vec::new(),
+            passed: Vec::new(),
             rules: Vec::new(),
             stats: LinkStats::default(),
         }
@@ -350,6 +353,8 @@ impl Link {
         } else {
             None
         };
+        // A write posted after its hold event has nothing left to wait for.
+        let hold = hold.filter(|until| !self.passed.contains(&(*until, op.transfer)));
         if op.damage == Damage::Lost {
             // Never arrives; its completion reports success anyway.
             return true;
@@ -388,8 +393,11 @@ impl Link {
         );
     }
 
-    /// Releases held writes of `transfer_id` waiting for `event`; they land after `now`.
-    pub fn release_held(&mut self, now: Instant, transfer_id: u64, event: HoldUntil) {
+    /// Releases held writes of `transfer` waiting for `event`; they land after `now`. Writes
+    /// of that reservation posted later are not held.
+    pub fn release_held(&mut self, now: Instant, transfer: TransferRef, event: HoldUntil) {
+        self.passed.push((event, transfer));
+        let transfer_id = transfer.transfer_id;
         let (go, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
             .into_iter()
             .partition(|(until, op)| *until == event && op.transfer.transfer_id == transfer_id);

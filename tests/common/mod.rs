@@ -9,34 +9,49 @@ use kvwire::proto::admission::{AdmissionError, Request};
 use kvwire::proto::wire::TransferRef;
 use kvwire::receiver::ReserveParams;
 
-/// The receiver reserves for `tokens`; the commit deadline is `timeout`.
+/// The receiver reserves for `tokens` (commit deadline 2 s).
 pub fn reserve(pair: &mut Pair, id: u64, tokens: u32) -> TransferRef {
+    try_reserve(pair, id, tokens).expect("reserve")
+}
+
+/// As [`reserve`], returning the refusal (e.g. after the connection was lost).
+pub fn try_reserve(
+    pair: &mut Pair,
+    id: u64,
+    tokens: u32,
+) -> Result<TransferRef, kvwire::receiver::ReceiveError> {
     let now = pair.now;
-    pair.receiver
-        .reserve(
-            now,
-            ReserveParams {
-                transfer_id: id,
-                tokens,
-                timeout: Duration::from_secs(2),
-                digest: None,
-                page_digests: true,
-            },
-        )
-        .expect("reserve")
+    pair.receiver.reserve(
+        now,
+        ReserveParams {
+            transfer_id: id,
+            tokens,
+            timeout: Duration::from_secs(2),
+            digest: None,
+            page_digests: true,
+        },
+    )
 }
 
 /// The sender admits `tokens` and, if admitted, fills and submits its pages.
 pub fn send(pair: &mut Pair, id: u64, tokens: u64) -> Result<(), AdmissionError> {
+    try_send(pair, id, tokens).map(|r| r.expect("submit"))
+}
+
+/// As [`send`], also returning a refused start (e.g. after the connection was lost).
+pub fn try_send(
+    pair: &mut Pair,
+    id: u64,
+    tokens: u64,
+) -> Result<Result<(), kvwire::sender::StartError>, AdmissionError> {
     let admitted = pair.sender.admit(Request {
         transfer_id: id,
         tokens,
     })?;
     let now = pair.now;
-    pair.sender
-        .submit(now, admitted, |ord, b, page| kv_pattern(id, ord, b, page))
-        .expect("submit");
-    Ok(())
+    Ok(pair
+        .sender
+        .submit(now, admitted, |ord, b, page| kv_pattern(id, ord, b, page)))
 }
 
 /// Both sides start transfer `id` of `tokens` tokens.
