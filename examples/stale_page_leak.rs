@@ -284,7 +284,7 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
 
     // What tenant B's decode engine got.
     let failure = pair.receiver_failure(TENANT_B_ID).cloned();
-    let stats = pair.link.stats.clone();
+    let stats = pair.link.stats;
     let pool = pair.receiver.pool();
     println!(
         "verified deliveries: {:?} (nothing handed to B's decode)",

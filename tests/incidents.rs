@@ -330,3 +330,42 @@ fn pool_smaller_than_context_refuses_to_start() {
         other => panic!("engine started with an undersized pool: {other:?}"),
     }
 }
+
+/// Fail closed: a commit whose counts are right but whose digest is all zero (a sender that
+/// skipped verification) is a failure, not a pass, and nothing is delivered.
+#[test]
+fn zero_digest_is_missing_and_fails_closed() {
+    let now = Instant::now();
+    let (est, _) = handshake(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
+    let pool = PagePool::new(geometry(), Scrub::None).unwrap();
+    let mut rx = ReceiverEndpoint::new(&est, pool, &EngineConfig::new(1024), ReceiverConfig::default()).unwrap();
+    let params = ReserveParams {
+        transfer_id: 4,
+        tokens: 32,
+        timeout: Duration::from_secs(1),
+        digest: None,
+        page_digests: false,
+    };
+    let t = rx.reserve(now, params).unwrap();
+    let page_bytes: u64 = geometry().buffer_page_bytes.iter().map(|&b| u64::from(b)).sum();
+    let mut digests = vec![Digest128::from_u128(7); 3];
+    digests[2] = Digest128::default();
+    let commit = Frame::Commit(Commit {
+        transfer: t,
+        tokens: 32,
+        pages: 2,
+        bytes: 2 * page_bytes,
+        digest: DigestAlgorithm::XXH3_64,
+        buffer_digests: digests,
+        page_digests: vec![],
+    });
+    assert!(rx.handle_frame(now, commit).is_err());
+    match rx.poll_outcome() {
+        Some(ReceiveOutcome::Failed { reason: FailureReason::MissingDigest { detail }, .. }) => {
+            assert!(detail.contains("buffer 2"), "{detail}")
+        }
+        other => panic!("a zero digest was not treated as missing: {other:?}"),
+    }
+    assert!(rx.poll_outcome().is_none());
+    assert_eq!(rx.pool().free_pages(), rx.pool().capacity_pages());
+}
