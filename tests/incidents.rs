@@ -338,7 +338,13 @@ fn zero_digest_is_missing_and_fails_closed() {
     let now = Instant::now();
     let (est, _) = handshake(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
     let pool = PagePool::new(geometry(), Scrub::None).unwrap();
-    let mut rx = ReceiverEndpoint::new(&est, pool, &EngineConfig::new(1024), ReceiverConfig::default()).unwrap();
+    let mut rx = ReceiverEndpoint::new(
+        &est,
+        pool,
+        &EngineConfig::new(1024),
+        ReceiverConfig::default(),
+    )
+    .unwrap();
     let params = ReserveParams {
         transfer_id: 4,
         tokens: 32,
@@ -347,7 +353,11 @@ fn zero_digest_is_missing_and_fails_closed() {
         page_digests: false,
     };
     let t = rx.reserve(now, params).unwrap();
-    let page_bytes: u64 = geometry().buffer_page_bytes.iter().map(|&b| u64::from(b)).sum();
+    let page_bytes: u64 = geometry()
+        .buffer_page_bytes
+        .iter()
+        .map(|&b| u64::from(b))
+        .sum();
     let mut digests = vec![Digest128::from_u128(7); 3];
     digests[2] = Digest128::default();
     let commit = Frame::Commit(Commit {
@@ -361,7 +371,10 @@ fn zero_digest_is_missing_and_fails_closed() {
     });
     assert!(rx.handle_frame(now, commit).is_err());
     match rx.poll_outcome() {
-        Some(ReceiveOutcome::Failed { reason: FailureReason::MissingDigest { detail }, .. }) => {
+        Some(ReceiveOutcome::Failed {
+            reason: FailureReason::MissingDigest { detail },
+            ..
+        }) => {
             assert!(detail.contains("buffer 2"), "{detail}")
         }
         other => panic!("a zero digest was not treated as missing: {other:?}"),

@@ -65,7 +65,16 @@ pub fn check_peer(local: &Hello, peer: &Hello) -> Result<Vec<DigestAlgorithm>, H
     let refuse = |code, detail: String| Err(HelloReject { code, detail });
     let want = match local.role {
         Role::SENDER => Role::RECEIVER,
-        _ => Role::SENDER,
+        Role::RECEIVER => Role::SENDER,
+        unknown => {
+            return refuse(
+                ErrorCode::ROLE_MISMATCH,
+                format!(
+                    "local role {unknown} is not a role this node can play; peer role {}",
+                    peer.role
+                ),
+            )
+        }
     };
     if peer.role != want {
         return refuse(

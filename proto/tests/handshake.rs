@@ -211,7 +211,6 @@ fn unknown_peer_role_is_a_role_mismatch() {
 /// ErrorCode::ROLE_MISMATCH is documented as "both peers claim the same role, or a role is
 /// unknown"; `check_peer` treats any local role other than SENDER as RECEIVER and accepts.
 #[test]
-#[ignore = "BUG: check_peer accepts a SENDER peer when the local role is unknown (Role(9))"]
 fn unknown_local_role_is_a_role_mismatch() {
     let mut local = receiver();
     local.role = Role(9);
