@@ -86,6 +86,21 @@ pub fn check_peer(local: &Hello, peer: &Hello) -> Result<Vec<DigestAlgorithm>, H
         );
     }
     let (l, p) = (&local.layout, &peer.layout);
+    // A layout with nothing to verify would "verify" and deliver nothing: fail closed.
+    for (who, layout) in [("local", l), ("peer", p)] {
+        if layout.tokens_per_page == 0
+            || layout.buffers() == 0
+            || layout.buffer_page_bytes.contains(&0)
+        {
+            return refuse(
+                ErrorCode::LAYOUT_MISMATCH,
+                format!(
+                    "{who} layout is degenerate: {} tokens per page, buffers {:?} (need >= 1 token per page, >= 1 buffer, >= 1 byte per page)",
+                    layout.tokens_per_page, layout.buffer_page_bytes
+                ),
+            );
+        }
+    }
     if l.tokens_per_page != p.tokens_per_page {
         return refuse(
             ErrorCode::LAYOUT_MISMATCH,

@@ -21,8 +21,8 @@ use crate::history::{Finished, History};
 use crate::scope::FrameError;
 use crate::timers::Timers;
 use crate::wire::{
-    Abort, Commit, DigestAlgorithm, ErrorCode, Frame, FrameType, KvLayout, Nack, Reserve,
-    TransferDigests, TransferRef, MAX_ACCESS, MAX_PAGES, NONE_INDEX,
+    commit_fits, Abort, Commit, DigestAlgorithm, ErrorCode, Frame, FrameType, KvLayout, Nack,
+    Reserve, TransferDigests, TransferRef, MAX_ACCESS, MAX_PAGES, NONE_INDEX,
 };
 
 /// Receiver session settings.
@@ -82,7 +82,8 @@ pub enum ReserveError {
     },
     /// A page appears twice.
     DuplicatePage(u32),
-    /// More than [`MAX_PAGES`] pages, or an access descriptor over [`MAX_ACCESS`] bytes.
+    /// More than [`MAX_PAGES`] pages, an access descriptor over [`MAX_ACCESS`] bytes, or a
+    /// COMMIT that could not fit in one frame (see [`commit_fits`]).
     TooLarge,
     /// The digest algorithm was not agreed at the handshake.
     DigestNotAgreed(DigestAlgorithm),
@@ -658,7 +659,10 @@ impl ReceiverSession {
                 expected: u64::from(expected),
             });
         }
-        if req.pages.len() > MAX_PAGES || req.access.len() > MAX_ACCESS {
+        if req.pages.len() > MAX_PAGES
+            || req.access.len() > MAX_ACCESS
+            || !commit_fits(self.layout.buffers(), req.pages.len(), req.page_digests)
+        {
             return Err(ReserveError::TooLarge);
         }
         let mut sorted = req.pages.clone();

@@ -249,6 +249,7 @@ struct Ctx<'a> {
     config: &'a SenderConfig,
     digests: &'a [DigestAlgorithm],
     bytes_per_page_index: u64,
+    buffers: usize,
     now: Instant,
 }
 
@@ -343,6 +344,15 @@ impl Ctx<'_> {
             return Err((
                 ErrorCode::DIGEST_UNSUPPORTED,
                 format!("digest {} not agreed", r.digest),
+            ));
+        }
+        if !crate::wire::commit_fits(self.buffers, r.pages.len(), r.page_digests) {
+            return Err((
+                ErrorCode::BAD_RESERVATION,
+                format!(
+                    "a COMMIT with per-page digests for {} pages would exceed the frame limit",
+                    r.pages.len()
+                ),
             ));
         }
         let mut sorted = r.pages.clone();
@@ -573,6 +583,7 @@ impl Transfer {
 pub struct SenderSession {
     digests: Vec<DigestAlgorithm>,
     bytes_per_page_index: u64,
+    buffers: usize,
     config: SenderConfig,
     transfers: BTreeMap<u64, Transfer>,
     /// Reservations naming no known request, held briefly (the request may be on its way).
@@ -589,6 +600,7 @@ impl SenderSession {
         Self {
             digests: established.digests.clone(),
             bytes_per_page_index: established.layout().bytes_per_page_index(),
+            buffers: established.layout().buffers(),
             history: History::new(config.history),
             config,
             transfers: BTreeMap::new(),
@@ -605,6 +617,7 @@ impl SenderSession {
             config: &self.config,
             digests: &self.digests,
             bytes_per_page_index: self.bytes_per_page_index,
+            buffers: self.buffers,
             now,
         }
     }

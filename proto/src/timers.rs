@@ -39,7 +39,8 @@ impl Timers {
                 break;
             }
             self.heap.pop();
-            if current(id) == Some(at) {
+            // A deadline re-armed unchanged sits in the heap more than once: fire it once.
+            if current(id) == Some(at) && !out.contains(&id) {
                 out.push(id);
             }
         }

@@ -209,7 +209,8 @@ fn unknown_peer_role_is_a_role_mismatch() {
 }
 
 /// ErrorCode::ROLE_MISMATCH is documented as "both peers claim the same role, or a role is
-/// unknown"; `check_peer` treats any local role other than SENDER as RECEIVER and accepts.
+/// unknown", the local role included. Regression: `check_peer` once treated any local role
+/// other than SENDER as RECEIVER and accepted a SENDER peer.
 #[test]
 fn unknown_local_role_is_a_role_mismatch() {
     let mut local = receiver();
@@ -235,8 +236,9 @@ fn buffer_count_mismatch() {
 
     let mut peer = sender();
     peer.layout.buffer_page_bytes.clear();
+    // A peer with no buffers is refused as degenerate before counts are compared.
     let detail = assert_server_refuses(receiver(), peer, ErrorCode::LAYOUT_MISMATCH);
-    assert_names(&detail, &["3", "0"]);
+    assert_names(&detail, &["peer", "degenerate"]);
 }
 
 #[test]

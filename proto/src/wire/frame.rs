@@ -44,6 +44,22 @@ pub const MAX_PAGES: usize = 65_536;
 pub const MAX_ACCESS: usize = 4096;
 /// Most per-page digests a commit may carry (further bounded by `MAX_PAYLOAD`).
 pub const MAX_PAGE_DIGESTS: usize = 1 << 17;
+/// Whether a COMMIT for `buffers` buffers and `pages` pages, with or without per-page
+/// digests, fits in one frame. Reservations that fail this are refused before anything is
+/// sent: their COMMIT could never be encoded.
+pub fn commit_fits(buffers: usize, pages: usize, page_digests: bool) -> bool {
+    // transfer ref 16, tokens 4, pages 4, bytes 8, digest 1, count 2, count 4.
+    let fixed = 16 + 4 + 4 + 8 + 1 + 2 + 4;
+    let per_page = if page_digests {
+        buffers.saturating_mul(pages)
+    } else {
+        0
+    };
+    buffers <= MAX_BUFFERS
+        && per_page <= MAX_PAGE_DIGESTS
+        && fixed + buffers * 16 + per_page * 8 <= MAX_PAYLOAD as usize
+}
+
 /// Value of `Nack::buffer` / `Nack::page` when no buffer or page is named.
 pub const NONE_INDEX: u32 = u32::MAX;
 
