@@ -124,21 +124,26 @@ fn hello(role: Role) -> Hello {
     }
 }
 
+/// A lone receiver endpoint, handshaken with a sender that is played by the test.
+fn receiver_endpoint(now: Instant) -> ReceiverEndpoint {
+    let (est, _) = handshake(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
+    let pool = PagePool::new(geometry(), Scrub::None).unwrap();
+    ReceiverEndpoint::new(
+        &est,
+        pool,
+        &EngineConfig::new(1024),
+        ReceiverConfig::default(),
+    )
+    .unwrap()
+}
+
 /// Incident 2: a short transfer. A (buggy or legacy) sender writes 1 of N pages and commits
 /// with counts for what it wrote. The receiver compares the commit with its reservation and
 /// fails the transfer on the page count; nothing is delivered and every page is released.
 #[test]
 fn short_transfer_one_of_n_pages_fails_on_counts() {
     let now = Instant::now();
-    let (est, _) = handshake(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
-    let pool = PagePool::new(geometry(), Scrub::None).unwrap();
-    let mut rx = ReceiverEndpoint::new(
-        &est,
-        pool,
-        &EngineConfig::new(1024),
-        ReceiverConfig::default(),
-    )
-    .unwrap();
+    let mut rx = receiver_endpoint(now);
     let t: TransferRef = rx
         .reserve(
             now,
@@ -336,15 +341,7 @@ fn pool_smaller_than_context_refuses_to_start() {
 #[test]
 fn zero_digest_is_missing_and_fails_closed() {
     let now = Instant::now();
-    let (est, _) = handshake(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
-    let pool = PagePool::new(geometry(), Scrub::None).unwrap();
-    let mut rx = ReceiverEndpoint::new(
-        &est,
-        pool,
-        &EngineConfig::new(1024),
-        ReceiverConfig::default(),
-    )
-    .unwrap();
+    let mut rx = receiver_endpoint(now);
     let params = ReserveParams {
         transfer_id: 4,
         tokens: 32,

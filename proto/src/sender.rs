@@ -398,14 +398,21 @@ const SENDER_ACCEPTS: &[FrameType] = &[
 ];
 
 impl Transfer {
+    /// Takes the state out for a consuming transition. Every caller hands the transfer to
+    /// `settle` afterwards with the next state (or ends it), so the placeholder left here is
+    /// never observed.
+    fn take_state(&mut self, now: Instant) -> State {
+        std::mem::replace(
+            &mut self.state,
+            State::AwaitingReservation(AwaitingReservation { deadline: now }),
+        )
+    }
+
     fn on_frame(mut self, frame: Frame, cx: &mut Ctx<'_>) -> (Next, Self, Result<(), FrameError>) {
         let name = self.state.name();
         let current = self.transfer.nonce;
         let matches = |t: TransferRef| t.nonce == current || (t.nonce == 0 && current == 0);
-        let state = std::mem::replace(
-            &mut self.state,
-            State::AwaitingReservation(AwaitingReservation { deadline: cx.now }),
-        );
+        let state = self.take_state(cx.now);
         let (next, result) = match (state, frame) {
             (State::AwaitingReservation(_), Frame::Reserve(r)) => {
                 let reply = |code, detail| {
@@ -721,10 +728,7 @@ impl SenderSession {
         let Some(mut t) = self.transfers.remove(&transfer_id) else {
             return false;
         };
-        let state = std::mem::replace(
-            &mut t.state,
-            State::AwaitingReservation(AwaitingReservation { deadline: now }),
-        );
+        let state = t.take_state(now);
         let reason = FailureReason::LocalAbort { code };
         let mut cx = self.ctx(now);
         let (next, applied) = match state {
@@ -831,10 +835,7 @@ impl SenderSession {
         let Some(mut t) = self.take_current(transfer) else {
             return;
         };
-        let state = std::mem::replace(
-            &mut t.state,
-            State::AwaitingReservation(AwaitingReservation { deadline: now }),
-        );
+        let state = t.take_state(now);
         let mut cx = self.ctx(now);
         let next = match (state, outcome) {
             (State::Writing(mut w), WriteOutcome::Completed) => {
@@ -874,10 +875,7 @@ impl SenderSession {
         let Some(mut t) = self.take_current(transfer) else {
             return;
         };
-        let state = std::mem::replace(
-            &mut t.state,
-            State::AwaitingReservation(AwaitingReservation { deadline: now }),
-        );
+        let state = t.take_state(now);
         let mut cx = self.ctx(now);
         let next = match state {
             State::Writing(mut w) => {
@@ -919,10 +917,7 @@ impl SenderSession {
             let Some(mut t) = self.transfers.remove(&id) else {
                 continue;
             };
-            let state = std::mem::replace(
-                &mut t.state,
-                State::AwaitingReservation(AwaitingReservation { deadline: now }),
-            );
+            let state = t.take_state(now);
             let mut cx = self.ctx(now);
             let timeout = |waiting_for| FailureReason::Timeout { waiting_for };
             let next = match state {
@@ -961,10 +956,7 @@ impl SenderSession {
         self.parked.clear();
         let open = std::mem::take(&mut self.transfers);
         for (_, mut t) in open {
-            let state = std::mem::replace(
-                &mut t.state,
-                State::AwaitingReservation(AwaitingReservation { deadline: now }),
-            );
+            let state = t.take_state(now);
             let mut cx = self.ctx(now);
             let next = match state {
                 State::Writing(w) => cx.drain(
