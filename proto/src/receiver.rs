@@ -5,7 +5,7 @@
 //!                              │                                                      │
 //!      REJECT / ABORT / timeout / local abort / peer lost                 digests match│mismatch
 //!                              ▼                                                      ▼
-//!                      FencingForFailure ──fenced──▶ Release ──▶ [AwaitingAbortAck]   Delivered | Release+NACK
+//!                        Failing ──fenced (and digests done)──▶ Release ──▶ [AwaitingAbortAck]   Delivered | Release+NACK
 //! ```
 //!
 //! Pages are released only after the transport has reported the fence complete, so no write
@@ -201,10 +201,30 @@ enum AfterFence {
     Nothing,
 }
 
+/// The local effect a failing transfer waits for before its pages may be released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Awaiting {
+    /// The fence: a write for the transfer could still land.
+    Fence,
+    /// A digest computation over the pages, still reading them.
+    Digests,
+}
+
+/// What a transition into failure must still wait for, given the state it leaves.
+enum Pending {
+    /// Writes may land and no fence was requested: request one.
+    NoFenceYet,
+    /// Already waiting on this effect.
+    InFlight(Awaiting),
+    /// Fenced, nothing reads the pages: release now.
+    Nothing,
+}
+
 #[derive(Debug)]
-struct FencingForFailure {
+struct Failing {
     reason: FailureReason,
     after: AfterFence,
+    awaiting: Awaiting,
 }
 
 #[derive(Debug)]
@@ -217,7 +237,7 @@ enum State {
     AwaitingCommit(AwaitingCommit),
     FencingForVerify(FencingForVerify),
     Verifying(Verifying),
-    FencingForFailure(FencingForFailure),
+    Failing(Failing),
     AwaitingAbortAck(AwaitingAbortAck),
 }
 
@@ -227,7 +247,7 @@ impl State {
             Self::AwaitingCommit(_) => "AwaitingCommit",
             Self::FencingForVerify(_) => "FencingForVerify",
             Self::Verifying(_) => "Verifying",
-            Self::FencingForFailure(_) => "FencingForFailure",
+            Self::Failing(_) => "Failing",
             Self::AwaitingAbortAck(_) => "AwaitingAbortAck",
         }
     }
@@ -240,12 +260,15 @@ impl State {
         }
     }
 
-    /// Whether the transport may still accept writes for the transfer.
-    fn unfenced(&self) -> bool {
-        matches!(
-            self,
-            Self::AwaitingCommit(_) | Self::FencingForVerify(_) | Self::FencingForFailure(_)
-        )
+    /// What a failure from this state must wait for before releasing pages.
+    fn pending(&self) -> Pending {
+        match self {
+            Self::AwaitingCommit(_) => Pending::NoFenceYet,
+            Self::FencingForVerify(_) => Pending::InFlight(Awaiting::Fence),
+            Self::Verifying(_) => Pending::InFlight(Awaiting::Digests),
+            Self::Failing(f) => Pending::InFlight(f.awaiting),
+            Self::AwaitingAbortAck(_) => Pending::Nothing,
+        }
     }
 }
 
@@ -285,27 +308,32 @@ struct Out {
 }
 
 impl Out {
-    /// Starts the failure path: quarantine, then fence (unless already fenced).
+    /// Starts the failure path: quarantine, then wait for the fence (requesting it if
+    /// needed) and for any digest computation still reading the pages; only then release.
     fn fail(
         &mut self,
         spec: &Spec,
-        state: &State,
+        pending: Pending,
         reason: FailureReason,
         after: AfterFence,
         now: Instant,
     ) -> Next {
         self.actions
             .push_back(ReceiverAction::Quarantine(spec.transfer));
-        if state.unfenced() {
-            self.stats.fences += 1;
-            self.actions.push_back(ReceiverAction::Fence(spec.transfer));
-            Next::Stay(State::FencingForFailure(FencingForFailure {
-                reason,
-                after,
-            }))
-        } else {
-            self.after_fence(spec, reason, after, now)
-        }
+        let awaiting = match pending {
+            Pending::NoFenceYet => {
+                self.stats.fences += 1;
+                self.actions.push_back(ReceiverAction::Fence(spec.transfer));
+                Awaiting::Fence
+            }
+            Pending::InFlight(a) => a,
+            Pending::Nothing => return self.after_fence(spec, reason, after, now),
+        };
+        Next::Stay(State::Failing(Failing {
+            reason,
+            after,
+            awaiting,
+        }))
     }
 
     /// The fence of a failed transfer is complete: release, report, and say goodbye.
@@ -467,7 +495,7 @@ impl Transfer {
                 };
                 let next = out.fail(
                     &spec,
-                    &state,
+                    state.pending(),
                     reason,
                     AfterFence::SendAbort(ErrorCode::STALE_NONCE),
                     now,
@@ -495,7 +523,7 @@ impl Transfer {
                     }));
                     let state = State::AwaitingCommit(s);
                     (
-                        out.fail(&spec, &state, reason, AfterFence::Nothing, now),
+                        out.fail(&spec, state.pending(), reason, AfterFence::Nothing, now),
                         Err(FrameError::transfer(detail)),
                     )
                 }
@@ -516,7 +544,7 @@ impl Transfer {
                     detail: r.detail,
                 };
                 (
-                    out.fail(&spec, &state, reason, AfterFence::Nothing, now),
+                    out.fail(&spec, state.pending(), reason, AfterFence::Nothing, now),
                     Ok(()),
                 )
             }
@@ -538,14 +566,14 @@ impl Transfer {
                 if a.transfer.nonce == spec.transfer.nonce || a.transfer.nonce == 0 =>
             {
                 match state {
-                    State::FencingForFailure(mut f) => {
+                    State::Failing(mut f) => {
                         // Already failing: acknowledge after our own fence.
                         if matches!(f.after, AfterFence::SendAbort(_)) {
                             f.after = AfterFence::SendAbortAck;
                         } else if matches!(f.after, AfterFence::Nothing) {
                             out.transmit.push_back(Frame::AbortAck(spec.transfer));
                         }
-                        (Next::Stay(State::FencingForFailure(f)), Ok(()))
+                        (Next::Stay(State::Failing(f)), Ok(()))
                     }
                     state => {
                         let reason = FailureReason::PeerAbort {
@@ -553,7 +581,13 @@ impl Transfer {
                             completed_pages: a.completed_pages,
                         };
                         (
-                            out.fail(&spec, &state, reason, AfterFence::SendAbortAck, now),
+                            out.fail(
+                                &spec,
+                                state.pending(),
+                                reason,
+                                AfterFence::SendAbortAck,
+                                now,
+                            ),
                             Ok(()),
                         )
                     }
@@ -722,8 +756,13 @@ impl ReceiverSession {
             s @ (State::AwaitingCommit(_) | State::FencingForVerify(_) | State::Verifying(_)) => {
                 let reason = FailureReason::LocalAbort { code };
                 (
-                    self.out
-                        .fail(&t.spec, &s, reason, AfterFence::SendAbort(code), now),
+                    self.out.fail(
+                        &t.spec,
+                        s.pending(),
+                        reason,
+                        AfterFence::SendAbort(code),
+                        now,
+                    ),
                     true,
                 )
             }
@@ -836,7 +875,9 @@ impl ReceiverSession {
                 });
                 Next::Stay(State::Verifying(Verifying { commit: f.commit }))
             }
-            State::FencingForFailure(f) => self.out.after_fence(&t.spec, f.reason, f.after, now),
+            State::Failing(f) if f.awaiting == Awaiting::Fence => {
+                self.out.after_fence(&t.spec, f.reason, f.after, now)
+            }
             other => Next::Stay(other),
         };
         self.settle(t.spec, next);
@@ -875,11 +916,14 @@ impl ReceiverSession {
                         page,
                         detail: reason.to_string(),
                     }));
-                    let state = State::Verifying(v);
                     self.out
-                        .fail(&t.spec, &state, reason, AfterFence::Nothing, now)
+                        .fail(&t.spec, Pending::Nothing, reason, AfterFence::Nothing, now)
                 }
             },
+            // Failed while the digests were computed: they no longer read the pages.
+            State::Failing(f) if f.awaiting == Awaiting::Digests => {
+                self.out.after_fence(&t.spec, f.reason, f.after, now)
+            }
             other => Next::Stay(other),
         };
         self.settle(t.spec, next);
@@ -907,7 +951,7 @@ impl ReceiverSession {
             let next = match t.state {
                 s @ State::AwaitingCommit(_) => self.out.fail(
                     &t.spec,
-                    &s,
+                    s.pending(),
                     FailureReason::Timeout {
                         waiting_for: Wait::Commit,
                     },
@@ -935,13 +979,13 @@ impl ReceiverSession {
                 State::AwaitingAbortAck(_) => {
                     Next::Done(Some((ErrorCode::SHUTDOWN, "peer lost".into())))
                 }
-                State::FencingForFailure(mut f) => {
+                State::Failing(mut f) => {
                     f.after = AfterFence::Nothing;
-                    Next::Stay(State::FencingForFailure(f))
+                    Next::Stay(State::Failing(f))
                 }
                 s => self.out.fail(
                     &t.spec,
-                    &s,
+                    s.pending(),
                     FailureReason::PeerLost,
                     AfterFence::Nothing,
                     now,

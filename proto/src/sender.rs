@@ -173,10 +173,18 @@ enum AfterDrain {
     Nothing,
 }
 
+/// Whether the source digest computation still reads the source pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DigestJob {
+    Running,
+    Returned,
+}
+
 #[derive(Debug)]
 struct Draining {
     completed: u32,
     accounted: u32,
+    digest_job: DigestJob,
     reason: FailureReason,
     after: AfterDrain,
 }
@@ -268,11 +276,12 @@ impl Ctx<'_> {
         r
     }
 
-    /// Abandons a transfer that may have writes posted: cancel, then drain.
+    /// Abandons a transfer that may have writes posted and a digest job running: cancel
+    /// unposted writes, then wait for the posted ones and for the digest job.
     fn drain(
         &mut self,
         t: &Transfer,
-        completed: u32,
+        w: Writing,
         reason: FailureReason,
         after: AfterDrain,
     ) -> Next {
@@ -280,17 +289,42 @@ impl Ctx<'_> {
             .actions
             .push_back(SenderAction::CancelWrites(t.transfer));
         let d = Draining {
-            completed,
-            accounted: completed,
+            completed: w.completed,
+            accounted: w.completed,
+            digest_job: if w.digests.is_some() {
+                DigestJob::Returned
+            } else {
+                DigestJob::Running
+            },
             reason,
             after,
         };
         self.finish_drain(t, d)
     }
 
-    /// If every write is accounted for, finish the abandoned transfer.
+    /// Abandons a committed transfer: every write completed and the digests returned, so
+    /// nothing reads the source any more.
+    fn abandon_committed(
+        &mut self,
+        t: &Transfer,
+        reason: FailureReason,
+        after: AfterDrain,
+    ) -> Next {
+        let pages = t.admitted.pages();
+        let d = Draining {
+            completed: pages,
+            accounted: pages,
+            digest_job: DigestJob::Returned,
+            reason,
+            after,
+        };
+        self.finish_drain(t, d)
+    }
+
+    /// If every write is accounted for and no digest job reads the source, finish the
+    /// abandoned transfer (only now may the source pages be released).
     fn finish_drain(&mut self, t: &Transfer, d: Draining) -> Next {
-        if d.accounted < t.admitted.pages() {
+        if d.accounted < t.admitted.pages() || d.digest_job == DigestJob::Running {
             return Next::Stay(State::Draining(d));
         }
         let detail = d.reason.to_string();
@@ -522,10 +556,7 @@ impl Transfer {
                     buffer: None,
                     page: None,
                 };
-                (
-                    cx.drain(&self, w.completed, reason, AfterDrain::Nothing),
-                    Ok(()),
-                )
+                (cx.drain(&self, w, reason, AfterDrain::Nothing), Ok(()))
             }
             (State::AwaitingAbortAck(_), Frame::AbortAck(t)) if matches(t) => (
                 Next::Done(Some((ErrorCode::CANCELLED, "aborted".into()))),
@@ -544,9 +575,7 @@ impl Transfer {
                     completed_pages: a.completed_pages,
                 };
                 let next = match state {
-                    State::Writing(w) => {
-                        cx.drain(&self, w.completed, reason, AfterDrain::SendAbortAck)
-                    }
+                    State::Writing(w) => cx.drain(&self, w, reason, AfterDrain::SendAbortAck),
                     State::Draining(mut d) => {
                         // Already stopping: acknowledge once drained instead of aborting.
                         d.after = AfterDrain::SendAbortAck;
@@ -733,20 +762,11 @@ impl SenderSession {
         let mut cx = self.ctx(now);
         let (next, applied) = match state {
             State::AwaitingReservation(_) => (Next::Done(Some(cx.failed(&t, reason))), true),
-            State::Writing(w) => (
-                cx.drain(&t, w.completed, reason, AfterDrain::SendAbort(code)),
+            State::Writing(w) => (cx.drain(&t, w, reason, AfterDrain::SendAbort(code)), true),
+            State::AwaitingVerdict(_) => (
+                cx.abandon_committed(&t, reason, AfterDrain::SendAbort(code)),
                 true,
             ),
-            State::AwaitingVerdict(_) => {
-                let pages = t.admitted.pages();
-                let d = Draining {
-                    completed: pages,
-                    accounted: pages,
-                    reason,
-                    after: AfterDrain::SendAbort(code),
-                };
-                (cx.finish_drain(&t, d), true)
-            }
             other => (Next::Stay(other), false),
         };
         self.settle(t, next);
@@ -844,7 +864,7 @@ impl SenderSession {
             }
             (State::Writing(w), WriteOutcome::Failed | WriteOutcome::Cancelled) => {
                 let after = AfterDrain::SendAbort(ErrorCode::WRITE_FAILED);
-                let d = cx.drain(&t, w.completed, FailureReason::WriteFailed, after);
+                let d = cx.drain(&t, w, FailureReason::WriteFailed, after);
                 match d {
                     Next::Stay(State::Draining(mut d)) => {
                         d.accounted = d.accounted.saturating_add(pages);
@@ -881,6 +901,11 @@ impl SenderSession {
             State::Writing(mut w) => {
                 w.digests = Some(digests);
                 cx.maybe_commit(&t, w)
+            }
+            // Abandoned while the digests were computed: they no longer read the source.
+            State::Draining(mut d) => {
+                d.digest_job = DigestJob::Returned;
+                cx.finish_drain(&t, d)
             }
             other => Next::Stay(other),
         };
@@ -926,20 +951,15 @@ impl SenderSession {
                 }
                 State::Writing(w) => cx.drain(
                     &t,
-                    w.completed,
+                    w,
                     timeout(Wait::Writes),
                     AfterDrain::SendAbort(ErrorCode::TIMEOUT),
                 ),
-                State::AwaitingVerdict(_) => {
-                    let pages = t.admitted.pages();
-                    let d = Draining {
-                        completed: pages,
-                        accounted: pages,
-                        reason: timeout(Wait::Verdict),
-                        after: AfterDrain::SendAbort(ErrorCode::TIMEOUT),
-                    };
-                    cx.finish_drain(&t, d)
-                }
+                State::AwaitingVerdict(_) => cx.abandon_committed(
+                    &t,
+                    timeout(Wait::Verdict),
+                    AfterDrain::SendAbort(ErrorCode::TIMEOUT),
+                ),
                 State::AwaitingAbortAck(_) => {
                     Next::Done(Some((ErrorCode::TIMEOUT, "abort unacknowledged".into())))
                 }
@@ -959,12 +979,7 @@ impl SenderSession {
             let state = t.take_state(now);
             let mut cx = self.ctx(now);
             let next = match state {
-                State::Writing(w) => cx.drain(
-                    &t,
-                    w.completed,
-                    FailureReason::PeerLost,
-                    AfterDrain::Nothing,
-                ),
+                State::Writing(w) => cx.drain(&t, w, FailureReason::PeerLost, AfterDrain::Nothing),
                 State::Draining(mut d) => {
                     d.after = AfterDrain::Nothing;
                     Next::Stay(State::Draining(d))

@@ -168,3 +168,131 @@ fn a_reservation_whose_commit_cannot_fit_is_refused() {
     // Without per-page digests the COMMIT is small and the reservation goes ahead.
     assert!(r.reserve(now, req(false)).is_ok());
 }
+
+fn drain_actions<A>(mut poll: impl FnMut() -> Option<A>) -> Vec<A> {
+    std::iter::from_fn(&mut poll).collect()
+}
+
+/// A receiver whose transfer has been committed and fenced, with its digest job running.
+fn receiver_verifying(now: Instant) -> (ReceiverSession, TransferRef) {
+    use kvwire_proto::receiver::ReceiverAction;
+    use kvwire_proto::wire::Commit;
+    let mut r = ReceiverSession::new(&established(Role::RECEIVER, 1), ReceiverConfig::default());
+    let t = r
+        .reserve(
+            now,
+            ReservationRequest {
+                transfer_id: 1,
+                tokens: 32,
+                pages: vec![3, 4],
+                digest: None,
+                page_digests: false,
+                timeout: Duration::from_secs(1),
+                access: vec![],
+            },
+        )
+        .unwrap();
+    let commit = Commit {
+        transfer: t,
+        tokens: 32,
+        pages: 2,
+        bytes: 2 * 4096,
+        digest: DigestAlgorithm::XXH3_64,
+        buffer_digests: vec![Digest128::from_u128(5)],
+        page_digests: vec![],
+    };
+    r.handle_frame(now, Frame::Commit(commit)).unwrap();
+    assert_eq!(
+        drain_actions(|| r.poll_action()),
+        vec![ReceiverAction::Fence(t)]
+    );
+    r.handle_fenced(now, t);
+    assert!(matches!(
+        drain_actions(|| r.poll_action())[..],
+        [ReceiverAction::ComputeDigests { .. }]
+    ));
+    (r, t)
+}
+
+/// Regression (SPEC review Q2): a receiver that failed a transfer while its digest job was
+/// still hashing the pages released them at once, so they could be reused under the hash.
+/// Release now waits for the digest job to return.
+#[test]
+fn receiver_releases_only_after_the_digest_job_returns() {
+    use kvwire_proto::receiver::{ReceiverAction, ReceiverEvent};
+    let now = Instant::now();
+    for lose_peer in [false, true] {
+        let (mut r, t) = receiver_verifying(now);
+        if lose_peer {
+            r.handle_peer_lost(now);
+        } else {
+            assert!(r.abort(now, 1, ErrorCode::CANCELLED));
+        }
+        let actions = drain_actions(|| r.poll_action());
+        assert_eq!(
+            actions,
+            vec![ReceiverAction::Quarantine(t)],
+            "released under a running digest"
+        );
+        assert!(r.poll_event().is_none());
+        r.handle_digests(now, t, TransferDigests::default());
+        assert_eq!(
+            drain_actions(|| r.poll_action()),
+            vec![ReceiverAction::Release(t)]
+        );
+        assert!(matches!(r.poll_event(), Some(ReceiverEvent::Failed { .. })));
+    }
+}
+
+/// Regression (SPEC review Q2): a sender abandoning a transfer whose writes had all
+/// completed but whose source digest was still running released the source pages at once.
+#[test]
+fn sender_releases_source_only_after_the_digest_job_returns() {
+    let now = Instant::now();
+    let mut s = SenderSession::new(&established(Role::SENDER, 1), SenderConfig::default());
+    let policy = AdmissionPolicy {
+        tokens_per_page: 16,
+        pool_pages: 64,
+        max_context_tokens: 1024,
+    };
+    let admitted = policy
+        .admit(Request {
+            transfer_id: 1,
+            tokens: 32,
+        })
+        .unwrap();
+    s.submit(now, admitted, vec![0, 1]).unwrap();
+    s.handle_frame(
+        now,
+        Frame::Reserve(Reserve {
+            transfer_id: 1,
+            nonce: 9,
+            tokens: 32,
+            digest: DigestAlgorithm::XXH3_64,
+            page_digests: false,
+            deadline_ms: 1000,
+            pages: vec![5, 6],
+            access: vec![],
+        }),
+    )
+    .unwrap();
+    let t = TransferRef {
+        transfer_id: 1,
+        nonce: 9,
+    };
+    drain_actions(|| s.poll_action());
+    s.handle_write_outcome(now, t, WriteOutcome::Completed, 2);
+    assert!(s.abort(now, 1, ErrorCode::CANCELLED));
+    let actions = drain_actions(|| s.poll_action());
+    assert!(
+        !actions.contains(&SenderAction::ReleaseSource(1)),
+        "source released under a running digest: {actions:?}"
+    );
+    assert!(
+        s.poll_transmit().is_none(),
+        "ABORT sent before the drain finished"
+    );
+    s.handle_digests(now, t, TransferDigests::default());
+    assert!(drain_actions(|| s.poll_action()).contains(&SenderAction::ReleaseSource(1)));
+    assert!(matches!(s.poll_transmit(), Some(Frame::Abort(a)) if a.completed_pages == 2));
+}

@@ -248,11 +248,15 @@ impl SenderEndpoint {
                     match digests {
                         Ok(d) => self.session.handle_digests(now, transfer, d),
                         Err(_) => {
+                            // No digest can be made: abort, then report the digest job as ended so
+                            // the session may release the pages it was waiting on.
                             self.session.abort(
                                 now,
                                 transfer.transfer_id,
                                 ErrorCode::DIGEST_UNSUPPORTED,
                             );
+                            self.session
+                                .handle_digests(now, transfer, Default::default());
                         }
                     }
                 }
