@@ -8,6 +8,7 @@
 //! and reports completions with [`SenderEndpoint::handle_write_completion`].
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvwire_proto::admission::{AdmissionError, AdmissionPolicy, Admitted, Request};
@@ -27,8 +28,9 @@ use crate::pool::{PageLease, PagePool, PoolError};
 pub struct PostedWrite {
     /// The reservation it serves.
     pub transfer: TransferRef,
-    /// The receiver's access descriptor from RESERVE.
-    pub access: Vec<u8>,
+    /// The receiver's access descriptor from RESERVE, shared by all writes of the transfer
+    /// (cloning it is a reference-count increment, not an allocation).
+    pub access: Arc<[u8]>,
     /// The write.
     pub write: PageWrite,
 }
@@ -64,7 +66,7 @@ pub struct SenderEndpointStats {
 #[derive(Debug)]
 struct Posting {
     transfer: TransferRef,
-    access: Vec<u8>,
+    access: Arc<[u8]>,
     pending: VecDeque<PageWrite>,
     outstanding: u32,
 }
@@ -269,7 +271,7 @@ impl SenderEndpoint {
                         transfer.transfer_id,
                         Posting {
                             transfer,
-                            access,
+                            access: access.into(),
                             pending: writes.into(),
                             outstanding: 0,
                         },
