@@ -379,3 +379,26 @@ fn zero_digest_is_missing_and_fails_closed() {
     assert!(rx.poll_outcome().is_none());
     assert_eq!(rx.pool().free_pages(), rx.pool().capacity_pages());
 }
+
+/// The pool an endpoint is given must have the geometry it advertised at the handshake;
+/// otherwise every transfer would fail later on counts or digests. It refuses to start.
+#[test]
+fn pool_that_differs_from_the_negotiated_layout_refuses_to_start() {
+    let now = Instant::now();
+    let (est, _) = handshake(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
+    let mut g = geometry();
+    g.buffer_page_bytes[1] = 1024;
+    let pool = PagePool::new(g, Scrub::None).unwrap();
+    match ReceiverEndpoint::new(
+        &est,
+        pool,
+        &EngineConfig::new(1024),
+        ReceiverConfig::default(),
+    ) {
+        Err(e @ ConfigError::PoolLayoutMismatch { .. }) => {
+            let msg = e.to_string();
+            assert!(msg.contains("1024") && msg.contains("256"), "{msg}");
+        }
+        other => panic!("endpoint started on a pool unlike its layout: {other:?}"),
+    }
+}

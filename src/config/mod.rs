@@ -48,6 +48,43 @@ pub enum ConfigError {
          Set max_context_tokens to the longest context the engine advertises"
     )]
     ZeroContext,
+    /// The pool's geometry differs from the KV layout this node negotiated at the handshake:
+    /// transfers would fail on counts or digests (or worse) instead of at start.
+    #[error(
+        "KV pool geometry ({pool_tokens_per_page} tokens/page, page bytes per buffer \
+         {pool_page_bytes:?}) differs from the negotiated layout ({layout_tokens_per_page} \
+         tokens/page, {layout_page_bytes:?})"
+    )]
+    PoolLayoutMismatch {
+        /// Tokens per page of the pool.
+        pool_tokens_per_page: u32,
+        /// Bytes per page of each of the pool's buffers.
+        pool_page_bytes: Vec<u32>,
+        /// Tokens per page of the negotiated layout.
+        layout_tokens_per_page: u32,
+        /// Bytes per page of each buffer in the negotiated layout.
+        layout_page_bytes: Vec<u32>,
+    },
+}
+
+/// Checks that a pool, as built, has exactly the geometry of the KV layout negotiated at the
+/// handshake (tokens per page, buffer count, bytes per page of each buffer).
+pub fn check_layout(
+    pool: &PagePool,
+    layout: &kvwire_proto::wire::KvLayout,
+) -> Result<(), ConfigError> {
+    let g = pool.geometry();
+    if g.tokens_per_page == layout.tokens_per_page
+        && g.buffer_page_bytes == layout.buffer_page_bytes
+    {
+        return Ok(());
+    }
+    Err(ConfigError::PoolLayoutMismatch {
+        pool_tokens_per_page: g.tokens_per_page,
+        pool_page_bytes: g.buffer_page_bytes.clone(),
+        layout_tokens_per_page: layout.tokens_per_page,
+        layout_page_bytes: layout.buffer_page_bytes.clone(),
+    })
 }
 
 /// A configuration problem the engine was told to tolerate; it still starts, loudly.

@@ -122,7 +122,8 @@ pub struct ReceiverEndpoint {
 }
 
 impl ReceiverEndpoint {
-    /// Builds the endpoint; refuses to start if the pool as built cannot hold the configured
+    /// Builds the endpoint; refuses to start if the pool's geometry differs from the layout
+    /// negotiated in `established`, or if the pool as built cannot hold the configured
     /// context length (unless explicitly allowed, with a warning).
     pub fn new(
         established: &Established,
@@ -131,6 +132,7 @@ impl ReceiverEndpoint {
         config: ReceiverConfig,
     ) -> Result<Self, ConfigError> {
         engine.validate(&pool)?;
+        crate::config::check_layout(&pool, established.layout())?;
         Ok(Self {
             session: ReceiverSession::new(established, config),
             pool,

@@ -85,7 +85,8 @@ pub struct SenderEndpoint {
 }
 
 impl SenderEndpoint {
-    /// Builds the endpoint; refuses to start if the pool as built cannot hold the configured
+    /// Builds the endpoint; refuses to start if the pool's geometry differs from the layout
+    /// negotiated in `established`, or if the pool as built cannot hold the configured
     /// context length (unless the configuration explicitly allows it, with a warning).
     pub fn new(
         established: &Established,
@@ -95,6 +96,7 @@ impl SenderEndpoint {
         window: u32,
     ) -> Result<Self, ConfigError> {
         engine.validate(&pool)?;
+        crate::config::check_layout(&pool, established.layout())?;
         let admission = AdmissionPolicy {
             tokens_per_page: pool.geometry().tokens_per_page,
             pool_pages: pool.capacity_pages(),
