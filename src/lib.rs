@@ -8,6 +8,7 @@ pub use kvwire_proto as proto;
 
 pub mod checksum;
 pub mod config;
+pub mod engine;
 pub mod harness;
 pub mod pool;
 pub mod receiver;

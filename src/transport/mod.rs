@@ -13,6 +13,7 @@
 //! [`Pair`](crate::harness::Pair) harness.
 
 pub mod loopback;
+pub mod tcp;
 
 use std::collections::HashMap;
 

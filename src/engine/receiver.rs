@@ -1,0 +1,453 @@
+//! The decode side of a TCP connection: a task that owns the connection's page pool and
+//! [`ReceiverEndpoint`], and a handle for the engine.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvwire_proto::handshake::Handshake;
+use kvwire_proto::wire::{ErrorCode, Hello, Role, TransferRef};
+use kvwire_proto::{FailureReason, Scope};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
+use tokio::sync::{mpsc, oneshot};
+
+use super::stream::handshake;
+use super::{EngineError, NodeConfig, TransferError};
+use crate::pool::PagePool;
+use crate::receiver::{ReceiveOutcome, ReceiverEndpoint, ReserveParams, VerifiedKv};
+use crate::transport::tcp::{Record, StreamReader, StreamStats};
+
+type ReadFn = Box<dyn FnOnce(PagesView<'_>) + Send>;
+
+enum Cmd {
+    Reserve {
+        params: ReserveParams,
+        reply: oneshot::Sender<Result<Verified, TransferError>>,
+    },
+    Abort {
+        transfer_id: u64,
+        code: ErrorCode,
+    },
+    Read {
+        transfer_id: u64,
+        f: ReadFn,
+    },
+    Release {
+        transfer_id: u64,
+    },
+    Stats {
+        reply: oneshot::Sender<ReceiverConnStats>,
+    },
+}
+
+/// Counters of a receiver connection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReceiverConnStats {
+    /// Transfers verified and delivered.
+    pub verified: u64,
+    /// Transfers failed.
+    pub failed: u64,
+    /// What the stream carried.
+    pub stream: StreamStats,
+    /// Fences carried out.
+    pub fences: u64,
+    /// Pages free in the connection's pool.
+    pub pages_free: u32,
+    /// Pages in the connection's pool.
+    pub pages_total: u32,
+    /// Pages quarantined now.
+    pub pages_quarantined: u32,
+    /// Whether the peer is gone.
+    pub peer_lost: bool,
+}
+
+/// Read access to the pages of a verified transfer.
+pub struct PagesView<'a> {
+    pool: &'a PagePool,
+    kv: &'a VerifiedKv,
+}
+
+impl PagesView<'_> {
+    /// The bytes of page `ordinal` in `buffer`.
+    ///
+    /// # Panics
+    /// If `ordinal` or `buffer` is out of range.
+    pub fn page(&self, ordinal: usize, buffer: usize) -> &[u8] {
+        match self.kv.page(self.pool, ordinal, buffer) {
+            Ok(p) => p,
+            Err(e) => panic!("page {ordinal} of buffer {buffer}: {e}"),
+        }
+    }
+
+    /// Pages in the transfer.
+    pub fn pages(&self) -> usize {
+        self.kv.pages()
+    }
+
+    /// Buffers per page.
+    pub fn buffers(&self) -> usize {
+        self.pool.buffers()
+    }
+}
+
+/// KV pages of a verified transfer. Only a transfer whose digests, computed over the
+/// memory that landed, matched the sender's is ever handed out. The pages return to the pool
+/// when this is released or dropped.
+#[must_use = "dropping a Verified releases its pages"]
+pub struct Verified {
+    /// The transfer.
+    pub transfer: TransferRef,
+    /// Tokens verified.
+    pub tokens: u32,
+    /// Pages verified.
+    pub pages: usize,
+    cmd: mpsc::UnboundedSender<Cmd>,
+}
+
+impl std::fmt::Debug for Verified {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Verified")
+            .field("transfer", &self.transfer)
+            .field("tokens", &self.tokens)
+            .field("pages", &self.pages)
+            .finish()
+    }
+}
+
+impl Verified {
+    /// Runs `f` over the verified pages, in the connection's task.
+    pub async fn read<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(PagesView<'_>) -> R + Send + 'static,
+    ) -> Result<R, TransferError> {
+        let (tx, rx) = oneshot::channel();
+        let f: ReadFn = Box::new(move |view| {
+            let _ = tx.send(f(view));
+        });
+        self.cmd
+            .send(Cmd::Read {
+                transfer_id: self.transfer.transfer_id,
+                f,
+            })
+            .map_err(|_| TransferError::ConnectionClosed)?;
+        rx.await.map_err(|_| TransferError::ConnectionClosed)
+    }
+
+    /// Gives the pages back to the pool (as dropping does).
+    pub fn release(self) {}
+}
+
+impl Drop for Verified {
+    fn drop(&mut self) {
+        let _ = self.cmd.send(Cmd::Release {
+            transfer_id: self.transfer.transfer_id,
+        });
+    }
+}
+
+/// The decode side of one connection.
+#[derive(Debug, Clone)]
+pub struct ReceiverConn {
+    cmd: mpsc::UnboundedSender<Cmd>,
+    peer: Hello,
+}
+
+impl ReceiverConn {
+    /// Accepts one connection on `listener` and runs the handshake as the server.
+    pub async fn accept(listener: &TcpListener, config: &NodeConfig) -> Result<Self, EngineError> {
+        let (stream, _) = listener.accept().await?;
+        Self::start(stream, config, false).await
+    }
+
+    /// Connects to a sender and runs the handshake as the client.
+    pub async fn connect(
+        addr: impl ToSocketAddrs,
+        config: &NodeConfig,
+    ) -> Result<Self, EngineError> {
+        let stream = TcpStream::connect(addr).await?;
+        Self::start(stream, config, true).await
+    }
+
+    /// Runs the handshake on `stream` and starts the connection's task.
+    pub async fn start(
+        mut stream: TcpStream,
+        config: &NodeConfig,
+        client: bool,
+    ) -> Result<Self, EngineError> {
+        stream.set_nodelay(true)?;
+        let now = Instant::now();
+        let hello = config.hello(Role::RECEIVER);
+        let hs = if client {
+            Handshake::client(now, hello, config.handshake_timeout)
+        } else {
+            Handshake::server(now, hello, config.handshake_timeout)
+        };
+        let est = handshake(&mut stream, hs, config.handshake_timeout).await?;
+        let pool = PagePool::new(config.pool.clone(), config.scrub)?;
+        let mut rx_config = config.receiver.clone();
+        rx_config.nonce_seed = fresh_seed();
+        let endpoint = ReceiverEndpoint::new(&est, pool, &config.engine, rx_config)?;
+        let (rd, wr) = stream.into_split();
+        let (wr_tx, mut wr_rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        tokio::spawn(async move {
+            let mut wr = wr;
+            while let Some(bytes) = wr_rx.recv().await {
+                if wr.write_all(&bytes).await.is_err() {
+                    break;
+                }
+            }
+            let _ = wr.shutdown().await;
+        });
+        let (cmd, cmd_rx) = mpsc::unbounded_channel();
+        let reader = StreamReader::new(&config.pool.buffer_page_bytes);
+        tokio::spawn(run(endpoint, rd, reader, wr_tx, cmd_rx));
+        Ok(Self {
+            cmd,
+            peer: est.peer,
+        })
+    }
+
+    /// The peer's hello.
+    pub fn peer(&self) -> &Hello {
+        &self.peer
+    }
+
+    /// Reserves pages for a transfer and waits for its verified KV, or the typed reason it
+    /// failed.
+    pub fn reserve(
+        &self,
+        params: ReserveParams,
+    ) -> impl std::future::Future<Output = Result<Verified, TransferError>> + Send + 'static {
+        let (reply, rx) = oneshot::channel();
+        let sent = self.cmd.send(Cmd::Reserve { params, reply });
+        async move {
+            sent.map_err(|_| TransferError::ConnectionClosed)?;
+            rx.await.map_err(|_| TransferError::ConnectionClosed)?
+        }
+    }
+
+    /// Aborts a transfer (fence, release, ABORT).
+    pub fn abort(&self, transfer_id: u64, code: ErrorCode) {
+        let _ = self.cmd.send(Cmd::Abort { transfer_id, code });
+    }
+
+    /// Counters, including the pool's free and quarantined pages.
+    pub async fn stats(&self) -> Result<ReceiverConnStats, TransferError> {
+        let (reply, rx) = oneshot::channel();
+        self.cmd
+            .send(Cmd::Stats { reply })
+            .map_err(|_| TransferError::ConnectionClosed)?;
+        rx.await.map_err(|_| TransferError::ConnectionClosed)
+    }
+}
+
+/// A seed for reservation nonces that differs per connection and per process.
+pub(crate) fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    h.finish()
+}
+
+enum Event {
+    Read(std::io::Result<usize>),
+    Cmd(Option<Cmd>),
+    Timer,
+}
+
+struct Task {
+    endpoint: ReceiverEndpoint,
+    waiting: HashMap<u64, oneshot::Sender<Result<Verified, TransferError>>>,
+    verified: HashMap<u64, VerifiedKv>,
+    cmd: mpsc::UnboundedSender<Cmd>,
+    wr: mpsc::UnboundedSender<Vec<u8>>,
+    stats: ReceiverConnStats,
+    lost: bool,
+}
+
+impl Task {
+    fn flush(&mut self) {
+        while let Some(frame) = self.endpoint.poll_transmit() {
+            match frame.to_bytes() {
+                Ok(bytes) => {
+                    let _ = self.wr.send(bytes);
+                }
+                Err(e) => tracing::error!(error = %e, "frame could not be encoded"),
+            }
+        }
+        while let Some(outcome) = self.endpoint.poll_outcome() {
+            match outcome {
+                ReceiveOutcome::Verified(kv) => {
+                    self.stats.verified += 1;
+                    let id = kv.transfer.transfer_id;
+                    let handle = Verified {
+                        transfer: kv.transfer,
+                        tokens: kv.tokens,
+                        pages: kv.pages(),
+                        cmd: self.cmd.clone(),
+                    };
+                    self.verified.insert(id, kv);
+                    match self.waiting.remove(&id) {
+                        // If the engine stopped waiting, dropping the handle releases the pages.
+                        Some(reply) => drop(reply.send(Ok(handle))),
+                        None => drop(handle),
+                    }
+                }
+                ReceiveOutcome::Failed { transfer, reason } => {
+                    self.stats.failed += 1;
+                    tracing::warn!(transfer_id = transfer.transfer_id, %reason, "transfer failed");
+                    if let Some(reply) = self.waiting.remove(&transfer.transfer_id) {
+                        let _ = reply.send(Err(TransferError::Failed(reason)));
+                    }
+                }
+            }
+        }
+    }
+
+    fn command(&mut self, now: Instant, cmd: Cmd) {
+        match cmd {
+            Cmd::Reserve { params, reply } => {
+                if self.lost {
+                    let _ = reply.send(Err(TransferError::Failed(FailureReason::PeerLost)));
+                    return;
+                }
+                match self.endpoint.reserve(now, params) {
+                    Ok(t) => {
+                        self.waiting.insert(t.transfer_id, reply);
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e.into()));
+                    }
+                }
+            }
+            Cmd::Abort { transfer_id, code } => {
+                self.endpoint.abort(now, transfer_id, code);
+            }
+            Cmd::Read { transfer_id, f } => {
+                if let Some(kv) = self.verified.get(&transfer_id) {
+                    f(PagesView {
+                        pool: self.endpoint.pool(),
+                        kv,
+                    });
+                }
+            }
+            Cmd::Release { transfer_id } => {
+                if let Some(kv) = self.verified.remove(&transfer_id) {
+                    if let Err(e) = self.endpoint.release(kv) {
+                        tracing::error!(transfer_id, error = %e, "release of verified pages refused");
+                    }
+                }
+            }
+            Cmd::Stats { reply } => {
+                let pool = self.endpoint.pool();
+                let mut s = self.stats;
+                s.pages_free = pool.free_pages();
+                s.pages_total = pool.capacity_pages();
+                s.pages_quarantined = pool.quarantined_pages();
+                s.fences = self.endpoint.stats().fences;
+                s.peer_lost = self.lost;
+                let _ = reply.send(s);
+            }
+        }
+    }
+
+    fn peer_lost(&mut self, now: Instant, why: &str) {
+        if !self.lost {
+            tracing::warn!(why, "peer lost: failing its transfers");
+            self.lost = true;
+            self.endpoint.handle_peer_lost(now);
+        }
+    }
+}
+
+async fn run(
+    endpoint: ReceiverEndpoint,
+    mut rd: OwnedReadHalf,
+    mut reader: StreamReader,
+    wr: mpsc::UnboundedSender<Vec<u8>>,
+    mut cmd_rx: mpsc::UnboundedReceiver<Cmd>,
+) {
+    // Verified handles talk to the task on a channel of their own, so the engine's channel
+    // closes when the engine drops its ReceiverConn handles; the task then ends once every
+    // verified handle has been released.
+    let (own_tx, mut own_rx) = mpsc::unbounded_channel::<Cmd>();
+    let mut task = Task {
+        endpoint,
+        waiting: HashMap::new(),
+        verified: HashMap::new(),
+        cmd: own_tx,
+        wr,
+        stats: ReceiverConnStats::default(),
+        lost: false,
+    };
+    let mut engine_open = true;
+    let far = Duration::from_secs(3600);
+    loop {
+        task.flush();
+        task.stats.stream = reader.stats;
+        let wake = task
+            .endpoint
+            .poll_timeout()
+            .map(tokio::time::Instant::from_std);
+        let sleep =
+            tokio::time::sleep_until(wake.unwrap_or_else(|| tokio::time::Instant::now() + far));
+        let event = if task.lost {
+            tokio::select! {
+                c = cmd_rx.recv(), if engine_open => Event::Cmd(c),
+                c = own_rx.recv() => Event::Cmd(c),
+                _ = sleep => Event::Timer,
+            }
+        } else {
+            let (pool, scopes) = task.endpoint.landing_parts();
+            let target = reader.target(pool, scopes);
+            tokio::select! {
+                r = rd.read(target) => Event::Read(r),
+                c = cmd_rx.recv(), if engine_open => Event::Cmd(c),
+                c = own_rx.recv() => Event::Cmd(c),
+                _ = sleep => Event::Timer,
+            }
+        };
+        let now = Instant::now();
+        if !engine_open && task.verified.is_empty() && task.endpoint.session().open_transfers() == 0
+        {
+            task.flush();
+            return;
+        }
+        match event {
+            Event::Read(Ok(0)) => task.peer_lost(now, "end of stream"),
+            Event::Read(Err(e)) => task.peer_lost(now, &e.to_string()),
+            Event::Read(Ok(n)) => {
+                let (_, scopes) = task.endpoint.landing_parts();
+                match reader.advance(n, scopes) {
+                    Ok(Some(Record::Frame(frame))) => {
+                        if let Err(e) = task.endpoint.handle_frame(now, frame) {
+                            if e.scope == Scope::Connection {
+                                task.peer_lost(now, &e.detail);
+                            } else {
+                                tracing::debug!(error = %e, "frame dropped");
+                            }
+                        }
+                    }
+                    Ok(Some(Record::Refused(h))) => {
+                        tracing::debug!(
+                            transfer_id = h.transfer.transfer_id,
+                            page = h.dst_page,
+                            "write refused (fenced or out of scope)"
+                        );
+                    }
+                    Ok(Some(Record::Landed(_)) | None) => {}
+                    Err(e) => task.peer_lost(now, &e.to_string()),
+                }
+            }
+            Event::Cmd(Some(c)) => task.command(now, c),
+            Event::Cmd(None) => {
+                // Every engine handle is gone: fail what is open (fence, release) and stop
+                // listening to the engine.
+                engine_open = false;
+                task.peer_lost(now, "engine closed the connection");
+            }
+            Event::Timer => task.endpoint.handle_timeout(now),
+        }
+    }
+}

@@ -1,0 +1,395 @@
+//! The prefill side of a TCP connection: a task that owns the connection's source pool and
+//! [`SenderEndpoint`], writing data records and frames on one stream so a COMMIT always
+//! follows its data.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvwire_proto::admission::{AdmissionError, Admitted, Request};
+use kvwire_proto::handshake::Handshake;
+use kvwire_proto::sender::SenderEvent;
+use kvwire_proto::wire::{ErrorCode, Frame, Hello, Role};
+use kvwire_proto::{FailureReason, Scope};
+use tokio::io::{AsyncWriteExt, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
+use tokio::sync::{mpsc, oneshot};
+
+use super::stream::{handshake, read_frame};
+use super::{EngineError, NodeConfig, TransferError};
+use crate::pool::PagePool;
+use crate::sender::{PostedWrite, SenderEndpoint};
+use crate::transport::tcp::DataHeader;
+use crate::transport::AccessKey;
+
+type Fill = Box<dyn FnMut(u32, usize, &mut [u8]) + Send>;
+
+enum Cmd {
+    Admit {
+        req: Request,
+        reply: oneshot::Sender<Result<Admitted, AdmissionError>>,
+    },
+    Send {
+        admitted: Admitted,
+        fill: Fill,
+        reply: oneshot::Sender<Result<(), TransferError>>,
+    },
+    Abort {
+        transfer_id: u64,
+        code: ErrorCode,
+    },
+    Stats {
+        reply: oneshot::Sender<SenderConnStats>,
+    },
+}
+
+/// Counters of a sender connection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SenderConnStats {
+    /// Transfers the receiver verified.
+    pub verified: u64,
+    /// Transfers failed.
+    pub failed: u64,
+    /// Requests rejected at admission.
+    pub rejected_at_admission: u64,
+    /// Data records written.
+    pub writes: u64,
+    /// Page bytes written.
+    pub bytes: u64,
+    /// Source pages free.
+    pub pages_free: u32,
+    /// Source pages in the pool.
+    pub pages_total: u32,
+    /// Whether the peer is gone.
+    pub peer_lost: bool,
+}
+
+/// The prefill side of one connection.
+#[derive(Debug, Clone)]
+pub struct SenderConn {
+    cmd: mpsc::UnboundedSender<Cmd>,
+    peer: Hello,
+}
+
+impl SenderConn {
+    /// Connects to a receiver and runs the handshake as the client.
+    pub async fn connect(
+        addr: impl ToSocketAddrs,
+        config: &NodeConfig,
+    ) -> Result<Self, EngineError> {
+        let stream = TcpStream::connect(addr).await?;
+        Self::start(stream, config, true).await
+    }
+
+    /// Accepts one connection on `listener` and runs the handshake as the server.
+    pub async fn accept(listener: &TcpListener, config: &NodeConfig) -> Result<Self, EngineError> {
+        let (stream, _) = listener.accept().await?;
+        Self::start(stream, config, false).await
+    }
+
+    /// Runs the handshake on `stream` and starts the connection's task.
+    pub async fn start(
+        mut stream: TcpStream,
+        config: &NodeConfig,
+        client: bool,
+    ) -> Result<Self, EngineError> {
+        stream.set_nodelay(true)?;
+        let now = Instant::now();
+        let hello = config.hello(Role::SENDER);
+        let hs = if client {
+            Handshake::client(now, hello, config.handshake_timeout)
+        } else {
+            Handshake::server(now, hello, config.handshake_timeout)
+        };
+        let est = handshake(&mut stream, hs, config.handshake_timeout).await?;
+        let pool = PagePool::new(config.pool.clone(), config.scrub)?;
+        let endpoint = SenderEndpoint::new(
+            &est,
+            pool,
+            &config.engine,
+            config.sender.clone(),
+            config.window,
+        )?;
+        let (rd, wr) = stream.into_split();
+        let (frame_tx, frame_rx) = mpsc::unbounded_channel();
+        tokio::spawn(read_frames(rd, frame_tx));
+        let (cmd, cmd_rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(
+            endpoint,
+            BufWriter::with_capacity(256 * 1024, wr),
+            frame_rx,
+            cmd_rx,
+        ));
+        Ok(Self {
+            cmd,
+            peer: est.peer,
+        })
+    }
+
+    /// The peer's hello.
+    pub fn peer(&self) -> &Hello {
+        &self.peer
+    }
+
+    /// Admits a request, or rejects it with its typed error. A rejected request is retired:
+    /// the receiver's reservation for it is answered with REJECT carrying that error.
+    pub async fn admit(&self, req: Request) -> Result<Admitted, TransferError> {
+        let (reply, rx) = oneshot::channel();
+        self.cmd
+            .send(Cmd::Admit { req, reply })
+            .map_err(|_| TransferError::ConnectionClosed)?;
+        match rx.await {
+            Ok(Ok(a)) => Ok(a),
+            Ok(Err(e)) => Err(TransferError::Rejected(e)),
+            Err(_) => Err(TransferError::ConnectionClosed),
+        }
+    }
+
+    /// Sends an admitted request: allocates its source pages, lets `fill(ordinal, buffer,
+    /// page)` write the KV data, and waits until the receiver verified it (or the typed reason
+    /// it failed).
+    pub fn send(
+        &self,
+        admitted: Admitted,
+        fill: impl FnMut(u32, usize, &mut [u8]) + Send + 'static,
+    ) -> impl std::future::Future<Output = Result<(), TransferError>> + Send + 'static {
+        let (reply, rx) = oneshot::channel();
+        let sent = self.cmd.send(Cmd::Send {
+            admitted,
+            fill: Box::new(fill),
+            reply,
+        });
+        async move {
+            sent.map_err(|_| TransferError::ConnectionClosed)?;
+            rx.await.map_err(|_| TransferError::ConnectionClosed)?
+        }
+    }
+
+    /// Aborts a transfer (stop posting, drain, ABORT).
+    pub fn abort(&self, transfer_id: u64, code: ErrorCode) {
+        let _ = self.cmd.send(Cmd::Abort { transfer_id, code });
+    }
+
+    /// Counters.
+    pub async fn stats(&self) -> Result<SenderConnStats, TransferError> {
+        let (reply, rx) = oneshot::channel();
+        self.cmd
+            .send(Cmd::Stats { reply })
+            .map_err(|_| TransferError::ConnectionClosed)?;
+        rx.await.map_err(|_| TransferError::ConnectionClosed)
+    }
+}
+
+/// Reads control frames and hands them to the connection task; `None` means the
+/// connection is gone (end of stream, I/O error, or bytes that are not a frame).
+async fn read_frames(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<Option<Frame>>) {
+    let mut buf = Vec::new();
+    loop {
+        match read_frame(&mut rd, &mut buf).await {
+            Ok(Some(f)) => {
+                if tx.send(Some(f)).is_err() {
+                    return;
+                }
+            }
+            Ok(None) | Err(_) => {
+                let _ = tx.send(None);
+                return;
+            }
+        }
+    }
+}
+
+struct Task {
+    endpoint: SenderEndpoint,
+    waiting: HashMap<u64, oneshot::Sender<Result<(), TransferError>>>,
+    wr: BufWriter<OwnedWriteHalf>,
+    stats: SenderConnStats,
+    lost: bool,
+}
+
+impl Task {
+    /// Writes everything the session produced, in order, then reports events.
+    async fn flush(&mut self) {
+        loop {
+            let mut moved = false;
+            while let Some(w) = self.endpoint.poll_write() {
+                moved = true;
+                let ok = !self.lost && self.write_record(&w).await.is_ok();
+                if !ok && !self.lost {
+                    self.peer_lost("write failed");
+                }
+                self.endpoint
+                    .handle_write_completion(Instant::now(), w.transfer, ok);
+            }
+            while let Some(frame) = self.endpoint.poll_transmit() {
+                moved = true;
+                if self.lost {
+                    continue;
+                }
+                let written = match frame.to_bytes() {
+                    Ok(bytes) => self.wr.write_all(&bytes).await.is_ok(),
+                    Err(e) => {
+                        tracing::error!(error = %e, "frame could not be encoded");
+                        true
+                    }
+                };
+                if !written {
+                    self.peer_lost("write failed");
+                }
+            }
+            if !moved {
+                break;
+            }
+        }
+        if !self.lost && self.wr.flush().await.is_err() {
+            self.peer_lost("flush failed");
+        }
+        while let Some(event) = self.endpoint.poll_event() {
+            let (id, result) = match event {
+                SenderEvent::Verified(t) => {
+                    self.stats.verified += 1;
+                    (t.transfer_id, Ok(()))
+                }
+                SenderEvent::Failed { transfer, reason } => {
+                    self.stats.failed += 1;
+                    tracing::warn!(transfer_id = transfer.transfer_id, %reason, "transfer failed");
+                    (transfer.transfer_id, Err(TransferError::Failed(reason)))
+                }
+            };
+            if let Some(reply) = self.waiting.remove(&id) {
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    /// One data record: header, then each buffer's page straight from the source pool.
+    async fn write_record(&mut self, w: &PostedWrite) -> std::io::Result<()> {
+        let pool = self.endpoint.pool();
+        let len = pool.geometry().bytes_per_page_index() as u32;
+        let header = DataHeader {
+            transfer: w.transfer,
+            key: AccessKey::from_descriptor(&w.access).unwrap_or(AccessKey(0)),
+            ordinal: w.write.ordinal,
+            dst_page: w.write.dst_page,
+            len,
+        };
+        self.wr.write_all(&header.encode()).await?;
+        for b in 0..pool.buffers() {
+            let page = pool.raw_page(w.write.src_page, b).unwrap_or(&[]);
+            self.wr.write_all(page).await?;
+        }
+        self.stats.writes += 1;
+        self.stats.bytes += u64::from(len);
+        Ok(())
+    }
+
+    fn peer_lost(&mut self, why: &str) {
+        if !self.lost {
+            tracing::warn!(why, "peer lost: failing its transfers");
+            self.lost = true;
+            self.endpoint.handle_peer_lost(Instant::now());
+        }
+    }
+
+    fn command(&mut self, cmd: Cmd) {
+        let now = Instant::now();
+        match cmd {
+            Cmd::Admit { req, reply } => {
+                let r = self.endpoint.admit(req);
+                if r.is_err() {
+                    self.stats.rejected_at_admission += 1;
+                }
+                let _ = reply.send(r);
+            }
+            Cmd::Send {
+                admitted,
+                fill,
+                reply,
+            } => {
+                if self.lost {
+                    let _ = reply.send(Err(TransferError::Failed(FailureReason::PeerLost)));
+                    return;
+                }
+                let id = admitted.transfer_id();
+                match self.endpoint.submit(now, admitted, fill) {
+                    Ok(()) => {
+                        self.waiting.insert(id, reply);
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e.into()));
+                    }
+                }
+            }
+            Cmd::Abort { transfer_id, code } => {
+                self.endpoint.abort(now, transfer_id, code);
+            }
+            Cmd::Stats { reply } => {
+                let pool = self.endpoint.pool();
+                let mut s = self.stats;
+                s.pages_free = pool.free_pages();
+                s.pages_total = pool.capacity_pages();
+                s.peer_lost = self.lost;
+                let _ = reply.send(s);
+            }
+        }
+    }
+}
+
+enum Event {
+    Frame(Option<Option<Frame>>),
+    Cmd(Option<Cmd>),
+    Timer,
+}
+
+async fn run(
+    endpoint: SenderEndpoint,
+    wr: BufWriter<OwnedWriteHalf>,
+    mut frames: mpsc::UnboundedReceiver<Option<Frame>>,
+    mut cmd_rx: mpsc::UnboundedReceiver<Cmd>,
+) {
+    let mut task = Task {
+        endpoint,
+        waiting: HashMap::new(),
+        wr,
+        stats: SenderConnStats::default(),
+        lost: false,
+    };
+    let mut frames_open = true;
+    let far = Duration::from_secs(3600);
+    loop {
+        task.flush().await;
+        let wake = task
+            .endpoint
+            .poll_timeout()
+            .map(tokio::time::Instant::from_std);
+        let sleep =
+            tokio::time::sleep_until(wake.unwrap_or_else(|| tokio::time::Instant::now() + far));
+        let event = tokio::select! {
+            f = frames.recv(), if frames_open => Event::Frame(f),
+            c = cmd_rx.recv() => Event::Cmd(c),
+            _ = sleep => Event::Timer,
+        };
+        let now = Instant::now();
+        match event {
+            Event::Frame(Some(Some(frame))) => {
+                if let Err(e) = task.endpoint.handle_frame(now, frame) {
+                    if e.scope == Scope::Connection {
+                        task.peer_lost(&e.detail);
+                    }
+                }
+            }
+            Event::Frame(Some(None) | None) => {
+                frames_open = false;
+                task.peer_lost("connection closed by the peer");
+            }
+            Event::Cmd(Some(c)) => task.command(c),
+            Event::Cmd(None) => {
+                task.peer_lost("engine closed the connection");
+                task.flush().await;
+                let _ = task.wr.shutdown().await;
+                return;
+            }
+            Event::Timer => task.endpoint.handle_timeout(now),
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! Handshake over a TCP stream, and reading whole control frames.
+
+use std::time::{Duration, Instant};
+
+use kvwire_proto::handshake::{Established, Handshake, HandshakeError};
+use kvwire_proto::wire::{DecodeError, Frame, HEADER_LEN, MAX_PAYLOAD, TRAILER_LEN};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::EngineError;
+
+/// Reads one whole control frame. `Ok(None)` on a clean end of stream.
+pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+) -> Result<Option<Frame>, EngineError> {
+    buf.resize(HEADER_LEN, 0);
+    match r.read_exact(&mut buf[..HEADER_LEN]).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    // Let the decoder judge the header (magic, version, length) before reading on.
+    match Frame::decode(&buf[..HEADER_LEN]) {
+        Err(DecodeError::Incomplete { .. }) => {}
+        Err(e) => return Err(EngineError::Stream(e.to_string())),
+        Ok(_) => unreachable!("a header alone is never a whole frame"),
+    }
+    let len = u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]);
+    let total = HEADER_LEN + len.min(MAX_PAYLOAD) as usize + TRAILER_LEN;
+    buf.resize(total, 0);
+    r.read_exact(&mut buf[HEADER_LEN..]).await?;
+    let (frame, _) = Frame::decode(buf).map_err(|e| EngineError::Stream(e.to_string()))?;
+    Ok(Some(frame))
+}
+
+/// Runs a handshake on a fresh stream.
+pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    mut hs: Handshake,
+    timeout: Duration,
+) -> Result<Established, EngineError> {
+    let work = async {
+        let mut buf = Vec::new();
+        loop {
+            while let Some(f) = hs.poll_transmit() {
+                let bytes = f
+                    .to_bytes()
+                    .map_err(|e| EngineError::Stream(e.to_string()))?;
+                stream.write_all(&bytes).await?;
+            }
+            if let Some(outcome) = hs.poll_outcome() {
+                stream.flush().await?;
+                return outcome.map_err(EngineError::from);
+            }
+            let header_version = |buf: &[u8]| {
+                (buf.len() >= 6 && buf[..4] == kvwire_proto::wire::MAGIC)
+                    .then(|| u16::from_le_bytes([buf[4], buf[5]]))
+            };
+            match read_frame(stream, &mut buf).await {
+                Ok(Some(frame)) => hs.handle_frame(frame),
+                Ok(None) => hs.handle_peer_lost(),
+                Err(EngineError::Stream(e)) => match header_version(&buf) {
+                    // A version we do not speak is refused with HELLO_REJECT, never a fallback.
+                    Some(v) if v != kvwire_proto::wire::VERSION => hs.handle_unsupported_version(v),
+                    _ => return Err(EngineError::Stream(e)),
+                },
+                Err(e) => return Err(e),
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, work).await {
+        Ok(r) => r,
+        Err(_) => {
+            hs.handle_timeout(Instant::now() + timeout);
+            Err(HandshakeError::Timeout.into())
+        }
+    }
+}

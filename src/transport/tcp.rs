@@ -1,0 +1,307 @@
+//! The TCP transport's stream format and its receiving side.
+//!
+//! One TCP connection per peer pair carries, in order, two kinds of record:
+//!
+//! * a **control record**: one protocol frame exactly as `proto/SPEC.md` §3 defines it
+//!   (it starts with the frame magic `KVWR` and is self-delimiting);
+//! * a **data record**: one page write —
+//!
+//! ```text
+//! offset size field
+//! 0      4    magic        "KVDT"
+//! 4      8    transfer_id  u64 LE
+//! 12     8    nonce        u64 LE
+//! 20     4    access key   u32 LE (from RESERVE's access descriptor)
+//! 24     4    ordinal      u32 LE
+//! 28     4    dst_page     u32 LE
+//! 32     4    length       u32 LE = bytes per page index (sum over buffers)
+//! 36     len  page bytes   buffer 0's page, then buffer 1's, ...
+//! ```
+//!
+//! The sender writes a transfer's data records before its COMMIT on the same stream, so the
+//! receiver has consumed every byte of the transfer before it sees the commit: ordering is
+//! structural. Page bytes are read straight into the destination page slices; no
+//! intermediate buffer is involved unless the write is refused (fenced or out of scope),
+//! in which case its bytes are read into a fixed scratch buffer and dropped.
+
+use kvwire_proto::wire::{DecodeError, Frame, TransferRef, HEADER_LEN, MAGIC, TRAILER_LEN};
+
+use super::{AccessKey, ScopeTable};
+use crate::pool::PagePool;
+
+/// Magic of a data record.
+pub const DATA_MAGIC: [u8; 4] = *b"KVDT";
+/// Length of a data record's header.
+pub const DATA_HEADER_LEN: usize = 36;
+
+/// The header of a data record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataHeader {
+    /// The reservation written.
+    pub transfer: TransferRef,
+    /// The access key from RESERVE.
+    pub key: AccessKey,
+    /// The page's ordinal in the transfer.
+    pub ordinal: u32,
+    /// The destination page index.
+    pub dst_page: u32,
+    /// Payload bytes (all buffers of the page).
+    pub len: u32,
+}
+
+impl DataHeader {
+    /// The header's bytes.
+    pub fn encode(&self) -> [u8; DATA_HEADER_LEN] {
+        let mut b = [0u8; DATA_HEADER_LEN];
+        b[0..4].copy_from_slice(&DATA_MAGIC);
+        b[4..12].copy_from_slice(&self.transfer.transfer_id.to_le_bytes());
+        b[12..20].copy_from_slice(&self.transfer.nonce.to_le_bytes());
+        b[20..24].copy_from_slice(&self.key.0.to_le_bytes());
+        b[24..28].copy_from_slice(&self.ordinal.to_le_bytes());
+        b[28..32].copy_from_slice(&self.dst_page.to_le_bytes());
+        b[32..36].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; DATA_HEADER_LEN]) -> Self {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(x)
+        };
+        Self {
+            transfer: TransferRef {
+                transfer_id: u64_at(4),
+                nonce: u64_at(12),
+            },
+            key: AccessKey(u32_at(20)),
+            ordinal: u32_at(24),
+            dst_page: u32_at(28),
+            len: u32_at(32),
+        }
+    }
+}
+
+/// Why the stream can no longer be read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StreamError {
+    /// A control record did not decode.
+    #[error("bad control frame: {0}")]
+    Frame(#[from] DecodeError),
+    /// A record starts with neither magic.
+    #[error("unknown record magic {0:02x?}")]
+    BadMagic([u8; 4]),
+    /// A data record's length is not the layout's bytes per page index.
+    #[error("data record of {got} bytes, the layout's pages are {expected} bytes")]
+    BadDataLength {
+        /// The record's length.
+        got: u32,
+        /// Bytes per page index.
+        expected: u64,
+    },
+}
+
+/// What a completed record was.
+#[derive(Debug)]
+pub enum Record {
+    /// A control frame.
+    Frame(Frame),
+    /// A data record whose bytes landed in its destination page.
+    Landed(DataHeader),
+    /// A data record refused (no open scope or page out of scope): its bytes were dropped.
+    Refused(DataHeader),
+}
+
+#[derive(Debug)]
+enum ReadState {
+    /// Collecting the first 4 bytes, or a whole frame header, or a whole data header.
+    Head { filled: usize },
+    /// Collecting the rest of a control frame (`total` bytes in all).
+    Frame { total: usize, filled: usize },
+    /// Reading a data record's payload into its page: `done` bytes so far.
+    Land { header: DataHeader, done: usize },
+    /// Reading a refused data record's payload into scratch.
+    Discard { header: DataHeader, done: usize },
+}
+
+/// Counters of the receiving side of a stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Data records landed.
+    pub writes_landed: u64,
+    /// Data records refused.
+    pub writes_refused: u64,
+    /// Payload bytes landed in pages.
+    pub bytes_landed: u64,
+    /// Control frames received.
+    pub frames: u64,
+}
+
+/// The receiving side of a stream, as an incremental, cancel-safe parser.
+///
+/// Each step hands out the exact slice the next `read` must fill ([`StreamReader::target`]),
+/// then is told how many bytes arrived ([`StreamReader::advance`]). Because a single `read`
+/// either completes or does nothing, the caller may race it against timers and commands.
+/// Before every read into a page, the scope is checked again, so a fence that happens
+/// between two reads sends the rest of the record to scratch instead of into a released page.
+#[derive(Debug)]
+pub struct StreamReader {
+    state: ReadState,
+    head: Vec<u8>,
+    scratch: Vec<u8>,
+    page_bytes: Vec<usize>,
+    /// Counters.
+    pub stats: StreamStats,
+}
+
+impl StreamReader {
+    /// A reader for pages of these per-buffer sizes.
+    pub fn new(page_bytes: &[u32]) -> Self {
+        Self {
+            state: ReadState::Head { filled: 0 },
+            head: vec![0; HEADER_LEN.max(DATA_HEADER_LEN)],
+            scratch: vec![0; 64 * 1024],
+            page_bytes: page_bytes.iter().map(|&b| b as usize).collect(),
+            stats: StreamStats::default(),
+        }
+    }
+
+    fn record_len(&self) -> usize {
+        self.page_bytes.iter().sum()
+    }
+
+    /// The slice the next read must fill.
+    pub fn target<'a>(&'a mut self, pool: &'a mut PagePool, scopes: &ScopeTable) -> &'a mut [u8] {
+        // A fence since the last read turns the rest of a landing record into a discard.
+        if let ReadState::Land { header, done } = self.state {
+            if scopes.check(header.key, header.dst_page).is_err() {
+                self.state = ReadState::Discard { header, done };
+            }
+        }
+        match &mut self.state {
+            ReadState::Head { filled } => {
+                let want = if *filled < 4 {
+                    4
+                } else if self.head[..4] == MAGIC {
+                    HEADER_LEN
+                } else {
+                    DATA_HEADER_LEN
+                };
+                &mut self.head[*filled..want]
+            }
+            ReadState::Frame { total, filled } => {
+                let (f, t) = (*filled, *total);
+                &mut self.head[f..t]
+            }
+            ReadState::Land { header, done } => {
+                let (mut b, mut off) = (0, *done);
+                while b < self.page_bytes.len() && off >= self.page_bytes[b] {
+                    off -= self.page_bytes[b];
+                    b += 1;
+                }
+                match pool.raw_page_mut(header.dst_page, b) {
+                    Some(page) => &mut page[off..],
+                    None => &mut self.scratch[..1],
+                }
+            }
+            ReadState::Discard { header, done } => {
+                let left = header.len as usize - *done;
+                let n = left.min(self.scratch.len());
+                &mut self.scratch[..n]
+            }
+        }
+    }
+
+    /// Accounts for `n` bytes read into the last target; returns a record once complete.
+    pub fn advance(
+        &mut self,
+        n: usize,
+        scopes: &ScopeTable,
+    ) -> Result<Option<Record>, StreamError> {
+        match &mut self.state {
+            ReadState::Head { filled } => {
+                *filled += n;
+                let f = *filled;
+                if f < 4 {
+                    return Ok(None);
+                }
+                let magic: [u8; 4] = [self.head[0], self.head[1], self.head[2], self.head[3]];
+                if magic == MAGIC {
+                    if f < HEADER_LEN {
+                        return Ok(None);
+                    }
+                    // The frame header gives the payload length; take the rest of the frame.
+                    let len = u32::from_le_bytes([
+                        self.head[8],
+                        self.head[9],
+                        self.head[10],
+                        self.head[11],
+                    ]);
+                    if len > kvwire_proto::wire::MAX_PAYLOAD {
+                        return Err(DecodeError::PayloadTooLarge { len }.into());
+                    }
+                    let total = HEADER_LEN + len as usize + TRAILER_LEN;
+                    self.head.resize(total.max(DATA_HEADER_LEN), 0);
+                    self.state = ReadState::Frame { total, filled: f };
+                    return self.advance(0, scopes);
+                }
+                if magic != DATA_MAGIC {
+                    return Err(StreamError::BadMagic(magic));
+                }
+                if f < DATA_HEADER_LEN {
+                    return Ok(None);
+                }
+                let mut h = [0u8; DATA_HEADER_LEN];
+                h.copy_from_slice(&self.head[..DATA_HEADER_LEN]);
+                let header = DataHeader::decode(&h);
+                let expected = self.record_len();
+                if header.len as usize != expected {
+                    return Err(StreamError::BadDataLength {
+                        got: header.len,
+                        expected: expected as u64,
+                    });
+                }
+                self.state = match scopes.check(header.key, header.dst_page) {
+                    Ok(_) => ReadState::Land { header, done: 0 },
+                    Err(_) => ReadState::Discard { header, done: 0 },
+                };
+                Ok(None)
+            }
+            ReadState::Frame { total, filled } => {
+                *filled += n;
+                if *filled < *total {
+                    return Ok(None);
+                }
+                let total = *total;
+                let (frame, _) = Frame::decode(&self.head[..total])?;
+                self.head.truncate(HEADER_LEN.max(DATA_HEADER_LEN));
+                self.state = ReadState::Head { filled: 0 };
+                self.stats.frames += 1;
+                Ok(Some(Record::Frame(frame)))
+            }
+            ReadState::Land { header, done } => {
+                *done += n;
+                if *done < header.len as usize {
+                    return Ok(None);
+                }
+                let header = *header;
+                self.state = ReadState::Head { filled: 0 };
+                self.stats.writes_landed += 1;
+                self.stats.bytes_landed += u64::from(header.len);
+                Ok(Some(Record::Landed(header)))
+            }
+            ReadState::Discard { header, done } => {
+                *done += n;
+                if *done < header.len as usize {
+                    return Ok(None);
+                }
+                let header = *header;
+                self.state = ReadState::Head { filled: 0 };
+                self.stats.writes_refused += 1;
+                Ok(Some(Record::Refused(header)))
+            }
+        }
+    }
+}

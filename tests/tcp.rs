@@ -1,0 +1,163 @@
+//! The TCP transport and tokio drivers end to end on loopback: verified content, concurrency,
+//! early rejection, peer loss and timeouts, with the pools back to full afterwards.
+
+use std::time::Duration;
+
+use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
+use kvwire::harness::kv_pattern;
+use kvwire::proto::admission::Request;
+use kvwire::proto::wire::ErrorCode;
+use kvwire::proto::{FailureReason, Wait};
+use kvwire::receiver::ReserveParams;
+use tokio::net::TcpListener;
+
+async fn pair(config: &NodeConfig) -> (SenderConn, ReceiverConn) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = config.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
+    let sender = SenderConn::connect(addr, config).await.unwrap();
+    (sender, accept.await.unwrap().unwrap())
+}
+
+fn params(id: u64, tokens: u32) -> ReserveParams {
+    ReserveParams {
+        transfer_id: id,
+        tokens,
+        timeout: Duration::from_secs(5),
+        digest: None,
+        page_digests: true,
+    }
+}
+
+async fn send(s: &SenderConn, id: u64, tokens: u64) -> Result<(), TransferError> {
+    let admitted = s
+        .admit(Request {
+            transfer_id: id,
+            tokens,
+        })
+        .await?;
+    s.send(admitted, move |ord, b, page| kv_pattern(id, ord, b, page))
+        .await
+}
+
+/// Waits until the receiver's pool is full again (releases travel on channels).
+async fn assert_receiver_pool_full(r: &ReceiverConn) {
+    for _ in 0..200 {
+        let s = r.stats().await.unwrap();
+        if s.pages_free == s.pages_total {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("receiver pages leaked: {:?}", r.stats().await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_transfers_verify_with_the_senders_bytes() {
+    let config = NodeConfig::example();
+    let (s, r) = pair(&config).await;
+    let mut tasks = Vec::new();
+    for id in 1..=16u64 {
+        let tokens = 50 + id as u32 * 20;
+        let verified = r.reserve(params(id, tokens));
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            send(&s, id, u64::from(tokens)).await.unwrap();
+            let kv = verified.await.unwrap();
+            let ok = kv
+                .read(move |pages| {
+                    let mut want = vec![0u8; 4096];
+                    (0..pages.pages()).all(|o| {
+                        (0..pages.buffers()).all(|b| {
+                            kv_pattern(id, o as u32, b, &mut want);
+                            pages.page(o, b) == &want[..]
+                        })
+                    })
+                })
+                .await
+                .unwrap();
+            assert!(
+                ok,
+                "transfer {id}: delivered bytes differ from the sender's"
+            );
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(r.stats().await.unwrap().verified, 16);
+    assert_eq!(s.stats().await.unwrap().verified, 16);
+    assert_receiver_pool_full(&r).await;
+    assert_eq!(
+        s.stats().await.unwrap().pages_free,
+        s.stats().await.unwrap().pages_total
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placeholder_is_rejected_at_admission_and_nothing_moves() {
+    let mut config = NodeConfig::example();
+    config.engine.max_context_tokens = 8192;
+    config.engine.allow_undersized_pool = true; // sender pool: 256 pages x 16 = 4096 tokens
+    let (s, r) = pair(&config).await;
+    let verified = r.reserve(params(9, 4000));
+    // 5000 tokens do not fit the prefill pool: rejected, never sent.
+    match send(&s, 9, 5000).await {
+        Err(TransferError::Rejected(e)) => assert_eq!(e.code(), ErrorCode::PROMPT_EXCEEDS_POOL),
+        other => panic!("expected a rejection at admission, got {other:?}"),
+    }
+    match verified.await {
+        Err(TransferError::Failed(FailureReason::Rejected { code, .. })) => {
+            assert_eq!(code, ErrorCode::PROMPT_EXCEEDS_POOL)
+        }
+        other => panic!("receiver did not get the original error: {other:?}"),
+    }
+    assert_eq!(s.stats().await.unwrap().writes, 0);
+    assert_eq!(r.stats().await.unwrap().stream.bytes_landed, 0);
+    assert_receiver_pool_full(&r).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sender_gone_mid_transfer_fails_safely_and_frees_pages() {
+    let config = NodeConfig::example();
+    let (s, r) = pair(&config).await;
+    let verified = r.reserve(params(3, 2000));
+    // The sender's engine disappears before sending anything.
+    drop(s);
+    match verified.await {
+        Err(TransferError::Failed(FailureReason::PeerLost)) => {}
+        other => panic!("expected PeerLost, got {other:?}"),
+    }
+    let st = r.stats().await.unwrap();
+    assert!(st.peer_lost);
+    assert_receiver_pool_full(&r).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_never_comes_times_out() {
+    let config = NodeConfig::example();
+    let (_s, r) = pair(&config).await;
+    let mut p = params(4, 64);
+    p.timeout = Duration::from_millis(200);
+    match r.reserve(p).await {
+        Err(TransferError::Failed(FailureReason::Timeout {
+            waiting_for: Wait::Commit,
+        })) => {}
+        other => panic!("expected a commit timeout, got {other:?}"),
+    }
+    assert_receiver_pool_full(&r).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layout_mismatch_is_refused_at_connect() {
+    let config = NodeConfig::example();
+    let mut other = config.clone();
+    other.pool.buffer_page_bytes = vec![4096, 8192];
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &config).await });
+    let err = SenderConn::connect(addr, &other).await.unwrap_err();
+    assert!(err.to_string().contains("LAYOUT_MISMATCH"), "{err}");
+    assert!(accept.await.unwrap().is_err());
+}
