@@ -6,8 +6,10 @@
 
 pub use kvwire_proto as proto;
 
+pub mod bench;
 pub mod checksum;
 pub mod config;
+pub mod doctor;
 pub mod engine;
 pub mod harness;
 pub mod pool;

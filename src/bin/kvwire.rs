@@ -1,18 +1,240 @@
-//! The `kvwire` command-line tool. The benchmark (`kvwire bench`) and `doctor` arrive with
-//! the CLI work; until then this binary reports its version and what it can do.
+//! The `kvwire` command-line tool: `bench` (the main job), `check-config`, `doctor`.
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("--version") | Some("version") => println!("kvwire {}", env!("CARGO_PKG_VERSION")),
-        _ => {
-            eprintln!(
-                "kvwire {}: the `bench`, `doctor` and `check-config` commands are not built yet.\n\
-                 Run the test suite with `cargo test --workspace`, and the integrity demo with\n\
-                 `cargo run --example stale_page_leak`.",
-                env!("CARGO_PKG_VERSION")
-            );
-            std::process::exit(2);
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use kvwire::bench::{self, BenchSpec, Verify};
+use kvwire::config::file::ConfigFile;
+
+#[derive(Parser)]
+#[command(
+    name = "kvwire",
+    version,
+    about = "KV-cache transfer engine with an integrity protocol"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Verified transfer benchmark. With no address: both roles in this process over TCP
+    /// loopback, against a raw TCP baseline measured in the same run.
+    Bench(BenchArgs),
+    /// Checks a configuration file: pool capacity in tokens against the context length.
+    /// Exits non-zero on a mismatch, naming both numbers.
+    CheckConfig {
+        /// The TOML configuration file.
+        file: PathBuf,
+    },
+    /// What this host offers: RDMA devices, locked-memory limit, huge pages, and the
+    /// configuration check when given a file.
+    Doctor {
+        /// A TOML configuration file to check as well.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum VerifyArg {
+    Xxh3,
+    Crc32,
+    None,
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Two-process mode, decode side: listen here and receive.
+    #[arg(long, conflicts_with = "connect")]
+    listen: Option<SocketAddr>,
+    /// Two-process mode, prefill side: connect here and send.
+    #[arg(long)]
+    connect: Option<SocketAddr>,
+    /// With --listen: serve this many sender connections in turn.
+    #[arg(long, default_value_t = 1)]
+    connections: u32,
+    /// In two-process mode, skip the raw TCP baseline.
+    #[arg(long)]
+    no_raw: bool,
+    /// Bytes per page per buffer, one case each (suffixes K, M).
+    #[arg(long, value_delimiter = ',', default_value = "64K,1M", value_parser = parse_size_u32)]
+    page_sizes: Vec<u32>,
+    /// Buffers (e.g. layers x K/V).
+    #[arg(long, default_value_t = 4)]
+    buffers: u32,
+    /// Pages per transfer.
+    #[arg(long, default_value_t = 8)]
+    pages: u32,
+    /// Payload bytes per case (suffixes K, M, G).
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    bytes: u64,
+    /// Transfers in flight.
+    #[arg(long, default_value_t = 4)]
+    concurrency: u32,
+    /// Verification: xxh3 (default), crc32, or none (UNVERIFIED: only to measure the
+    /// integrity tax).
+    #[arg(long, value_enum, default_value = "xxh3")]
+    verify: VerifyArg,
+    /// Also compare every delivered byte with what the sender wrote.
+    #[arg(long)]
+    check_bytes: bool,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("not a size: {s:?} (e.g. 65536, 64K, 1M)"))
+}
+
+fn parse_size_u32(s: &str) -> Result<u32, String> {
+    parse_size(s).and_then(|n| u32::try_from(n).map_err(|_| format!("{s} is too large")))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Bench(args) => bench_main(args),
+        Command::CheckConfig { file } => check_config(&file),
+        Command::Doctor { config } => {
+            print!("{}", kvwire::doctor::inspect().render());
+            match config {
+                Some(f) => check_config(&f),
+                None => ExitCode::SUCCESS,
+            }
         }
+    }
+}
+
+fn check_config(file: &std::path::Path) -> ExitCode {
+    let cfg = match ConfigFile::load(file) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvwire check-config: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let geometry = match cfg.geometry() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("kvwire check-config: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let engine = cfg.engine();
+    println!(
+        "pool:    {} pages x {} tokens/page = {} tokens ({} buffers, {} bytes per page index)",
+        geometry.pages,
+        geometry.tokens_per_page,
+        geometry.capacity_tokens(),
+        geometry.buffers(),
+        geometry.bytes_per_page_index()
+    );
+    println!(
+        "context: {} tokens (max_context_tokens)",
+        engine.max_context_tokens
+    );
+    if let Err(e) = cfg.node_config() {
+        eprintln!("kvwire check-config: {e}");
+        return ExitCode::from(2);
+    }
+    match engine.validate_geometry(&geometry) {
+        Ok(warnings) if warnings.is_empty() => {
+            println!("ok:      the pool holds the longest context");
+            ExitCode::SUCCESS
+        }
+        Ok(warnings) => {
+            for w in warnings {
+                println!("WARNING: {w} (allowed by allow_undersized_pool)");
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!("REFUSED: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn bench_main(a: BenchArgs) -> ExitCode {
+    let spec = BenchSpec {
+        page_sizes: a.page_sizes,
+        buffers: a.buffers,
+        pages: a.pages,
+        tokens_per_page: 16,
+        bytes_per_case: a.bytes,
+        concurrency: a.concurrency.max(1),
+        verify: match a.verify {
+            VerifyArg::Xxh3 => Verify::Xxh3,
+            VerifyArg::Crc32 => Verify::Crc32,
+            VerifyArg::None => Verify::None,
+        },
+        check_bytes: a.check_bytes,
+    };
+    if spec.verify == Verify::None {
+        eprintln!("kvwire bench: --verify none: transfers are NOT verified; this mode only measures the integrity tax");
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvwire bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let progress = |msg: &str| eprintln!("kvwire bench: {msg}");
+    let result = runtime.block_on(async {
+        match (a.listen, a.connect) {
+            (Some(addr), _) => {
+                bench::run_listen(&spec, addr, a.connections, !a.no_raw, progress).await
+            }
+            (_, Some(addr)) => bench::run_connect(&spec, addr, !a.no_raw, progress).await,
+            _ => bench::run_in_process(&spec, progress).await,
+        }
+    });
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvwire bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if a.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(j) => println!("{j}"),
+            Err(e) => {
+                eprintln!("kvwire bench: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        print!("{}", bench::table(&report));
+    }
+    // Content, not status: a run with any failed or unchecked-but-asked transfer fails.
+    let failed = report
+        .cases
+        .iter()
+        .any(|c| !c.failures.is_empty() || c.verified < c.transfers);
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
     }
 }

@@ -303,3 +303,28 @@ where
     }
     Ok(out)
 }
+
+/// Whether the drivers compute digests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DigestMode {
+    /// Compute digests over the source and over the landed memory (the only mode for
+    /// production).
+    #[default]
+    Verify,
+    /// **Delivers unverified data.** Both drivers skip digest computation and hand the
+    /// session a fixed placeholder digest, so "verification" always passes. It exists only
+    /// so `kvwire bench --verify none` can measure the integrity tax; both peers must use it.
+    UnverifiedBenchmarkOnly,
+}
+
+/// The fixed digests [`DigestMode::UnverifiedBenchmarkOnly`] reports instead of computing.
+pub fn placeholder_digests(buffers: usize, pages: usize, per_page: bool) -> TransferDigests {
+    TransferDigests {
+        buffers: vec![Digest128::from_u128(1); buffers],
+        pages: if per_page {
+            vec![0; buffers * pages]
+        } else {
+            Vec::new()
+        },
+    }
+}

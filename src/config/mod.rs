@@ -6,6 +6,8 @@
 //! for it: call [`EngineConfig::validate`] at start and on every reconfiguration, and refuse
 //! to serve when it fails.
 
+pub mod file;
+
 use std::fmt;
 
 use crate::pool::PagePool;
@@ -133,14 +135,22 @@ impl EngineConfig {
     /// `allow_undersized_pool` is set: then it logs a `tracing` warning with both numbers
     /// and returns [`ConfigWarning::PoolSmallerThanContext`].
     pub fn validate(&self, pool: &PagePool) -> Result<Vec<ConfigWarning>, ConfigError> {
+        self.validate_geometry(pool.geometry())
+    }
+
+    /// The same check against the geometry a pool is (or will be) built from, without
+    /// allocating it: what `kvwire check-config` runs before a deploy.
+    pub fn validate_geometry(
+        &self,
+        geometry: &crate::pool::PoolGeometry,
+    ) -> Result<Vec<ConfigWarning>, ConfigError> {
         if self.max_context_tokens == 0 {
             return Err(ConfigError::ZeroContext);
         }
         let mut warnings = Vec::new();
-        let pool_tokens = pool.capacity_tokens();
+        let pool_tokens = geometry.capacity_tokens();
         let context_tokens = self.max_context_tokens;
         if pool_tokens < context_tokens {
-            let geometry = pool.geometry();
             if !self.allow_undersized_pool {
                 return Err(ConfigError::PoolSmallerThanContext {
                     pool_tokens,

@@ -52,6 +52,7 @@ use kvwire_proto::FailureReason;
 pub use receiver::{PagesView, ReceiverConn, ReceiverConnStats, Verified};
 pub use sender::{SenderConn, SenderConnStats};
 
+use crate::checksum::DigestMode;
 use crate::config::{ConfigError, EngineConfig};
 use crate::pool::{PoolError, PoolGeometry, Scrub};
 use crate::receiver::ReceiveError;
@@ -80,6 +81,9 @@ pub struct NodeConfig {
     pub receiver: ReceiverConfig,
     /// Page writes in flight per transfer on the sender.
     pub window: u32,
+    /// Digest computation; anything but [`DigestMode::Verify`] delivers unverified data and
+    /// exists only to measure the integrity tax.
+    pub digest_mode: DigestMode,
 }
 
 impl NodeConfig {
@@ -101,6 +105,7 @@ impl NodeConfig {
             sender: SenderConfig::default(),
             receiver: ReceiverConfig::default(),
             window: 16,
+            digest_mode: DigestMode::Verify,
         }
     }
 

@@ -187,7 +187,8 @@ impl ReceiverConn {
         let pool = PagePool::new(config.pool.clone(), config.scrub)?;
         let mut rx_config = config.receiver.clone();
         rx_config.nonce_seed = fresh_seed();
-        let endpoint = ReceiverEndpoint::new(&est, pool, &config.engine, rx_config)?;
+        let mut endpoint = ReceiverEndpoint::new(&est, pool, &config.engine, rx_config)?;
+        endpoint.set_digest_mode(config.digest_mode);
         let (rd, wr) = stream.into_split();
         let (wr_tx, mut wr_rx) = mpsc::unbounded_channel::<Vec<u8>>();
         tokio::spawn(async move {

@@ -41,6 +41,10 @@ enum Cmd {
     Stats {
         reply: oneshot::Sender<SenderConnStats>,
     },
+    FillFree {
+        f: Fill,
+        reply: oneshot::Sender<()>,
+    },
 }
 
 /// Counters of a sender connection.
@@ -103,13 +107,14 @@ impl SenderConn {
         };
         let est = handshake(&mut stream, hs, config.handshake_timeout).await?;
         let pool = PagePool::new(config.pool.clone(), config.scrub)?;
-        let endpoint = SenderEndpoint::new(
+        let mut endpoint = SenderEndpoint::new(
             &est,
             pool,
             &config.engine,
             config.sender.clone(),
             config.window,
         )?;
+        endpoint.set_digest_mode(config.digest_mode);
         let (rd, wr) = stream.into_split();
         let (frame_tx, frame_rx) = mpsc::unbounded_channel();
         tokio::spawn(read_frames(rd, frame_tx));
@@ -168,6 +173,22 @@ impl SenderConn {
     /// Aborts a transfer (stop posting, drain, ABORT).
     pub fn abort(&self, transfer_id: u64, code: ErrorCode) {
         let _ = self.cmd.send(Cmd::Abort { transfer_id, code });
+    }
+
+    /// Writes into every free source page, `f(page, buffer, bytes)` (e.g. to initialise KV
+    /// memory once); pages leased to transfers are not touched.
+    pub async fn fill_free_pages(
+        &self,
+        f: impl FnMut(u32, usize, &mut [u8]) + Send + 'static,
+    ) -> Result<(), TransferError> {
+        let (reply, rx) = oneshot::channel();
+        self.cmd
+            .send(Cmd::FillFree {
+                f: Box::new(f),
+                reply,
+            })
+            .map_err(|_| TransferError::ConnectionClosed)?;
+        rx.await.map_err(|_| TransferError::ConnectionClosed)
     }
 
     /// Counters.
@@ -322,6 +343,10 @@ impl Task {
             }
             Cmd::Abort { transfer_id, code } => {
                 self.endpoint.abort(now, transfer_id, code);
+            }
+            Cmd::FillFree { f, reply } => {
+                self.endpoint.fill_free_pages(f);
+                let _ = reply.send(());
             }
             Cmd::Stats { reply } => {
                 let pool = self.endpoint.pool();

@@ -18,7 +18,7 @@ use kvwire_proto::receiver::{
 use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, TransferRef};
 use kvwire_proto::{FailureReason, FrameError};
 
-use crate::checksum::{digest_transfer, DigestBinding};
+use crate::checksum::{digest_transfer, placeholder_digests, DigestBinding, DigestMode};
 use crate::config::{ConfigError, EngineConfig};
 use crate::pool::{PageLease, PagePool, PoolError};
 use crate::transport::ScopeTable;
@@ -119,6 +119,7 @@ pub struct ReceiverEndpoint {
     outcomes: VecDeque<ReceiveOutcome>,
     fenced: VecDeque<TransferRef>,
     stats: ReceiverEndpointStats,
+    digest_mode: DigestMode,
 }
 
 impl ReceiverEndpoint {
@@ -141,6 +142,7 @@ impl ReceiverEndpoint {
             outcomes: VecDeque::new(),
             fenced: VecDeque::new(),
             stats: ReceiverEndpointStats::default(),
+            digest_mode: DigestMode::Verify,
         })
     }
 
@@ -283,14 +285,22 @@ impl ReceiverEndpoint {
                     nonce: transfer.nonce,
                 };
                 // Digests of the memory that actually landed, after the fence.
-                let landed = digest_transfer(
-                    algorithm,
-                    binding,
-                    pool.buffers(),
-                    leases.len(),
-                    page_digests,
-                    |b, o| pool.raw_page(leases[o].page(), b).unwrap_or(&[]),
-                );
+                let landed = if self.digest_mode == DigestMode::UnverifiedBenchmarkOnly {
+                    Ok(placeholder_digests(
+                        pool.buffers(),
+                        leases.len(),
+                        page_digests,
+                    ))
+                } else {
+                    digest_transfer(
+                        algorithm,
+                        binding,
+                        pool.buffers(),
+                        leases.len(),
+                        page_digests,
+                        |b, o| pool.raw_page(leases[o].page(), b).unwrap_or(&[]),
+                    )
+                };
                 match landed {
                     Ok(d) => self.session.handle_digests(now, transfer, d),
                     Err(_) => {
@@ -352,6 +362,12 @@ impl ReceiverEndpoint {
             ls.iter()
                 .any(|l| l.page() == page && self.pool.holds(l.page(), l.generation()))
         })
+    }
+
+    /// Sets the digest mode. [`DigestMode::UnverifiedBenchmarkOnly`] delivers unverified
+    /// data and exists only to measure the integrity tax.
+    pub fn set_digest_mode(&mut self, mode: DigestMode) {
+        self.digest_mode = mode;
     }
 
     /// The destination page pool.

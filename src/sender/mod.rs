@@ -19,7 +19,7 @@ use kvwire_proto::sender::{
 use kvwire_proto::wire::{ErrorCode, Frame, TransferRef};
 use kvwire_proto::FrameError;
 
-use crate::checksum::{digest_transfer, DigestBinding};
+use crate::checksum::{digest_transfer, placeholder_digests, DigestBinding, DigestMode};
 use crate::config::{ConfigError, EngineConfig};
 use crate::pool::{PageLease, PagePool, PoolError};
 
@@ -82,6 +82,7 @@ pub struct SenderEndpoint {
     postings: BTreeMap<u64, Posting>,
     writes: VecDeque<PostedWrite>,
     stats: SenderEndpointStats,
+    digest_mode: DigestMode,
 }
 
 impl SenderEndpoint {
@@ -111,6 +112,7 @@ impl SenderEndpoint {
             postings: BTreeMap::new(),
             writes: VecDeque::new(),
             stats: SenderEndpointStats::default(),
+            digest_mode: DigestMode::Verify,
         })
     }
 
@@ -241,14 +243,22 @@ impl SenderEndpoint {
                         transfer_id: transfer.transfer_id,
                         nonce: transfer.nonce,
                     };
-                    let digests = digest_transfer(
-                        algorithm,
-                        binding,
-                        pool.buffers(),
-                        leases.len(),
-                        page_digests,
-                        |b, o| pool.page(&leases[o], b).unwrap_or(&[]),
-                    );
+                    let digests = if self.digest_mode == DigestMode::UnverifiedBenchmarkOnly {
+                        Ok(placeholder_digests(
+                            pool.buffers(),
+                            leases.len(),
+                            page_digests,
+                        ))
+                    } else {
+                        digest_transfer(
+                            algorithm,
+                            binding,
+                            pool.buffers(),
+                            leases.len(),
+                            page_digests,
+                            |b, o| pool.page(&leases[o], b).unwrap_or(&[]),
+                        )
+                    };
                     match digests {
                         Ok(d) => self.session.handle_digests(now, transfer, d),
                         Err(_) => {
@@ -338,6 +348,27 @@ impl SenderEndpoint {
     /// When [`SenderEndpoint::handle_timeout`] must next be called.
     pub fn poll_timeout(&mut self) -> Option<Instant> {
         self.session.poll_timeout()
+    }
+
+    /// Sets the digest mode. [`DigestMode::UnverifiedBenchmarkOnly`] delivers unverified
+    /// data and exists only to measure the integrity tax.
+    pub fn set_digest_mode(&mut self, mode: DigestMode) {
+        self.digest_mode = mode;
+    }
+
+    /// Writes into every *free* source page (for example to initialise KV memory);
+    /// `f(page, buffer, bytes)`. Pages leased to a transfer are not touched.
+    pub fn fill_free_pages(&mut self, mut f: impl FnMut(u32, usize, &mut [u8])) {
+        for p in 0..self.pool.capacity_pages() {
+            if self.pool.state(p) != Some(crate::pool::PageState::Free) {
+                continue;
+            }
+            for b in 0..self.pool.buffers() {
+                if let Some(page) = self.pool.raw_page_mut(p, b) {
+                    f(p, b, page);
+                }
+            }
+        }
     }
 
     /// The source page pool.

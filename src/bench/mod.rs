@@ -1,0 +1,692 @@
+//! `kvwire bench`: verified transfer throughput over TCP, against a raw TCP baseline measured
+//! in the same run.
+//!
+//! Each case (one page size) gets its own connection, since the page geometry is part of
+//! the layout the handshake pins. Source pools are filled once with a body pattern; each
+//! transfer stamps the first 16 bytes of each page with (transfer id, ordinal, buffer), so
+//! the sender does no per-byte work per transfer and the receiver can still check every byte
+//! (`--check-bytes`). Every transfer is verified by digest unless `--verify none` is asked
+//! for, which exists only to measure the integrity tax and says so.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvwire_proto::admission::Request;
+use kvwire_proto::wire::DigestAlgorithm;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::checksum::DigestMode;
+use crate::config::EngineConfig;
+use crate::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
+use crate::pool::PoolGeometry;
+use crate::receiver::ReserveParams;
+
+/// How transfers are verified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verify {
+    /// XXH3-64 page digests (the default).
+    Xxh3,
+    /// CRC-32 page digests.
+    Crc32,
+    /// No digests: **unverified**, only to measure the integrity tax.
+    None,
+}
+
+/// What to run.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchSpec {
+    /// Bytes per page per buffer, one case each.
+    pub page_sizes: Vec<u32>,
+    /// Buffers (e.g. layers x K/V).
+    pub buffers: u32,
+    /// Pages per transfer.
+    pub pages: u32,
+    /// Tokens per page.
+    pub tokens_per_page: u32,
+    /// Payload bytes each case moves (sets the transfer count).
+    pub bytes_per_case: u64,
+    /// Transfers in flight.
+    pub concurrency: u32,
+    /// Verification.
+    pub verify: Verify,
+    /// Compare every delivered byte with what the sender wrote, too.
+    pub check_bytes: bool,
+}
+
+impl Default for BenchSpec {
+    fn default() -> Self {
+        Self {
+            page_sizes: vec![64 * 1024, 1024 * 1024],
+            buffers: 4,
+            pages: 8,
+            tokens_per_page: 16,
+            bytes_per_case: 1 << 30,
+            concurrency: 4,
+            verify: Verify::Xxh3,
+            check_bytes: false,
+        }
+    }
+}
+
+/// One case's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct CaseResult {
+    /// Bytes per page per buffer.
+    pub page_bytes: u32,
+    /// Pages per transfer.
+    pub pages: u32,
+    /// Buffers.
+    pub buffers: u32,
+    /// Transfers attempted.
+    pub transfers: u64,
+    /// Transfers in flight.
+    pub concurrency: u32,
+    /// Payload bytes of verified transfers.
+    pub bytes: u64,
+    /// Wall time of the case.
+    pub seconds: f64,
+    /// Verified payload throughput, 10^9 bytes/s.
+    pub gb_per_s: f64,
+    /// Verified transfers per second.
+    pub transfers_per_s: f64,
+    /// Median latency, reservation to verified delivery, ms.
+    pub p50_ms: f64,
+    /// 99th percentile latency, ms.
+    pub p99_ms: f64,
+    /// Transfers verified (digests over the landed memory matched).
+    pub verified: u64,
+    /// Transfers whose bytes were compared and matched (`--check-bytes`).
+    pub bytes_checked: u64,
+    /// Failures by reason.
+    pub failures: BTreeMap<String, u64>,
+    /// Raw TCP loopback throughput for the same bytes in the same run, 10^9 bytes/s.
+    pub raw_gb_per_s: Option<f64>,
+    /// `gb_per_s / raw_gb_per_s`.
+    pub ratio_to_raw: Option<f64>,
+    /// Receiver pool pages free once the case ended (decode side only).
+    pub pages_free_after: Option<u32>,
+    /// Receiver pool pages in all (decode side only).
+    pub pages_total: Option<u32>,
+}
+
+/// A whole run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// The spec.
+    pub spec: BenchSpec,
+    /// The transport.
+    pub transport: &'static str,
+    /// The cases.
+    pub cases: Vec<CaseResult>,
+}
+
+impl BenchSpec {
+    fn transfer_bytes(&self, page: u32) -> u64 {
+        u64::from(page) * u64::from(self.buffers) * u64::from(self.pages)
+    }
+
+    fn transfers(&self, page: u32) -> u64 {
+        (self.bytes_per_case / self.transfer_bytes(page)).max(1)
+    }
+
+    /// The node configuration for one case (both sides use the same one).
+    pub fn node_config(&self, page: u32) -> NodeConfig {
+        let pages = self.pages * self.concurrency * 2;
+        let mut c = NodeConfig::example();
+        c.pool = PoolGeometry {
+            tokens_per_page: self.tokens_per_page,
+            buffer_page_bytes: vec![page; self.buffers as usize],
+            pages,
+        };
+        c.engine = EngineConfig::new(u64::from(pages) * u64::from(self.tokens_per_page));
+        c.fingerprint = format!("kvwire-bench/{page}x{}x{}", self.buffers, self.pages).into_bytes();
+        let (digests, mode) = match self.verify {
+            Verify::Xxh3 => (vec![DigestAlgorithm::XXH3_64], DigestMode::Verify),
+            Verify::Crc32 => (vec![DigestAlgorithm::CRC32], DigestMode::Verify),
+            Verify::None => (
+                vec![DigestAlgorithm::XXH3_64],
+                DigestMode::UnverifiedBenchmarkOnly,
+            ),
+        };
+        c.digests = digests;
+        c.digest_mode = mode;
+        c.window = self.pages.max(1);
+        c
+    }
+
+    fn tokens(&self) -> u32 {
+        self.pages * self.tokens_per_page
+    }
+}
+
+/// The body byte at `offset` of a page of `buffer`.
+fn body(buffer: usize, offset: usize) -> u8 {
+    (offset.wrapping_mul(31) ^ buffer.wrapping_mul(0x5d) ^ (offset >> 8)) as u8
+}
+
+fn fill_body(buffer: usize, page: &mut [u8]) {
+    for (i, b) in page.iter_mut().enumerate() {
+        *b = body(buffer, i);
+    }
+}
+
+fn stamp(id: u64, ordinal: u32, buffer: usize) -> [u8; 16] {
+    let mut s = [0u8; 16];
+    s[..8].copy_from_slice(&id.to_le_bytes());
+    s[8..12].copy_from_slice(&ordinal.to_le_bytes());
+    s[12..].copy_from_slice(&(buffer as u32).to_le_bytes());
+    s
+}
+
+fn page_is_expected(id: u64, ordinal: u32, buffer: usize, page: &[u8]) -> bool {
+    let n = page.len().min(16);
+    page[..n] == stamp(id, ordinal, buffer)[..n]
+        && page
+            .iter()
+            .enumerate()
+            .skip(16)
+            .all(|(i, &b)| b == body(buffer, i))
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e3
+}
+
+#[derive(Default)]
+struct Tally {
+    latencies: Vec<Duration>,
+    verified: u64,
+    checked: u64,
+    failures: BTreeMap<String, u64>,
+}
+
+impl Tally {
+    fn fail(&mut self, e: &TransferError) {
+        let key = match e.reason() {
+            Some(r) => r.code().to_string(),
+            None => e.to_string(),
+        };
+        *self.failures.entry(key).or_default() += 1;
+    }
+}
+
+/// How one transfer ended, for the tally.
+enum Outcome {
+    /// Verified; `Some(ok)` if its bytes were also compared.
+    Verified(Option<bool>),
+    /// Failed.
+    Failed(TransferError),
+}
+
+/// The decode side of one transfer: reserve, await verified KV, optionally compare bytes.
+fn receive_one(
+    r: &ReceiverConn,
+    spec: &BenchSpec,
+    id: u64,
+) -> impl std::future::Future<Output = Outcome> + Send + 'static {
+    let verified = r.reserve(ReserveParams {
+        transfer_id: id,
+        tokens: spec.tokens(),
+        timeout: Duration::from_secs(30),
+        digest: None,
+        page_digests: false,
+    });
+    let check = spec.check_bytes;
+    async move {
+        let kv = match verified.await {
+            Ok(kv) => kv,
+            Err(e) => return Outcome::Failed(e),
+        };
+        if !check {
+            return Outcome::Verified(None);
+        }
+        let same = kv
+            .read(move |pages| {
+                (0..pages.pages()).all(|o| {
+                    (0..pages.buffers())
+                        .all(|b| page_is_expected(id, o as u32, b, pages.page(o, b)))
+                })
+            })
+            .await;
+        match same {
+            Ok(same) => Outcome::Verified(Some(same)),
+            Err(e) => Outcome::Failed(e),
+        }
+    }
+}
+
+/// The prefill side of one transfer: admit, stamp the pages, send, await the verdict.
+fn send_one(
+    s: &SenderConn,
+    tokens: u32,
+    id: u64,
+) -> impl std::future::Future<Output = Outcome> + Send + 'static {
+    let s = s.clone();
+    async move {
+        let r = async {
+            let admitted = s
+                .admit(Request {
+                    transfer_id: id,
+                    tokens: u64::from(tokens),
+                })
+                .await?;
+            s.send(admitted, move |ord, b, page| {
+                let n = page.len().min(16);
+                page[..n].copy_from_slice(&stamp(id, ord, b)[..n]);
+            })
+            .await
+        }
+        .await;
+        match r {
+            Ok(()) => Outcome::Verified(None),
+            Err(e) => Outcome::Failed(e),
+        }
+    }
+}
+
+/// Both roles of one case in this process.
+async fn run_case_pair(
+    spec: &BenchSpec,
+    page: u32,
+    sender: &SenderConn,
+    receiver: &ReceiverConn,
+) -> CaseResult {
+    sender
+        .fill_free_pages(|_, b, bytes| fill_body(b, bytes))
+        .await
+        .ok();
+    let (s, r, spec2) = (sender.clone(), receiver.clone(), spec.clone());
+    run_side(spec, page, move |id| {
+        let (recv, send) = (
+            receive_one(&r, &spec2, id),
+            send_one(&s, spec2.tokens(), id),
+        );
+        async move {
+            // The receiver's outcome is the one that counts: only it verifies.
+            let (got, _) = tokio::join!(recv, send);
+            got
+        }
+    })
+    .await
+}
+
+/// Raw TCP loopback: the same bytes, in records of one page index, copied into a page-sized
+/// buffer on arrival (what landing does), with no protocol at all.
+pub async fn raw_tcp_baseline(total: u64, record: usize) -> std::io::Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let reader = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await?;
+        raw_read(&mut s, total, record).await
+    });
+    let mut s = TcpStream::connect(addr).await?;
+    s.set_nodelay(true)?;
+    let start = Instant::now();
+    raw_write(&mut s, total, record).await?;
+    reader.await.map_err(std::io::Error::other)??;
+    Ok(total as f64 / start.elapsed().as_secs_f64() / 1e9)
+}
+
+async fn raw_write(s: &mut TcpStream, total: u64, record: usize) -> std::io::Result<()> {
+    let buf = vec![0x5au8; record];
+    let mut left = total;
+    while left > 0 {
+        let n = (left as usize).min(record);
+        s.write_all(&buf[..n]).await?;
+        left -= n as u64;
+    }
+    s.flush().await
+}
+
+async fn raw_read(s: &mut TcpStream, total: u64, record: usize) -> std::io::Result<()> {
+    let mut buf = vec![0u8; record];
+    let mut left = total;
+    while left > 0 {
+        let n = (left as usize).min(record);
+        s.read_exact(&mut buf[..n]).await?;
+        left -= n as u64;
+    }
+    Ok(())
+}
+
+fn with_baseline(mut case: CaseResult, raw: Option<f64>) -> CaseResult {
+    case.raw_gb_per_s = raw;
+    case.ratio_to_raw = raw.filter(|r| *r > 0.0).map(|r| case.gb_per_s / r);
+    case
+}
+
+/// Both roles in this process over TCP loopback; each case is followed by its raw baseline.
+pub async fn run_in_process(
+    spec: &BenchSpec,
+    mut progress: impl FnMut(&str),
+) -> Result<Report, String> {
+    let mut cases = Vec::new();
+    for &page in &spec.page_sizes {
+        progress(&format!(
+            "case: {} pages/transfer x {} buffers x {}",
+            spec.pages,
+            spec.buffers,
+            human_bytes(u64::from(page))
+        ));
+        let config = spec.node_config(page);
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| e.to_string())?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let cfg = config.clone();
+        let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
+        let sender = SenderConn::connect(addr, &config)
+            .await
+            .map_err(|e| e.to_string())?;
+        let receiver = accept
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let case = run_case_pair(spec, page, &sender, &receiver).await;
+        let case = with_pool_state(case, &receiver).await;
+        drop((sender, receiver));
+        let raw = raw_tcp_baseline(
+            case.bytes.max(1),
+            (u64::from(page) * u64::from(spec.buffers)) as usize,
+        )
+        .await
+        .ok();
+        cases.push(with_baseline(case, raw));
+    }
+    Ok(Report {
+        spec: spec.clone(),
+        transport: "tcp-loopback",
+        cases,
+    })
+}
+
+/// Two-process mode, decode side: listens and runs each case as the receiver; the other
+/// process runs [`run_connect`] with the same spec.
+///
+/// It serves `connections` sender connections in turn (each running every case), so a
+/// sender that dies mid-run can be followed by a new one. With `raw`, each case first
+/// measures a raw TCP baseline over the same address pair.
+pub async fn run_listen(
+    spec: &BenchSpec,
+    addr: SocketAddr,
+    connections: u32,
+    raw: bool,
+    mut progress: impl FnMut(&str),
+) -> Result<Report, String> {
+    let listener = TcpListener::bind(addr).await.map_err(|e| e.to_string())?;
+    progress(&format!(
+        "listening on {}",
+        listener.local_addr().map_err(|e| e.to_string())?
+    ));
+    let mut cases = Vec::new();
+    for _ in 0..connections.max(1) {
+        for &page in &spec.page_sizes {
+            let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
+            let total = spec.transfers(page) * spec.transfer_bytes(page);
+            let raw_gbps = if raw {
+                let (mut s, _) = listener.accept().await.map_err(|e| e.to_string())?;
+                let start = Instant::now();
+                raw_read(&mut s, total, record)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Some(total as f64 / start.elapsed().as_secs_f64() / 1e9)
+            } else {
+                None
+            };
+            let config = spec.node_config(page);
+            let receiver = ReceiverConn::accept(&listener, &config)
+                .await
+                .map_err(|e| e.to_string())?;
+            let size = human_bytes(u64::from(page));
+            progress(&format!(
+                "case {size}: connected to node {}",
+                receiver.peer().node_id
+            ));
+            let case = run_receiver_side(spec, page, &receiver).await;
+            progress(&format!(
+                "case {size}: {} verified, failures {:?}, pool {}/{} pages free",
+                case.verified,
+                case.failures,
+                case.pages_free_after.unwrap_or(0),
+                case.pages_total.unwrap_or(0)
+            ));
+            cases.push(with_baseline(case, raw_gbps));
+        }
+    }
+    Ok(Report {
+        spec: spec.clone(),
+        transport: "tcp",
+        cases,
+    })
+}
+
+/// Two-process mode, prefill side: connects to [`run_listen`] and sends every case.
+pub async fn run_connect(
+    spec: &BenchSpec,
+    addr: SocketAddr,
+    raw: bool,
+    mut progress: impl FnMut(&str),
+) -> Result<Report, String> {
+    let mut cases = Vec::new();
+    for &page in &spec.page_sizes {
+        let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
+        let total = spec.transfers(page) * spec.transfer_bytes(page);
+        let raw_gbps = if raw {
+            let mut s = connect_retry(addr).await?;
+            let start = Instant::now();
+            raw_write(&mut s, total, record)
+                .await
+                .map_err(|e| e.to_string())?;
+            Some(total as f64 / start.elapsed().as_secs_f64() / 1e9)
+        } else {
+            None
+        };
+        let config = spec.node_config(page);
+        let stream = connect_retry(addr).await?;
+        let sender = SenderConn::start(stream, &config, true)
+            .await
+            .map_err(|e| e.to_string())?;
+        progress(&format!("case {}: connected", human_bytes(u64::from(page))));
+        let case = run_sender_side(spec, page, &sender).await;
+        cases.push(with_baseline(case, raw_gbps));
+    }
+    Ok(Report {
+        spec: spec.clone(),
+        transport: "tcp",
+        cases,
+    })
+}
+
+async fn connect_retry(addr: SocketAddr) -> Result<TcpStream, String> {
+    let mut last = String::new();
+    for _ in 0..100 {
+        match TcpStream::connect(addr).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(format!("could not connect to {addr}: {last}"))
+}
+
+/// One role of a case: runs `one(id)` for every transfer at the spec's concurrency.
+async fn run_side<F, Fut>(spec: &BenchSpec, page: u32, one: F) -> CaseResult
+where
+    F: Fn(u64) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Outcome> + Send,
+{
+    let transfers = spec.transfers(page);
+    let next = Arc::new(AtomicU64::new(1));
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let one = Arc::new(one);
+    let start = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..spec.concurrency {
+        let (next, tally, one) = (next.clone(), tally.clone(), one.clone());
+        workers.push(tokio::spawn(async move {
+            loop {
+                let id = next.fetch_add(1, Ordering::Relaxed);
+                if id > transfers {
+                    return;
+                }
+                let t0 = Instant::now();
+                let outcome = one(id).await;
+                let mut t = tally.lock().unwrap_or_else(|p| p.into_inner());
+                match outcome {
+                    Outcome::Verified(checked) => {
+                        t.verified += 1;
+                        t.latencies.push(t0.elapsed());
+                        match checked {
+                            Some(true) => t.checked += 1,
+                            Some(false) => {
+                                *t.failures.entry("BYTES_DIFFER".into()).or_default() += 1
+                            }
+                            None => {}
+                        }
+                    }
+                    Outcome::Failed(e) => t.fail(&e),
+                }
+            }
+        }));
+    }
+    for w in workers {
+        let _ = w.await;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let mut t = std::mem::take(&mut *tally.lock().unwrap_or_else(|p| p.into_inner()));
+    t.latencies.sort_unstable();
+    let bytes = t.verified * spec.transfer_bytes(page);
+    CaseResult {
+        page_bytes: page,
+        pages: spec.pages,
+        buffers: spec.buffers,
+        transfers,
+        concurrency: spec.concurrency,
+        bytes,
+        seconds,
+        gb_per_s: bytes as f64 / seconds / 1e9,
+        transfers_per_s: t.verified as f64 / seconds,
+        p50_ms: percentile(&t.latencies, 0.50),
+        p99_ms: percentile(&t.latencies, 0.99),
+        verified: t.verified,
+        bytes_checked: t.checked,
+        failures: t.failures,
+        raw_gb_per_s: None,
+        ratio_to_raw: None,
+        pages_free_after: None,
+        pages_total: None,
+    }
+}
+
+async fn run_receiver_side(spec: &BenchSpec, page: u32, receiver: &ReceiverConn) -> CaseResult {
+    let (r, spec2) = (receiver.clone(), spec.clone());
+    let case = run_side(spec, page, move |id| receive_one(&r, &spec2, id)).await;
+    with_pool_state(case, receiver).await
+}
+
+/// Records the receiver's pool once every page has come back (releases travel on
+/// channels), or after 5 s, whichever is first.
+async fn with_pool_state(mut case: CaseResult, receiver: &ReceiverConn) -> CaseResult {
+    for _ in 0..500 {
+        if let Ok(s) = receiver.stats().await {
+            case.pages_free_after = Some(s.pages_free);
+            case.pages_total = Some(s.pages_total);
+            if s.pages_free == s.pages_total {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    case
+}
+
+async fn run_sender_side(spec: &BenchSpec, page: u32, sender: &SenderConn) -> CaseResult {
+    sender
+        .fill_free_pages(|_, b, bytes| fill_body(b, bytes))
+        .await
+        .ok();
+    let (s, tokens) = (sender.clone(), spec.tokens());
+    run_side(spec, page, move |id| send_one(&s, tokens, id)).await
+}
+
+/// `65536` -> `64 KiB`.
+pub fn human_bytes(b: u64) -> String {
+    if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
+}
+
+/// The perftest-style table.
+pub fn table(report: &Report) -> String {
+    let mut out = String::new();
+    let verify = match report.spec.verify {
+        Verify::Xxh3 => "verify: xxh3 digests over landed memory",
+        Verify::Crc32 => "verify: crc32 digests over landed memory",
+        Verify::None => {
+            "verify: NONE -- UNVERIFIED, only to measure the integrity tax; never use for data"
+        }
+    };
+    out += &format!(
+        "kvwire bench  transport: {}  {}\n",
+        report.transport, verify
+    );
+    out += &format!(
+        "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6}  failures\n",
+        "page",
+        "pages",
+        "bufs",
+        "transfers",
+        "conc",
+        "GB/s",
+        "xfer/s",
+        "p50 ms",
+        "p99 ms",
+        "verified",
+        "checked",
+        "raw GB/s",
+        "ratio"
+    );
+    for c in &report.cases {
+        let failures = if c.failures.is_empty() {
+            "-".to_string()
+        } else {
+            c.failures
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        out += &format!(
+            "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8.3} {:>9.1} {:>8.2} {:>8.2} {:>9} {:>8} {:>8} {:>6}  {}\n",
+            human_bytes(u64::from(c.page_bytes)),
+            c.pages,
+            c.buffers,
+            c.transfers,
+            c.concurrency,
+            c.gb_per_s,
+            c.transfers_per_s,
+            c.p50_ms,
+            c.p99_ms,
+            c.verified,
+            c.bytes_checked,
+            c.raw_gb_per_s.map_or("-".into(), |r| format!("{r:.3}")),
+            c.ratio_to_raw.map_or("-".into(), |r| format!("{r:.2}")),
+            failures
+        );
+    }
+    out
+}

@@ -1,0 +1,85 @@
+//! The `kvwire` binary as a user runs it: the bench checks content and exits non-zero on
+//! any failure; check-config refuses an undersized pool naming both numbers.
+
+use std::process::Command;
+
+fn kvwire(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire")).args(args).output().expect("run kvwire");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(stdout: &str) -> serde_json::Value {
+    serde_json::from_str(stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
+}
+
+#[test]
+fn bench_verifies_and_byte_checks_every_transfer() {
+    let (code, out, err) = kvwire(&["bench", "--page-sizes", "16K", "--bytes", "4M", "--check-bytes", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let case = &json(&out)["cases"][0];
+    let transfers = case["transfers"].as_u64().unwrap();
+    assert!(transfers > 0);
+    assert_eq!(case["verified"].as_u64(), Some(transfers), "{case}");
+    assert_eq!(case["bytes_checked"].as_u64(), Some(transfers), "{case}");
+    assert_eq!(case["pages_free_after"], case["pages_total"], "receiver pages leaked: {case}");
+    assert!(case["raw_gb_per_s"].as_f64().unwrap() > 0.0);
+}
+
+/// Regression: the sender connection ignored the digest mode, so `--verify none` failed
+/// every transfer (fail closed: the receiver never accepted the mismatch).
+#[test]
+fn bench_verify_none_says_so_and_delivers() {
+    let (code, out, err) = kvwire(&["bench", "--page-sizes", "16K", "--bytes", "2M", "--verify", "none"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("UNVERIFIED"), "{out}");
+    assert!(err.contains("NOT verified"), "{err}");
+    assert!(!out.contains("DIGEST_MISMATCH"), "{out}");
+}
+
+#[test]
+fn bench_table_names_its_columns() {
+    let (code, out, err) = kvwire(&["bench", "--page-sizes", "8K", "--bytes", "1M"]);
+    assert_eq!(code, 0, "{err}");
+    for col in ["GB/s", "xfer/s", "p50 ms", "p99 ms", "verified", "raw GB/s", "ratio", "failures"] {
+        assert!(out.contains(col), "missing {col}: {out}");
+    }
+}
+
+#[test]
+fn check_config_refuses_an_undersized_pool_naming_both_numbers() {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config/decode-undersized.toml");
+    let (code, out, _) = kvwire(&["check-config", file]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("65536") && out.contains("131072") && out.contains("REFUSED"), "{out}");
+}
+
+#[test]
+fn check_config_accepts_a_pool_that_holds_the_context() {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config/decode.toml");
+    let (code, out, err) = kvwire(&["check-config", file]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("131072 tokens") && out.contains("ok:"), "{out}");
+}
+
+#[test]
+fn check_config_rejects_unknown_keys() {
+    let dir = std::env::temp_dir().join(format!("kvwire-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("typo.toml");
+    std::fs::write(&file, "[pool]\ntokens_per_page = 16\nbuffers = 2\npage_bytes = 4096\npages = 8\npagez = 9\n[engine]\nmax_context_tokens = 64\n").unwrap();
+    let (code, _, err) = kvwire(&["check-config", file.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("pagez"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn doctor_reports_without_failing() {
+    let (code, out, err) = kvwire(&["doctor"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("rdma:") && out.contains("memlock:") && out.contains("hugepages:"), "{out}");
+}
