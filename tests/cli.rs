@@ -4,7 +4,10 @@
 use std::process::Command;
 
 fn kvwire(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvwire")).args(args).output().expect("run kvwire");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .args(args)
+        .output()
+        .expect("run kvwire");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -18,14 +21,25 @@ fn json(stdout: &str) -> serde_json::Value {
 
 #[test]
 fn bench_verifies_and_byte_checks_every_transfer() {
-    let (code, out, err) = kvwire(&["bench", "--page-sizes", "16K", "--bytes", "4M", "--check-bytes", "--json"]);
+    let (code, out, err) = kvwire(&[
+        "bench",
+        "--page-sizes",
+        "16K",
+        "--bytes",
+        "4M",
+        "--check-bytes",
+        "--json",
+    ]);
     assert_eq!(code, 0, "{err}");
     let case = &json(&out)["cases"][0];
     let transfers = case["transfers"].as_u64().unwrap();
     assert!(transfers > 0);
     assert_eq!(case["verified"].as_u64(), Some(transfers), "{case}");
     assert_eq!(case["bytes_checked"].as_u64(), Some(transfers), "{case}");
-    assert_eq!(case["pages_free_after"], case["pages_total"], "receiver pages leaked: {case}");
+    assert_eq!(
+        case["pages_free_after"], case["pages_total"],
+        "receiver pages leaked: {case}"
+    );
     assert!(case["raw_gb_per_s"].as_f64().unwrap() > 0.0);
 }
 
@@ -33,7 +47,15 @@ fn bench_verifies_and_byte_checks_every_transfer() {
 /// every transfer (fail closed: the receiver never accepted the mismatch).
 #[test]
 fn bench_verify_none_says_so_and_delivers() {
-    let (code, out, err) = kvwire(&["bench", "--page-sizes", "16K", "--bytes", "2M", "--verify", "none"]);
+    let (code, out, err) = kvwire(&[
+        "bench",
+        "--page-sizes",
+        "16K",
+        "--bytes",
+        "2M",
+        "--verify",
+        "none",
+    ]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("UNVERIFIED"), "{out}");
     assert!(err.contains("NOT verified"), "{err}");
@@ -44,17 +66,25 @@ fn bench_verify_none_says_so_and_delivers() {
 fn bench_table_names_its_columns() {
     let (code, out, err) = kvwire(&["bench", "--page-sizes", "8K", "--bytes", "1M"]);
     assert_eq!(code, 0, "{err}");
-    for col in ["GB/s", "xfer/s", "p50 ms", "p99 ms", "verified", "raw GB/s", "ratio", "failures"] {
+    for col in [
+        "GB/s", "xfer/s", "p50 ms", "p99 ms", "verified", "raw GB/s", "ratio", "failures",
+    ] {
         assert!(out.contains(col), "missing {col}: {out}");
     }
 }
 
 #[test]
 fn check_config_refuses_an_undersized_pool_naming_both_numbers() {
-    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config/decode-undersized.toml");
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/config/decode-undersized.toml"
+    );
     let (code, out, _) = kvwire(&["check-config", file]);
     assert_eq!(code, 1, "{out}");
-    assert!(out.contains("65536") && out.contains("131072") && out.contains("REFUSED"), "{out}");
+    assert!(
+        out.contains("65536") && out.contains("131072") && out.contains("REFUSED"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -62,7 +92,10 @@ fn check_config_accepts_a_pool_that_holds_the_context() {
     let file = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config/decode.toml");
     let (code, out, err) = kvwire(&["check-config", file]);
     assert_eq!(code, 0, "{out}{err}");
-    assert!(out.contains("131072 tokens") && out.contains("ok:"), "{out}");
+    assert!(
+        out.contains("131072 tokens") && out.contains("ok:"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -81,5 +114,8 @@ fn check_config_rejects_unknown_keys() {
 fn doctor_reports_without_failing() {
     let (code, out, err) = kvwire(&["doctor"]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("rdma:") && out.contains("memlock:") && out.contains("hugepages:"), "{out}");
+    assert!(
+        out.contains("rdma:") && out.contains("memlock:") && out.contains("hugepages:"),
+        "{out}"
+    );
 }

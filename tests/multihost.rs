@@ -1,0 +1,253 @@
+//! Two `kvwire` processes: verified transfers across a network, then a sender killed with
+//! SIGKILL mid-transfer, after which the receiver has failed those transfers, returned
+//! every page, and still serves a new sender.
+//!
+//! The scenario runs over loopback everywhere, and across two network namespaces joined by
+//! a veth pair when run as root with `ip netns` (`.ci/run` requires the latter with
+//! `KVWIRE_REQUIRE_NETNS=1`).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const CASE: &[&str] = &[
+    "--page-sizes",
+    "64K",
+    "--buffers",
+    "4",
+    "--pages",
+    "8",
+    "--bytes",
+    "1G",
+    "--no-raw",
+    "--json",
+];
+
+fn kvwire(prefix: &[String], args: &[&str]) -> Command {
+    let bin = env!("CARGO_BIN_EXE_kvwire");
+    let mut c = match prefix.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    };
+    c.args(args);
+    c
+}
+
+fn spawn(mut c: Command) -> Child {
+    c.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvwire")
+}
+
+/// Waits until the child prints a line containing `needle` on stderr; returns the lines.
+fn wait_for_line(child: &mut Child, needle: &str) -> Vec<String> {
+    let stderr = child.stderr.take().expect("stderr");
+    let mut lines = Vec::new();
+    for line in BufReader::new(stderr).lines() {
+        let line = line.expect("read stderr");
+        let hit = line.contains(needle);
+        lines.push(line);
+        if hit {
+            return lines;
+        }
+    }
+    panic!("never printed {needle:?}: {lines:?}");
+}
+
+fn finish(child: Child, deadline: Duration) -> (Option<i32>, serde_json::Value, String) {
+    let start = Instant::now();
+    let mut child = child;
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            let out = child.wait_with_output().expect("output");
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            let json = serde_json::from_str(&stdout).unwrap_or(serde_json::Value::Null);
+            return (status.code(), json, stderr);
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            panic!("kvwire did not finish within {deadline:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The scenario: one complete sender, one killed mid-transfer, one complete again.
+fn scenario(receiver_prefix: &[String], sender_prefix: &[String], addr: &str) {
+    let mut rx_args = vec!["bench", "--listen", addr, "--connections", "3"];
+    rx_args.extend_from_slice(CASE);
+    let receiver = spawn(kvwire(receiver_prefix, &rx_args));
+    let mut tx_args = vec!["bench", "--connect", addr];
+    tx_args.extend_from_slice(CASE);
+
+    // 1. A whole run verifies.
+    let (code, json, err) = finish(
+        spawn(kvwire(sender_prefix, &tx_args)),
+        Duration::from_secs(120),
+    );
+    assert_eq!(code, Some(0), "first sender failed: {err}");
+    let case = &json["cases"][0];
+    assert_eq!(case["verified"], case["transfers"], "{case}");
+
+    // 2. A sender killed with SIGKILL while transfers are in flight.
+    let mut victim = spawn(kvwire(sender_prefix, &tx_args));
+    wait_for_line(&mut victim, "connected");
+    std::thread::sleep(Duration::from_millis(150));
+    assert!(
+        victim.try_wait().expect("wait").is_none(),
+        "the sender finished before it could be killed; the case is too small"
+    );
+    victim.kill().expect("SIGKILL");
+    let _ = victim.wait();
+
+    // 3. A new sender is served.
+    let (code, json, err) = finish(
+        spawn(kvwire(sender_prefix, &tx_args)),
+        Duration::from_secs(120),
+    );
+    assert_eq!(code, Some(0), "sender after the kill failed: {err}");
+    let case = &json["cases"][0];
+    assert_eq!(case["verified"], case["transfers"], "{case}");
+
+    // The receiver's own account of the three connections.
+    let (code, json, err) = finish(receiver, Duration::from_secs(60));
+    assert_eq!(
+        code,
+        Some(1),
+        "the receiver must report the killed connection's failures: {err}"
+    );
+    let cases = json["cases"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no receiver report: {err}"));
+    assert_eq!(cases.len(), 3, "{json}");
+    for (i, c) in cases.iter().enumerate() {
+        assert_eq!(
+            c["pages_free_after"], c["pages_total"],
+            "connection {i}: receiver pages not returned: {c}"
+        );
+    }
+    assert_eq!(cases[0]["verified"], cases[0]["transfers"], "{}", cases[0]);
+    let killed = &cases[1];
+    assert!(
+        killed["verified"].as_u64() < killed["transfers"].as_u64(),
+        "nothing was cut short: {killed}"
+    );
+    let failures = killed["failures"].as_object().expect("failures");
+    assert!(
+        !failures.is_empty(),
+        "killed connection reported no failures: {killed}"
+    );
+    assert_eq!(cases[2]["verified"], cases[2]["transfers"], "{}", cases[2]);
+    assert!(
+        cases[2]["failures"]
+            .as_object()
+            .is_some_and(|f| f.is_empty()),
+        "{}",
+        cases[2]
+    );
+}
+
+#[test]
+fn two_processes_on_loopback_survive_a_killed_sender() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    scenario(&[], &[], &format!("127.0.0.1:{port}"));
+}
+
+/// Two network namespaces joined by a veth pair, deleted again on drop.
+struct Hosts {
+    a: String,
+    b: String,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl Hosts {
+    fn new() -> Result<Self, String> {
+        let id = std::process::id() % 100_000;
+        let h = Hosts {
+            a: format!("kvw-a-{id}"),
+            b: format!("kvw-b-{id}"),
+        };
+        let (va, vb) = (format!("kva{id}"), format!("kvb{id}"));
+        ip(&["netns", "add", &h.a])?;
+        ip(&["netns", "add", &h.b])?;
+        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
+        ip(&["link", "set", &va, "netns", &h.a])?;
+        ip(&["link", "set", &vb, "netns", &h.b])?;
+        ip(&["-n", &h.a, "addr", "add", "10.77.0.1/24", "dev", &va])?;
+        ip(&["-n", &h.b, "addr", "add", "10.77.0.2/24", "dev", &vb])?;
+        for (ns, dev) in [(&h.a, &va), (&h.b, &vb)] {
+            ip(&["-n", ns, "link", "set", dev, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(h)
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.a]);
+        let _ = ip(&["netns", "del", &self.b]);
+    }
+}
+
+#[test]
+fn two_hosts_in_network_namespaces_survive_a_killed_sender() {
+    let required = std::env::var_os("KVWIRE_REQUIRE_NETNS").is_some();
+    let is_root = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false);
+    let hosts = if is_root {
+        Hosts::new()
+    } else {
+        Err("not running as root".into())
+    };
+    let hosts = match hosts {
+        Ok(h) => h,
+        Err(why) if !required => {
+            println!("SKIPPED two_hosts_in_network_namespaces_survive_a_killed_sender: {why} (set KVWIRE_REQUIRE_NETNS=1 to make this a failure)");
+            return;
+        }
+        Err(why) => {
+            panic!("network namespaces required (KVWIRE_REQUIRE_NETNS=1) but unavailable: {why}")
+        }
+    };
+    let exec = |ns: &str| {
+        vec![
+            "ip".to_string(),
+            "netns".into(),
+            "exec".into(),
+            ns.to_string(),
+        ]
+    };
+    scenario(&exec(&hosts.a), &exec(&hosts.b), "10.77.0.1:7400");
+}
