@@ -161,3 +161,37 @@ async fn a_layout_mismatch_is_refused_at_connect() {
     assert!(err.to_string().contains("LAYOUT_MISMATCH"), "{err}");
     assert!(accept.await.unwrap().is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_transfers_and_are_served_as_prometheus_text() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let metrics = kvwire::metrics::Metrics::new();
+    let mut config = NodeConfig::example();
+    config.metrics = Some(metrics.clone());
+    let (s, r) = pair(&config).await;
+    let verified = r.reserve(params(1, 64));
+    send(&s, 1, 64).await.unwrap();
+    verified.await.unwrap().release();
+    // A failure is counted by its wire code.
+    let mut p = params(2, 64);
+    p.timeout = Duration::from_millis(50);
+    assert!(r.reserve(p).await.is_err());
+    assert_receiver_pool_full(&r).await;
+
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(kvwire::metrics::serve(listener, metrics));
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut body = String::new();
+    conn.read_to_string(&mut body).await.unwrap();
+    assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+    for want in [
+        r#"kvwire_transfers_total{role="receiver",outcome="verified"} 1"#,
+        r#"kvwire_transfers_total{role="sender",outcome="verified"} 1"#,
+        r#"kvwire_transfers_total{role="receiver",outcome="TIMEOUT"} 1"#,
+        "kvwire_fences_total 2",
+    ] {
+        assert!(body.contains(want), "missing {want}: {body}");
+    }
+}

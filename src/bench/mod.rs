@@ -57,6 +57,9 @@ pub struct BenchSpec {
     pub verify: Verify,
     /// Compare every delivered byte with what the sender wrote, too.
     pub check_bytes: bool,
+    /// Where every connection of the run counts transfers, fences and pages.
+    #[serde(skip)]
+    pub metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl Default for BenchSpec {
@@ -70,6 +73,7 @@ impl Default for BenchSpec {
             concurrency: 4,
             verify: Verify::Xxh3,
             check_bytes: false,
+            metrics: None,
         }
     }
 }
@@ -124,6 +128,8 @@ pub struct Report {
     pub transport: &'static str,
     /// The cases.
     pub cases: Vec<CaseResult>,
+    /// The run's counters, in the Prometheus text format (when metrics were on).
+    pub metrics: Option<String>,
 }
 
 impl BenchSpec {
@@ -157,6 +163,7 @@ impl BenchSpec {
         c.digests = digests;
         c.digest_mode = mode;
         c.window = self.pages.max(1);
+        c.metrics = self.metrics.clone();
         c
     }
 
@@ -406,6 +413,7 @@ pub async fn run_in_process(
     Ok(Report {
         spec: spec.clone(),
         transport: "tcp-loopback",
+        metrics: spec.metrics.as_ref().map(|m| m.encode()),
         cases,
     })
 }
@@ -466,6 +474,7 @@ pub async fn run_listen(
     Ok(Report {
         spec: spec.clone(),
         transport: "tcp",
+        metrics: spec.metrics.as_ref().map(|m| m.encode()),
         cases,
     })
 }
@@ -503,6 +512,7 @@ pub async fn run_connect(
     Ok(Report {
         spec: spec.clone(),
         transport: "tcp",
+        metrics: spec.metrics.as_ref().map(|m| m.encode()),
         cases,
     })
 }
@@ -687,6 +697,14 @@ pub fn table(report: &Report) -> String {
             c.ratio_to_raw.map_or("-".into(), |r| format!("{r:.2}")),
             failures
         );
+    }
+    if let Some(m) = &report.metrics {
+        out += "counters:";
+        for line in m.lines().filter(|l| !l.starts_with('#')) {
+            out += "\n  ";
+            out += line;
+        }
+        out += "\n";
     }
     out
 }

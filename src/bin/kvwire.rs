@@ -85,6 +85,9 @@ struct BenchArgs {
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
+    /// Serve Prometheus metrics on this address while the bench runs.
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -107,6 +110,14 @@ fn parse_size_u32(s: &str) -> Result<u32, String> {
 }
 
 fn main() -> ExitCode {
+    // Logs go to stderr, filtered by RUST_LOG (default: warnings and errors).
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
     let cli = Cli::parse();
     match cli.command {
         Command::Bench(args) => bench_main(args),
@@ -185,6 +196,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
             VerifyArg::None => Verify::None,
         },
         check_bytes: a.check_bytes,
+        metrics: Some(kvwire::metrics::Metrics::new()),
     };
     if spec.verify == Verify::None {
         eprintln!("kvwire bench: --verify none: transfers are NOT verified; this mode only measures the integrity tax");
@@ -201,6 +213,15 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     };
     let progress = |msg: &str| eprintln!("kvwire bench: {msg}");
     let result = runtime.block_on(async {
+        if let (Some(addr), Some(m)) = (a.metrics_addr, spec.metrics.clone()) {
+            match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => {
+                    eprintln!("kvwire bench: metrics on http://{addr}/metrics");
+                    tokio::spawn(kvwire::metrics::serve(l, m));
+                }
+                Err(e) => return Err(format!("metrics address {addr}: {e}")),
+            }
+        }
         match (a.listen, a.connect) {
             (Some(addr), _) => {
                 bench::run_listen(&spec, addr, a.connections, !a.no_raw, progress).await

@@ -40,6 +40,7 @@ mod receiver;
 mod sender;
 mod stream;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvwire_proto::admission::AdmissionError;
@@ -54,6 +55,7 @@ pub use sender::{SenderConn, SenderConnStats};
 
 use crate::checksum::DigestMode;
 use crate::config::{ConfigError, EngineConfig};
+use crate::metrics::Metrics;
 use crate::pool::{PoolError, PoolGeometry, Scrub};
 use crate::receiver::ReceiveError;
 use crate::sender::StartError;
@@ -84,6 +86,8 @@ pub struct NodeConfig {
     /// Digest computation; anything but [`DigestMode::Verify`] delivers unverified data and
     /// exists only to measure the integrity tax.
     pub digest_mode: DigestMode,
+    /// Where the node's connections count transfers, fences and pages; `None` for no metrics.
+    pub metrics: Option<Arc<Metrics>>,
 }
 
 impl NodeConfig {
@@ -106,6 +110,7 @@ impl NodeConfig {
             receiver: ReceiverConfig::default(),
             window: 16,
             digest_mode: DigestMode::Verify,
+            metrics: None,
         }
     }
 

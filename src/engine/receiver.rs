@@ -2,6 +2,8 @@
 //! [`ReceiverEndpoint`], and a handle for the engine.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::handshake::Handshake;
@@ -14,6 +16,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::stream::handshake;
 use super::{EngineError, NodeConfig, TransferError};
+use crate::metrics::{Connection, Metrics};
 use crate::pool::PagePool;
 use crate::receiver::{ReceiveOutcome, ReceiverEndpoint, ReserveParams, VerifiedKv};
 use crate::transport::tcp::{Record, StreamReader, StreamStats};
@@ -202,7 +205,9 @@ impl ReceiverConn {
         });
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
         let reader = StreamReader::new(&config.pool.buffer_page_bytes);
-        tokio::spawn(run(endpoint, rd, reader, wr_tx, cmd_rx));
+        let metrics = config.metrics.clone().map(|m| (m, next_connection_label()));
+        let peer = est.peer.node_id;
+        tokio::spawn(run(endpoint, rd, reader, wr_tx, cmd_rx, metrics, peer));
         Ok(Self {
             cmd,
             peer: est.peer,
@@ -243,6 +248,14 @@ impl ReceiverConn {
     }
 }
 
+/// A per-process connection number for metric labels.
+fn next_connection_label() -> Connection {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    Connection {
+        connection: NEXT.fetch_add(1, Ordering::Relaxed).to_string(),
+    }
+}
+
 /// A seed for reservation nonces that differs per connection and per process.
 pub(crate) fn fresh_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -259,12 +272,15 @@ enum Event {
 
 struct Task {
     endpoint: ReceiverEndpoint,
+    metrics: Option<(Arc<Metrics>, Connection)>,
+    fences_reported: u64,
     waiting: HashMap<u64, oneshot::Sender<Result<Verified, TransferError>>>,
     verified: HashMap<u64, VerifiedKv>,
     cmd: mpsc::UnboundedSender<Cmd>,
     wr: mpsc::UnboundedSender<Vec<u8>>,
     stats: ReceiverConnStats,
     lost: bool,
+    peer: u64,
 }
 
 impl Task {
@@ -281,6 +297,12 @@ impl Task {
             match outcome {
                 ReceiveOutcome::Verified(kv) => {
                     self.stats.verified += 1;
+                    if let Some((m, _)) = &self.metrics {
+                        m.transfer("receiver", "verified");
+                        let bytes = kv.pages() as u64
+                            * self.endpoint.pool().geometry().bytes_per_page_index();
+                        m.bytes_verified.inc_by(bytes);
+                    }
                     let id = kv.transfer.transfer_id;
                     let handle = Verified {
                         transfer: kv.transfer,
@@ -297,7 +319,10 @@ impl Task {
                 }
                 ReceiveOutcome::Failed { transfer, reason } => {
                     self.stats.failed += 1;
-                    tracing::warn!(transfer_id = transfer.transfer_id, %reason, "transfer failed");
+                    if let Some((m, _)) = &self.metrics {
+                        m.transfer("receiver", &reason.code().to_string());
+                    }
+                    tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed");
                     if let Some(reply) = self.waiting.remove(&transfer.transfer_id) {
                         let _ = reply.send(Err(TransferError::Failed(reason)));
                     }
@@ -323,6 +348,9 @@ impl Task {
                 }
             }
             Cmd::Abort { transfer_id, code } => {
+                if let Some((m, _)) = &self.metrics {
+                    m.aborts.inc();
+                }
                 self.endpoint.abort(now, transfer_id, code);
             }
             Cmd::Read { transfer_id, f } => {
@@ -353,9 +381,26 @@ impl Task {
         }
     }
 
+    /// Publishes the pool gauges and new fences.
+    fn publish(&mut self) {
+        let Some((m, conn)) = &self.metrics else {
+            return;
+        };
+        let pool = self.endpoint.pool();
+        m.pages_free
+            .get_or_create(conn)
+            .set(i64::from(pool.free_pages()));
+        m.pages_quarantined
+            .get_or_create(conn)
+            .set(i64::from(pool.quarantined_pages()));
+        let fences = self.endpoint.stats().fences;
+        m.fences.inc_by(fences - self.fences_reported);
+        self.fences_reported = fences;
+    }
+
     fn peer_lost(&mut self, now: Instant, why: &str) {
         if !self.lost {
-            tracing::warn!(why, "peer lost: failing its transfers");
+            tracing::warn!(why, peer = self.peer, "peer lost: failing its transfers");
             self.lost = true;
             self.endpoint.handle_peer_lost(now);
         }
@@ -368,6 +413,8 @@ async fn run(
     mut reader: StreamReader,
     wr: mpsc::UnboundedSender<Vec<u8>>,
     mut cmd_rx: mpsc::UnboundedReceiver<Cmd>,
+    metrics: Option<(Arc<Metrics>, Connection)>,
+    peer: u64,
 ) {
     // Verified handles talk to the task on a channel of their own, so the engine's channel
     // closes when the engine drops its ReceiverConn handles; the task then ends once every
@@ -375,6 +422,9 @@ async fn run(
     let (own_tx, mut own_rx) = mpsc::unbounded_channel::<Cmd>();
     let mut task = Task {
         endpoint,
+        metrics,
+        fences_reported: 0,
+        peer,
         waiting: HashMap::new(),
         verified: HashMap::new(),
         cmd: own_tx,
@@ -386,6 +436,7 @@ async fn run(
     let far = Duration::from_secs(3600);
     loop {
         task.flush();
+        task.publish();
         task.stats.stream = reader.stats;
         let wake = task
             .endpoint

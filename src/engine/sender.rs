@@ -3,6 +3,7 @@
 //! follows its data.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::{AdmissionError, Admitted, Request};
@@ -17,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::stream::{handshake, read_frame};
 use super::{EngineError, NodeConfig, TransferError};
+use crate::metrics::Metrics;
 use crate::pool::PagePool;
 use crate::sender::{PostedWrite, SenderEndpoint};
 use crate::transport::tcp::DataHeader;
@@ -119,12 +121,10 @@ impl SenderConn {
         let (frame_tx, frame_rx) = mpsc::unbounded_channel();
         tokio::spawn(read_frames(rd, frame_tx));
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(
-            endpoint,
-            BufWriter::with_capacity(256 * 1024, wr),
-            frame_rx,
-            cmd_rx,
-        ));
+        let metrics = config.metrics.clone();
+        let peer = est.peer.node_id;
+        let wr = BufWriter::with_capacity(256 * 1024, wr);
+        tokio::spawn(run(endpoint, wr, frame_rx, cmd_rx, metrics, peer));
         Ok(Self {
             cmd,
             peer: est.peer,
@@ -222,6 +222,8 @@ async fn read_frames(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<Option<Fra
 
 struct Task {
     endpoint: SenderEndpoint,
+    metrics: Option<Arc<Metrics>>,
+    peer: u64,
     waiting: HashMap<u64, oneshot::Sender<Result<(), TransferError>>>,
     wr: BufWriter<OwnedWriteHalf>,
     stats: SenderConnStats,
@@ -269,11 +271,17 @@ impl Task {
             let (id, result) = match event {
                 SenderEvent::Verified(t) => {
                     self.stats.verified += 1;
+                    if let Some(m) = &self.metrics {
+                        m.transfer("sender", "verified");
+                    }
                     (t.transfer_id, Ok(()))
                 }
                 SenderEvent::Failed { transfer, reason } => {
                     self.stats.failed += 1;
-                    tracing::warn!(transfer_id = transfer.transfer_id, %reason, "transfer failed");
+                    if let Some(m) = &self.metrics {
+                        m.transfer("sender", &reason.code().to_string());
+                    }
+                    tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed");
                     (transfer.transfer_id, Err(TransferError::Failed(reason)))
                 }
             };
@@ -306,7 +314,7 @@ impl Task {
 
     fn peer_lost(&mut self, why: &str) {
         if !self.lost {
-            tracing::warn!(why, "peer lost: failing its transfers");
+            tracing::warn!(why, peer = self.peer, "peer lost: failing its transfers");
             self.lost = true;
             self.endpoint.handle_peer_lost(Instant::now());
         }
@@ -317,8 +325,12 @@ impl Task {
         match cmd {
             Cmd::Admit { req, reply } => {
                 let r = self.endpoint.admit(req);
-                if r.is_err() {
+                if let Err(e) = &r {
                     self.stats.rejected_at_admission += 1;
+                    if let Some(m) = &self.metrics {
+                        m.rejected_at_admission.inc();
+                    }
+                    tracing::info!(transfer_id = req.transfer_id, peer = self.peer, error = %e, "request rejected at admission");
                 }
                 let _ = reply.send(r);
             }
@@ -342,6 +354,9 @@ impl Task {
                 }
             }
             Cmd::Abort { transfer_id, code } => {
+                if let Some(m) = &self.metrics {
+                    m.aborts.inc();
+                }
                 self.endpoint.abort(now, transfer_id, code);
             }
             Cmd::FillFree { f, reply } => {
@@ -371,9 +386,13 @@ async fn run(
     wr: BufWriter<OwnedWriteHalf>,
     mut frames: mpsc::UnboundedReceiver<Option<Frame>>,
     mut cmd_rx: mpsc::UnboundedReceiver<Cmd>,
+    metrics: Option<Arc<Metrics>>,
+    peer: u64,
 ) {
     let mut task = Task {
         endpoint,
+        metrics,
+        peer,
         waiting: HashMap::new(),
         wr,
         stats: SenderConnStats::default(),
