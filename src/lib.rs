@@ -12,6 +12,7 @@ pub mod config;
 pub mod doctor;
 pub mod engine;
 pub mod harness;
+pub mod memory;
 pub mod metrics;
 pub mod pool;
 pub mod receiver;

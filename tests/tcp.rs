@@ -182,7 +182,9 @@ async fn metrics_count_transfers_and_are_served_as_prometheus_text() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(kvwire::metrics::serve(listener, metrics));
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
     let mut body = String::new();
     conn.read_to_string(&mut body).await.unwrap();
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");

@@ -3,8 +3,10 @@
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::{PageLease, PoolError, PoolGeometry};
+use crate::memory::{KvMemory, SharedPages};
 
 /// The byte [`Scrub::Poison`] fills released pages with: conspicuous in a hex dump and
 /// unlikely as a run of real KV-cache data.
@@ -100,7 +102,7 @@ pub struct PagePool {
     id: u64,
     geometry: PoolGeometry,
     scrub: Scrub,
-    buffers: Vec<Box<[u8]>>,
+    memory: Arc<KvMemory>,
     slots: Vec<Slot>,
     /// Stack of free page indices; capacity `pages`, never reallocated.
     free: Vec<u32>,
@@ -130,24 +132,35 @@ impl PagePool {
     /// tokens per page, a zero-byte page or a size that cannot be addressed, and with
     /// [`PoolError::OutOfMemory`] when the memory cannot be allocated.
     pub fn new(geometry: PoolGeometry, scrub: Scrub) -> Result<Self, PoolError> {
+        let memory = KvMemory::allocate(&geometry)?;
+        Self::with_memory(geometry, memory, scrub)
+    }
+
+    /// Builds a pool over memory registered with [`KvMemory`] (allocated, handed over, or the
+    /// engine's own KV memory), which must have been made for this `geometry`.
+    pub fn with_memory(
+        geometry: PoolGeometry,
+        memory: KvMemory,
+        scrub: Scrub,
+    ) -> Result<Self, PoolError> {
         geometry.validate()?;
-        let mut buffers = Vec::with_capacity(geometry.buffers());
-        for buffer in 0..geometry.buffers() {
-            let len = geometry
-                .buffer_len(buffer)
-                .ok_or_else(|| PoolError::BadGeometry(format!("buffer {buffer} too large")))?;
-            let mut bytes = Vec::new();
-            bytes
-                .try_reserve_exact(len)
-                .map_err(|_| PoolError::OutOfMemory {
-                    buffer,
-                    bytes: len as u64,
-                })?;
-            // Writing the zeros now also faults the memory in: a pool that cannot really be
-            // backed fails here, at start, not on first use.
-            bytes.resize(len, 0u8);
-            buffers.push(bytes.into_boxed_slice());
+        if memory.buffers() != geometry.buffers() {
+            return Err(PoolError::BadGeometry(format!(
+                "memory has {} buffers, the geometry {}",
+                memory.buffers(),
+                geometry.buffers()
+            )));
         }
+        for b in 0..geometry.buffers() {
+            let len = memory.region(b).map_or(0, |r| r.1);
+            if Some(len) != geometry.buffer_len(b) {
+                return Err(PoolError::BadGeometry(format!(
+                    "memory buffer {b} is {len} bytes, the geometry needs {:?}",
+                    geometry.buffer_len(b)
+                )));
+            }
+        }
+        let memory = Arc::new(memory);
         let pages = geometry.pages;
         let slots = vec![
             Slot {
@@ -162,7 +175,7 @@ impl PagePool {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             geometry,
             scrub,
-            buffers,
+            memory,
             slots,
             free,
             leased: 0,
@@ -191,7 +204,7 @@ impl PagePool {
 
     /// Number of buffers.
     pub fn buffers(&self) -> usize {
-        self.buffers.len()
+        self.memory.buffers()
     }
 
     /// Total page indices.
@@ -287,9 +300,11 @@ impl PagePool {
         };
         let page = lease.page();
         if let Some(byte) = self.scrub.fill_byte() {
-            for buffer in 0..self.buffers.len() {
+            for buffer in 0..self.memory.buffers() {
                 let range = self.range(page, buffer);
-                self.buffers[buffer][range].fill(byte);
+                // SAFETY: in bounds; `&mut self` excludes the pool's other accessors, and no
+                // `SharedPages` of this page lives (`share_pages`' contract: no release).
+                unsafe { self.memory.bytes_mut(buffer, range) }.fill(byte);
             }
         }
         let slot = &mut self.slots[page as usize];
@@ -342,41 +357,68 @@ impl PagePool {
     pub fn page(&self, lease: &PageLease, buffer: usize) -> Result<&[u8], PoolError> {
         self.check_usable(lease, buffer)?;
         let range = self.range(lease.page(), buffer);
-        Ok(&self.buffers[buffer][range])
+        // SAFETY: checked in bounds; writers need `&mut self`, which `&self` excludes.
+        Ok(unsafe { self.memory.bytes(buffer, range) })
     }
 
     /// The bytes of the leased page in `buffer`, writable. Fails as [`PagePool::page`] does.
     pub fn page_mut(&mut self, lease: &PageLease, buffer: usize) -> Result<&mut [u8], PoolError> {
         self.check_usable(lease, buffer)?;
         let range = self.range(lease.page(), buffer);
-        Ok(&mut self.buffers[buffer][range])
+        // SAFETY: checked in bounds; `&mut self` is exclusive, and no `SharedPages` of a
+        // page is written (`share_pages`' contract).
+        Ok(unsafe { self.memory.bytes_mut(buffer, range) })
     }
 
     /// The bytes of slot `page` in `buffer` regardless of lease state: what a NIC or an
     /// in-process transport sees. Access control is the transport's job (scopes/fences), not
     /// this method's. `None` if `page` or `buffer` is out of range.
     pub fn raw_page(&self, page: u32, buffer: usize) -> Option<&[u8]> {
-        if page >= self.geometry.pages || buffer >= self.buffers.len() {
+        if page >= self.geometry.pages || buffer >= self.memory.buffers() {
             return None;
         }
         let range = self.range(page, buffer);
-        Some(&self.buffers[buffer][range])
+        // SAFETY: checked in bounds; writers need `&mut self`, which `&self` excludes.
+        Some(unsafe { self.memory.bytes(buffer, range) })
     }
 
     /// The bytes of slot `page` in `buffer` regardless of lease state, writable. See
     /// [`PagePool::raw_page`].
     pub fn raw_page_mut(&mut self, page: u32, buffer: usize) -> Option<&mut [u8]> {
-        if page >= self.geometry.pages || buffer >= self.buffers.len() {
+        if page >= self.geometry.pages || buffer >= self.memory.buffers() {
             return None;
         }
         let range = self.range(page, buffer);
-        Some(&mut self.buffers[buffer][range])
+        // SAFETY: checked in bounds; `&mut self` is exclusive, and no `SharedPages` of a
+        // page is written (`share_pages`' contract).
+        Some(unsafe { self.memory.bytes_mut(buffer, range) })
     }
 
     /// The whole of `buffer` (all its page slots, contiguous), e.g. to register it with a
     /// NIC. `None` if `buffer` is out of range.
     pub fn buffer(&self, buffer: usize) -> Option<&[u8]> {
-        self.buffers.get(buffer).map(|b| &b[..])
+        let (_, len) = self.memory.region(buffer)?;
+        // SAFETY: the whole region, in bounds; writers need `&mut self`, which `&self` excludes.
+        Some(unsafe { self.memory.bytes(buffer, 0..len) })
+    }
+
+    /// A read-only view of `pages` that can cross threads (e.g. a digest job on the
+    /// blocking pool) and keeps the memory alive.
+    ///
+    /// # Safety
+    ///
+    /// Until every clone of the view is dropped, the caller must not write those pages
+    /// through this pool: no [`PagePool::page_mut`] or [`PagePool::raw_page_mut`] on them,
+    /// and no [`PagePool::release`] of them (release may scrub).
+    pub unsafe fn share_pages(&self, pages: Vec<u32>) -> Result<SharedPages, PoolError> {
+        if let Some(&page) = pages.iter().find(|&&p| p >= self.geometry.pages) {
+            return Err(PoolError::PageOutOfRange {
+                page,
+                pages: self.geometry.pages,
+            });
+        }
+        // SAFETY: indices checked in range; the no-write promise is the caller's.
+        Ok(unsafe { SharedPages::new(self.memory.clone(), pages) })
     }
 
     /// A snapshot of the pool's counters.
@@ -425,10 +467,10 @@ impl PagePool {
         if self.check(lease)? == SlotState::Quarantined {
             return Err(PoolError::Quarantined { page: lease.page() });
         }
-        if buffer >= self.buffers.len() {
+        if buffer >= self.memory.buffers() {
             return Err(PoolError::BufferOutOfRange {
                 buffer,
-                buffers: self.buffers.len(),
+                buffers: self.memory.buffers(),
             });
         }
         Ok(())
