@@ -857,3 +857,73 @@ fn zero_context_refuses_to_start() {
     };
     assert_eq!(config.validate(&p), Err(ConfigError::ZeroContext));
 }
+
+/// A page a digest job reads (a live `SharedPages` view) cannot be written or released: the
+/// pool refuses, changes nothing, and accepts again once the view is gone.
+#[test]
+fn pages_pinned_by_a_shared_view_are_never_written_or_released() {
+    let mut p = pool(8, Scrub::Poison);
+    let mut leases = p.allocate(2).unwrap();
+    p.page_mut(&leases[0], 0).unwrap().fill(0x11);
+    let view = p
+        .share_pages(vec![leases[0].page(), leases[1].page()])
+        .unwrap();
+    assert!(p.pinned(leases[0].page()));
+    assert!(matches!(
+        p.page_mut(&leases[0], 0),
+        Err(PoolError::Pinned { .. })
+    ));
+    assert!(p.raw_page_mut(leases[0].page(), 1).is_none());
+    let second = leases.pop().unwrap();
+    let first = leases.pop().unwrap();
+    let (page, generation) = (first.page(), first.generation());
+    assert!(matches!(p.release(first), Err(PoolError::Pinned { .. })));
+    // Nothing changed: still leased under the same generation, bytes not scrubbed.
+    assert!(p.holds(page, generation));
+    assert!(view.page(0, 0).iter().all(|&b| b == 0x11));
+    // The view crosses threads; dropping it there unpins.
+    std::thread::spawn(move || assert!(view.page(0, 0).iter().all(|&b| b == 0x11)))
+        .join()
+        .unwrap();
+    assert!(!p.pinned(page));
+    p.release(PageLease::from_raw(RawLease {
+        pool_id: p.id(),
+        page,
+        generation,
+    }))
+    .unwrap();
+    p.release(second).unwrap();
+    assert_eq!(p.free_pages(), 8);
+}
+
+#[test]
+fn a_shared_view_outlives_its_pool() {
+    let mut p = pool(4, Scrub::None);
+    let lease = p.allocate(1).unwrap().pop().unwrap();
+    p.page_mut(&lease, 1).unwrap().fill(0x5a);
+    let view = p.share_pages(vec![lease.page()]).unwrap();
+    drop(p);
+    assert!(view.page(0, 1).iter().all(|&b| b == 0x5a));
+    drop(lease);
+}
+
+#[test]
+fn a_pool_over_caller_memory_uses_it_in_place() {
+    let g = geometry(4);
+    let buffers: Vec<Box<[u8]>> = (0..g.buffers())
+        .map(|b| vec![b as u8 + 1; g.buffer_len(b).unwrap()].into_boxed_slice())
+        .collect();
+    let memory = kvwire::memory::KvMemory::from_buffers(&g, buffers).unwrap();
+    let mut p = PagePool::with_memory(g.clone(), memory, Scrub::None).unwrap();
+    let lease = p.allocate(1).unwrap().pop().unwrap();
+    assert!(
+        p.page(&lease, 1).unwrap().iter().all(|&b| b == 2),
+        "not the caller's bytes"
+    );
+    p.release(lease).unwrap();
+    let wrong = kvwire::memory::KvMemory::allocate(&geometry(8)).unwrap();
+    assert!(matches!(
+        PagePool::with_memory(g, wrong, Scrub::None),
+        Err(PoolError::BadGeometry(_))
+    ));
+}

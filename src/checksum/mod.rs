@@ -328,3 +328,72 @@ pub fn placeholder_digests(buffers: usize, pages: usize, per_page: bool) -> Tran
         },
     }
 }
+
+/// The digests of one transfer, to compute wherever the driver likes: inline, or on a
+/// blocking thread for large transfers. It holds a read-only view of the pages, which pins
+/// them: the pool refuses to write or release them until the job is dropped.
+#[derive(Debug)]
+pub struct DigestJob {
+    /// The transfer the digests are bound to.
+    pub transfer: kvwire_proto::wire::TransferRef,
+    /// The algorithm.
+    pub algorithm: DigestAlgorithm,
+    /// Per-page digests too.
+    pub page_digests: bool,
+    /// Placeholder digests instead ([`DigestMode::UnverifiedBenchmarkOnly`]).
+    pub mode: DigestMode,
+    pages: crate::memory::SharedPages,
+}
+
+impl DigestJob {
+    /// A job over `pages` (the transfer's pages in transfer order).
+    pub fn new(
+        transfer: kvwire_proto::wire::TransferRef,
+        algorithm: DigestAlgorithm,
+        page_digests: bool,
+        mode: DigestMode,
+        pages: crate::memory::SharedPages,
+    ) -> Self {
+        Self {
+            transfer,
+            algorithm,
+            page_digests,
+            mode,
+            pages,
+        }
+    }
+
+    /// Bytes the job reads.
+    pub fn bytes(&self) -> u64 {
+        let per_page: usize = (0..self.pages.buffers())
+            .map(|b| {
+                if self.pages.pages() > 0 {
+                    self.pages.page(0, b).len()
+                } else {
+                    0
+                }
+            })
+            .sum();
+        per_page as u64 * self.pages.pages() as u64
+    }
+
+    /// Computes the digests.
+    pub fn run(&self) -> Result<TransferDigests, UnsupportedAlgorithm> {
+        let (buffers, pages) = (self.pages.buffers(), self.pages.pages());
+        if self.mode == DigestMode::UnverifiedBenchmarkOnly {
+            return Ok(placeholder_digests(buffers, pages, self.page_digests));
+        }
+        let binding = DigestBinding {
+            transfer_id: self.transfer.transfer_id,
+            nonce: self.transfer.nonce,
+        };
+        digest_transfer(
+            self.algorithm,
+            binding,
+            buffers,
+            pages,
+            self.page_digests,
+            |b, o| self.pages.page(o, b),
+        )
+    }
+}

@@ -66,6 +66,13 @@ pub enum PoolError {
     /// The geometry is empty, zero-sized or too large to address.
     #[error("bad pool geometry: {0}")]
     BadGeometry(String),
+    /// A digest job still reads the page (a live `SharedPages` view pins it): it cannot be
+    /// written or released yet.
+    #[error("page {page} is pinned by a running digest job")]
+    Pinned {
+        /// The page.
+        page: u32,
+    },
     /// The memory for a buffer could not be allocated.
     #[error("could not allocate {bytes} bytes for pool buffer {buffer}")]
     OutOfMemory {

@@ -99,8 +99,9 @@ impl PoolGeometry {
         Ok(())
     }
 
-    /// Length in bytes of buffer `buffer`, if it exists and is addressable (`<= isize::MAX`).
-    pub(crate) fn buffer_len(&self, buffer: usize) -> Option<usize> {
+    /// Length in bytes of buffer `buffer` (all its pages), if it exists and is addressable
+    /// (`<= isize::MAX`): the size of each region to register with [`crate::memory::KvMemory`].
+    pub fn buffer_len(&self, buffer: usize) -> Option<usize> {
         let page_bytes = usize::try_from(*self.buffer_page_bytes.get(buffer)?).ok()?;
         let pages = usize::try_from(self.pages).ok()?;
         let len = page_bytes.checked_mul(pages)?;

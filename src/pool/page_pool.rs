@@ -2,11 +2,11 @@
 
 use std::fmt;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::{PageLease, PoolError, PoolGeometry};
-use crate::memory::{KvMemory, SharedPages};
+use crate::memory::{KvMemory, Pins, SharedPages};
 
 /// The byte [`Scrub::Poison`] fills released pages with: conspicuous in a hex dump and
 /// unlikely as a run of real KV-cache data.
@@ -103,6 +103,8 @@ pub struct PagePool {
     geometry: PoolGeometry,
     scrub: Scrub,
     memory: Arc<KvMemory>,
+    /// Per-page pin counts of live `SharedPages` views: a pinned page is never written.
+    pins: Pins,
     slots: Vec<Slot>,
     /// Stack of free page indices; capacity `pages`, never reallocated.
     free: Vec<u32>,
@@ -161,6 +163,7 @@ impl PagePool {
             }
         }
         let memory = Arc::new(memory);
+        let geometry_pages = geometry.pages;
         let pages = geometry.pages;
         let slots = vec![
             Slot {
@@ -175,6 +178,7 @@ impl PagePool {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
             geometry,
             scrub,
+            pins: (0..geometry_pages).map(|_| AtomicU32::new(0)).collect(),
             memory,
             slots,
             free,
@@ -299,11 +303,20 @@ impl PagePool {
             }
         };
         let page = lease.page();
+        if self.pinned(page) {
+            self.stale_release_errors += 1;
+            tracing::error!(
+                pool = self.id,
+                page,
+                "release of a page a digest job still reads refused"
+            );
+            return Err(PoolError::Pinned { page });
+        }
         if let Some(byte) = self.scrub.fill_byte() {
             for buffer in 0..self.memory.buffers() {
                 let range = self.range(page, buffer);
-                // SAFETY: in bounds; `&mut self` excludes the pool's other accessors, and no
-                // `SharedPages` of this page lives (`share_pages`' contract: no release).
+                // SAFETY: in bounds; `&mut self` excludes the pool's other accessors, and the
+                // page is not pinned (checked above), so no `SharedPages` view reads it.
                 unsafe { self.memory.bytes_mut(buffer, range) }.fill(byte);
             }
         }
@@ -364,9 +377,12 @@ impl PagePool {
     /// The bytes of the leased page in `buffer`, writable. Fails as [`PagePool::page`] does.
     pub fn page_mut(&mut self, lease: &PageLease, buffer: usize) -> Result<&mut [u8], PoolError> {
         self.check_usable(lease, buffer)?;
+        if self.pinned(lease.page()) {
+            return Err(PoolError::Pinned { page: lease.page() });
+        }
         let range = self.range(lease.page(), buffer);
-        // SAFETY: checked in bounds; `&mut self` is exclusive, and no `SharedPages` of a
-        // page is written (`share_pages`' contract).
+        // SAFETY: checked in bounds; `&mut self` is exclusive, and the page is not pinned,
+        // so no `SharedPages` view reads it (new pins need `&self`).
         Ok(unsafe { self.memory.bytes_mut(buffer, range) })
     }
 
@@ -388,9 +404,12 @@ impl PagePool {
         if page >= self.geometry.pages || buffer >= self.memory.buffers() {
             return None;
         }
+        if self.pinned(page) {
+            return None;
+        }
         let range = self.range(page, buffer);
-        // SAFETY: checked in bounds; `&mut self` is exclusive, and no `SharedPages` of a
-        // page is written (`share_pages`' contract).
+        // SAFETY: checked in bounds; `&mut self` is exclusive, and the page is not pinned,
+        // so no `SharedPages` view reads it (new pins need `&self`).
         Some(unsafe { self.memory.bytes_mut(buffer, range) })
     }
 
@@ -403,22 +422,28 @@ impl PagePool {
     }
 
     /// A read-only view of `pages` that can cross threads (e.g. a digest job on the
-    /// blocking pool) and keeps the memory alive.
-    ///
-    /// # Safety
-    ///
-    /// Until every clone of the view is dropped, the caller must not write those pages
-    /// through this pool: no [`PagePool::page_mut`] or [`PagePool::raw_page_mut`] on them,
-    /// and no [`PagePool::release`] of them (release may scrub).
-    pub unsafe fn share_pages(&self, pages: Vec<u32>) -> Result<SharedPages, PoolError> {
+    /// blocking pool) and keeps the memory alive. The pages are pinned while the view lives:
+    /// [`PagePool::page_mut`] and [`PagePool::release`] refuse them with
+    /// [`PoolError::Pinned`], and [`PagePool::raw_page_mut`] returns `None`.
+    pub fn share_pages(&self, pages: Vec<u32>) -> Result<SharedPages, PoolError> {
         if let Some(&page) = pages.iter().find(|&&p| p >= self.geometry.pages) {
             return Err(PoolError::PageOutOfRange {
                 page,
                 pages: self.geometry.pages,
             });
         }
-        // SAFETY: indices checked in range; the no-write promise is the caller's.
-        Ok(unsafe { SharedPages::new(self.memory.clone(), pages) })
+        Ok(SharedPages::new(
+            self.memory.clone(),
+            self.pins.clone(),
+            pages,
+        ))
+    }
+
+    /// Whether a live [`SharedPages`] view pins `page`.
+    pub fn pinned(&self, page: u32) -> bool {
+        self.pins
+            .get(page as usize)
+            .is_some_and(|p| p.load(Ordering::Acquire) > 0)
     }
 
     /// A snapshot of the pool's counters.
