@@ -57,6 +57,8 @@ pub struct BenchSpec {
     pub verify: Verify,
     /// Compare every delivered byte with what the sender wrote, too.
     pub check_bytes: bool,
+    /// Transfers of at least this many bytes are digested on the blocking pool.
+    pub digest_offload_bytes: u64,
     /// Where every connection of the run counts transfers, fences and pages.
     #[serde(skip)]
     pub metrics: Option<Arc<crate::metrics::Metrics>>,
@@ -73,6 +75,7 @@ impl Default for BenchSpec {
             concurrency: 4,
             verify: Verify::Xxh3,
             check_bytes: false,
+            digest_offload_bytes: 1 << 20,
             metrics: None,
         }
     }
@@ -164,6 +167,7 @@ impl BenchSpec {
         c.digest_mode = mode;
         c.window = self.pages.max(1);
         c.metrics = self.metrics.clone();
+        c.digest_offload_bytes = self.digest_offload_bytes;
         c
     }
 

@@ -85,6 +85,10 @@ struct BenchArgs {
     /// Print JSON instead of the table.
     #[arg(long)]
     json: bool,
+    /// Digest transfers of at least this many bytes on the blocking pool instead of the
+    /// connection's task (suffixes K, M, G).
+    #[arg(long, default_value = "1M", value_parser = parse_size)]
+    digest_offload: u64,
     /// Serve Prometheus metrics on this address while the bench runs.
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
@@ -196,6 +200,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
             VerifyArg::None => Verify::None,
         },
         check_bytes: a.check_bytes,
+        digest_offload_bytes: a.digest_offload,
         metrics: Some(kvwire::metrics::Metrics::new()),
     };
     if spec.verify == Verify::None {

@@ -317,6 +317,17 @@ pub enum DigestMode {
     UnverifiedBenchmarkOnly,
 }
 
+/// Where a driver computes digests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DigestExecution {
+    /// At once, inside the endpoint (deterministic; what the Pair harness uses).
+    #[default]
+    Inline,
+    /// Handed to the driver as [`DigestJob`]s, to run where it likes (the tokio drivers run
+    /// large ones on the blocking pool, so the connection keeps receiving meanwhile).
+    Deferred,
+}
+
 /// The fixed digests [`DigestMode::UnverifiedBenchmarkOnly`] reports instead of computing.
 pub fn placeholder_digests(buffers: usize, pages: usize, per_page: bool) -> TransferDigests {
     TransferDigests {

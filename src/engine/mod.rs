@@ -88,6 +88,9 @@ pub struct NodeConfig {
     pub digest_mode: DigestMode,
     /// Where the node's connections count transfers, fences and pages; `None` for no metrics.
     pub metrics: Option<Arc<Metrics>>,
+    /// Transfers of at least this many bytes are digested on tokio's blocking pool, so the
+    /// connection keeps receiving (and sending) other transfers meanwhile; smaller ones inline.
+    pub digest_offload_bytes: u64,
 }
 
 impl NodeConfig {
@@ -111,6 +114,7 @@ impl NodeConfig {
             window: 16,
             digest_mode: DigestMode::Verify,
             metrics: None,
+            digest_offload_bytes: 1 << 20,
         }
     }
 
@@ -177,4 +181,34 @@ impl TransferError {
             _ => None,
         }
     }
+}
+
+/// A finished digest job: the transfer and its digests.
+pub(crate) type DigestDone = (
+    kvwire_proto::wire::TransferRef,
+    Result<kvwire_proto::wire::TransferDigests, crate::checksum::UnsupportedAlgorithm>,
+);
+
+/// Runs a digest job: inline if small (returning the result), else on the blocking pool
+/// (the result arrives on `done`). The job (and with it the pin on its pages) is dropped
+/// before the result is reported.
+pub(crate) fn run_digest_job(
+    job: crate::checksum::DigestJob,
+    offload_bytes: u64,
+    done: &tokio::sync::mpsc::UnboundedSender<DigestDone>,
+) -> Option<DigestDone> {
+    let run = move |job: crate::checksum::DigestJob| {
+        let transfer = job.transfer;
+        let result = job.run();
+        drop(job);
+        (transfer, result)
+    };
+    if job.bytes() < offload_bytes {
+        return Some(run(job));
+    }
+    let done = done.clone();
+    tokio::task::spawn_blocking(move || {
+        let _ = done.send(run(job));
+    });
+    None
 }

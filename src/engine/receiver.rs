@@ -15,7 +15,8 @@ use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
 use super::stream::handshake;
-use super::{EngineError, NodeConfig, TransferError};
+use super::{run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
+use crate::checksum::DigestExecution;
 use crate::metrics::{Connection, Metrics};
 use crate::pool::PagePool;
 use crate::receiver::{ReceiveOutcome, ReceiverEndpoint, ReserveParams, VerifiedKv};
@@ -192,6 +193,7 @@ impl ReceiverConn {
         rx_config.nonce_seed = fresh_seed();
         let mut endpoint = ReceiverEndpoint::new(&est, pool, &config.engine, rx_config)?;
         endpoint.set_digest_mode(config.digest_mode);
+        endpoint.set_digest_execution(DigestExecution::Deferred);
         let (rd, wr) = stream.into_split();
         let (wr_tx, mut wr_rx) = mpsc::unbounded_channel::<Vec<u8>>();
         tokio::spawn(async move {
@@ -205,9 +207,35 @@ impl ReceiverConn {
         });
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
         let reader = StreamReader::new(&config.pool.buffer_page_bytes);
-        let metrics = config.metrics.clone().map(|m| (m, next_connection_label()));
-        let peer = est.peer.node_id;
-        tokio::spawn(run(endpoint, rd, reader, wr_tx, cmd_rx, metrics, peer));
+        let (digests_done, digest_rx) = mpsc::unbounded_channel::<DigestDone>();
+        // Verified handles talk to the task on a channel of their own, so the engine's
+        // channel closes when the engine drops its ReceiverConn handles; the task then ends
+        // once every verified handle has been released.
+        let (own_tx, own_rx) = mpsc::unbounded_channel::<Cmd>();
+        let task = Task {
+            endpoint,
+            metrics: config.metrics.clone().map(|m| (m, next_connection_label())),
+            fences_reported: 0,
+            peer: est.peer.node_id,
+            offload: config.digest_offload_bytes,
+            digests_done,
+            waiting: HashMap::new(),
+            verified: HashMap::new(),
+            cmd: own_tx,
+            wr: wr_tx,
+            stats: ReceiverConnStats::default(),
+            lost: false,
+        };
+        tokio::spawn(run(
+            task,
+            rd,
+            reader,
+            Inbox {
+                engine: cmd_rx,
+                own: own_rx,
+                digests: digest_rx,
+            },
+        ));
         Ok(Self {
             cmd,
             peer: est.peer,
@@ -266,6 +294,7 @@ pub(crate) fn fresh_seed() -> u64 {
 
 enum Event {
     Read(std::io::Result<usize>),
+    Digest(Option<DigestDone>),
     Cmd(Option<Cmd>),
     Timer,
 }
@@ -281,6 +310,8 @@ struct Task {
     stats: ReceiverConnStats,
     lost: bool,
     peer: u64,
+    offload: u64,
+    digests_done: mpsc::UnboundedSender<DigestDone>,
 }
 
 impl Task {
@@ -327,6 +358,15 @@ impl Task {
                         let _ = reply.send(Err(TransferError::Failed(reason)));
                     }
                 }
+            }
+        }
+    }
+
+    /// Starts every queued digest job; small ones finish at once.
+    fn run_digest_jobs(&mut self) {
+        while let Some(job) = self.endpoint.poll_digest_job() {
+            if let Some((t, r)) = run_digest_job(job, self.offload, &self.digests_done) {
+                self.endpoint.handle_digest_result(Instant::now(), t, r);
             }
         }
     }
@@ -407,34 +447,26 @@ impl Task {
     }
 }
 
-async fn run(
-    endpoint: ReceiverEndpoint,
-    mut rd: OwnedReadHalf,
-    mut reader: StreamReader,
-    wr: mpsc::UnboundedSender<Vec<u8>>,
-    mut cmd_rx: mpsc::UnboundedReceiver<Cmd>,
-    metrics: Option<(Arc<Metrics>, Connection)>,
-    peer: u64,
-) {
-    // Verified handles talk to the task on a channel of their own, so the engine's channel
-    // closes when the engine drops its ReceiverConn handles; the task then ends once every
-    // verified handle has been released.
-    let (own_tx, mut own_rx) = mpsc::unbounded_channel::<Cmd>();
-    let mut task = Task {
-        endpoint,
-        metrics,
-        fences_reported: 0,
-        peer,
-        waiting: HashMap::new(),
-        verified: HashMap::new(),
-        cmd: own_tx,
-        wr,
-        stats: ReceiverConnStats::default(),
-        lost: false,
-    };
+/// The channels a connection task listens to besides its socket.
+struct Inbox {
+    /// Commands from the engine's `ReceiverConn` handles.
+    engine: mpsc::UnboundedReceiver<Cmd>,
+    /// Commands from `Verified` handles.
+    own: mpsc::UnboundedReceiver<Cmd>,
+    /// Finished digest jobs.
+    digests: mpsc::UnboundedReceiver<DigestDone>,
+}
+
+async fn run(mut task: Task, mut rd: OwnedReadHalf, mut reader: StreamReader, inbox: Inbox) {
+    let Inbox {
+        engine: mut cmd_rx,
+        own: mut own_rx,
+        digests: mut digest_rx,
+    } = inbox;
     let mut engine_open = true;
     let far = Duration::from_secs(3600);
     loop {
+        task.run_digest_jobs();
         task.flush();
         task.publish();
         task.stats.stream = reader.stats;
@@ -448,6 +480,7 @@ async fn run(
             tokio::select! {
                 c = cmd_rx.recv(), if engine_open => Event::Cmd(c),
                 c = own_rx.recv() => Event::Cmd(c),
+                d = digest_rx.recv() => Event::Digest(d),
                 _ = sleep => Event::Timer,
             }
         } else {
@@ -457,6 +490,7 @@ async fn run(
                 r = rd.read(target) => Event::Read(r),
                 c = cmd_rx.recv(), if engine_open => Event::Cmd(c),
                 c = own_rx.recv() => Event::Cmd(c),
+                d = digest_rx.recv() => Event::Digest(d),
                 _ = sleep => Event::Timer,
             }
         };
@@ -499,6 +533,8 @@ async fn run(
                 engine_open = false;
                 task.peer_lost(now, "engine closed the connection");
             }
+            Event::Digest(Some((t, r))) => task.endpoint.handle_digest_result(now, t, r),
+            Event::Digest(None) => {}
             Event::Timer => task.endpoint.handle_timeout(now),
         }
     }

@@ -17,7 +17,8 @@ use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
 use super::stream::{handshake, read_frame};
-use super::{EngineError, NodeConfig, TransferError};
+use super::{run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
+use crate::checksum::DigestExecution;
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
 use crate::sender::{PostedWrite, SenderEndpoint};
@@ -117,6 +118,7 @@ impl SenderConn {
             config.window,
         )?;
         endpoint.set_digest_mode(config.digest_mode);
+        endpoint.set_digest_execution(DigestExecution::Deferred);
         let (rd, wr) = stream.into_split();
         let (frame_tx, frame_rx) = mpsc::unbounded_channel();
         tokio::spawn(read_frames(rd, frame_tx));
@@ -124,7 +126,8 @@ impl SenderConn {
         let metrics = config.metrics.clone();
         let peer = est.peer.node_id;
         let wr = BufWriter::with_capacity(256 * 1024, wr);
-        tokio::spawn(run(endpoint, wr, frame_rx, cmd_rx, metrics, peer));
+        let offload = config.digest_offload_bytes;
+        tokio::spawn(run(endpoint, wr, frame_rx, cmd_rx, metrics, peer, offload));
         Ok(Self {
             cmd,
             peer: est.peer,
@@ -222,6 +225,8 @@ async fn read_frames(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<Option<Fra
 
 struct Task {
     endpoint: SenderEndpoint,
+    offload: u64,
+    digests_done: mpsc::UnboundedSender<DigestDone>,
     metrics: Option<Arc<Metrics>>,
     peer: u64,
     waiting: HashMap<u64, oneshot::Sender<Result<(), TransferError>>>,
@@ -231,6 +236,15 @@ struct Task {
 }
 
 impl Task {
+    /// Starts every queued digest job; small ones finish at once.
+    fn run_digest_jobs(&mut self) {
+        while let Some(job) = self.endpoint.poll_digest_job() {
+            if let Some((t, r)) = run_digest_job(job, self.offload, &self.digests_done) {
+                self.endpoint.handle_digest_result(Instant::now(), t, r);
+            }
+        }
+    }
+
     /// Writes everything the session produced, in order, then reports events.
     async fn flush(&mut self) {
         loop {
@@ -377,6 +391,7 @@ impl Task {
 
 enum Event {
     Frame(Option<Option<Frame>>),
+    Digest(Option<DigestDone>),
     Cmd(Option<Cmd>),
     Timer,
 }
@@ -388,9 +403,13 @@ async fn run(
     mut cmd_rx: mpsc::UnboundedReceiver<Cmd>,
     metrics: Option<Arc<Metrics>>,
     peer: u64,
+    offload: u64,
 ) {
+    let (digests_done, mut digest_rx) = mpsc::unbounded_channel::<DigestDone>();
     let mut task = Task {
         endpoint,
+        offload,
+        digests_done,
         metrics,
         peer,
         waiting: HashMap::new(),
@@ -401,6 +420,7 @@ async fn run(
     let mut frames_open = true;
     let far = Duration::from_secs(3600);
     loop {
+        task.run_digest_jobs();
         task.flush().await;
         let wake = task
             .endpoint
@@ -411,6 +431,7 @@ async fn run(
         let event = tokio::select! {
             f = frames.recv(), if frames_open => Event::Frame(f),
             c = cmd_rx.recv() => Event::Cmd(c),
+            d = digest_rx.recv() => Event::Digest(d),
             _ = sleep => Event::Timer,
         };
         let now = Instant::now();
@@ -433,6 +454,8 @@ async fn run(
                 let _ = task.wr.shutdown().await;
                 return;
             }
+            Event::Digest(Some((t, r))) => task.endpoint.handle_digest_result(now, t, r),
+            Event::Digest(None) => {}
             Event::Timer => task.endpoint.handle_timeout(now),
         }
     }

@@ -15,10 +15,10 @@ use kvwire_proto::receiver::{
     ReceiverAction, ReceiverConfig, ReceiverEvent, ReceiverSession, ReservationRequest,
     ReserveError,
 };
-use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, TransferRef};
+use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, TransferDigests, TransferRef};
 use kvwire_proto::{FailureReason, FrameError};
 
-use crate::checksum::{digest_transfer, placeholder_digests, DigestBinding, DigestMode};
+use crate::checksum::{DigestExecution, DigestJob, DigestMode, UnsupportedAlgorithm};
 use crate::config::{ConfigError, EngineConfig};
 use crate::pool::{PageLease, PagePool, PoolError};
 use crate::transport::ScopeTable;
@@ -120,6 +120,8 @@ pub struct ReceiverEndpoint {
     fenced: VecDeque<TransferRef>,
     stats: ReceiverEndpointStats,
     digest_mode: DigestMode,
+    digest_execution: DigestExecution,
+    digest_jobs: VecDeque<DigestJob>,
 }
 
 impl ReceiverEndpoint {
@@ -143,6 +145,8 @@ impl ReceiverEndpoint {
             fenced: VecDeque::new(),
             stats: ReceiverEndpointStats::default(),
             digest_mode: DigestMode::Verify,
+            digest_execution: DigestExecution::Inline,
+            digest_jobs: VecDeque::new(),
         })
     }
 
@@ -279,41 +283,28 @@ impl ReceiverEndpoint {
                 let Some(leases) = self.leases_of(transfer) else {
                     return;
                 };
-                let pool = &self.pool;
-                let binding = DigestBinding {
-                    transfer_id: transfer.transfer_id,
-                    nonce: transfer.nonce,
-                };
-                // Digests of the memory that actually landed, after the fence.
-                let landed = if self.digest_mode == DigestMode::UnverifiedBenchmarkOnly {
-                    Ok(placeholder_digests(
-                        pool.buffers(),
-                        leases.len(),
-                        page_digests,
-                    ))
-                } else {
-                    digest_transfer(
-                        algorithm,
-                        binding,
-                        pool.buffers(),
-                        leases.len(),
-                        page_digests,
-                        |b, o| pool.raw_page(leases[o].page(), b).unwrap_or(&[]),
-                    )
-                };
-                match landed {
-                    Ok(d) => self.session.handle_digests(now, transfer, d),
-                    Err(_) => {
-                        // No digest can be made: abort, then report the digest job as ended so
-                        // the session may release the pages it was waiting on.
-                        self.session.abort(
-                            now,
-                            transfer.transfer_id,
-                            ErrorCode::DIGEST_UNSUPPORTED,
+                // Digests of the memory that actually landed, after the fence. The view pins
+                // the pages until the job is dropped.
+                let pages = leases.iter().map(PageLease::page).collect();
+                match self.pool.share_pages(pages) {
+                    Ok(view) => {
+                        let job = DigestJob::new(
+                            transfer,
+                            algorithm,
+                            page_digests,
+                            self.digest_mode,
+                            view,
                         );
-                        self.session
-                            .handle_digests(now, transfer, Default::default());
+                        match self.digest_execution {
+                            DigestExecution::Inline => {
+                                let result = job.run();
+                                drop(job);
+                                self.finish_digests(now, transfer, result.map_err(|_| ()));
+                            }
+                            DigestExecution::Deferred => self.digest_jobs.push_back(job),
+                        }
                     }
+                    Err(_) => self.finish_digests(now, transfer, Err(())),
                 }
             }
             ReceiverAction::Release(t) => {
@@ -368,6 +359,49 @@ impl ReceiverEndpoint {
     /// data and exists only to measure the integrity tax.
     pub fn set_digest_mode(&mut self, mode: DigestMode) {
         self.digest_mode = mode;
+    }
+
+    /// Sets where digests are computed: inline (the default) or handed to the driver as
+    /// [`DigestJob`]s through [`ReceiverEndpoint::poll_digest_job`].
+    pub fn set_digest_execution(&mut self, execution: DigestExecution) {
+        self.digest_execution = execution;
+    }
+
+    /// The next digest job to run ([`DigestExecution::Deferred`]). Run it anywhere, drop it,
+    /// and hand the result to [`ReceiverEndpoint::handle_digest_result`].
+    pub fn poll_digest_job(&mut self) -> Option<DigestJob> {
+        self.digest_jobs.pop_front()
+    }
+
+    /// A digest job finished (`Err` if no digest could be made, e.g. an unsupported
+    /// algorithm). The job must already be dropped: its pages are then unpinned.
+    pub fn handle_digest_result(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        result: Result<TransferDigests, UnsupportedAlgorithm>,
+    ) {
+        self.finish_digests(now, transfer, result.map_err(|_| ()));
+        self.process(now);
+    }
+
+    fn finish_digests(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        result: Result<TransferDigests, ()>,
+    ) {
+        match result {
+            Ok(d) => self.session.handle_digests(now, transfer, d),
+            Err(()) => {
+                // No digest can be made: abort, then report the digest job as ended so the
+                // session may release the pages it was waiting on.
+                self.session
+                    .abort(now, transfer.transfer_id, ErrorCode::DIGEST_UNSUPPORTED);
+                self.session
+                    .handle_digests(now, transfer, TransferDigests::default());
+            }
+        }
     }
 
     /// The destination page pool.

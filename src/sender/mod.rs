@@ -16,10 +16,10 @@ use kvwire_proto::handshake::Established;
 use kvwire_proto::sender::{
     PageWrite, SenderAction, SenderConfig, SenderEvent, SenderSession, SubmitError, WriteOutcome,
 };
-use kvwire_proto::wire::{ErrorCode, Frame, TransferRef};
+use kvwire_proto::wire::{ErrorCode, Frame, TransferDigests, TransferRef};
 use kvwire_proto::FrameError;
 
-use crate::checksum::{digest_transfer, placeholder_digests, DigestBinding, DigestMode};
+use crate::checksum::{DigestExecution, DigestJob, DigestMode, UnsupportedAlgorithm};
 use crate::config::{ConfigError, EngineConfig};
 use crate::pool::{PageLease, PagePool, PoolError};
 
@@ -83,6 +83,8 @@ pub struct SenderEndpoint {
     writes: VecDeque<PostedWrite>,
     stats: SenderEndpointStats,
     digest_mode: DigestMode,
+    digest_execution: DigestExecution,
+    digest_jobs: VecDeque<DigestJob>,
 }
 
 impl SenderEndpoint {
@@ -113,6 +115,8 @@ impl SenderEndpoint {
             writes: VecDeque::new(),
             stats: SenderEndpointStats::default(),
             digest_mode: DigestMode::Verify,
+            digest_execution: DigestExecution::Inline,
+            digest_jobs: VecDeque::new(),
         })
     }
 
@@ -238,40 +242,27 @@ impl SenderEndpoint {
                     let Some(leases) = self.sources.get(&transfer.transfer_id) else {
                         continue;
                     };
-                    let pool = &self.pool;
-                    let binding = DigestBinding {
-                        transfer_id: transfer.transfer_id,
-                        nonce: transfer.nonce,
-                    };
-                    let digests = if self.digest_mode == DigestMode::UnverifiedBenchmarkOnly {
-                        Ok(placeholder_digests(
-                            pool.buffers(),
-                            leases.len(),
-                            page_digests,
-                        ))
-                    } else {
-                        digest_transfer(
-                            algorithm,
-                            binding,
-                            pool.buffers(),
-                            leases.len(),
-                            page_digests,
-                            |b, o| pool.page(&leases[o], b).unwrap_or(&[]),
-                        )
-                    };
-                    match digests {
-                        Ok(d) => self.session.handle_digests(now, transfer, d),
-                        Err(_) => {
-                            // No digest can be made: abort, then report the digest job as ended so
-                            // the session may release the pages it was waiting on.
-                            self.session.abort(
-                                now,
-                                transfer.transfer_id,
-                                ErrorCode::DIGEST_UNSUPPORTED,
+                    // The view pins the source pages until the job is dropped.
+                    let pages = leases.iter().map(PageLease::page).collect();
+                    match self.pool.share_pages(pages) {
+                        Ok(view) => {
+                            let job = DigestJob::new(
+                                transfer,
+                                algorithm,
+                                page_digests,
+                                self.digest_mode,
+                                view,
                             );
-                            self.session
-                                .handle_digests(now, transfer, Default::default());
+                            match self.digest_execution {
+                                DigestExecution::Inline => {
+                                    let result = job.run();
+                                    drop(job);
+                                    self.finish_digests(now, transfer, result.map_err(|_| ()));
+                                }
+                                DigestExecution::Deferred => self.digest_jobs.push_back(job),
+                            }
                         }
+                        Err(_) => self.finish_digests(now, transfer, Err(())),
                     }
                 }
                 SenderAction::PostWrites {
@@ -354,6 +345,48 @@ impl SenderEndpoint {
     /// data and exists only to measure the integrity tax.
     pub fn set_digest_mode(&mut self, mode: DigestMode) {
         self.digest_mode = mode;
+    }
+
+    /// Sets where digests are computed: inline (the default) or handed to the driver as
+    /// [`DigestJob`]s through [`SenderEndpoint::poll_digest_job`].
+    pub fn set_digest_execution(&mut self, execution: DigestExecution) {
+        self.digest_execution = execution;
+    }
+
+    /// The next digest job to run ([`DigestExecution::Deferred`]). Run it anywhere, drop it,
+    /// and hand the result to [`SenderEndpoint::handle_digest_result`].
+    pub fn poll_digest_job(&mut self) -> Option<DigestJob> {
+        self.digest_jobs.pop_front()
+    }
+
+    /// A digest job finished. The job must already be dropped: its pages are then unpinned.
+    pub fn handle_digest_result(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        result: Result<TransferDigests, UnsupportedAlgorithm>,
+    ) {
+        self.finish_digests(now, transfer, result.map_err(|_| ()));
+        self.process(now);
+    }
+
+    fn finish_digests(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        result: Result<TransferDigests, ()>,
+    ) {
+        match result {
+            Ok(d) => self.session.handle_digests(now, transfer, d),
+            Err(()) => {
+                // No digest can be made: abort, then report the digest job as ended so the
+                // session may release the pages it was waiting on.
+                self.session
+                    .abort(now, transfer.transfer_id, ErrorCode::DIGEST_UNSUPPORTED);
+                self.session
+                    .handle_digests(now, transfer, TransferDigests::default());
+            }
+        }
     }
 
     /// Writes into every *free* source page (for example to initialise KV memory);
