@@ -197,3 +197,70 @@ async fn metrics_count_transfers_and_are_served_as_prometheus_text() {
         assert!(body.contains(want), "missing {want}: {body}");
     }
 }
+
+/// The decode engine registers its own KV memory; verified pages land in it, in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_land_in_memory_the_engine_registered() {
+    use kvwire::memory::KvMemory;
+    let config = NodeConfig::example();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    // The engine's own buffers, handed over (pointer + length per buffer would be
+    // KvMemory::from_raw_parts for memory Rust does not own).
+    let buffers: Vec<Box<[u8]>> = (0..config.pool.buffers())
+        .map(|b| vec![0xEE; config.pool.buffer_len(b).unwrap()].into_boxed_slice())
+        .collect();
+    let memory = KvMemory::from_buffers(&config.pool, buffers).unwrap();
+    let cfg = config.clone();
+    let accept = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        ReceiverConn::start_with_memory(stream, &cfg, false, memory).await
+    });
+    let s = SenderConn::connect(addr, &config).await.unwrap();
+    let r = accept.await.unwrap().unwrap();
+    let verified = r.reserve(params(5, 64));
+    send(&s, 5, 64).await.unwrap();
+    let kv = verified.await.unwrap();
+    let first = kv.read(|p| p.page(0, 1).to_vec()).await.unwrap();
+    let mut want = vec![0u8; first.len()];
+    kv_pattern(5, 0, 1, &mut want);
+    assert_eq!(first, want);
+    // A geometry that does not match the registered memory is refused at start.
+    let wrong = KvMemory::allocate(&kvwire::pool::PoolGeometry {
+        pages: 8,
+        ..config.pool.clone()
+    })
+    .unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = config.clone();
+    let accept = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        ReceiverConn::start_with_memory(stream, &cfg, false, wrong).await
+    });
+    let _ = SenderConn::connect(addr, &config).await;
+    assert!(accept.await.unwrap().is_err());
+}
+
+/// Transfers large enough to be digested on the blocking pool verify, and their pages come
+/// back once the jobs are done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offloaded_digests_verify_and_release() {
+    let mut config = NodeConfig::example();
+    config.digest_offload_bytes = 1; // every job on the blocking pool
+    let (s, r) = pair(&config).await;
+    let mut tasks = Vec::new();
+    for id in 1..=8u64 {
+        let verified = r.reserve(params(id, 300));
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            send(&s, id, 300).await.unwrap();
+            verified.await.unwrap().release();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(r.stats().await.unwrap().verified, 8);
+    assert_receiver_pool_full(&r).await;
+}

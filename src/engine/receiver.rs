@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::stream::handshake;
 use super::{run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
 use crate::checksum::DigestExecution;
+use crate::memory::KvMemory;
 use crate::metrics::{Connection, Metrics};
 use crate::pool::PagePool;
 use crate::receiver::{ReceiveOutcome, ReceiverEndpoint, ReserveParams, VerifiedKv};
@@ -173,11 +174,25 @@ impl ReceiverConn {
         Self::start(stream, config, true).await
     }
 
-    /// Runs the handshake on `stream` and starts the connection's task.
+    /// Runs the handshake on `stream` and starts the connection's task, over a pool the
+    /// engine allocates.
     pub async fn start(
+        stream: TcpStream,
+        config: &NodeConfig,
+        client: bool,
+    ) -> Result<Self, EngineError> {
+        let memory = KvMemory::allocate(&config.pool)?;
+        Self::start_with_memory(stream, config, client, memory).await
+    }
+
+    /// Runs the handshake on `stream` and starts the connection's task over KV memory the
+    /// caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
+    /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
+    pub async fn start_with_memory(
         mut stream: TcpStream,
         config: &NodeConfig,
         client: bool,
+        memory: KvMemory,
     ) -> Result<Self, EngineError> {
         stream.set_nodelay(true)?;
         let now = Instant::now();
@@ -188,7 +203,7 @@ impl ReceiverConn {
             Handshake::server(now, hello, config.handshake_timeout)
         };
         let est = handshake(&mut stream, hs, config.handshake_timeout).await?;
-        let pool = PagePool::new(config.pool.clone(), config.scrub)?;
+        let pool = PagePool::with_memory(config.pool.clone(), memory, config.scrub)?;
         let mut rx_config = config.receiver.clone();
         rx_config.nonce_seed = fresh_seed();
         let mut endpoint = ReceiverEndpoint::new(&est, pool, &config.engine, rx_config)?;

@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::stream::{handshake, read_frame};
 use super::{run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
 use crate::checksum::DigestExecution;
+use crate::memory::KvMemory;
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
 use crate::sender::{PostedWrite, SenderEndpoint};
@@ -94,11 +95,25 @@ impl SenderConn {
         Self::start(stream, config, false).await
     }
 
-    /// Runs the handshake on `stream` and starts the connection's task.
+    /// Runs the handshake on `stream` and starts the connection's task, over a pool the
+    /// engine allocates.
     pub async fn start(
+        stream: TcpStream,
+        config: &NodeConfig,
+        client: bool,
+    ) -> Result<Self, EngineError> {
+        let memory = KvMemory::allocate(&config.pool)?;
+        Self::start_with_memory(stream, config, client, memory).await
+    }
+
+    /// Runs the handshake on `stream` and starts the connection's task over KV memory the
+    /// caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
+    /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
+    pub async fn start_with_memory(
         mut stream: TcpStream,
         config: &NodeConfig,
         client: bool,
+        memory: KvMemory,
     ) -> Result<Self, EngineError> {
         stream.set_nodelay(true)?;
         let now = Instant::now();
@@ -109,7 +124,7 @@ impl SenderConn {
             Handshake::server(now, hello, config.handshake_timeout)
         };
         let est = handshake(&mut stream, hs, config.handshake_timeout).await?;
-        let pool = PagePool::new(config.pool.clone(), config.scrub)?;
+        let pool = PagePool::with_memory(config.pool.clone(), memory, config.scrub)?;
         let mut endpoint = SenderEndpoint::new(
             &est,
             pool,
