@@ -75,7 +75,7 @@ impl Default for BenchSpec {
             concurrency: 4,
             verify: Verify::Xxh3,
             check_bytes: false,
-            digest_offload_bytes: 1 << 20,
+            digest_offload_bytes: 8 << 20,
             metrics: None,
         }
     }

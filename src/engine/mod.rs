@@ -88,8 +88,9 @@ pub struct NodeConfig {
     pub digest_mode: DigestMode,
     /// Where the node's connections count transfers, fences and pages; `None` for no metrics.
     pub metrics: Option<Arc<Metrics>>,
-    /// Transfers of at least this many bytes are digested on tokio's blocking pool, so the
-    /// connection keeps receiving (and sending) other transfers meanwhile; smaller ones inline.
+    /// Transfers of at least this many bytes (default 8 MiB) are digested on tokio's blocking
+    /// pool, so the connection keeps receiving (and sending) other transfers meanwhile;
+    /// smaller ones inline, where a thread handoff costs more than it saves.
     pub digest_offload_bytes: u64,
 }
 
@@ -114,7 +115,7 @@ impl NodeConfig {
             window: 16,
             digest_mode: DigestMode::Verify,
             metrics: None,
-            digest_offload_bytes: 1 << 20,
+            digest_offload_bytes: 8 << 20,
         }
     }
 
