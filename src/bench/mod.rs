@@ -62,6 +62,19 @@ pub struct BenchSpec {
     /// Where every connection of the run counts transfers, fences and pages.
     #[serde(skip)]
     pub metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// Called after every transfer ends (e.g. to advance a progress bar).
+    #[serde(skip)]
+    pub on_transfer: Option<OnTransfer>,
+}
+
+/// A callback run after every transfer ends.
+#[derive(Clone)]
+pub struct OnTransfer(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for OnTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnTransfer")
+    }
 }
 
 impl Default for BenchSpec {
@@ -77,6 +90,7 @@ impl Default for BenchSpec {
             check_bytes: false,
             digest_offload_bytes: 8 << 20,
             metrics: None,
+            on_transfer: None,
         }
     }
 }
@@ -138,6 +152,11 @@ pub struct Report {
 impl BenchSpec {
     fn transfer_bytes(&self, page: u32) -> u64 {
         u64::from(page) * u64::from(self.buffers) * u64::from(self.pages)
+    }
+
+    /// Transfers in all cases of one run.
+    pub fn total_transfers(&self) -> u64 {
+        self.page_sizes.iter().map(|&p| self.transfers(p)).sum()
     }
 
     fn transfers(&self, page: u32) -> u64 {
@@ -543,10 +562,11 @@ where
     let next = Arc::new(AtomicU64::new(1));
     let tally = Arc::new(Mutex::new(Tally::default()));
     let one = Arc::new(one);
+    let tick = spec.on_transfer.clone();
     let start = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..spec.concurrency {
-        let (next, tally, one) = (next.clone(), tally.clone(), one.clone());
+        let (next, tally, one, tick) = (next.clone(), tally.clone(), one.clone(), tick.clone());
         workers.push(tokio::spawn(async move {
             loop {
                 let id = next.fetch_add(1, Ordering::Relaxed);
@@ -555,6 +575,9 @@ where
                 }
                 let t0 = Instant::now();
                 let outcome = one(id).await;
+                if let Some(t) = &tick {
+                    (t.0)();
+                }
                 let mut t = tally.lock().unwrap_or_else(|p| p.into_inner());
                 match outcome {
                     Outcome::Verified(checked) => {

@@ -118,6 +118,7 @@ fn main() -> ExitCode {
     // Logs go to stderr, filtered by RUST_LOG (default: warnings and errors).
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
@@ -203,7 +204,27 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         check_bytes: a.check_bytes,
         digest_offload_bytes: a.digest_offload,
         metrics: Some(kvwire::metrics::Metrics::new()),
+        on_transfer: None,
     };
+    // A progress bar only when a person watches (stderr is a terminal), never in pipes or CI.
+    let mut spec = spec;
+    let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+        let total = spec.total_transfers() * u64::from(a.connections.max(1));
+        let bar = indicatif::ProgressBar::new(total);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} {pos}/{len} transfers {wide_bar} {per_sec} {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar
+    });
+    if let Some(bar) = &bar {
+        let b = bar.clone();
+        spec.on_transfer = Some(kvwire::bench::OnTransfer(std::sync::Arc::new(move || {
+            b.inc(1)
+        })));
+    }
     if spec.verify == Verify::None {
         eprintln!("kvwire bench: --verify none: transfers are NOT verified; this mode only measures the integrity tax");
     }
@@ -217,7 +238,10 @@ fn bench_main(a: BenchArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let progress = |msg: &str| eprintln!("kvwire bench: {msg}");
+    let progress = |msg: &str| match &bar {
+        Some(b) => b.println(format!("kvwire bench: {msg}")),
+        None => eprintln!("kvwire bench: {msg}"),
+    };
     let result = runtime.block_on(async {
         if let (Some(addr), Some(m)) = (a.metrics_addr, spec.metrics.clone()) {
             match tokio::net::TcpListener::bind(addr).await {
@@ -236,6 +260,9 @@ fn bench_main(a: BenchArgs) -> ExitCode {
             _ => bench::run_in_process(&spec, progress).await,
         }
     });
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
     let report = match result {
         Ok(r) => r,
         Err(e) => {

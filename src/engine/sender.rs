@@ -343,7 +343,21 @@ impl Task {
 
     fn peer_lost(&mut self, why: &str) {
         if !self.lost {
-            tracing::warn!(why, peer = self.peer, "peer lost: failing its transfers");
+            let open = self.endpoint.session().open_transfers();
+            if open > 0 {
+                tracing::warn!(
+                    why,
+                    peer = self.peer,
+                    open,
+                    "peer lost: failing its open transfers"
+                );
+            } else {
+                tracing::debug!(
+                    why,
+                    peer = self.peer,
+                    "connection closed with no transfer open"
+                );
+            }
             self.lost = true;
             self.endpoint.handle_peer_lost(Instant::now());
         }
