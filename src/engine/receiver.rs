@@ -234,6 +234,7 @@ impl ReceiverConn {
             peer: est.peer.node_id,
             offload: config.digest_offload_bytes,
             digests_done,
+            spans: HashMap::new(),
             waiting: HashMap::new(),
             verified: HashMap::new(),
             cmd: own_tx,
@@ -327,6 +328,9 @@ struct Task {
     peer: u64,
     offload: u64,
     digests_done: mpsc::UnboundedSender<DigestDone>,
+    /// A tracing span per open transfer (transfer id, nonce, peer), entered whenever the
+    /// task handles it, closed when it ends.
+    spans: HashMap<u64, tracing::Span>,
 }
 
 impl Task {
@@ -350,6 +354,11 @@ impl Task {
                         m.bytes_verified.inc_by(bytes);
                     }
                     let id = kv.transfer.transfer_id;
+                    if let Some(span) = self.spans.remove(&id) {
+                        span.in_scope(|| {
+                            tracing::debug!(pages = kv.pages(), "verified and delivered")
+                        });
+                    }
                     let handle = Verified {
                         transfer: kv.transfer,
                         tokens: kv.tokens,
@@ -368,7 +377,11 @@ impl Task {
                     if let Some((m, _)) = &self.metrics {
                         m.transfer("receiver", &reason.code().to_string());
                     }
-                    tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed");
+                    let span = self
+                        .spans
+                        .remove(&transfer.transfer_id)
+                        .unwrap_or_else(tracing::Span::none);
+                    span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed"));
                     if let Some(reply) = self.waiting.remove(&transfer.transfer_id) {
                         let _ = reply.send(Err(TransferError::Failed(reason)));
                     }
@@ -395,6 +408,15 @@ impl Task {
                 }
                 match self.endpoint.reserve(now, params) {
                     Ok(t) => {
+                        let span = tracing::info_span!(
+                            "transfer",
+                            transfer_id = t.transfer_id,
+                            nonce = t.nonce,
+                            peer = self.peer,
+                            role = "receiver"
+                        );
+                        span.in_scope(|| tracing::debug!(tokens = params.tokens, "reserved"));
+                        self.spans.insert(t.transfer_id, span);
                         self.waiting.insert(t.transfer_id, reply);
                     }
                     Err(e) => {
@@ -536,6 +558,11 @@ async fn run(mut task: Task, mut rd: OwnedReadHalf, mut reader: StreamReader, in
                 let (_, scopes) = task.endpoint.landing_parts();
                 match reader.advance(n, scopes) {
                     Ok(Some(Record::Frame(frame))) => {
+                        let span = frame
+                            .transfer()
+                            .and_then(|t| task.spans.get(&t.transfer_id).cloned())
+                            .unwrap_or_else(tracing::Span::none);
+                        let _entered = span.enter();
                         if let Err(e) = task.endpoint.handle_frame(now, frame) {
                             if e.scope == Scope::Connection {
                                 task.peer_lost(now, &e.detail);

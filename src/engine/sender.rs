@@ -240,6 +240,8 @@ async fn read_frames(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<Option<Fra
 
 struct Task {
     endpoint: SenderEndpoint,
+    /// A tracing span per open transfer, entered whenever the task handles it.
+    spans: HashMap<u64, tracing::Span>,
     offload: u64,
     digests_done: mpsc::UnboundedSender<DigestDone>,
     metrics: Option<Arc<Metrics>>,
@@ -300,6 +302,9 @@ impl Task {
             let (id, result) = match event {
                 SenderEvent::Verified(t) => {
                     self.stats.verified += 1;
+                    if let Some(span) = self.spans.remove(&t.transfer_id) {
+                        span.in_scope(|| tracing::debug!("verified by the receiver"));
+                    }
                     if let Some(m) = &self.metrics {
                         m.transfer("sender", "verified");
                     }
@@ -310,7 +315,11 @@ impl Task {
                     if let Some(m) = &self.metrics {
                         m.transfer("sender", &reason.code().to_string());
                     }
-                    tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed");
+                    let span = self
+                        .spans
+                        .remove(&transfer.transfer_id)
+                        .unwrap_or_else(tracing::Span::none);
+                    span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed"));
                     (transfer.transfer_id, Err(TransferError::Failed(reason)))
                 }
             };
@@ -389,6 +398,14 @@ impl Task {
                 let id = admitted.transfer_id();
                 match self.endpoint.submit(now, admitted, fill) {
                     Ok(()) => {
+                        let span = tracing::info_span!(
+                            "transfer",
+                            transfer_id = id,
+                            peer = self.peer,
+                            role = "sender"
+                        );
+                        span.in_scope(|| tracing::debug!("submitted"));
+                        self.spans.insert(id, span);
                         self.waiting.insert(id, reply);
                     }
                     Err(e) => {
@@ -437,6 +454,7 @@ async fn run(
     let (digests_done, mut digest_rx) = mpsc::unbounded_channel::<DigestDone>();
     let mut task = Task {
         endpoint,
+        spans: HashMap::new(),
         offload,
         digests_done,
         metrics,
@@ -466,6 +484,11 @@ async fn run(
         let now = Instant::now();
         match event {
             Event::Frame(Some(Some(frame))) => {
+                let span = frame
+                    .transfer()
+                    .and_then(|t| task.spans.get(&t.transfer_id).cloned())
+                    .unwrap_or_else(tracing::Span::none);
+                let _entered = span.enter();
                 if let Err(e) = task.endpoint.handle_frame(now, frame) {
                     if e.scope == Scope::Connection {
                         task.peer_lost(&e.detail);
