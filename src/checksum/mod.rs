@@ -408,3 +408,47 @@ impl DigestJob {
         )
     }
 }
+
+/// How an endpoint computes its digests: the mode, where jobs run, and the jobs waiting for
+/// a driver that runs them itself ([`DigestExecution::Deferred`]).
+#[derive(Debug, Default)]
+pub struct DigestRunner {
+    /// Verify, or placeholder digests for the integrity-tax benchmark.
+    pub mode: DigestMode,
+    /// Inline, or deferred to the driver.
+    pub execution: DigestExecution,
+    jobs: std::collections::VecDeque<DigestJob>,
+}
+
+impl DigestRunner {
+    /// Starts the digests of `transfer` over `view` (its pages, pinned): runs them now and
+    /// returns the result (inline), or queues a job and returns `None` (deferred). `Err(())`
+    /// means no digest can be made (no view, or an unsupported algorithm).
+    pub fn start(
+        &mut self,
+        transfer: kvwire_proto::wire::TransferRef,
+        algorithm: DigestAlgorithm,
+        page_digests: bool,
+        view: Result<crate::memory::SharedPages, crate::pool::PoolError>,
+    ) -> Option<Result<TransferDigests, ()>> {
+        let Ok(view) = view else { return Some(Err(())) };
+        let job = DigestJob::new(transfer, algorithm, page_digests, self.mode, view);
+        match self.execution {
+            DigestExecution::Inline => {
+                let result = job.run().map_err(|_| ());
+                // Dropping the job unpins the pages before the result is acted on.
+                drop(job);
+                Some(result)
+            }
+            DigestExecution::Deferred => {
+                self.jobs.push_back(job);
+                None
+            }
+        }
+    }
+
+    /// The next queued job.
+    pub fn poll_job(&mut self) -> Option<DigestJob> {
+        self.jobs.pop_front()
+    }
+}

@@ -213,3 +213,33 @@ pub(crate) fn run_digest_job(
     });
     None
 }
+
+/// Opens a connection on `stream`: no Nagle delay, the handshake as `role` (client or
+/// server), and the connection's pool over `memory`.
+pub(crate) async fn open(
+    mut stream: tokio::net::TcpStream,
+    config: &NodeConfig,
+    client: bool,
+    role: Role,
+    memory: crate::memory::KvMemory,
+) -> Result<
+    (
+        tokio::net::TcpStream,
+        kvwire_proto::handshake::Established,
+        crate::pool::PagePool,
+    ),
+    EngineError,
+> {
+    use kvwire_proto::handshake::Handshake;
+    stream.set_nodelay(true)?;
+    let now = std::time::Instant::now();
+    let hello = config.hello(role);
+    let hs = if client {
+        Handshake::client(now, hello, config.handshake_timeout)
+    } else {
+        Handshake::server(now, hello, config.handshake_timeout)
+    };
+    let est = stream::handshake(&mut stream, hs, config.handshake_timeout).await?;
+    let pool = crate::pool::PagePool::with_memory(config.pool.clone(), memory, config.scrub)?;
+    Ok((stream, est, pool))
+}

@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvwire_proto::handshake::Handshake;
 use kvwire_proto::wire::{ErrorCode, Hello, Role, TransferRef};
 use kvwire_proto::{FailureReason, Scope};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -14,8 +13,7 @@ use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::stream::handshake;
-use super::{run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
+use super::{open, run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
 use crate::checksum::DigestExecution;
 use crate::memory::KvMemory;
 use crate::metrics::{Connection, Metrics};
@@ -189,21 +187,12 @@ impl ReceiverConn {
     /// caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
     /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
     pub async fn start_with_memory(
-        mut stream: TcpStream,
+        stream: TcpStream,
         config: &NodeConfig,
         client: bool,
         memory: KvMemory,
     ) -> Result<Self, EngineError> {
-        stream.set_nodelay(true)?;
-        let now = Instant::now();
-        let hello = config.hello(Role::RECEIVER);
-        let hs = if client {
-            Handshake::client(now, hello, config.handshake_timeout)
-        } else {
-            Handshake::server(now, hello, config.handshake_timeout)
-        };
-        let est = handshake(&mut stream, hs, config.handshake_timeout).await?;
-        let pool = PagePool::with_memory(config.pool.clone(), memory, config.scrub)?;
+        let (stream, est, pool) = open(stream, config, client, Role::RECEIVER, memory).await?;
         let mut rx_config = config.receiver.clone();
         rx_config.nonce_seed = fresh_seed();
         let mut endpoint = ReceiverEndpoint::new(&est, pool, &config.engine, rx_config)?;

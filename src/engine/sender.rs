@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::{AdmissionError, Admitted, Request};
-use kvwire_proto::handshake::Handshake;
 use kvwire_proto::sender::SenderEvent;
 use kvwire_proto::wire::{ErrorCode, Frame, Hello, Role};
 use kvwire_proto::{FailureReason, Scope};
@@ -16,12 +15,11 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::stream::{handshake, read_frame};
-use super::{run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
+use super::stream::read_frame;
+use super::{open, run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
 use crate::checksum::DigestExecution;
 use crate::memory::KvMemory;
 use crate::metrics::Metrics;
-use crate::pool::PagePool;
 use crate::sender::{PostedWrite, SenderEndpoint};
 use crate::transport::tcp::DataHeader;
 use crate::transport::AccessKey;
@@ -110,21 +108,12 @@ impl SenderConn {
     /// caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
     /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
     pub async fn start_with_memory(
-        mut stream: TcpStream,
+        stream: TcpStream,
         config: &NodeConfig,
         client: bool,
         memory: KvMemory,
     ) -> Result<Self, EngineError> {
-        stream.set_nodelay(true)?;
-        let now = Instant::now();
-        let hello = config.hello(Role::SENDER);
-        let hs = if client {
-            Handshake::client(now, hello, config.handshake_timeout)
-        } else {
-            Handshake::server(now, hello, config.handshake_timeout)
-        };
-        let est = handshake(&mut stream, hs, config.handshake_timeout).await?;
-        let pool = PagePool::with_memory(config.pool.clone(), memory, config.scrub)?;
+        let (stream, est, pool) = open(stream, config, client, Role::SENDER, memory).await?;
         let mut endpoint = SenderEndpoint::new(
             &est,
             pool,

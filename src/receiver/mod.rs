@@ -18,7 +18,7 @@ use kvwire_proto::receiver::{
 use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, TransferDigests, TransferRef};
 use kvwire_proto::{FailureReason, FrameError};
 
-use crate::checksum::{DigestExecution, DigestJob, DigestMode, UnsupportedAlgorithm};
+use crate::checksum::{DigestExecution, DigestJob, DigestMode, DigestRunner, UnsupportedAlgorithm};
 use crate::config::{ConfigError, EngineConfig};
 use crate::pool::{PageLease, PagePool, PoolError};
 use crate::transport::ScopeTable;
@@ -119,9 +119,7 @@ pub struct ReceiverEndpoint {
     outcomes: VecDeque<ReceiveOutcome>,
     fenced: VecDeque<TransferRef>,
     stats: ReceiverEndpointStats,
-    digest_mode: DigestMode,
-    digest_execution: DigestExecution,
-    digest_jobs: VecDeque<DigestJob>,
+    digests: DigestRunner,
 }
 
 impl ReceiverEndpoint {
@@ -144,9 +142,7 @@ impl ReceiverEndpoint {
             outcomes: VecDeque::new(),
             fenced: VecDeque::new(),
             stats: ReceiverEndpointStats::default(),
-            digest_mode: DigestMode::Verify,
-            digest_execution: DigestExecution::Inline,
-            digest_jobs: VecDeque::new(),
+            digests: DigestRunner::default(),
         })
     }
 
@@ -286,25 +282,9 @@ impl ReceiverEndpoint {
                 // Digests of the memory that actually landed, after the fence. The view pins
                 // the pages until the job is dropped.
                 let pages = leases.iter().map(PageLease::page).collect();
-                match self.pool.share_pages(pages) {
-                    Ok(view) => {
-                        let job = DigestJob::new(
-                            transfer,
-                            algorithm,
-                            page_digests,
-                            self.digest_mode,
-                            view,
-                        );
-                        match self.digest_execution {
-                            DigestExecution::Inline => {
-                                let result = job.run();
-                                drop(job);
-                                self.finish_digests(now, transfer, result.map_err(|_| ()));
-                            }
-                            DigestExecution::Deferred => self.digest_jobs.push_back(job),
-                        }
-                    }
-                    Err(_) => self.finish_digests(now, transfer, Err(())),
+                let view = self.pool.share_pages(pages);
+                if let Some(result) = self.digests.start(transfer, algorithm, page_digests, view) {
+                    self.finish_digests(now, transfer, result);
                 }
             }
             ReceiverAction::Release(t) => {
@@ -358,19 +338,19 @@ impl ReceiverEndpoint {
     /// Sets the digest mode. [`DigestMode::UnverifiedBenchmarkOnly`] delivers unverified
     /// data and exists only to measure the integrity tax.
     pub fn set_digest_mode(&mut self, mode: DigestMode) {
-        self.digest_mode = mode;
+        self.digests.mode = mode;
     }
 
     /// Sets where digests are computed: inline (the default) or handed to the driver as
     /// [`DigestJob`]s through [`ReceiverEndpoint::poll_digest_job`].
     pub fn set_digest_execution(&mut self, execution: DigestExecution) {
-        self.digest_execution = execution;
+        self.digests.execution = execution;
     }
 
     /// The next digest job to run ([`DigestExecution::Deferred`]). Run it anywhere, drop it,
     /// and hand the result to [`ReceiverEndpoint::handle_digest_result`].
     pub fn poll_digest_job(&mut self) -> Option<DigestJob> {
-        self.digest_jobs.pop_front()
+        self.digests.poll_job()
     }
 
     /// A digest job finished (`Err` if no digest could be made, e.g. an unsupported

@@ -19,7 +19,7 @@ use kvwire_proto::sender::{
 use kvwire_proto::wire::{ErrorCode, Frame, TransferDigests, TransferRef};
 use kvwire_proto::FrameError;
 
-use crate::checksum::{DigestExecution, DigestJob, DigestMode, UnsupportedAlgorithm};
+use crate::checksum::{DigestExecution, DigestJob, DigestMode, DigestRunner, UnsupportedAlgorithm};
 use crate::config::{ConfigError, EngineConfig};
 use crate::pool::{PageLease, PagePool, PoolError};
 
@@ -82,9 +82,7 @@ pub struct SenderEndpoint {
     postings: BTreeMap<u64, Posting>,
     writes: VecDeque<PostedWrite>,
     stats: SenderEndpointStats,
-    digest_mode: DigestMode,
-    digest_execution: DigestExecution,
-    digest_jobs: VecDeque<DigestJob>,
+    digests: DigestRunner,
 }
 
 impl SenderEndpoint {
@@ -114,9 +112,7 @@ impl SenderEndpoint {
             postings: BTreeMap::new(),
             writes: VecDeque::new(),
             stats: SenderEndpointStats::default(),
-            digest_mode: DigestMode::Verify,
-            digest_execution: DigestExecution::Inline,
-            digest_jobs: VecDeque::new(),
+            digests: DigestRunner::default(),
         })
     }
 
@@ -244,25 +240,11 @@ impl SenderEndpoint {
                     };
                     // The view pins the source pages until the job is dropped.
                     let pages = leases.iter().map(PageLease::page).collect();
-                    match self.pool.share_pages(pages) {
-                        Ok(view) => {
-                            let job = DigestJob::new(
-                                transfer,
-                                algorithm,
-                                page_digests,
-                                self.digest_mode,
-                                view,
-                            );
-                            match self.digest_execution {
-                                DigestExecution::Inline => {
-                                    let result = job.run();
-                                    drop(job);
-                                    self.finish_digests(now, transfer, result.map_err(|_| ()));
-                                }
-                                DigestExecution::Deferred => self.digest_jobs.push_back(job),
-                            }
-                        }
-                        Err(_) => self.finish_digests(now, transfer, Err(())),
+                    let view = self.pool.share_pages(pages);
+                    if let Some(result) =
+                        self.digests.start(transfer, algorithm, page_digests, view)
+                    {
+                        self.finish_digests(now, transfer, result);
                     }
                 }
                 SenderAction::PostWrites {
@@ -344,19 +326,19 @@ impl SenderEndpoint {
     /// Sets the digest mode. [`DigestMode::UnverifiedBenchmarkOnly`] delivers unverified
     /// data and exists only to measure the integrity tax.
     pub fn set_digest_mode(&mut self, mode: DigestMode) {
-        self.digest_mode = mode;
+        self.digests.mode = mode;
     }
 
     /// Sets where digests are computed: inline (the default) or handed to the driver as
     /// [`DigestJob`]s through [`SenderEndpoint::poll_digest_job`].
     pub fn set_digest_execution(&mut self, execution: DigestExecution) {
-        self.digest_execution = execution;
+        self.digests.execution = execution;
     }
 
     /// The next digest job to run ([`DigestExecution::Deferred`]). Run it anywhere, drop it,
     /// and hand the result to [`SenderEndpoint::handle_digest_result`].
     pub fn poll_digest_job(&mut self) -> Option<DigestJob> {
-        self.digest_jobs.pop_front()
+        self.digests.poll_job()
     }
 
     /// A digest job finished. The job must already be dropped: its pages are then unpinned.
