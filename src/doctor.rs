@@ -13,6 +13,88 @@ pub struct RdmaDevice {
     pub name: String,
     /// Ports: (number, state, active MTU, link layer).
     pub ports: Vec<(String, String, String, String)>,
+    /// Set GIDs: (port, index, GID, type such as "RoCE v2").
+    pub gids: Vec<(String, u32, String, String)>,
+    /// Memory-window support as `ibv_devinfo -v` reports it, if that tool is installed:
+    /// (type 2B windows supported, max_mw).
+    pub memory_windows: Option<(bool, u64)>,
+}
+
+impl RdmaDevice {
+    /// Whether a port is ACTIVE and has a RoCE v2 GID (what the RDMA transport needs).
+    pub fn usable(&self) -> bool {
+        self.ports.iter().any(|(n, state, _, _)| {
+            state.contains("ACTIVE")
+                && self
+                    .gids
+                    .iter()
+                    .any(|(p, _, _, t)| p == n && t == "RoCE v2")
+        })
+    }
+}
+
+/// Set GIDs of one port directory (`.../ports/N`), in index order.
+fn gids_of(port: &Path, port_num: &str) -> Vec<(String, u32, String, String)> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(port.join("gids")) else {
+        return out;
+    };
+    let mut idx: Vec<u32> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse().ok())
+        .collect();
+    idx.sort_unstable();
+    for i in idx {
+        let Some(gid) = read(&port.join("gids").join(i.to_string())) else {
+            continue;
+        };
+        if gid.chars().all(|c| c == '0' || c == ':') {
+            continue;
+        }
+        let kind =
+            read(&port.join("gid_attrs/types").join(i.to_string())).unwrap_or_else(|| "?".into());
+        out.push((port_num.to_string(), i, gid, kind));
+    }
+    out
+}
+
+/// What `ibv_devinfo -v -d DEV` says (None if the tool is missing or fails).
+fn devinfo(dev: &str) -> Option<String> {
+    let out = std::process::Command::new("ibv_devinfo")
+        .args(["-v", "-d", dev])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Active MTU of each port in `ibv_devinfo` output: (port, "4096").
+fn devinfo_mtus(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut port = None;
+    for line in text.lines() {
+        let l = line.trim();
+        if let Some(rest) = l.strip_prefix("port:") {
+            port = Some(rest.trim().to_string());
+        } else if let (Some(rest), Some(p)) = (l.strip_prefix("active_mtu:"), &port) {
+            let mtu = rest.split_whitespace().next().unwrap_or("?").to_string();
+            out.push((p.clone(), mtu));
+        }
+    }
+    out
+}
+
+/// Memory-window support in `ibv_devinfo -v` output: (type 2B supported, max_mw).
+fn memory_windows(text: &str) -> Option<(bool, u64)> {
+    let type_2b = text.contains("MEM_WINDOW_TYPE_2B");
+    let max_mw = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("max_mw:"))
+        .and_then(|l| l.split(':').nth(1))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    Some((type_2b, max_mw))
 }
 
 /// What the host offers.
@@ -51,6 +133,7 @@ pub fn inspect_at(root: &Path) -> Report {
         names.sort();
         for name in names {
             let mut ports = Vec::new();
+            let mut gids = Vec::new();
             if let Ok(ps) = std::fs::read_dir(ib.join(&name).join("ports")) {
                 let mut ps: Vec<_> = ps.flatten().map(|e| e.path()).collect();
                 ps.sort();
@@ -60,10 +143,30 @@ pub fn inspect_at(root: &Path) -> Report {
                         .file_name()
                         .map(|n| n.to_string_lossy().to_string())
                         .unwrap_or_default();
+                    gids.extend(gids_of(&p, &num));
                     ports.push((num, get("state"), get("active_mtu"), get("link_layer")));
                 }
             }
-            rdma.push(RdmaDevice { name, ports });
+            // Only the live host has an ibv_devinfo to ask; sysfs lacks MTU on some drivers.
+            let info = if root == Path::new("/") {
+                devinfo(&name)
+            } else {
+                None
+            };
+            if let Some(text) = &info {
+                for (p, mtu) in devinfo_mtus(text) {
+                    if let Some(port) = ports.iter_mut().find(|x| x.0 == p && x.2 == "?") {
+                        port.2 = mtu;
+                    }
+                }
+            }
+            let memory_windows = info.as_deref().and_then(memory_windows);
+            rdma.push(RdmaDevice {
+                name,
+                ports,
+                gids,
+                memory_windows,
+            });
         }
     }
     let memlock = read(&root.join("proc/self/limits")).and_then(|l| {
@@ -112,12 +215,37 @@ impl Report {
             );
         }
         for d in &self.rdma {
-            let _ = writeln!(o, "rdma:      {}", d.name);
+            let note = if d.usable() {
+                ""
+            } else {
+                " (not usable: no ACTIVE port with a RoCE v2 GID)"
+            };
+            let _ = writeln!(o, "rdma:      {}{note}", d.name);
+            match d.memory_windows {
+                Some((true, max)) => {
+                    let _ = writeln!(
+                        o,
+                        "           memory windows: type 2B supported, max_mw {max} (ibv_devinfo)"
+                    );
+                }
+                Some((false, max)) => {
+                    let _ = writeln!(
+                        o,
+                        "           memory windows: type 2B NOT supported (max_mw {max})"
+                    );
+                }
+                None => {
+                    let _ = writeln!(o, "           memory windows: unknown (install ibverbs-utils for ibv_devinfo)");
+                }
+            }
             for (n, state, mtu, ll) in &d.ports {
                 let _ = writeln!(
                     o,
                     "           port {n}: {state}, active MTU {mtu}, link layer {ll}"
                 );
+            }
+            for (port, i, gid, kind) in &d.gids {
+                let _ = writeln!(o, "           gid {port}/{i}: {gid} ({kind})");
             }
         }
         match self.memlock {
@@ -160,6 +288,19 @@ mod tests {
         std::fs::write(port.join("state"), "4: ACTIVE\n").unwrap();
         std::fs::write(port.join("active_mtu"), "1024\n").unwrap();
         std::fs::write(port.join("link_layer"), "Ethernet\n").unwrap();
+        std::fs::create_dir_all(port.join("gids")).unwrap();
+        std::fs::create_dir_all(port.join("gid_attrs/types")).unwrap();
+        std::fs::write(
+            port.join("gids/0"),
+            "fe80:0000:0000:0000:0200:00ff:fe00:0000\n",
+        )
+        .unwrap();
+        std::fs::write(port.join("gid_attrs/types/0"), "RoCE v2\n").unwrap();
+        std::fs::write(
+            port.join("gids/1"),
+            "0000:0000:0000:0000:0000:0000:0000:0000\n",
+        )
+        .unwrap();
         std::fs::create_dir_all(dir.join("proc/self")).unwrap();
         std::fs::write(
             dir.join("proc/self/limits"),
@@ -186,7 +327,26 @@ mod tests {
         assert_eq!(r.hugepages, Some((16, 8, 2048)));
         let text = r.render();
         assert!(text.contains("rxe0") && text.contains("too low"), "{text}");
+        let gid = "fe80:0000:0000:0000:0200:00ff:fe00:0000".to_string();
+        assert_eq!(r.rdma[0].gids, vec![("1".into(), 0, gid, "RoCE v2".into())]);
+        assert!(r.rdma[0].usable());
+        assert!(
+            text.contains("gid 1/0: fe80") && text.contains("(RoCE v2)"),
+            "{text}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn devinfo_output_gives_mtu_and_memory_windows() {
+        // The shape of `ibv_devinfo -v -d rxe0` on SoftRoCE.
+        let text = "hca_id:\trxe0\n\tdevice_cap_flags:\t0x00221c76\n\t\t\t\t\tMEM_WINDOW\n\t\t\t\t\tMEM_WINDOW_TYPE_2B\n\tmax_mw:\t\t\t\t524287\n\t\tport:\t1\n\t\t\tstate:\t\t\tPORT_ACTIVE (4)\n\t\t\tactive_mtu:\t\t4096 (5)\n";
+        assert_eq!(
+            devinfo_mtus(text),
+            vec![("1".to_string(), "4096".to_string())]
+        );
+        assert_eq!(memory_windows(text), Some((true, 524287)));
+        assert_eq!(memory_windows("max_mw: 0\n"), Some((false, 0)));
     }
 
     #[test]

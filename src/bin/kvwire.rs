@@ -36,6 +36,9 @@ enum Command {
         /// A TOML configuration file to check as well.
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Exit non-zero unless an RDMA device has an ACTIVE port with a RoCE v2 GID.
+        #[arg(long)]
+        require_rdma: bool,
     },
 }
 
@@ -128,8 +131,16 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Bench(args) => bench_main(args),
         Command::CheckConfig { file } => check_config(&file),
-        Command::Doctor { config } => {
-            print!("{}", kvwire::doctor::inspect().render());
+        Command::Doctor {
+            config,
+            require_rdma,
+        } => {
+            let report = kvwire::doctor::inspect();
+            print!("{}", report.render());
+            if require_rdma && !report.rdma.iter().any(|d| d.usable()) {
+                eprintln!("kvwire doctor: no usable RDMA device (--require-rdma)");
+                return ExitCode::FAILURE;
+            }
             match config {
                 Some(f) => check_config(&f),
                 None => ExitCode::SUCCESS,

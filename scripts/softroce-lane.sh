@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The SoftRoCE lane: kvwire's RDMA tests on a real verbs stack (rdma_rxe, device rxe0),
+# where a missing device is a failure (KVWIRE_REQUIRE_RDMA=1), plus ib_write_bw baselines.
+# Runs the host-built binaries inside scripts/softroce-vm.sh (or on the host when its kernel
+# has rdma_rxe).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --quiet --bin kvwire
+tests=$(cargo test --quiet --test rdma --no-run --message-format=json \
+  | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("executable") and m.get("target", {}).get("name") == "rdma": print(m["executable"])' | tail -n 1)
+[ -x "$tests" ] || { echo "softroce-lane: could not find the rdma test binary" >&2; exit 1; }
+KVWIRE_REQUIRE_RDMA=1 bash scripts/softroce-vm.sh "set -euo pipefail
+echo '== kvwire doctor --require-rdma'
+target/debug/kvwire doctor --require-rdma
+echo '== RDMA tests (KVWIRE_REQUIRE_RDMA=1)'
+$tests --test-threads 1
+echo '== ib_write_bw baselines (rxe0, GID index 1, software emulation)'
+for size in 65536 1048576; do
+  ib_write_bw -d rxe0 -x 1 -s \$size -n 200 -F >/dev/null 2>&1 &
+  sleep 2
+  ib_write_bw -d rxe0 -x 1 -s \$size -n 200 -F localhost | grep -A1 '#bytes'
+  wait
+done"
