@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# The SoftRoCE lane: kvwire's RDMA tests on a real verbs stack (rdma_rxe, device rxe0),
-# where a missing device is a failure (KVWIRE_REQUIRE_RDMA=1), plus ib_write_bw baselines.
+# The SoftRoCE lane: kvwire's RDMA tests (feature `rdma`) on a real verbs stack (rdma_rxe,
+# device rxe0), where a missing device is a failure (KVWIRE_REQUIRE_RDMA=1): the device,
+# verified transfers over RC queue pairs, the stale-pages incident; plus ib_write_bw baselines.
 # Runs the host-built binaries inside scripts/softroce-vm.sh (or on the host when its kernel
 # has rdma_rxe).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --quiet --bin kvwire
-tests=$(cargo test --quiet --test rdma --no-run --message-format=json \
+# Building the verbs bindings (feature `rdma`) needs cmake and libclang.
+need=()
+for p in cmake libclang-dev python3; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
+if ((${#need[@]})); then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+cargo clippy --quiet -p kvwire --features rdma --all-targets -- -D warnings
+cargo build --quiet --features rdma --bin kvwire
+tests=$(cargo test --quiet --features rdma --test rdma --no-run --message-format=json \
   | python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)

@@ -74,3 +74,367 @@ fn rdma_device_supports_type_2b_memory_windows() {
         ),
     }
 }
+
+/// Transfers over RDMA: the protocol's real sender and receiver sessions, driven by a small
+/// synchronous driver over two RC queue pairs on one device (RDMA WRITEs for the pages,
+/// SENDs for the frames, the COMMIT after the writes on the same queue pair).
+#[cfg(feature = "rdma")]
+mod over_rdma {
+    use std::time::{Duration, Instant};
+
+    use kvwire::checksum::{digest_transfer, DigestBinding};
+    use kvwire::harness::{handshake, kv_pattern};
+    use kvwire::pool::{PageLease, PagePool, PoolGeometry, Scrub};
+    use kvwire::proto::admission::{AdmissionPolicy, Request};
+    use kvwire::proto::receiver::{
+        ReceiverAction, ReceiverConfig, ReceiverEvent, ReceiverSession, ReservationRequest,
+    };
+    use kvwire::proto::sender::{
+        SenderAction, SenderConfig, SenderEvent, SenderSession, WriteOutcome,
+    };
+    use kvwire::proto::wire::{DigestAlgorithm, Frame, Hello, Role};
+    use kvwire::proto::FailureReason;
+    use kvwire::transport::rdma::{RcLink, RdmaDevice, RdmaEvent, RdmaWrite, RegisteredMemory};
+
+    const ID: u64 = 9;
+    const PAGES: u32 = 8;
+
+    fn geometry() -> PoolGeometry {
+        PoolGeometry {
+            tokens_per_page: 16,
+            buffer_page_bytes: vec![4096, 8192, 4096],
+            pages: 32,
+        }
+    }
+
+    fn hello(role: Role) -> Hello {
+        Hello {
+            node_id: 1,
+            role,
+            layout: geometry().to_layout(b"rdma-test".to_vec()),
+            digests: vec![DigestAlgorithm::XXH3_64],
+            transport_params: vec![],
+        }
+    }
+
+    fn digests(
+        pool: &PagePool,
+        pages: &[u32],
+        t: kvwire::proto::wire::TransferRef,
+        per_page: bool,
+    ) -> kvwire::proto::wire::TransferDigests {
+        let binding = DigestBinding {
+            transfer_id: t.transfer_id,
+            nonce: t.nonce,
+        };
+        digest_transfer(
+            DigestAlgorithm::XXH3_64,
+            binding,
+            pool.buffers(),
+            pages.len(),
+            per_page,
+            |b, o| pool.raw_page(pages[o], b).unwrap(),
+        )
+        .unwrap()
+    }
+
+    /// The access descriptor of a reservation: per buffer, rkey (u32) and base address (u64).
+    fn access(reg: &RegisteredMemory, buffers: usize) -> Vec<u8> {
+        (0..buffers)
+            .flat_map(|b| {
+                [
+                    reg.rkey(b).to_le_bytes().to_vec(),
+                    reg.addr(b, 0).to_le_bytes().to_vec(),
+                ]
+                .concat()
+            })
+            .collect()
+    }
+
+    fn remote(access: &[u8], b: usize) -> (u32, u64) {
+        let e = &access[b * 12..b * 12 + 12];
+        (
+            u32::from_le_bytes(e[..4].try_into().unwrap()),
+            u64::from_le_bytes(e[4..].try_into().unwrap()),
+        )
+    }
+
+    struct Outcome {
+        delivered_bytes_ok: Option<bool>,
+        receiver_failure: Option<FailureReason>,
+        sender_verified: bool,
+        dst_free_after: (u32, u32),
+    }
+
+    /// One transfer; `lost_page`: that page's writes are never posted but reported complete
+    /// (the stale-pages incident).
+    fn run(dev_name: &str, lost_page: Option<u32>) -> Outcome {
+        let dev = RdmaDevice::open(Some(dev_name)).expect("open device");
+        let g = geometry();
+        let mut src = PagePool::new(g.clone(), Scrub::None).unwrap();
+        let mut dst = PagePool::new(g.clone(), Scrub::None).unwrap();
+        // The destination pages hold another tenant's bytes.
+        for p in 0..g.pages {
+            for b in 0..g.buffers() {
+                dst.raw_page_mut(p, b).unwrap().fill(0xA5);
+            }
+        }
+        let t0 = Instant::now();
+        let src_reg = dev.register(src.memory()).unwrap();
+        let dst_reg = dev.register(dst.memory()).unwrap();
+        println!(
+            "registered 2 x {} KiB in {:?}",
+            g.total_bytes().unwrap() / 1024,
+            t0.elapsed()
+        );
+        let mut a = RcLink::new(&dev, 256).unwrap();
+        let mut b = RcLink::new(&dev, 64).unwrap();
+        let (pa, pb) = (a.params(), b.params());
+        a.connect(&pb).unwrap();
+        b.connect(&pa).unwrap();
+
+        let now = Instant::now();
+        let (r_est, s_est) = handshake(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
+        let mut rs = ReceiverSession::new(&r_est, ReceiverConfig::default());
+        let mut ss = SenderSession::new(&s_est, SenderConfig::default());
+
+        // Scattered destination pages: every other page of 2 x PAGES.
+        let mut all = dst.allocate(2 * PAGES).unwrap();
+        let mut dst_leases: Vec<PageLease> = Vec::new();
+        for (i, l) in all.drain(..).enumerate() {
+            if i % 2 == 1 {
+                dst_leases.push(l)
+            } else {
+                dst.release(l).unwrap()
+            }
+        }
+        let dst_pages: Vec<u32> = dst_leases.iter().map(PageLease::page).collect();
+        let tref = rs
+            .reserve(
+                now,
+                ReservationRequest {
+                    transfer_id: ID,
+                    tokens: PAGES * 16,
+                    pages: dst_pages.clone(),
+                    digest: None,
+                    page_digests: true,
+                    timeout: Duration::from_secs(20),
+                    access: access(&dst_reg, g.buffers()),
+                },
+            )
+            .unwrap();
+
+        let policy = AdmissionPolicy {
+            tokens_per_page: 16,
+            pool_pages: g.pages,
+            max_context_tokens: 512,
+        };
+        let admitted = policy
+            .admit(Request {
+                transfer_id: ID,
+                tokens: u64::from(PAGES * 16),
+            })
+            .unwrap();
+        let src_leases = src.allocate(PAGES).unwrap();
+        for (o, l) in src_leases.iter().enumerate() {
+            for buf in 0..g.buffers() {
+                kv_pattern(ID, o as u32, buf, src.page_mut(l, buf).unwrap());
+            }
+        }
+        let src_pages: Vec<u32> = src_leases.iter().map(PageLease::page).collect();
+        ss.submit(now, admitted, src_pages.clone()).unwrap();
+
+        let mut out = Outcome {
+            delivered_bytes_ok: None,
+            receiver_failure: None,
+            sender_verified: false,
+            dst_free_after: (0, 0),
+        };
+        let mut sender_done = false;
+        let mut current = None;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut events = Vec::new();
+        while !(sender_done && (out.delivered_bytes_ok.is_some() || out.receiver_failure.is_some()))
+        {
+            assert!(Instant::now() < deadline, "RDMA transfer did not finish");
+            let now = Instant::now();
+            while let Some(f) = rs.poll_transmit() {
+                b.post_frame(&f.to_bytes().unwrap()).unwrap();
+            }
+            while let Some(f) = ss.poll_transmit() {
+                a.post_frame(&f.to_bytes().unwrap()).unwrap();
+            }
+            while let Some(act) = ss.poll_action() {
+                match act {
+                    SenderAction::ComputeDigests {
+                        transfer,
+                        page_digests,
+                        ..
+                    } => {
+                        current = Some(transfer);
+                        ss.handle_digests(
+                            now,
+                            transfer,
+                            digests(&src, &src_pages, transfer, page_digests),
+                        );
+                    }
+                    SenderAction::PostWrites {
+                        transfer,
+                        writes,
+                        access,
+                    } => {
+                        let mut batch = Vec::new();
+                        for w in &writes {
+                            if Some(w.ordinal) == lost_page {
+                                // A lying completion: the page never went out.
+                                ss.handle_write_outcome(now, transfer, WriteOutcome::Completed, 1);
+                                continue;
+                            }
+                            for buf in 0..g.buffers() {
+                                let bytes = u64::from(g.buffer_page_bytes[buf]);
+                                let (rkey, base) = remote(&access, buf);
+                                batch.push(RdmaWrite {
+                                    wr_id: u64::from(w.ordinal),
+                                    local: (
+                                        src_reg.lkey(buf),
+                                        src_reg.addr(buf, u64::from(w.src_page) * bytes),
+                                        bytes as u32,
+                                    ),
+                                    remote: (rkey, base + u64::from(w.dst_page) * bytes),
+                                    signaled: buf + 1 == g.buffers(),
+                                });
+                            }
+                        }
+                        a.post_writes(&batch).unwrap();
+                    }
+                    SenderAction::CancelWrites(_) | SenderAction::ReleaseSource(_) => {}
+                }
+            }
+            while let Some(act) = rs.poll_action() {
+                match act {
+                    // No memory windows yet: the region's rkey stays valid (see the module docs).
+                    ReceiverAction::Fence(t) => rs.handle_fenced(now, t),
+                    ReceiverAction::ComputeDigests {
+                        transfer,
+                        page_digests,
+                        ..
+                    } => rs.handle_digests(
+                        now,
+                        transfer,
+                        digests(&dst, &dst_pages, transfer, page_digests),
+                    ),
+                    ReceiverAction::Quarantine(_) => {}
+                    ReceiverAction::Release(_) => {
+                        for l in dst_leases.drain(..) {
+                            dst.release(l).unwrap();
+                        }
+                    }
+                }
+            }
+            events.clear();
+            a.poll(&mut events).unwrap();
+            for e in events.drain(..) {
+                match e {
+                    RdmaEvent::WriteDone { ok, .. } => {
+                        let t = current.expect("writes before digests");
+                        let outcome = if ok {
+                            WriteOutcome::Completed
+                        } else {
+                            WriteOutcome::Failed
+                        };
+                        ss.handle_write_outcome(now, t, outcome, 1);
+                    }
+                    RdmaEvent::Frame(bytes) => {
+                        let (f, _) = Frame::decode(&bytes).unwrap();
+                        let _ = ss.handle_frame(now, f);
+                    }
+                    RdmaEvent::SendFailed(s) => panic!("sender SEND failed: {s}"),
+                }
+            }
+            b.poll(&mut events).unwrap();
+            for e in events.drain(..) {
+                match e {
+                    RdmaEvent::Frame(bytes) => {
+                        let (f, _) = Frame::decode(&bytes).unwrap();
+                        let _ = rs.handle_frame(now, f);
+                    }
+                    RdmaEvent::SendFailed(s) => panic!("receiver SEND failed: {s}"),
+                    RdmaEvent::WriteDone { .. } => {}
+                }
+            }
+            while let Some(e) = rs.poll_event() {
+                match e {
+                    ReceiverEvent::Delivered(d) => {
+                        assert_eq!(d.transfer, tref);
+                        let mut want = Vec::new();
+                        let ok = dst_leases.iter().enumerate().all(|(o, l)| {
+                            (0..g.buffers()).all(|buf| {
+                                let page = dst.page(l, buf).unwrap();
+                                want.resize(page.len(), 0);
+                                kv_pattern(ID, o as u32, buf, &mut want);
+                                page == &want[..]
+                            })
+                        });
+                        out.delivered_bytes_ok = Some(ok);
+                        for l in dst_leases.drain(..) {
+                            dst.release(l).unwrap();
+                        }
+                    }
+                    ReceiverEvent::Failed { reason, .. } => out.receiver_failure = Some(reason),
+                }
+            }
+            while let Some(e) = ss.poll_event() {
+                sender_done = true;
+                out.sender_verified |= matches!(e, SenderEvent::Verified(_));
+            }
+        }
+        for l in src_leases {
+            src.release(l).unwrap();
+        }
+        out.dst_free_after = (dst.free_pages(), dst.capacity_pages());
+        out
+    }
+
+    #[test]
+    fn verified_transfer_of_scattered_pages_across_buffers_over_rdma() {
+        let Some(d) =
+            super::device("verified_transfer_of_scattered_pages_across_buffers_over_rdma")
+        else {
+            return;
+        };
+        let out = run(&d.name, None);
+        assert_eq!(out.receiver_failure, None);
+        assert_eq!(
+            out.delivered_bytes_ok,
+            Some(true),
+            "delivered bytes differ from the sender's"
+        );
+        assert!(out.sender_verified);
+        assert_eq!(
+            out.dst_free_after.0, out.dst_free_after.1,
+            "receiver pages leaked"
+        );
+    }
+
+    #[test]
+    fn stale_pages_over_rdma_fail_on_digest_and_deliver_nothing() {
+        let Some(d) = super::device("stale_pages_over_rdma_fail_on_digest_and_deliver_nothing")
+        else {
+            return;
+        };
+        let out = run(&d.name, Some(2));
+        assert_eq!(out.delivered_bytes_ok, None, "stale pages were delivered");
+        assert_eq!(
+            out.receiver_failure,
+            Some(FailureReason::DigestMismatch {
+                buffer: 0,
+                page: Some(2)
+            })
+        );
+        assert!(!out.sender_verified);
+        assert_eq!(
+            out.dst_free_after.0, out.dst_free_after.1,
+            "receiver pages leaked"
+        );
+    }
+}

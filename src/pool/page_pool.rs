@@ -439,6 +439,11 @@ impl PagePool {
         ))
     }
 
+    /// The pool's memory, e.g. to register it with a NIC.
+    pub fn memory(&self) -> &Arc<KvMemory> {
+        &self.memory
+    }
+
     /// Whether a live [`SharedPages`] view pins `page`.
     pub fn pinned(&self, page: u32) -> bool {
         self.pins

@@ -13,6 +13,8 @@
 //! [`Pair`](crate::harness::Pair) harness.
 
 pub mod loopback;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod tcp;
 
 use std::collections::HashMap;

@@ -1,0 +1,454 @@
+//! The RDMA transport over verbs (feature `rdma`, through `sideway`).
+//!
+//! Ownership encodes teardown order: a [`RegisteredMemory`] holds its memory regions, each of
+//! which holds the protection domain, which holds the device context; an [`RcLink`] holds its
+//! queue pair and completion queue. Dropping in any order is safe.
+//!
+//! Data path: page writes are RDMA WRITEs from the sender's registered pages into the
+//! receiver's, posted in batches behind one doorbell, unsignaled except for the last write of
+//! each page (RC completes in order, so that completion covers the page). Control frames are
+//! SENDs on the **same** queue pair, so a COMMIT posted after a transfer's writes is delivered
+//! after they have landed (RC ordering). The receiver keeps RECVs posted.
+//!
+//! Not yet here (issue 4): memory windows scoped to each reservation (fence = invalidate),
+//! queue-pair recovery after a remote access error, several QPs per peer, and the tokio
+//! driver. Until memory windows exist a fence cannot stop a remote write at the NIC; the
+//! digests over the landed memory still catch anything that lands wrong.
+
+use std::sync::Arc;
+
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::completion::{BasicCompletionQueue, GenericCompletionQueue};
+use sideway::ibverbs::device::{DeviceInfo, DeviceList};
+use sideway::ibverbs::device_context::{DeviceContext, Mtu};
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    ExtendedQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
+    SetScatterGatherEntry, WorkRequestFlags,
+};
+use sideway::ibverbs::AccessFlags;
+
+use crate::memory::KvMemory;
+
+/// Why the RDMA transport could not do something.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RdmaError {
+    /// No RDMA device (or none with that name).
+    #[error("no RDMA device{0}")]
+    NoDevice(String),
+    /// No RoCE v2 GID usable for IPv4 on the port.
+    #[error("device {0}: no usable RoCE v2 GID on port 1")]
+    NoUsableGid(String),
+    /// A verbs call failed.
+    #[error("{call}: {detail}")]
+    Verbs {
+        /// The call.
+        call: &'static str,
+        /// The error.
+        detail: String,
+    },
+    /// A work request completed in error (e.g. a remote access error after a fence).
+    #[error("work request {wr_id:#x} completed with status {status}")]
+    Completion {
+        /// The work request.
+        wr_id: u64,
+        /// The verbs status.
+        status: u32,
+    },
+    /// A frame does not fit a send or receive slot.
+    #[error("frame of {0} bytes exceeds the {SLOT} byte slot")]
+    FrameTooLarge(usize),
+}
+
+fn verbs<E: std::fmt::Display>(call: &'static str) -> impl Fn(E) -> RdmaError {
+    move |e| RdmaError::Verbs {
+        call,
+        detail: e.to_string(),
+    }
+}
+
+/// An opened RDMA device: context, protection domain, port 1, and the RoCE v2 GID used.
+pub struct RdmaDevice {
+    ctx: Arc<DeviceContext>,
+    pd: Arc<ProtectionDomain>,
+    /// Device name.
+    pub name: String,
+    /// The GID index used (an IPv4-mapped RoCE v2 GID).
+    pub gid_index: u8,
+    gid: Gid,
+}
+
+impl std::fmt::Debug for RdmaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaDevice")
+            .field("name", &self.name)
+            .field("gid_index", &self.gid_index)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RdmaDevice {
+    /// Opens `name`, or the first device, choosing the first IPv4-mapped RoCE v2 GID of
+    /// port 1 (what RoCE v2 over IPv4 addresses a peer with).
+    pub fn open(name: Option<&str>) -> Result<Self, RdmaError> {
+        let list = DeviceList::new().map_err(|e| RdmaError::NoDevice(format!(" ({e})")))?;
+        let dev = list
+            .iter()
+            .find(|d| name.is_none_or(|n| d.name() == n))
+            .ok_or_else(|| {
+                RdmaError::NoDevice(name.map(|n| format!(" named {n}")).unwrap_or_default())
+            })?;
+        let dev_name = dev.name().to_string();
+        let ctx = dev.open().map_err(verbs("ibv_open_device"))?;
+        // Index 1 is where rdma_rxe and most RoCE NICs put the IPv4-mapped RoCE v2 GID; check it.
+        let doctor = crate::doctor::inspect();
+        let gid_index = doctor
+            .rdma
+            .iter()
+            .find(|d| d.name == dev_name)
+            .and_then(|d| {
+                d.gids
+                    .iter()
+                    .find(|(p, _, g, t)| {
+                        p == "1"
+                            && t == "RoCE v2"
+                            && g.starts_with("0000:0000:0000:0000:0000:ffff:")
+                    })
+                    .map(|(_, i, _, _)| *i as u8)
+            })
+            .ok_or_else(|| RdmaError::NoUsableGid(dev_name.clone()))?;
+        let gid = ctx
+            .query_gid(1, gid_index.into())
+            .map_err(verbs("ibv_query_gid"))?;
+        let pd = ctx.alloc_pd().map_err(verbs("ibv_alloc_pd"))?;
+        Ok(Self {
+            ctx,
+            pd,
+            name: dev_name,
+            gid_index,
+            gid,
+        })
+    }
+
+    /// Registers every buffer of `memory` for local and remote write (one region each).
+    pub fn register(&self, memory: &Arc<KvMemory>) -> Result<RegisteredMemory, RdmaError> {
+        let mut mrs = Vec::with_capacity(memory.buffers());
+        for b in 0..memory.buffers() {
+            let Some((ptr, len)) = memory.region(b) else {
+                continue;
+            };
+            // SAFETY: the region is valid for `len` bytes and lives as long as `memory`, which
+            // the returned RegisteredMemory keeps alive (dropping the MRs first).
+            let mr = unsafe {
+                self.pd
+                    .reg_mr(
+                        ptr.as_ptr() as usize,
+                        len,
+                        AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+                    )
+                    .map_err(verbs("ibv_reg_mr"))?
+            };
+            mrs.push((mr, ptr.as_ptr() as u64));
+        }
+        Ok(RegisteredMemory {
+            mrs,
+            _memory: memory.clone(),
+        })
+    }
+}
+
+/// The buffers of a [`KvMemory`] registered with a device.
+pub struct RegisteredMemory {
+    // Declared first so the regions are deregistered before the memory can be freed.
+    mrs: Vec<(Arc<MemoryRegion>, u64)>,
+    _memory: Arc<KvMemory>,
+}
+
+impl RegisteredMemory {
+    /// Local key of buffer `b`.
+    pub fn lkey(&self, b: usize) -> u32 {
+        self.mrs[b].0.lkey()
+    }
+
+    /// Remote key of buffer `b` (the whole region's: see the module docs on memory windows).
+    pub fn rkey(&self, b: usize) -> u32 {
+        self.mrs[b].0.rkey()
+    }
+
+    /// Virtual address of byte `offset` of buffer `b`.
+    pub fn addr(&self, b: usize, offset: u64) -> u64 {
+        self.mrs[b].1 + offset
+    }
+}
+
+/// What a peer needs to connect its queue pair to ours (carried in HELLO's transport
+/// parameters): 4 bytes QPN, 4 bytes PSN, 16 bytes GID, little-endian.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpParams {
+    /// Queue pair number.
+    pub qpn: u32,
+    /// Initial packet sequence number.
+    pub psn: u32,
+    /// GID.
+    pub gid: [u8; 16],
+}
+
+impl QpParams {
+    /// Encoded form.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(24);
+        v.extend_from_slice(&self.qpn.to_le_bytes());
+        v.extend_from_slice(&self.psn.to_le_bytes());
+        v.extend_from_slice(&self.gid);
+        v
+    }
+
+    /// Decodes; `None` unless exactly 24 bytes.
+    pub fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() != 24 {
+            return None;
+        }
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[8..]);
+        Some(Self {
+            qpn: u32::from_le_bytes(b[0..4].try_into().ok()?),
+            psn: u32::from_le_bytes(b[4..8].try_into().ok()?),
+            gid,
+        })
+    }
+}
+
+/// A random 24-bit initial packet sequence number.
+fn random_psn() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0x6b76_7769_7265);
+    (h.finish() as u32) & 0x00ff_ffff
+}
+
+/// Bytes of each send and receive slot for control frames.
+pub const SLOT: usize = 64 * 1024;
+const RECV_SLOTS: usize = 32;
+const SEND_SLOTS: usize = 32;
+const TAG_RECV: u64 = 1 << 63;
+const TAG_SEND: u64 = 1 << 62;
+
+/// One page write (one buffer of one page): from a local registered address to a remote one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RdmaWrite {
+    /// Caller's id, reported on completion if `signaled`.
+    pub wr_id: u64,
+    /// Local key, address, length.
+    pub local: (u32, u64, u32),
+    /// Remote key and address.
+    pub remote: (u32, u64),
+    /// Whether to request a completion.
+    pub signaled: bool,
+}
+
+/// A completion.
+#[derive(Debug, PartialEq, Eq)]
+pub enum RdmaEvent {
+    /// A signaled write completed (ok or in error).
+    WriteDone {
+        /// Its id.
+        wr_id: u64,
+        /// Whether it succeeded.
+        ok: bool,
+    },
+    /// A control frame arrived.
+    Frame(Vec<u8>),
+    /// A SEND completed in error (the connection is broken).
+    SendFailed(u32),
+}
+
+/// One RC queue pair with its completion queue, send slots and posted receives.
+pub struct RcLink {
+    qp: ExtendedQueuePair,
+    cq: Arc<BasicCompletionQueue>,
+    slots: Vec<u8>,
+    slots_mr: Arc<MemoryRegion>,
+    next_send: usize,
+    psn: u32,
+    gid: Gid,
+    gid_index: u8,
+}
+
+impl RcLink {
+    /// A queue pair in INIT with its receives posted.
+    pub fn new(dev: &RdmaDevice, max_send: u32) -> Result<Self, RdmaError> {
+        let cq = dev
+            .ctx
+            .create_cq_builder()
+            .setup_cqe(max_send + 2 * RECV_SLOTS as u32 + SEND_SLOTS as u32)
+            // A basic CQ (ibv_poll_cq), not an extended one: the rxe provider in rdma-core 44
+            // advances the CQ consumer index twice when ibv_next_poll finds the queue empty and
+            // ibv_end_poll follows (as it must), after which the CQ yields phantom completions.
+            .build()
+            .map_err(verbs("ibv_create_cq"))?;
+        let cqh = GenericCompletionQueue::from(Arc::clone(&cq));
+        let mut qp = dev
+            .pd
+            .create_qp_builder()
+            .setup_send_cq(cqh.clone())
+            .setup_recv_cq(cqh)
+            .setup_max_send_wr(max_send + SEND_SLOTS as u32)
+            .setup_max_recv_wr(RECV_SLOTS as u32)
+            .build_ex()
+            .map_err(verbs("ibv_create_qp_ex"))?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(1)
+            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
+        qp.modify(&attr).map_err(verbs("ibv_modify_qp(INIT)"))?;
+        let slots = vec![0u8; SLOT * (RECV_SLOTS + SEND_SLOTS)];
+        // SAFETY: `slots` is a heap buffer owned by the link, never reallocated, and the MR is
+        // dropped with it (fields drop in order after the queue pair).
+        let slots_mr = unsafe {
+            dev.pd
+                .reg_mr(
+                    slots.as_ptr() as usize,
+                    slots.len(),
+                    AccessFlags::LocalWrite,
+                )
+                .map_err(verbs("ibv_reg_mr(slots)"))?
+        };
+        let psn = random_psn();
+        let mut link = Self {
+            qp,
+            cq,
+            slots,
+            slots_mr,
+            next_send: 0,
+            psn,
+            gid: dev.gid,
+            gid_index: dev.gid_index,
+        };
+        for i in 0..RECV_SLOTS {
+            link.post_recv(i)?;
+        }
+        Ok(link)
+    }
+
+    fn post_recv(&mut self, slot: usize) -> Result<(), RdmaError> {
+        let addr = self.slots.as_ptr() as u64 + (slot * SLOT) as u64;
+        let mut g = self.qp.start_post_recv();
+        let h = g.construct_wr(TAG_RECV | slot as u64);
+        // SAFETY: the slot lies in the registered `slots` buffer, which outlives the QP.
+        unsafe { h.setup_sge(self.slots_mr.lkey(), addr, SLOT as u32) };
+        g.post().map_err(verbs("ibv_post_recv"))
+    }
+
+    /// This side's connection parameters.
+    pub fn params(&self) -> QpParams {
+        QpParams {
+            qpn: self.qp.qp_number(),
+            psn: self.psn,
+            gid: self.gid.raw,
+        }
+    }
+
+    /// Connects to the peer (RTR, then RTS).
+    pub fn connect(&mut self, peer: &QpParams) -> Result<(), RdmaError> {
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(Mtu::Mtu1024)
+            .setup_dest_qp_num(peer.qpn)
+            .setup_rq_psn(peer.psn)
+            .setup_max_dest_read_atomic(0)
+            .setup_min_rnr_timer(12);
+        let mut ah = AddressHandleAttribute::new();
+        let gid = Gid { raw: peer.gid };
+        ah.setup_dest_lid(1)
+            .setup_port(1)
+            .setup_service_level(0)
+            .setup_grh_src_gid_index(self.gid_index)
+            .setup_grh_dest_gid(&gid)
+            .setup_grh_hop_limit(1);
+        attr.setup_address_vector(&ah);
+        self.qp.modify(&attr).map_err(verbs("ibv_modify_qp(RTR)"))?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToSend)
+            .setup_sq_psn(self.psn)
+            .setup_timeout(14)
+            .setup_retry_cnt(7)
+            .setup_rnr_retry(7)
+            .setup_max_read_atomic(0);
+        self.qp.modify(&attr).map_err(verbs("ibv_modify_qp(RTS)"))
+    }
+
+    /// Posts a batch of writes behind one doorbell.
+    pub fn post_writes(&mut self, writes: &[RdmaWrite]) -> Result<(), RdmaError> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let mut g = self.qp.start_post_send();
+        for w in writes {
+            let flags = if w.signaled {
+                WorkRequestFlags::Signaled
+            } else {
+                WorkRequestFlags::none()
+            };
+            let h = g
+                .construct_wr(w.wr_id, flags)
+                .setup_write(w.remote.0, w.remote.1);
+            // SAFETY: the local range lies in memory registered under `local.0`; the caller's
+            // pages stay leased (and are not released) until the write completes.
+            unsafe { h.setup_sge(w.local.0, w.local.1, w.local.2) };
+        }
+        g.post().map_err(verbs("ibv_post_send(WRITE)"))
+    }
+
+    /// Sends a control frame (a SEND on this queue pair, after everything posted before it).
+    pub fn post_frame(&mut self, frame: &[u8]) -> Result<(), RdmaError> {
+        if frame.len() > SLOT {
+            return Err(RdmaError::FrameTooLarge(frame.len()));
+        }
+        let slot = RECV_SLOTS + self.next_send;
+        self.next_send = (self.next_send + 1) % SEND_SLOTS;
+        let off = slot * SLOT;
+        self.slots[off..off + frame.len()].copy_from_slice(frame);
+        let addr = self.slots.as_ptr() as u64 + off as u64;
+        let mut g = self.qp.start_post_send();
+        let h = g
+            .construct_wr(TAG_SEND | slot as u64, WorkRequestFlags::Signaled)
+            .setup_send();
+        // SAFETY: the slot lies in the registered `slots` buffer; it is not rewritten before
+        // SEND_SLOTS further frames, by when this SEND has long completed (RC, in order).
+        unsafe { h.setup_sge(self.slots_mr.lkey(), addr, frame.len() as u32) };
+        g.post().map_err(verbs("ibv_post_send(SEND)"))
+    }
+
+    /// Polls the completion queue once (the only poller of this CQ), appending events.
+    pub fn poll(&mut self, out: &mut Vec<RdmaEvent>) -> Result<(), RdmaError> {
+        let mut repost = Vec::new();
+        if let Ok(poller) = self.cq.start_poll() {
+            for wc in poller {
+                let (id, ok, len) = (wc.wr_id(), wc.status() == 0, wc.byte_len() as usize);
+                if id & TAG_RECV != 0 {
+                    let slot = (id & !TAG_RECV) as usize;
+                    if ok {
+                        let off = slot * SLOT;
+                        out.push(RdmaEvent::Frame(
+                            self.slots[off..off + len.min(SLOT)].to_vec(),
+                        ));
+                    }
+                    repost.push(slot);
+                } else if id & TAG_SEND != 0 {
+                    if !ok {
+                        out.push(RdmaEvent::SendFailed(wc.status()));
+                    }
+                } else {
+                    out.push(RdmaEvent::WriteDone { wr_id: id, ok });
+                }
+            }
+        }
+        for slot in repost {
+            self.post_recv(slot)?;
+        }
+        Ok(())
+    }
+}
