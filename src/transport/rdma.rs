@@ -10,11 +10,15 @@
 //! SENDs on the **same** queue pair, so a COMMIT posted after a transfer's writes is delivered
 //! after they have landed (RC ordering). The receiver keeps RECVs posted.
 //!
-//! Not yet here (issue 4): memory windows scoped to each reservation (fence = invalidate),
-//! queue-pair recovery after a remote access error, several QPs per peer, and the tokio
-//! driver. Until memory windows exist a fence cannot stop a remote write at the NIC; the
-//! digests over the landed memory still catch anything that lands wrong.
+//! Fencing: the receiver binds type-2 [`MemoryWindow`]s over a reservation's pages (on its own
+//! queue pair) and hands their rkeys to the sender; [`RcLink::invalidate`] is the fence. Once
+//! the invalidation completes, a write with that rkey fails at the NIC with a remote access
+//! error and lands nowhere (on rxe the sender's queue pair then goes to the error state).
+//!
+//! Not yet here (issue 4): binding windows per reservation in a driver, queue-pair recovery
+//! after a remote access error, several QPs per peer, and the tokio driver.
 
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
@@ -25,7 +29,7 @@ use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
     ExtendedQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
-    SetScatterGatherEntry, WorkRequestFlags,
+    SendOperationFlags, SetScatterGatherEntry, WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
 
@@ -146,7 +150,9 @@ impl RdmaDevice {
                     .reg_mr(
                         ptr.as_ptr() as usize,
                         len,
-                        AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+                        AccessFlags::LocalWrite
+                            | AccessFlags::RemoteWrite
+                            | AccessFlags::MemoryWindowBind,
                     )
                     .map_err(verbs("ibv_reg_mr"))?
             };
@@ -156,6 +162,44 @@ impl RdmaDevice {
             mrs,
             _memory: memory.clone(),
         })
+    }
+}
+
+impl RdmaDevice {
+    /// Allocates a type-2 memory window (unbound: grants nothing until bound).
+    pub fn alloc_window(&self) -> Result<MemoryWindow, RdmaError> {
+        // SAFETY: the PD pointer is valid while `self.pd` lives; the window keeps that Arc.
+        let raw = unsafe {
+            rdma_mummy_sys::ibv_alloc_mw(
+                self.pd.pd().as_ptr(),
+                rdma_mummy_sys::ibv_mw_type::IBV_MW_TYPE_2,
+            )
+        };
+        let mw = NonNull::new(raw).ok_or(RdmaError::Verbs {
+            call: "ibv_alloc_mw",
+            detail: "type-2 memory windows unavailable".into(),
+        })?;
+        Ok(MemoryWindow {
+            mw,
+            rkey: 0,
+            _pd: Arc::clone(&self.pd),
+        })
+    }
+}
+
+/// A type-2 memory window: remote write access to exactly the range it is bound over, until
+/// it is invalidated. Holds its protection domain, so it is freed before it.
+pub struct MemoryWindow {
+    mw: NonNull<rdma_mummy_sys::ibv_mw>,
+    /// The rkey of the current binding (0 before the first bind).
+    pub rkey: u32,
+    _pd: Arc<ProtectionDomain>,
+}
+
+impl Drop for MemoryWindow {
+    fn drop(&mut self) {
+        // SAFETY: allocated by ibv_alloc_mw and freed once, before its PD (held by `_pd`).
+        unsafe { rdma_mummy_sys::ibv_dealloc_mw(self.mw.as_ptr()) };
     }
 }
 
@@ -180,6 +224,11 @@ impl RegisteredMemory {
     /// Virtual address of byte `offset` of buffer `b`.
     pub fn addr(&self, b: usize, offset: u64) -> u64 {
         self.mrs[b].1 + offset
+    }
+
+    fn mr_ptr(&self, b: usize) -> *mut rdma_mummy_sys::ibv_mr {
+        // SAFETY: the MR lives as long as `self`; the pointer is only passed to a bind.
+        unsafe { self.mrs[b].0.mr().as_ptr() }
     }
 }
 
@@ -234,6 +283,7 @@ const RECV_SLOTS: usize = 32;
 const SEND_SLOTS: usize = 32;
 const TAG_RECV: u64 = 1 << 63;
 const TAG_SEND: u64 = 1 << 62;
+const TAG_LOCAL: u64 = 1 << 61;
 
 /// One page write (one buffer of one page): from a local registered address to a remote one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -262,6 +312,13 @@ pub enum RdmaEvent {
     Frame(Vec<u8>),
     /// A SEND completed in error (the connection is broken).
     SendFailed(u32),
+    /// A memory-window bind or invalidation completed (ok or in error).
+    LocalDone {
+        /// Its id.
+        wr_id: u64,
+        /// Whether it succeeded.
+        ok: bool,
+    },
 }
 
 /// One RC queue pair with its completion queue, send slots and posted receives.
@@ -296,6 +353,12 @@ impl RcLink {
             .setup_recv_cq(cqh)
             .setup_max_send_wr(max_send + SEND_SLOTS as u32)
             .setup_max_recv_wr(RECV_SLOTS as u32)
+            .setup_send_ops_flags(
+                SendOperationFlags::Write
+                    | SendOperationFlags::Send
+                    | SendOperationFlags::BindMemoryWindow
+                    | SendOperationFlags::LocalInvalidate,
+            )
             .build_ex()
             .map_err(verbs("ibv_create_qp_ex"))?;
         let mut attr = QueuePairAttribute::new();
@@ -422,6 +485,67 @@ impl RcLink {
         g.post().map_err(verbs("ibv_post_send(SEND)"))
     }
 
+    /// Binds `window` over `len` bytes at `offset` of buffer `b` of `memory`, with remote write
+    /// access only, on this (the receiver's) queue pair; returns the rkey to hand the sender.
+    /// Completion: [`RdmaEvent::LocalDone`] with `wr_id`.
+    pub fn bind_window(
+        &mut self,
+        window: &mut MemoryWindow,
+        memory: &RegisteredMemory,
+        b: usize,
+        offset: u64,
+        len: u64,
+        wr_id: u64,
+    ) -> Result<u32, RdmaError> {
+        // SAFETY: a type-2 window's rkey is only changed through ibv_inc_rkey before a bind.
+        let rkey = unsafe { rdma_mummy_sys::ibv_inc_rkey(window.mw.as_ref().rkey) };
+        let info = rdma_mummy_sys::ibv_mw_bind_info {
+            mr: memory.mr_ptr(b),
+            addr: memory.addr(b, offset),
+            length: len,
+            mw_access_flags: rdma_mummy_sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0 as _,
+        };
+        // SAFETY: the QP was created with bind support (send_ops_flags); qpx is its extended
+        // handle; the window and the MR outlive the posted bind (the caller holds both).
+        let rc = unsafe {
+            let qpx = rdma_mummy_sys::ibv_qp_to_qp_ex(self.qp.qp().as_ptr());
+            rdma_mummy_sys::ibv_wr_start(qpx);
+            (*qpx).wr_id = TAG_LOCAL | wr_id;
+            (*qpx).wr_flags = rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _;
+            rdma_mummy_sys::ibv_wr_bind_mw(qpx, window.mw.as_ptr(), rkey, &info);
+            rdma_mummy_sys::ibv_wr_complete(qpx)
+        };
+        if rc != 0 {
+            return Err(RdmaError::Verbs {
+                call: "ibv_wr_bind_mw",
+                detail: std::io::Error::from_raw_os_error(rc).to_string(),
+            });
+        }
+        window.rkey = rkey;
+        Ok(rkey)
+    }
+
+    /// Invalidates the window with `rkey` (the fence): once [`RdmaEvent::LocalDone`] for
+    /// `wr_id` arrives, no write with that rkey can land.
+    pub fn invalidate(&mut self, rkey: u32, wr_id: u64) -> Result<(), RdmaError> {
+        // SAFETY: the QP was created with local-invalidate support; qpx is its extended handle.
+        let rc = unsafe {
+            let qpx = rdma_mummy_sys::ibv_qp_to_qp_ex(self.qp.qp().as_ptr());
+            rdma_mummy_sys::ibv_wr_start(qpx);
+            (*qpx).wr_id = TAG_LOCAL | wr_id;
+            (*qpx).wr_flags = rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _;
+            rdma_mummy_sys::ibv_wr_local_inv(qpx, rkey);
+            rdma_mummy_sys::ibv_wr_complete(qpx)
+        };
+        if rc != 0 {
+            return Err(RdmaError::Verbs {
+                call: "ibv_wr_local_inv",
+                detail: std::io::Error::from_raw_os_error(rc).to_string(),
+            });
+        }
+        Ok(())
+    }
+
     /// Polls the completion queue once (the only poller of this CQ), appending events.
     pub fn poll(&mut self, out: &mut Vec<RdmaEvent>) -> Result<(), RdmaError> {
         let mut repost = Vec::new();
@@ -437,6 +561,11 @@ impl RcLink {
                         ));
                     }
                     repost.push(slot);
+                } else if id & TAG_LOCAL != 0 {
+                    out.push(RdmaEvent::LocalDone {
+                        wr_id: id & !TAG_LOCAL,
+                        ok,
+                    });
                 } else if id & TAG_SEND != 0 {
                     if !ok {
                         out.push(RdmaEvent::SendFailed(wc.status()));
