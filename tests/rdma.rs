@@ -457,8 +457,10 @@ mod over_rdma {
     /// until it is invalidated; a late write with its rkey then fails at the NIC (remote access
     /// error) and the page keeps its bytes.
     #[test]
-    fn late_write_after_the_fence_is_refused_at_the_nic() {
-        let Some(d) = super::device("late_write_after_the_fence_is_refused_at_the_nic") else {
+    fn late_write_after_the_fence_is_refused_at_the_nic_and_the_connection_recovers() {
+        let Some(d) = super::device(
+            "late_write_after_the_fence_is_refused_at_the_nic_and_the_connection_recovers",
+        ) else {
             return;
         };
         let dev = RdmaDevice::open(Some(&d.name)).unwrap();
@@ -541,6 +543,49 @@ mod over_rdma {
             "a late write landed after the fence"
         );
         println!("memory window bind {bind_cost:?}, invalidate {invalidate_cost:?} (software RDMA under emulation)");
-        drop(window);
+
+        // The connection recovers: both queue pairs are rebuilt and reconnected, a fresh
+        // binding admits writes again, and the fenced rkey stays dead.
+        let t = Instant::now();
+        a.recover().unwrap();
+        b.recover().unwrap();
+        let (pa, pb) = (a.params(), b.params());
+        a.connect(&pb).unwrap();
+        b.connect(&pa).unwrap();
+        // A fresh window (type-2 windows belong to the queue pair they were bound on, which
+        // was rebuilt), as each new reservation gets.
+        let mut window2 = dev.alloc_window().unwrap();
+        let rkey2 = b
+            .bind_window(&mut window2, &dst_reg, 0, 4 * page, 4 * page, 3)
+            .unwrap();
+        assert_eq!(
+            wait_for(&mut b, |e| matches!(
+                e,
+                RdmaEvent::LocalDone { wr_id: 3, .. }
+            )),
+            RdmaEvent::LocalDone { wr_id: 3, ok: true }
+        );
+        assert_ne!(rkey2, rkey, "a rebind must not revive the fenced rkey");
+        a.post_writes(&[RdmaWrite {
+            wr_id: 12,
+            local: (src_reg.lkey(0), src_reg.addr(0, 0), page as u32),
+            remote: (rkey2, dst_reg.addr(0, 7 * page)),
+            signaled: true,
+        }])
+        .unwrap();
+        assert_eq!(
+            wait_for(&mut a, |e| matches!(
+                e,
+                RdmaEvent::WriteDone { wr_id: 12, .. }
+            )),
+            RdmaEvent::WriteDone {
+                wr_id: 12,
+                ok: true
+            }
+        );
+        assert!(dst.raw_page(7, 0).unwrap().iter().all(|&x| x == 0x11));
+        assert!(dst.raw_page(6, 0).unwrap().iter().all(|&x| x == 0xA5));
+        println!("recovery (reset, reconnect, rebind) {:?}", t.elapsed());
+        drop((window, window2));
     }
 }

@@ -14,9 +14,12 @@
 //! queue pair) and hands their rkeys to the sender; [`RcLink::invalidate`] is the fence. Once
 //! the invalidation completes, a write with that rkey fails at the NIC with a remote access
 //! error and lands nowhere (on rxe the sender's queue pair then goes to the error state).
+//! [`RcLink::recover`] rebuilds a queue pair after such an error; windows bound before the
+//! reset must be replaced by freshly allocated ones (rxe refuses to rebind them).
 //!
-//! Not yet here (issue 4): binding windows per reservation in a driver, queue-pair recovery
-//! after a remote access error, several QPs per peer, and the tokio driver.
+//! Not yet here (issue 4): binding windows per reservation in a driver (and failing that
+//! QP's other transfers with a retryable error on recovery), several QPs per peer, and the
+//! tokio driver.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -483,6 +486,38 @@ impl RcLink {
         // SEND_SLOTS further frames, by when this SEND has long completed (RC, in order).
         unsafe { h.setup_sge(self.slots_mr.lkey(), addr, frame.len() as u32) };
         g.post().map_err(verbs("ibv_post_send(SEND)"))
+    }
+
+    /// Rebuilds the queue pair after an error (e.g. the remote access error a late write
+    /// causes after a fence): drains the completion queue, moves the QP to RESET and INIT,
+    /// reposts the receives and takes a fresh PSN. Reconnect with [`RcLink::connect`] and the
+    /// peer's new [`RcLink::params`]; anything posted before the error is gone.
+    pub fn recover(&mut self) -> Result<(), RdmaError> {
+        let mut drained = Vec::new();
+        self.poll(&mut drained)?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Reset);
+        self.qp
+            .modify(&attr)
+            .map_err(verbs("ibv_modify_qp(RESET)"))?;
+        // Completions of the flushed work requests may still be queued: drop them.
+        while let Ok(p) = self.cq.start_poll() {
+            for _ in p {}
+        }
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(1)
+            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
+        self.qp
+            .modify(&attr)
+            .map_err(verbs("ibv_modify_qp(INIT)"))?;
+        self.psn = random_psn();
+        self.next_send = 0;
+        for i in 0..RECV_SLOTS {
+            self.post_recv(i)?;
+        }
+        Ok(())
     }
 
     /// Binds `window` over `len` bytes at `offset` of buffer `b` of `memory`, with remote write
