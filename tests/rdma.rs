@@ -164,11 +164,14 @@ mod over_rdma {
         receiver_failure: Option<FailureReason>,
         sender_verified: bool,
         dst_free_after: (u32, u32),
+        writes_posted: usize,
+        src_allocations: u64,
     }
 
     /// One transfer; `lost_page`: that page's writes are never posted but reported complete
-    /// (the stale-pages incident).
-    fn run(dev_name: &str, lost_page: Option<u32>) -> Outcome {
+    /// (the stale-pages incident); `placeholder`: the prompt is longer than the sender's pool,
+    /// so admission rejects it (the placeholder incident).
+    fn run(dev_name: &str, lost_page: Option<u32>, placeholder: bool) -> Outcome {
         let dev = RdmaDevice::open(Some(dev_name)).expect("open device");
         let g = geometry();
         let mut src = PagePool::new(g.clone(), Scrub::None).unwrap();
@@ -224,33 +227,48 @@ mod over_rdma {
             )
             .unwrap();
 
+        // A placeholder run: the sender's pool (as admission sees it) is smaller than the prompt.
         let policy = AdmissionPolicy {
             tokens_per_page: 16,
-            pool_pages: g.pages,
+            pool_pages: if placeholder { PAGES / 2 } else { g.pages },
             max_context_tokens: 512,
         };
-        let admitted = policy
-            .admit(Request {
-                transfer_id: ID,
-                tokens: u64::from(PAGES * 16),
-            })
-            .unwrap();
-        let src_leases = src.allocate(PAGES).unwrap();
-        for (o, l) in src_leases.iter().enumerate() {
-            for buf in 0..g.buffers() {
-                kv_pattern(ID, o as u32, buf, src.page_mut(l, buf).unwrap());
+        let mut sender_done = false;
+        let mut src_leases = Vec::new();
+        match policy.admit(Request {
+            transfer_id: ID,
+            tokens: u64::from(PAGES * 16),
+        }) {
+            Ok(admitted) => {
+                src_leases = src.allocate(PAGES).unwrap();
+                for (o, l) in src_leases.iter().enumerate() {
+                    for buf in 0..g.buffers() {
+                        kv_pattern(ID, o as u32, buf, src.page_mut(l, buf).unwrap());
+                    }
+                }
+                let pages = src_leases.iter().map(PageLease::page).collect();
+                ss.submit(now, admitted, pages).unwrap();
+            }
+            Err(rejected) => {
+                assert!(
+                    placeholder,
+                    "admission rejected a request that fits: {rejected:?}"
+                );
+                // Retired with its original error: no allocation, no data, ever.
+                ss.retire(rejected);
+                sender_done = true;
             }
         }
         let src_pages: Vec<u32> = src_leases.iter().map(PageLease::page).collect();
-        ss.submit(now, admitted, src_pages.clone()).unwrap();
 
         let mut out = Outcome {
             delivered_bytes_ok: None,
             receiver_failure: None,
             sender_verified: false,
             dst_free_after: (0, 0),
+            writes_posted: 0,
+            src_allocations: 0,
         };
-        let mut sender_done = false;
         let mut current = None;
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut events = Vec::new();
@@ -305,6 +323,7 @@ mod over_rdma {
                                 });
                             }
                         }
+                        out.writes_posted += batch.len();
                         a.post_writes(&batch).unwrap();
                     }
                     SenderAction::CancelWrites(_) | SenderAction::ReleaseSource(_) => {}
@@ -393,6 +412,7 @@ mod over_rdma {
             src.release(l).unwrap();
         }
         out.dst_free_after = (dst.free_pages(), dst.capacity_pages());
+        out.src_allocations = src.stats().allocations;
         out
     }
 
@@ -403,7 +423,7 @@ mod over_rdma {
         else {
             return;
         };
-        let out = run(&d.name, None);
+        let out = run(&d.name, None, false);
         assert_eq!(out.receiver_failure, None);
         assert_eq!(
             out.delivered_bytes_ok,
@@ -423,7 +443,7 @@ mod over_rdma {
         else {
             return;
         };
-        let out = run(&d.name, Some(2));
+        let out = run(&d.name, Some(2), false);
         assert_eq!(out.delivered_bytes_ok, None, "stale pages were delivered");
         assert_eq!(
             out.receiver_failure,
@@ -433,6 +453,37 @@ mod over_rdma {
             })
         );
         assert!(!out.sender_verified);
+        assert_eq!(
+            out.dst_free_after.0, out.dst_free_after.1,
+            "receiver pages leaked"
+        );
+    }
+
+    #[test]
+    fn placeholder_over_rdma_is_rejected_before_any_write() {
+        let Some(d) = super::device("placeholder_over_rdma_is_rejected_before_any_write") else {
+            return;
+        };
+        let out = run(&d.name, None, true);
+        match &out.receiver_failure {
+            Some(FailureReason::Rejected { code, detail }) => {
+                assert_eq!(*code, kvwire::proto::wire::ErrorCode::PROMPT_EXCEEDS_POOL);
+                assert!(
+                    detail.contains("128 tokens"),
+                    "original error lost: {detail}"
+                );
+            }
+            other => panic!("expected the original admission error over RDMA, got {other:?}"),
+        }
+        assert_eq!(
+            out.writes_posted, 0,
+            "a rejected request reached the transfer stage"
+        );
+        assert_eq!(
+            out.src_allocations, 0,
+            "a rejected request allocated source pages"
+        );
+        assert_eq!(out.delivered_bytes_ok, None);
         assert_eq!(
             out.dst_free_after.0, out.dst_free_after.1,
             "receiver pages leaked"
