@@ -94,3 +94,29 @@ fn writes_posted_after_the_fence_are_refused_and_the_sender_drains() {
     assert!(pair.sender_failure(41).is_some());
     assert_invariants(&pair);
 }
+
+/// Regression (SPEC Q3): the receiver verified and delivered, but its VERIFIED was lost; the
+/// sender timed out, sent ABORT and reported a failure for KV the decode side was using. The
+/// receiver now answers an ABORT for a transfer it verified with VERIFIED again, and the
+/// sender, which holds its failure report until the abort resolves, reports Verified.
+#[test]
+fn a_lost_verified_ends_verified_on_both_sides() {
+    use kvwire::proto::wire::FrameType;
+    use kvwire::transport::loopback::{Fault, FaultRule};
+    let mut pair = Pair::new(PairConfig::small()).unwrap();
+    pair.fault(FaultRule::on(51, Fault::DropFrame(FrameType::VERIFIED)));
+    transfer(&mut pair, 51, 64);
+    pair.drive();
+    assert_eq!(pair.verified, vec![51]);
+    assert!(
+        pair.sender_verified(51),
+        "sender disagrees: {:?}",
+        pair.sender_events
+    );
+    assert!(
+        pair.sender_failure(51).is_none(),
+        "sender also reported a failure: {:?}",
+        pair.sender_events
+    );
+    assert_invariants(&pair);
+}

@@ -835,8 +835,18 @@ impl ReceiverSession {
         let known = self.history.get(tref.transfer_id).is_some();
         match frame {
             Frame::Abort(_) => {
-                // Idempotent: a late or crossed abort still gets its acknowledgement.
-                self.out.transmit.push_back(Frame::AbortAck(tref));
+                let verified = self
+                    .history
+                    .get(tref.transfer_id)
+                    .is_some_and(|f| f.failure.is_none() && f.nonce == tref.nonce);
+                if verified {
+                    // We delivered before this ABORT arrived (the sender timed out on a lost
+                    // or slow VERIFIED): say so again, so both sides agree on the outcome.
+                    self.out.transmit.push_back(Frame::Verified(tref));
+                } else {
+                    // Idempotent: a late or crossed abort still gets its acknowledgement.
+                    self.out.transmit.push_back(Frame::AbortAck(tref));
+                }
                 Ok(())
             }
             Frame::Commit(c) if !known => {

@@ -197,6 +197,9 @@ struct AwaitingVerdict {
 #[derive(Debug)]
 struct AwaitingAbortAck {
     deadline: Instant,
+    /// Why the transfer was abandoned; reported when the abort resolves, unless the receiver
+    /// answers VERIFIED (it had delivered before our ABORT arrived).
+    reason: FailureReason,
 }
 
 #[derive(Debug)]
@@ -262,11 +265,22 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    /// The transfer is over with a failure: release the source (nothing reads it any more).
+    /// The transfer is over with a failure: release the source (nothing reads it any more)
+    /// and report the failure.
     fn failed(&mut self, t: &Transfer, reason: FailureReason) -> (ErrorCode, String) {
+        self.release_source(t);
+        self.report_failure(t, reason)
+    }
+
+    /// No transport or digest job reads the source any more: it may be reused.
+    fn release_source(&mut self, t: &Transfer) {
         self.out
             .actions
             .push_back(SenderAction::ReleaseSource(t.transfer.transfer_id));
+    }
+
+    /// Tells the engine the transfer failed.
+    fn report_failure(&mut self, t: &Transfer, reason: FailureReason) -> (ErrorCode, String) {
         let r = (reason.code(), reason.to_string());
         self.out.stats.failed += 1;
         self.out.events.push_back(SenderEvent::Failed {
@@ -274,6 +288,12 @@ impl Ctx<'_> {
             reason,
         });
         r
+    }
+
+    /// Tells the engine the receiver verified the transfer.
+    fn report_verified(&mut self, t: &Transfer) {
+        self.out.stats.verified += 1;
+        self.out.events.push_back(SenderEvent::Verified(t.transfer));
     }
 
     /// Abandons a transfer that may have writes posted and a digest job running: cancel
@@ -327,25 +347,28 @@ impl Ctx<'_> {
         if d.accounted < t.admitted.pages() || d.digest_job == DigestJob::Running {
             return Next::Stay(State::Draining(d));
         }
-        let detail = d.reason.to_string();
-        let done = self.failed(t, d.reason);
         match d.after {
             AfterDrain::SendAbort(code) => {
+                // The source is free now; the outcome waits for the abort to resolve: the
+                // receiver may answer VERIFIED if it had already delivered (SPEC §5.3.3).
+                self.release_source(t);
                 self.out.transmit.push_back(Frame::Abort(Abort {
                     transfer: t.transfer,
                     code,
                     completed_pages: d.completed,
-                    detail,
+                    detail: d.reason.to_string(),
                 }));
                 Next::Stay(State::AwaitingAbortAck(AwaitingAbortAck {
                     deadline: self.now + self.config.abort_ack_timeout,
+                    reason: d.reason,
                 }))
             }
             AfterDrain::SendAbortAck => {
+                let done = self.failed(t, d.reason);
                 self.out.transmit.push_back(Frame::AbortAck(t.transfer));
                 Next::Done(Some(done))
             }
-            AfterDrain::Nothing => Next::Done(Some(done)),
+            AfterDrain::Nothing => Next::Done(Some(self.failed(t, d.reason))),
         }
     }
 
@@ -532,13 +555,8 @@ impl Transfer {
                 )
             }
             (State::AwaitingVerdict(_), Frame::Verified(t)) if matches(t) => {
-                cx.out
-                    .actions
-                    .push_back(SenderAction::ReleaseSource(self.transfer.transfer_id));
-                cx.out.stats.verified += 1;
-                cx.out
-                    .events
-                    .push_back(SenderEvent::Verified(self.transfer));
+                cx.release_source(&self);
+                cx.report_verified(&self);
                 (Next::Done(None), Ok(()))
             }
             (State::AwaitingVerdict(_), Frame::Nack(n)) if matches(n.transfer) => {
@@ -558,16 +576,18 @@ impl Transfer {
                 };
                 (cx.drain(&self, w, reason, AfterDrain::Nothing), Ok(()))
             }
-            (State::AwaitingAbortAck(_), Frame::AbortAck(t)) if matches(t) => (
-                Next::Done(Some((ErrorCode::CANCELLED, "aborted".into()))),
-                Ok(()),
-            ),
-            (State::AwaitingAbortAck(_), Frame::Abort(a)) if matches(a.transfer) => {
+            (State::AwaitingAbortAck(s), Frame::AbortAck(t)) if matches(t) => {
+                (Next::Done(Some(cx.report_failure(&self, s.reason))), Ok(()))
+            }
+            (State::AwaitingAbortAck(s), Frame::Abort(a)) if matches(a.transfer) => {
+                // Crossed aborts: the peer's ABORT also ends our wait.
                 cx.out.transmit.push_back(Frame::AbortAck(self.transfer));
-                (
-                    Next::Done(Some((ErrorCode::CANCELLED, "aborted".into()))),
-                    Ok(()),
-                )
+                (Next::Done(Some(cx.report_failure(&self, s.reason))), Ok(()))
+            }
+            (State::AwaitingAbortAck(_), Frame::Verified(t)) if matches(t) => {
+                // The receiver had verified and delivered before our ABORT: both sides agree.
+                cx.report_verified(&self);
+                (Next::Done(None), Ok(()))
             }
             (state, Frame::Abort(a)) if matches(a.transfer) || a.transfer.nonce == current => {
                 let reason = FailureReason::PeerAbort {
@@ -960,9 +980,8 @@ impl SenderSession {
                     timeout(Wait::Verdict),
                     AfterDrain::SendAbort(ErrorCode::TIMEOUT),
                 ),
-                State::AwaitingAbortAck(_) => {
-                    Next::Done(Some((ErrorCode::TIMEOUT, "abort unacknowledged".into())))
-                }
+                // The peer never answered our ABORT: report why we abandoned the transfer.
+                State::AwaitingAbortAck(s) => Next::Done(Some(cx.report_failure(&t, s.reason))),
                 other => Next::Stay(other),
             };
             self.settle(t, next);
@@ -984,9 +1003,7 @@ impl SenderSession {
                     d.after = AfterDrain::Nothing;
                     Next::Stay(State::Draining(d))
                 }
-                State::AwaitingAbortAck(_) => {
-                    Next::Done(Some((ErrorCode::SHUTDOWN, "peer lost".into())))
-                }
+                State::AwaitingAbortAck(s) => Next::Done(Some(cx.report_failure(&t, s.reason))),
                 State::AwaitingReservation(_) | State::AwaitingVerdict(_) => {
                     Next::Done(Some(cx.failed(&t, FailureReason::PeerLost)))
                 }
