@@ -14,6 +14,10 @@ if ((${#need[@]})); then
 fi
 cargo clippy --quiet -p kvwire --features rdma --all-targets -- -D warnings
 cargo build --quiet --features rdma --bin kvwire
+# The RDMA bench is measured with the optimized binary.
+cargo build --quiet --release --features rdma --bin kvwire
+out=target/softroce-bench
+rm -rf "$out" && mkdir -p "$out"
 tests=$(cargo test --quiet --features rdma --test rdma --no-run --message-format=json \
   | python3 -c 'import json,sys
 for line in sys.stdin:
@@ -28,7 +32,15 @@ $tests --test-threads 1
 echo '== ib_write_bw baselines (rxe0, GID index 1, software emulation)'
 for size in 65536 1048576; do
   ib_write_bw -d rxe0 -x 1 -s \$size -n 200 -F >/dev/null 2>&1 &
-  sleep 2
-  ib_write_bw -d rxe0 -x 1 -s \$size -n 200 -F localhost | grep -A1 '#bytes'
+  # The server may take a while to listen on a slow emulated CPU: retry the client.
+  for try in \$(seq 1 30); do
+    if ib_write_bw -d rxe0 -x 1 -s \$size -n 200 -F localhost > $out/ib_write_bw-\$size.txt 2>&1; then break; fi
+    sleep 1
+  done
+  grep -A1 '#bytes' $out/ib_write_bw-\$size.txt
   wait
-done"
+done
+echo '== kvwire bench --transport rdma (same VM run; verify xxh3, then none)'
+target/release/kvwire bench --transport rdma --device rxe0 --page-sizes 64K,1M --pages 2 --bytes \${KVWIRE_RDMA_BENCH_BYTES:-96M} --check-bytes --json > $out/rdma-xxh3.json 2> $out/rdma-xxh3.log
+target/release/kvwire bench --transport rdma --device rxe0 --page-sizes 64K,1M --pages 2 --bytes \${KVWIRE_RDMA_BENCH_BYTES:-96M} --verify none --json > $out/rdma-none.json 2> $out/rdma-none.log"
+python3 scripts/rdma-ratio.py "$out"

@@ -120,6 +120,16 @@ pub enum FailureReason {
 }
 
 impl FailureReason {
+    /// Whether the request itself is sound and may be sent again on a working connection:
+    /// the transfer failed in the transport (a write failed, the connection or queue pair
+    /// was lost and rebuilt, a deadline passed), not because of what was sent.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Self::WriteFailed | Self::PeerLost | Self::Timeout { .. }
+        )
+    }
+
     /// The wire code for this reason.
     pub fn code(&self) -> ErrorCode {
         match self {

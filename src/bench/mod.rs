@@ -8,6 +8,9 @@
 //! (`--check-bytes`). Every transfer is verified by digest unless `--verify none` is asked
 //! for, which exists only to measure the integrity tax and says so.
 
+#[cfg(feature = "rdma")]
+pub mod rdma;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -49,8 +49,22 @@ enum VerifyArg {
     None,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TransportArg {
+    Tcp,
+    Rdma,
+}
+
 #[derive(clap::Args)]
 struct BenchArgs {
+    /// Transport: tcp (the embedded default, over loopback or --listen/--connect) or rdma
+    /// (both roles in this process over two RC queue pairs on --device; needs a build with
+    /// `--features rdma` and an RDMA device, e.g. SoftRoCE's rxe0).
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: TransportArg,
+    /// With --transport rdma: the RDMA device (default: the first one).
+    #[arg(long)]
+    device: Option<String>,
     /// Two-process mode, decode side: listen here and receive.
     #[arg(long, conflicts_with = "connect")]
     listen: Option<SocketAddr>,
@@ -253,24 +267,35 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         Some(b) => b.println(format!("kvwire bench: {msg}")),
         None => eprintln!("kvwire bench: {msg}"),
     };
-    let result = runtime.block_on(async {
-        if let (Some(addr), Some(m)) = (a.metrics_addr, spec.metrics.clone()) {
-            match tokio::net::TcpListener::bind(addr).await {
-                Ok(l) => {
-                    eprintln!("kvwire bench: metrics on http://{addr}/metrics");
-                    tokio::spawn(kvwire::metrics::serve(l, m));
+    let result = if a.transport == TransportArg::Rdma {
+        if a.listen.is_some() || a.connect.is_some() {
+            Err(
+                "--transport rdma runs both roles in this process; --listen/--connect are TCP only"
+                    .to_string(),
+            )
+        } else {
+            run_rdma(&spec, a.device.as_deref(), progress)
+        }
+    } else {
+        runtime.block_on(async {
+            if let (Some(addr), Some(m)) = (a.metrics_addr, spec.metrics.clone()) {
+                match tokio::net::TcpListener::bind(addr).await {
+                    Ok(l) => {
+                        eprintln!("kvwire bench: metrics on http://{addr}/metrics");
+                        tokio::spawn(kvwire::metrics::serve(l, m));
+                    }
+                    Err(e) => return Err(format!("metrics address {addr}: {e}")),
                 }
-                Err(e) => return Err(format!("metrics address {addr}: {e}")),
             }
-        }
-        match (a.listen, a.connect) {
-            (Some(addr), _) => {
-                bench::run_listen(&spec, addr, a.connections, !a.no_raw, progress).await
+            match (a.listen, a.connect) {
+                (Some(addr), _) => {
+                    bench::run_listen(&spec, addr, a.connections, !a.no_raw, progress).await
+                }
+                (_, Some(addr)) => bench::run_connect(&spec, addr, !a.no_raw, progress).await,
+                _ => bench::run_in_process(&spec, progress).await,
             }
-            (_, Some(addr)) => bench::run_connect(&spec, addr, !a.no_raw, progress).await,
-            _ => bench::run_in_process(&spec, progress).await,
-        }
-    });
+        })
+    };
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
@@ -302,4 +327,25 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+#[cfg(feature = "rdma")]
+fn run_rdma(
+    spec: &BenchSpec,
+    device: Option<&str>,
+    progress: impl FnMut(&str),
+) -> Result<bench::Report, String> {
+    bench::rdma::run_rdma(spec, device, progress)
+}
+
+#[cfg(not(feature = "rdma"))]
+fn run_rdma(
+    _spec: &BenchSpec,
+    _device: Option<&str>,
+    _progress: impl FnMut(&str),
+) -> Result<bench::Report, String> {
+    Err(
+        "this kvwire was built without RDMA; rebuild with `cargo build --release --features rdma`"
+            .into(),
+    )
 }

@@ -119,7 +119,7 @@ impl NodeConfig {
         }
     }
 
-    fn hello(&self, role: Role) -> Hello {
+    pub(crate) fn hello(&self, role: Role) -> Hello {
         Hello {
             node_id: self.node_id,
             role,

@@ -48,6 +48,24 @@ pub enum ReceiveError {
     /// The session refused the reservation.
     #[error("reservation refused: {0}")]
     Reserve(#[from] ReserveError),
+    /// The transport could not scope remote access to the pages (e.g. RDMA: binding a
+    /// memory window failed, or the pages are too scattered for one descriptor).
+    #[error("transport could not scope access to the pages: {0}")]
+    Access(String),
+}
+
+/// Who completes a fence.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FenceCompletion {
+    /// The endpoint's scope table is the fence (loopback, TCP): closing the scope completes
+    /// it at once.
+    #[default]
+    Immediate,
+    /// The transport fences (RDMA: invalidating the reservation's memory windows). The
+    /// transport takes fences from [`ReceiverEndpoint::poll_fenced`] and reports each with
+    /// [`ReceiverEndpoint::handle_fence_complete`]; until then the transfer's pages are
+    /// neither verified nor released.
+    Transport,
 }
 
 /// KV pages of a verified transfer, owned by the engine until it gives them back with
@@ -118,6 +136,7 @@ pub struct ReceiverEndpoint {
     leases: BTreeMap<u64, (TransferRef, Vec<PageLease>)>,
     outcomes: VecDeque<ReceiveOutcome>,
     fenced: VecDeque<TransferRef>,
+    fence: FenceCompletion,
     stats: ReceiverEndpointStats,
     digests: DigestRunner,
 }
@@ -141,6 +160,7 @@ impl ReceiverEndpoint {
             leases: BTreeMap::new(),
             outcomes: VecDeque::new(),
             fenced: VecDeque::new(),
+            fence: FenceCompletion::Immediate,
             stats: ReceiverEndpointStats::default(),
             digests: DigestRunner::default(),
         })
@@ -148,10 +168,32 @@ impl ReceiverEndpoint {
 
     /// Leases pages, opens an access scope over them and sends RESERVE.
     pub fn reserve(&mut self, now: Instant, p: ReserveParams) -> Result<TransferRef, ReceiveError> {
+        self.reserve_with(now, p, |_, key| Ok(key))
+    }
+
+    /// [`ReceiverEndpoint::reserve`] for transports with their own access scoping:
+    /// `access(pages, table_descriptor)` returns the descriptor RESERVE carries (RDMA: the
+    /// rkeys of memory windows bound over exactly `pages`). On `Err` nothing is reserved.
+    pub fn reserve_with(
+        &mut self,
+        now: Instant,
+        p: ReserveParams,
+        access: impl FnOnce(&[u32], Vec<u8>) -> Result<Vec<u8>, String>,
+    ) -> Result<TransferRef, ReceiveError> {
         let tpp = self.pool.geometry().tokens_per_page.max(1);
         let leases = self.pool.allocate(p.tokens.div_ceil(tpp))?;
         let pages: Vec<u32> = leases.iter().map(PageLease::page).collect();
         let key = self.scopes.open(p.transfer_id, &pages);
+        let access = match access(&pages, key.to_descriptor()) {
+            Ok(a) => a,
+            Err(e) => {
+                self.scopes.close(p.transfer_id);
+                for l in leases {
+                    let _ = self.pool.release(l);
+                }
+                return Err(ReceiveError::Access(e));
+            }
+        };
         let req = ReservationRequest {
             transfer_id: p.transfer_id,
             tokens: p.tokens,
@@ -159,7 +201,7 @@ impl ReceiverEndpoint {
             digest: p.digest,
             page_digests: p.page_digests,
             timeout: p.timeout,
-            access: key.to_descriptor(),
+            access,
         };
         match self.session.reserve(now, req) {
             Ok(transfer) => {
@@ -269,7 +311,9 @@ impl ReceiverEndpoint {
                 self.scopes.close(t.transfer_id);
                 self.stats.fences += 1;
                 self.fenced.push_back(t);
-                self.session.handle_fenced(now, t);
+                if self.fence == FenceCompletion::Immediate {
+                    self.session.handle_fenced(now, t);
+                }
             }
             ReceiverAction::ComputeDigests {
                 transfer,
@@ -311,14 +355,36 @@ impl ReceiverEndpoint {
         self.session.poll_transmit()
     }
 
+    /// Takes the page pool back, to serve a new connection after this one was lost (call
+    /// [`Self::handle_peer_lost`] first, and take every event, so no page is still
+    /// in use by this connection). Pages the engine still holds stay leased; their leases
+    /// remain valid against the pool.
+    pub fn into_pool(self) -> PagePool {
+        self.pool
+    }
+
     /// The next finished transfer.
     pub fn poll_outcome(&mut self) -> Option<ReceiveOutcome> {
         self.outcomes.pop_front()
     }
 
-    /// The next transfer whose fence completed (for transports that must react to it).
+    /// The next transfer fenced: with [`FenceCompletion::Immediate`] its fence is complete
+    /// (for transports that must react to it); with [`FenceCompletion::Transport`] the
+    /// transport must now fence it and report [`ReceiverEndpoint::handle_fence_complete`].
     pub fn poll_fenced(&mut self) -> Option<TransferRef> {
         self.fenced.pop_front()
+    }
+
+    /// Sets who completes fences (before the first reservation).
+    pub fn set_fence_completion(&mut self, fence: FenceCompletion) {
+        self.fence = fence;
+    }
+
+    /// The transport's fence for `transfer` completed ([`FenceCompletion::Transport`]): no
+    /// write for it can land any more. Verification or release proceeds.
+    pub fn handle_fence_complete(&mut self, now: Instant, transfer: TransferRef) {
+        self.session.handle_fenced(now, transfer);
+        self.process(now);
     }
 
     /// When [`ReceiverEndpoint::handle_timeout`] must next be called.

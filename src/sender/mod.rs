@@ -308,6 +308,14 @@ impl SenderEndpoint {
         self.session.poll_transmit()
     }
 
+    /// Takes the page pool back, to serve a new connection after this one was lost (call
+    /// [`Self::handle_peer_lost`] first, and take every event, so no page is still
+    /// in use by this connection). Pages the engine still holds stay leased; their leases
+    /// remain valid against the pool.
+    pub fn into_pool(self) -> PagePool {
+        self.pool
+    }
+
     /// The next page write to carry out.
     pub fn poll_write(&mut self) -> Option<PostedWrite> {
         self.writes.pop_front()

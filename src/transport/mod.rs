@@ -13,7 +13,6 @@
 //! [`Pair`](crate::harness::Pair) harness.
 
 pub mod loopback;
-#[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod tcp;
 

@@ -1,25 +1,5 @@
-//! The RDMA transport over verbs (feature `rdma`, through `sideway`).
-//!
-//! Ownership encodes teardown order: a [`RegisteredMemory`] holds its memory regions, each of
-//! which holds the protection domain, which holds the device context; an [`RcLink`] holds its
-//! queue pair and completion queue. Dropping in any order is safe.
-//!
-//! Data path: page writes are RDMA WRITEs from the sender's registered pages into the
-//! receiver's, posted in batches behind one doorbell, unsignaled except for the last write of
-//! each page (RC completes in order, so that completion covers the page). Control frames are
-//! SENDs on the **same** queue pair, so a COMMIT posted after a transfer's writes is delivered
-//! after they have landed (RC ordering). The receiver keeps RECVs posted.
-//!
-//! Fencing: the receiver binds type-2 [`MemoryWindow`]s over a reservation's pages (on its own
-//! queue pair) and hands their rkeys to the sender; [`RcLink::invalidate`] is the fence. Once
-//! the invalidation completes, a write with that rkey fails at the NIC with a remote access
-//! error and lands nowhere (on rxe the sender's queue pair then goes to the error state).
-//! [`RcLink::recover`] rebuilds a queue pair after such an error; windows bound before the
-//! reset must be replaced by freshly allocated ones (rxe refuses to rebind them).
-//!
-//! Not yet here (issue 4): binding windows per reservation in a driver (and failing that
-//! QP's other transfers with a retryable error on recovery), several QPs per peer, and the
-//! tokio driver.
+//! Verbs: device, registered memory, memory windows and RC queue pairs (through `sideway`
+//! and, for the calls it does not wrap, `rdma-mummy-sys`).
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -67,6 +47,17 @@ pub enum RdmaError {
     /// A frame does not fit a send or receive slot.
     #[error("frame of {0} bytes exceeds the {SLOT} byte slot")]
     FrameTooLarge(usize),
+    /// The peer's MTU is not a valid IB MTU (256, 512, 1024, 2048 or 4096 bytes).
+    #[error("no common path MTU: local {local} bytes, peer {peer} bytes")]
+    Mtu {
+        /// Local active MTU.
+        local: u32,
+        /// The peer's.
+        peer: u32,
+    },
+    /// Every send slot holds a frame whose SEND has not completed yet; retry after polling.
+    #[error("all {SEND_SLOTS} send slots are in flight")]
+    SendSlotsBusy,
 }
 
 fn verbs<E: std::fmt::Display>(call: &'static str) -> impl Fn(E) -> RdmaError {
@@ -84,6 +75,8 @@ pub struct RdmaDevice {
     pub name: String,
     /// The GID index used (an IPv4-mapped RoCE v2 GID).
     pub gid_index: u8,
+    /// Port 1's active MTU in bytes.
+    pub mtu: u32,
     gid: Gid,
 }
 
@@ -129,12 +122,15 @@ impl RdmaDevice {
         let gid = ctx
             .query_gid(1, gid_index.into())
             .map_err(verbs("ibv_query_gid"))?;
+        let port = ctx.query_port(1).map_err(verbs("ibv_query_port"))?;
+        let mtu = mtu_bytes(port.active_mtu());
         let pd = ctx.alloc_pd().map_err(verbs("ibv_alloc_pd"))?;
         Ok(Self {
             ctx,
             pd,
             name: dev_name,
             gid_index,
+            mtu,
             gid,
         })
     }
@@ -235,8 +231,32 @@ impl RegisteredMemory {
     }
 }
 
+fn mtu_bytes(m: Mtu) -> u32 {
+    match m {
+        Mtu::Mtu256 => 256,
+        Mtu::Mtu512 => 512,
+        Mtu::Mtu1024 => 1024,
+        Mtu::Mtu2048 => 2048,
+        Mtu::Mtu4096 => 4096,
+    }
+}
+
+/// The path MTU for a local and a peer MTU in bytes: the smaller; `None` if the peer's is
+/// not a valid IB MTU (peer data is never fed to sideway's panicking conversions).
+fn path_mtu(local: u32, peer: u32) -> Option<Mtu> {
+    Some(match local.min(peer) {
+        256 => Mtu::Mtu256,
+        512 => Mtu::Mtu512,
+        1024 => Mtu::Mtu1024,
+        2048 => Mtu::Mtu2048,
+        4096 => Mtu::Mtu4096,
+        _ => return None,
+    })
+}
+
 /// What a peer needs to connect its queue pair to ours (carried in HELLO's transport
-/// parameters): 4 bytes QPN, 4 bytes PSN, 16 bytes GID, little-endian.
+/// parameters): 4 bytes QPN, 4 bytes PSN, 16 bytes GID, 4 bytes active MTU in bytes,
+/// little-endian.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QpParams {
     /// Queue pair number.
@@ -245,29 +265,33 @@ pub struct QpParams {
     pub psn: u32,
     /// GID.
     pub gid: [u8; 16],
+    /// Active MTU of the port, bytes (256..=4096, a power of two).
+    pub mtu: u32,
 }
 
 impl QpParams {
     /// Encoded form.
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(24);
+        let mut v = Vec::with_capacity(28);
         v.extend_from_slice(&self.qpn.to_le_bytes());
         v.extend_from_slice(&self.psn.to_le_bytes());
         v.extend_from_slice(&self.gid);
+        v.extend_from_slice(&self.mtu.to_le_bytes());
         v
     }
 
-    /// Decodes; `None` unless exactly 24 bytes.
+    /// Decodes; `None` unless exactly 28 bytes.
     pub fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() != 24 {
+        if b.len() != 28 {
             return None;
         }
         let mut gid = [0u8; 16];
-        gid.copy_from_slice(&b[8..]);
+        gid.copy_from_slice(&b[8..24]);
         Some(Self {
             qpn: u32::from_le_bytes(b[0..4].try_into().ok()?),
             psn: u32::from_le_bytes(b[4..8].try_into().ok()?),
             gid,
+            mtu: u32::from_le_bytes(b[24..28].try_into().ok()?),
         })
     }
 }
@@ -283,7 +307,8 @@ fn random_psn() -> u32 {
 /// Bytes of each send and receive slot for control frames.
 pub const SLOT: usize = 64 * 1024;
 const RECV_SLOTS: usize = 32;
-const SEND_SLOTS: usize = 32;
+/// Control frames in flight at once per link (each in its own registered slot).
+pub const SEND_SLOTS: usize = 32;
 const TAG_RECV: u64 = 1 << 63;
 const TAG_SEND: u64 = 1 << 62;
 const TAG_LOCAL: u64 = 1 << 61;
@@ -331,9 +356,11 @@ pub struct RcLink {
     slots: Vec<u8>,
     slots_mr: Arc<MemoryRegion>,
     next_send: usize,
+    sends_in_flight: usize,
     psn: u32,
     gid: Gid,
     gid_index: u8,
+    mtu: u32,
 }
 
 impl RcLink {
@@ -389,9 +416,11 @@ impl RcLink {
             slots,
             slots_mr,
             next_send: 0,
+            sends_in_flight: 0,
             psn,
             gid: dev.gid,
             gid_index: dev.gid_index,
+            mtu: dev.mtu,
         };
         for i in 0..RECV_SLOTS {
             link.post_recv(i)?;
@@ -414,14 +443,19 @@ impl RcLink {
             qpn: self.qp.qp_number(),
             psn: self.psn,
             gid: self.gid.raw,
+            mtu: self.mtu,
         }
     }
 
-    /// Connects to the peer (RTR, then RTS).
+    /// Connects to the peer (RTR, then RTS), at the smaller of both ports' active MTUs.
     pub fn connect(&mut self, peer: &QpParams) -> Result<(), RdmaError> {
+        let mtu = path_mtu(self.mtu, peer.mtu).ok_or(RdmaError::Mtu {
+            local: self.mtu,
+            peer: peer.mtu,
+        })?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToReceive)
-            .setup_path_mtu(Mtu::Mtu1024)
+            .setup_path_mtu(mtu)
             .setup_dest_qp_num(peer.qpn)
             .setup_rq_psn(peer.psn)
             .setup_max_dest_read_atomic(0)
@@ -473,6 +507,9 @@ impl RcLink {
         if frame.len() > SLOT {
             return Err(RdmaError::FrameTooLarge(frame.len()));
         }
+        if self.sends_in_flight == SEND_SLOTS {
+            return Err(RdmaError::SendSlotsBusy);
+        }
         let slot = RECV_SLOTS + self.next_send;
         self.next_send = (self.next_send + 1) % SEND_SLOTS;
         let off = slot * SLOT;
@@ -482,10 +519,13 @@ impl RcLink {
         let h = g
             .construct_wr(TAG_SEND | slot as u64, WorkRequestFlags::Signaled)
             .setup_send();
-        // SAFETY: the slot lies in the registered `slots` buffer; it is not rewritten before
-        // SEND_SLOTS further frames, by when this SEND has long completed (RC, in order).
+        // SAFETY: the slot lies in the registered `slots` buffer; it is rewritten only after
+        // its SEND completed: slots are used in rotation, SENDs complete in order (RC), and at
+        // most SEND_SLOTS are in flight (counted down in `poll`).
         unsafe { h.setup_sge(self.slots_mr.lkey(), addr, frame.len() as u32) };
-        g.post().map_err(verbs("ibv_post_send(SEND)"))
+        g.post().map_err(verbs("ibv_post_send(SEND)"))?;
+        self.sends_in_flight += 1;
+        Ok(())
     }
 
     /// Rebuilds the queue pair after an error (e.g. the remote access error a late write
@@ -514,6 +554,7 @@ impl RcLink {
             .map_err(verbs("ibv_modify_qp(INIT)"))?;
         self.psn = random_psn();
         self.next_send = 0;
+        self.sends_in_flight = 0;
         for i in 0..RECV_SLOTS {
             self.post_recv(i)?;
         }
@@ -532,8 +573,16 @@ impl RcLink {
         len: u64,
         wr_id: u64,
     ) -> Result<u32, RdmaError> {
-        // SAFETY: a type-2 window's rkey is only changed through ibv_inc_rkey before a bind.
-        let rkey = unsafe { rdma_mummy_sys::ibv_inc_rkey(window.mw.as_ref().rkey) };
+        // A rebind must change the key byte of the window's current rkey (the last one bound;
+        // the provider does not update `ibv_mw::rkey` for type-2 binds), or rxe refuses it.
+        let current = if window.rkey != 0 {
+            window.rkey
+        } else {
+            // SAFETY: `mw` is a live window from ibv_alloc_mw; its rkey field is plain data.
+            unsafe { window.mw.as_ref().rkey }
+        };
+        // SAFETY: ibv_inc_rkey is pure arithmetic on the key.
+        let rkey = unsafe { rdma_mummy_sys::ibv_inc_rkey(current) };
         let info = rdma_mummy_sys::ibv_mw_bind_info {
             mr: memory.mr_ptr(b),
             addr: memory.addr(b, offset),
@@ -602,6 +651,7 @@ impl RcLink {
                         ok,
                     });
                 } else if id & TAG_SEND != 0 {
+                    self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
                     if !ok {
                         out.push(RdmaEvent::SendFailed(wc.status()));
                     }
@@ -614,5 +664,37 @@ impl RcLink {
             self.post_recv(slot)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qp_params_round_trip_and_refuse_other_lengths() {
+        let p = QpParams {
+            qpn: 0x0011_2233,
+            psn: 0x00ab_cdef,
+            gid: [7; 16],
+            mtu: 4096,
+        };
+        let b = p.encode();
+        assert_eq!(b.len(), 28);
+        assert_eq!(QpParams::decode(&b), Some(p));
+        assert_eq!(QpParams::decode(&b[..27]), None);
+        assert_eq!(QpParams::decode(&[b.clone(), vec![0]].concat()), None);
+    }
+
+    #[test]
+    fn path_mtu_is_the_smaller_and_refuses_invalid_peer_values() {
+        assert_eq!(path_mtu(4096, 1024), Some(Mtu::Mtu1024));
+        assert_eq!(path_mtu(1024, 4096), Some(Mtu::Mtu1024));
+        assert_eq!(path_mtu(4096, 4096), Some(Mtu::Mtu4096));
+        for bad in [0, 255, 1000, 3000] {
+            assert_eq!(path_mtu(4096, bad), None, "{bad}");
+        }
+        // A peer advertising more than the local port gets the local MTU.
+        assert_eq!(path_mtu(2048, 1 << 20), Some(Mtu::Mtu2048));
     }
 }

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Prints kvwire's RDMA bench against ib_write_bw from one SoftRoCE lane run.
+
+Reads DIR/ib_write_bw-SIZE.txt (perftest output) and DIR/rdma-{xxh3,none}.json
+(`kvwire bench --transport rdma --json`); prints one row per message size with both
+throughputs and their ratio. Exits 1 if a file is missing or a bench case failed.
+"""
+import json
+import sys
+from pathlib import Path
+
+
+def ib_write_bw(path: Path) -> float:
+    """BW average in MB/s (10^6 bytes/s), perftest's 4th column."""
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("#bytes"):
+            return float(lines[i + 1].split()[3])
+    raise SystemExit(f"{path}: no result line")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    rows = []
+    for verify in ("xxh3", "none"):
+        report = json.loads((out / f"rdma-{verify}.json").read_text())
+        for case in report["cases"]:
+            if case["failures"] or case["verified"] < case["transfers"]:
+                raise SystemExit(f"rdma bench case failed: {case}")
+            size = case["page_bytes"]
+            base = ib_write_bw(out / f"ib_write_bw-{size}.txt")
+            mbs = case["gb_per_s"] * 1e3
+            rows.append((size, verify, mbs, base, mbs / base if base else float("nan")))
+    print(f"{'message':>8} {'verify':>6} {'kvwire MB/s':>12} {'ib_write_bw MB/s':>17} {'ratio':>6}")
+    for size, verify, mbs, base, ratio in rows:
+        print(f"{size:>8} {verify:>6} {mbs:>12.1f} {base:>17.1f} {ratio:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+//! `kvwire bench --transport rdma`: both roles in this process over two RC queue pairs on
+//! one RDMA device (what `ib_write_bw` does with a server and a client on one host), driven
+//! by one polling thread.
+//!
+//! The receiver binds memory windows per reservation and invalidates them at every fence,
+//! exactly as in production; page writes are RDMA WRITEs of one page of one buffer each (so
+//! the message size to compare with `ib_write_bw -s` is the page size).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvwire_proto::admission::Request;
+use kvwire_proto::wire::Role;
+
+use super::{fill_body, page_is_expected, percentile, stamp, BenchSpec, CaseResult, Report};
+use crate::pool::{PagePool, Scrub};
+use crate::receiver::{ReceiveOutcome, ReserveParams};
+use crate::transport::rdma::driver::{LinkState, RdmaReceiver, RdmaSender};
+use crate::transport::rdma::RdmaDevice;
+
+/// A case that makes no progress for this long fails (rather than hanging a CI lane).
+const STALL: Duration = Duration::from_secs(60);
+
+/// Runs every case over `device` (or the first RDMA device).
+pub fn run_rdma(
+    spec: &BenchSpec,
+    device: Option<&str>,
+    mut progress: impl FnMut(&str),
+) -> Result<Report, String> {
+    let dev = Arc::new(RdmaDevice::open(device).map_err(|e| e.to_string())?);
+    progress(&format!(
+        "device {} (GID index {})",
+        dev.name, dev.gid_index
+    ));
+    let mut cases = Vec::new();
+    for &page in &spec.page_sizes {
+        progress(&format!(
+            "case: {} pages/transfer x {} buffers x {} over rdma",
+            spec.pages,
+            spec.buffers,
+            super::human_bytes(u64::from(page))
+        ));
+        let case = run_case(spec, page, &dev, &mut progress)?;
+        cases.push(case);
+    }
+    Ok(Report {
+        spec: spec.clone(),
+        transport: "rdma",
+        metrics: None,
+        cases,
+    })
+}
+
+fn run_case(
+    spec: &BenchSpec,
+    page: u32,
+    dev: &Arc<RdmaDevice>,
+    progress: &mut impl FnMut(&str),
+) -> Result<CaseResult, String> {
+    let config = spec.node_config(page);
+    let (r_est, s_est) = crate::harness::handshake(
+        Instant::now(),
+        config.hello(Role::RECEIVER),
+        config.hello(Role::SENDER),
+    )?;
+    let src = PagePool::new(config.pool.clone(), Scrub::None).map_err(|e| e.to_string())?;
+    let dst = PagePool::new(config.pool.clone(), Scrub::None).map_err(|e| e.to_string())?;
+    let bytes_registered = 2 * config.pool.total_bytes().unwrap_or(0);
+    let t0 = Instant::now();
+    let mut sender = RdmaSender::new(
+        dev,
+        &s_est,
+        src,
+        &config.engine,
+        config.sender.clone(),
+        config.window,
+    )
+    .map_err(|e| e.to_string())?;
+    let mut receiver = RdmaReceiver::new(
+        Arc::clone(dev),
+        &r_est,
+        dst,
+        &config.engine,
+        config.receiver.clone(),
+    )
+    .map_err(|e| e.to_string())?;
+    let registration = t0.elapsed();
+    progress(&format!(
+        "registered {} and created 2 queue pairs in {:.1} ms; access scoping: {}",
+        super::human_bytes(bytes_registered),
+        registration.as_secs_f64() * 1e3,
+        if receiver.access_kind() == crate::transport::rdma::descriptor::AccessKind::WINDOWS {
+            "memory windows per reservation"
+        } else {
+            "REGION RKEYS (no memory windows: no NIC fence)"
+        }
+    ));
+    let (sp, rp) = (sender.params(), receiver.params());
+    sender.connect(&rp).map_err(|e| e.to_string())?;
+    receiver.connect(&sp).map_err(|e| e.to_string())?;
+    sender.endpoint().set_digest_mode(config.digest_mode);
+    receiver.endpoint().set_digest_mode(config.digest_mode);
+    sender
+        .endpoint()
+        .fill_free_pages(|_, b, bytes| fill_body(b, bytes));
+
+    let transfers = spec.transfers(page);
+    let tokens = spec.tokens();
+    let mut next = 1u64;
+    let mut started: BTreeMap<u64, Instant> = BTreeMap::new();
+    let mut latencies = Vec::new();
+    let mut failures: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut verified, mut checked, mut done) = (0u64, 0u64, 0u64);
+    let start = Instant::now();
+    let mut last_progress = start;
+    while done < transfers {
+        while started.len() < spec.concurrency as usize && next <= transfers {
+            let id = next;
+            next += 1;
+            let now = Instant::now();
+            let reserved = receiver.reserve(
+                now,
+                ReserveParams {
+                    transfer_id: id,
+                    tokens,
+                    // Generous: software RDMA under emulation moves a few MB/s.
+                    timeout: Duration::from_secs(120),
+                    digest: None,
+                    page_digests: false,
+                },
+            );
+            if let Err(e) = reserved {
+                *failures.entry(format!("reserve: {e}")).or_default() += 1;
+                done += 1;
+                continue;
+            }
+            started.insert(id, now);
+            match sender.endpoint().admit(Request {
+                transfer_id: id,
+                tokens: u64::from(tokens),
+            }) {
+                Ok(admitted) => {
+                    if let Err(e) = sender.endpoint().submit(now, admitted, |ord, b, page| {
+                        let n = page.len().min(16);
+                        page[..n].copy_from_slice(&stamp(id, ord, b)[..n]);
+                    }) {
+                        tracing::error!(transfer_id = id, error = %e, "submit");
+                    }
+                }
+                Err(e) => tracing::error!(transfer_id = id, error = %e, "admission"),
+            }
+        }
+        let now = Instant::now();
+        let mut moved = sender.poll(now).map_err(|e| e.to_string())?;
+        moved |= receiver.poll(now).map_err(|e| e.to_string())?;
+        while let Some(o) = receiver.poll_outcome() {
+            moved = true;
+            done += 1;
+            if let Some(tick) = &spec.on_transfer {
+                (tick.0)();
+            }
+            match o {
+                ReceiveOutcome::Verified(kv) => {
+                    let id = kv.transfer.transfer_id;
+                    if let Some(t) = started.remove(&id) {
+                        latencies.push(t.elapsed());
+                    }
+                    verified += 1;
+                    if spec.check_bytes {
+                        let pool = receiver.endpoint().pool();
+                        let same = (0..kv.pages()).all(|o| {
+                            (0..spec.buffers as usize).all(|b| {
+                                kv.page(pool, o, b)
+                                    .is_ok_and(|p| page_is_expected(id, o as u32, b, p))
+                            })
+                        });
+                        if same {
+                            checked += 1;
+                        } else {
+                            *failures.entry("BYTES_DIFFER".into()).or_default() += 1;
+                        }
+                    }
+                    if let Err(e) = receiver.endpoint().release(kv) {
+                        return Err(format!("releasing verified pages: {e}"));
+                    }
+                }
+                ReceiveOutcome::Failed { transfer, reason } => {
+                    started.remove(&transfer.transfer_id);
+                    *failures.entry(reason.code().to_string()).or_default() += 1;
+                }
+            }
+        }
+        while sender.poll_event().is_some() {}
+        if sender.state() == LinkState::Broken || receiver.state() == LinkState::Broken {
+            return Err("the RDMA link broke during the bench (see the log)".into());
+        }
+        if moved {
+            last_progress = Instant::now();
+        } else {
+            // Nothing to do: let the other threads (and, on SoftRoCE, the kernel's) run.
+            std::thread::yield_now();
+        }
+        if last_progress.elapsed() > STALL {
+            return Err(format!(
+                "no progress for {STALL:?} with {} transfers in flight",
+                started.len()
+            ));
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    latencies.sort_unstable();
+    let bytes = verified * spec.transfer_bytes(page);
+    let (free, capacity) = {
+        let pool = receiver.endpoint().pool();
+        (pool.free_pages(), pool.capacity_pages())
+    };
+    let rs = receiver.stats();
+    progress(&format!(
+        "windows bound {}, invalidated {}, mean fence {:.2} ms; sender: {} writes, {} signaled, {} doorbells",
+        rs.binds,
+        rs.invalidations,
+        rs.fence_time.as_secs_f64() * 1e3 / done.max(1) as f64,
+        sender.stats().writes_posted,
+        sender.stats().signaled,
+        sender.stats().doorbells
+    ));
+    Ok(CaseResult {
+        page_bytes: page,
+        pages: spec.pages,
+        buffers: spec.buffers,
+        transfers,
+        concurrency: spec.concurrency,
+        bytes,
+        seconds,
+        gb_per_s: bytes as f64 / seconds / 1e9,
+        transfers_per_s: verified as f64 / seconds,
+        p50_ms: percentile(&latencies, 0.50),
+        p99_ms: percentile(&latencies, 0.99),
+        verified,
+        bytes_checked: checked,
+        failures,
+        raw_gb_per_s: None,
+        ratio_to_raw: None,
+        pages_free_after: Some(free),
+        pages_total: Some(capacity),
+    })
+}
