@@ -86,6 +86,24 @@ pub struct RdmaSenderStats {
 /// (`Err` if it was refused).
 type CachedDescriptor = (TransferRef, Arc<[u8]>, Result<Arc<AccessDescriptor>, ()>);
 
+/// Test-only fault knobs of an [`RdmaSender`]: a buggy or lying sender.
+#[doc(hidden)]
+#[derive(Default)]
+pub struct SenderFaults {
+    /// Rewrites (or drops, with `None`) each outgoing frame.
+    pub rewrite_frame: Option<FrameRewrite>,
+    /// Page writes for which this returns true are never posted but reported complete.
+    pub skip_write: Option<WriteFilter>,
+}
+
+/// Rewrites or drops an outgoing frame (a [`SenderFaults`] knob).
+#[doc(hidden)]
+pub type FrameRewrite = Box<dyn FnMut(Frame) -> Option<Frame> + Send>;
+
+/// Picks page writes to skip (a [`SenderFaults`] knob).
+#[doc(hidden)]
+pub type WriteFilter = Box<dyn FnMut(&kvwire_proto::sender::PageWrite) -> bool + Send>;
+
 struct Signaled {
     transfer: TransferRef,
     pages: u32,
@@ -111,6 +129,7 @@ pub struct RdmaSender {
     config: SenderConfig,
     stats: RdmaSenderStats,
     batch: Vec<RdmaWrite>,
+    faults: SenderFaults,
 }
 
 impl std::fmt::Debug for RdmaSender {
@@ -181,6 +200,7 @@ impl RdmaSender {
             config,
             stats: RdmaSenderStats::default(),
             batch: Vec::new(),
+            faults: SenderFaults::default(),
         })
     }
 
@@ -308,7 +328,13 @@ impl RdmaSender {
     fn post(&mut self, now: Instant) -> bool {
         let mut progress = false;
         let ep = self.endpoint.as_mut().expect("endpoint");
-        while let Some(f) = ep.poll_transmit() {
+        while let Some(mut f) = ep.poll_transmit() {
+            if let Some(rewrite) = self.faults.rewrite_frame.as_mut() {
+                match rewrite(f) {
+                    Some(g) => f = g,
+                    None => continue,
+                }
+            }
             if let Some(b) = encode(&f) {
                 self.outbox.push_back(b);
             }
@@ -318,11 +344,21 @@ impl RdmaSender {
         batch.clear();
         let mut group: Option<(TransferRef, u32)> = None;
         let mut refused = Vec::new();
+        let mut lied = Vec::new();
         while self.wrs_in_flight + batch.len() as u32 + buffers <= self.max_wrs {
             let Some(w) = self.endpoint.as_mut().expect("endpoint").poll_write() else {
                 break;
             };
             progress = true;
+            if self
+                .faults
+                .skip_write
+                .as_mut()
+                .is_some_and(|skip| skip(&w.write))
+            {
+                lied.push(w.transfer);
+                continue;
+            }
             let Ok(d) = self.descriptor(w.transfer, &w.access) else {
                 refused.push(w.transfer);
                 continue;
@@ -400,6 +436,9 @@ impl RdmaSender {
         for t in refused {
             self.stats.writes_refused += 1;
             self.endpoint().handle_write_completion(now, t, false);
+        }
+        for t in lied {
+            self.endpoint().handle_write_completion(now, t, true);
         }
         if let Err(e) = flush(&mut self.link, &mut self.outbox) {
             tracing::error!(error = %e, "posting a frame failed");
@@ -483,26 +522,31 @@ impl RdmaSender {
         Ok(self.link.params())
     }
 
-    /// Test-only fault: posts one more write of source page 0 into destination page
-    /// `dst_page` of `transfer` with the access descriptor it was given, whatever state the
-    /// transfer is in (a sender that keeps writing after the receiver aborted). Returns
-    /// whether such a descriptor was known.
+    /// Test-only: installs fault knobs (a buggy or lying sender).
     #[doc(hidden)]
-    pub fn inject_late_write(
-        &mut self,
-        transfer: TransferRef,
-        dst_page: u32,
-    ) -> Result<bool, RdmaError> {
+    pub fn set_faults(&mut self, faults: SenderFaults) {
+        self.faults = faults;
+    }
+
+    /// Test-only fault: posts one more write of source page 0 into the first destination
+    /// page of `transfer`'s access descriptor, whatever state the transfer is in (a sender
+    /// that keeps writing after the receiver fenced). Returns that page, or `None` if no
+    /// descriptor of `transfer` is known.
+    #[doc(hidden)]
+    pub fn inject_late_write(&mut self, transfer: TransferRef) -> Result<Option<u32>, RdmaError> {
         let Some(d) = self
             .descriptors
             .iter()
             .find(|(t, _, _)| *t == transfer)
             .and_then(|(_, _, d)| d.clone().ok())
         else {
-            return Ok(false);
+            return Ok(None);
         };
-        let Ok((rkey, addr)) = d.locate(dst_page, 0, self.page_bytes[0]) else {
-            return Ok(false);
+        let Some(page) = d.runs.first().map(|r| r.first_page) else {
+            return Ok(None);
+        };
+        let Ok((rkey, addr)) = d.locate(page, 0, self.page_bytes[0]) else {
+            return Ok(None);
         };
         let id = self.next_wr;
         self.next_wr += 1;
@@ -521,7 +565,7 @@ impl RdmaSender {
             remote: (rkey, addr),
             signaled: true,
         }])?;
-        Ok(true)
+        Ok(Some(page))
     }
 }
 
