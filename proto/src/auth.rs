@@ -132,7 +132,12 @@ impl Psk {
 
 impl fmt::Debug for Psk {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Psk(<redacted>, {} bytes, id {})", self.0.len(), self.id())
+        write!(
+            f,
+            "Psk(<redacted>, {} bytes, id {})",
+            self.0.len(),
+            self.id()
+        )
     }
 }
 

@@ -190,7 +190,11 @@ fn auth_vectors_encode_and_decode() {
             "vector {name} (decode)"
         );
         let raw = u16::from_le_bytes([want[6], want[7]]);
-        assert_eq!(raw, frame.frame_type().0 | AUTH_FLAG, "{name}: flagged type");
+        assert_eq!(
+            raw,
+            frame.frame_type().0 | AUTH_FLAG,
+            "{name}: flagged type"
+        );
         let crc = u32::from_le_bytes(want[want.len() - 4..].try_into().unwrap());
         assert_eq!(crc, crc32fast::hash(&want[..want.len() - 4]), "{name}: crc");
     }
@@ -312,7 +316,7 @@ fn a_manifest_from_another_connection_is_refused() {
     server2.open(&c).unwrap();
 
     let from_conn1 = client1.seal_to_vec(&commit()).unwrap(); // seq 1 on connection 1
-    // Opened where connection 2 expects seq 1: the sequence matches, the key does not.
+                                                              // Opened where connection 2 expects seq 1: the sequence matches, the key does not.
     assert_eq!(
         auth_err(server2.open(&from_conn1)),
         AuthError::BadTag {
@@ -471,7 +475,10 @@ fn the_server_is_established_only_after_the_confirmation() {
     }
     let ack = outgoing(&mut s);
     assert_eq!(ack.len(), 1);
-    assert!(s.hs.poll_outcome().is_none(), "established before HELLO_CONFIRM");
+    assert!(
+        s.hs.poll_outcome().is_none(),
+        "established before HELLO_CONFIRM"
+    );
     deliver(&mut c, &ack[0]);
     let confirm = outgoing(&mut c);
     assert!(c.hs.poll_outcome().unwrap().is_ok());
@@ -557,7 +564,10 @@ fn a_replayed_handshake_cannot_complete() {
     assert!(s2.hs.poll_outcome().is_none());
     deliver(&mut s2, &confirm_bytes[0]);
     let o = s2.hs.poll_outcome();
-    assert!(o.is_none(), "the refusal is reported after its HELLO_REJECT is taken");
+    assert!(
+        o.is_none(),
+        "the refusal is reported after its HELLO_REJECT is taken"
+    );
     let reject = outgoing(&mut s2);
     assert_eq!(reject.len(), 1);
     assert_eq!(

@@ -335,7 +335,10 @@ impl fmt::Display for EncodeError {
                 write!(f, "`{field}` is {len}, over the limit {max}")
             }
             Self::AuthState { frame_type } => {
-                write!(f, "{frame_type} cannot be sealed in this authentication state")
+                write!(
+                    f,
+                    "{frame_type} cannot be sealed in this authentication state"
+                )
             }
         }
     }
