@@ -592,6 +592,9 @@ async fn run(mut task: Task, mut rd: OwnedReadHalf, mut reader: StreamReader, in
                         tracing::warn!(peer = task.peer, error = %e, "frame failed authentication: closing the connection");
                         task.auth_failure = Some(e);
                         task.peer_lost(now, "a frame failed authentication");
+                        // Close the connection: the writer ends (and shuts the socket
+                        // down) once its channel is gone; nothing more goes to this peer.
+                        task.wr = mpsc::unbounded_channel().0;
                     }
                     Err(e) => task.peer_lost(now, &e.to_string()),
                 }
