@@ -529,6 +529,14 @@ async fn run(mut task: Task, mut rd: OwnedReadHalf, mut reader: StreamReader, in
         task.run_digest_jobs();
         task.flush();
         task.publish();
+        // Checked before waiting: once every engine handle and verified handle is gone and
+        // nothing is open, nothing can wake the task any more (its own channels stay open),
+        // so it ends here rather than at the next timer (up to an hour later), which left the
+        // connection, its pool and its socket alive.
+        if !engine_open && task.verified.is_empty() && task.endpoint.session().open_transfers() == 0
+        {
+            return;
+        }
         task.stats.stream = reader.stats;
         let wake = task
             .endpoint
@@ -555,11 +563,6 @@ async fn run(mut task: Task, mut rd: OwnedReadHalf, mut reader: StreamReader, in
             }
         };
         let now = Instant::now();
-        if !engine_open && task.verified.is_empty() && task.endpoint.session().open_transfers() == 0
-        {
-            task.flush();
-            return;
-        }
         match event {
             Event::Read(Ok(0)) => task.peer_lost(now, "end of stream"),
             Event::Read(Err(e)) => task.peer_lost(now, &e.to_string()),
