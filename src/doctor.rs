@@ -276,6 +276,28 @@ impl Report {
     }
 }
 
+/// The `auth:` lines of `kvwire doctor`: whether peers will be authenticated and where the
+/// key comes from (its id, never the key), with a warning when authentication is off or no
+/// key is found. `config` is the configuration file, if one was given.
+pub fn auth_line(config: Option<&Path>) -> String {
+    use crate::config::auth;
+    let resolved = match config {
+        Some(f) => match crate::config::file::ConfigFile::load(f) {
+            Ok(c) => c.auth().map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        },
+        None => auth::resolve(false, None).map_err(|e| e.to_string()),
+    };
+    match resolved {
+        Ok((a, from)) if a.is_on() => {
+            let from = from.map(|f| format!(" from {f}")).unwrap_or_default();
+            format!("auth:      on: {}{from}\n", a.describe())
+        }
+        Ok(_) => "auth:      WARNING: off: peers are not authenticated; anyone who reaches the port can connect and forge frames\n".to_string(),
+        Err(e) => format!("auth:      WARNING: {e}\n"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

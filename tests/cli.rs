@@ -119,3 +119,51 @@ fn doctor_reports_without_failing() {
         "{out}"
     );
 }
+
+fn kvwire_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvwire"));
+    c.args(args)
+        .env_remove("KVWIRE_PSK")
+        .env_remove("KVWIRE_PSK_FILE");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().expect("run kvwire");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn doctor_reports_auth_without_printing_the_key() {
+    let key = "00112233445566778899aabbccddeeff";
+    let (code, out, err) = kvwire_env(&["doctor"], &[("KVWIRE_PSK", key)]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("auth:      on: psk (key id"), "{out}");
+    assert!(out.contains("KVWIRE_PSK"), "{out}");
+    assert!(!out.contains(key) && !err.contains(key), "{out}{err}");
+    let (code, out, _) = kvwire_env(&["doctor"], &[]);
+    assert_eq!(code, 0);
+    assert!(out.contains("auth:      WARNING"), "{out}");
+}
+
+#[test]
+fn two_process_bench_needs_a_key_or_an_explicit_off() {
+    let (code, _, err) = kvwire_env(&["bench", "--connect", "127.0.0.1:9"], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("no pre-shared key"), "{err}");
+    assert!(err.contains("--insecure-no-auth"), "{err}");
+}
+
+#[test]
+fn gen_psk_prints_a_usable_key() {
+    let (code, out, err) = kvwire_env(&["gen-psk"], &[]);
+    assert_eq!(code, 0, "{err}");
+    let key = out.trim();
+    assert_eq!(key.len(), 64, "{out}");
+    assert!(kvwire::proto::auth::Psk::from_hex(key).is_ok());
+    let (_, again, _) = kvwire_env(&["gen-psk"], &[]);
+    assert_ne!(again.trim(), key, "two keys alike");
+}

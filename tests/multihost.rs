@@ -34,6 +34,12 @@ fn kvwire(prefix: &[String], args: &[&str]) -> Command {
         None => Command::new(bin),
     };
     c.args(args);
+    // Both processes hold the same pre-shared key (authentication is on by default).
+    c.env(
+        "KVWIRE_PSK",
+        "6d756c7469686f73742d746573742d6b65792d30303031",
+    );
+    c.env_remove("KVWIRE_PSK_FILE");
     c
 }
 

@@ -264,3 +264,24 @@ async fn offloaded_digests_verify_and_release() {
     assert_eq!(r.stats().await.unwrap().verified, 8);
     assert_receiver_pool_full(&r).await;
 }
+
+/// Regression (found by the soak): a receiver connection whose engine handles were all
+/// dropped with nothing open stayed alive until its next timer (up to an hour), holding its
+/// pool and socket. Its task must end, which closes the connection: the sender sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_receiver_handles_ends_its_connection() {
+    let config = NodeConfig::example();
+    let (s, r) = pair(&config).await;
+    let v = r.reserve(params(1, 40));
+    send(&s, 1, 40).await.unwrap();
+    v.await.unwrap().release();
+    drop(r);
+    // Bounded rounds, not a duration: the sender learns of the close from end of stream.
+    for _ in 0..2000 {
+        if s.stats().await.unwrap().peer_lost {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("the receiver's connection stayed open after its handles were dropped");
+}

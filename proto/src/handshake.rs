@@ -180,6 +180,7 @@ pub fn version_reject(peer_version: u16) -> HelloReject {
 struct AwaitingAck {
     local: Hello,
     deadline: Instant,
+    confirm: bool,
 }
 
 /// Server: waiting for HELLO.
@@ -187,75 +188,132 @@ struct AwaitingAck {
 struct AwaitingHello {
     local: Hello,
     deadline: Instant,
+    confirm: bool,
+}
+
+/// Server of an authenticated handshake: HELLO_ACK sent, waiting for HELLO_CONFIRM.
+#[derive(Debug)]
+struct AwaitingConfirm {
+    established: Established,
+    deadline: Instant,
 }
 
 #[derive(Debug)]
 enum State {
     AwaitingAck(AwaitingAck),
     AwaitingHello(AwaitingHello),
+    AwaitingConfirm(AwaitingConfirm),
     Done,
 }
 
 const CLIENT_EXPECTS: &[FrameType] = &[FrameType::HELLO_ACK, FrameType::HELLO_REJECT];
 const SERVER_EXPECTS: &[FrameType] = &[FrameType::HELLO];
+const CONFIRM_EXPECTS: &[FrameType] = &[FrameType::HELLO_CONFIRM, FrameType::HELLO_REJECT];
+
+/// What a frame did to the handshake: the outcome (if it ended), the reply, the next state.
+type Step = (
+    Option<Result<Established, HandshakeError>>,
+    Option<Frame>,
+    State,
+);
 
 impl AwaitingAck {
-    fn handle_frame(self, frame: Frame) -> (Result<Established, HandshakeError>, Option<Frame>) {
+    fn handle_frame(self, frame: Frame) -> Step {
         match frame {
             Frame::HelloAck(peer) => match check_peer(&self.local, &peer) {
                 Ok(digests) => (
-                    Ok(Established {
+                    Some(Ok(Established {
                         local: self.local,
                         peer,
                         digests,
-                    }),
-                    None,
+                    })),
+                    self.confirm.then_some(Frame::HelloConfirm),
+                    State::Done,
                 ),
                 Err(r) => (
-                    Err(HandshakeError::Refused(r.clone())),
+                    Some(Err(HandshakeError::Refused(r.clone()))),
                     Some(Frame::HelloReject(r)),
+                    State::Done,
                 ),
             },
-            Frame::HelloReject(r) => (Err(HandshakeError::RefusedByPeer(r)), None),
+            Frame::HelloReject(r) => (
+                Some(Err(HandshakeError::RefusedByPeer(r))),
+                None,
+                State::Done,
+            ),
             other => (
-                Err(HandshakeError::Unexpected(unexpected(
+                Some(Err(HandshakeError::Unexpected(unexpected(
                     &other,
                     "AwaitingAck",
                     CLIENT_EXPECTS,
-                ))),
+                )))),
                 None,
+                State::Done,
             ),
         }
     }
 }
 
 impl AwaitingHello {
-    fn handle_frame(self, frame: Frame) -> (Result<Established, HandshakeError>, Option<Frame>) {
+    fn handle_frame(self, frame: Frame) -> Step {
         match frame {
             Frame::Hello(peer) => match check_peer(&self.local, &peer) {
                 Ok(digests) => {
                     let ack = Frame::HelloAck(self.local.clone());
-                    (
-                        Ok(Established {
-                            local: self.local,
-                            peer,
-                            digests,
-                        }),
-                        Some(ack),
-                    )
+                    let established = Established {
+                        local: self.local,
+                        peer,
+                        digests,
+                    };
+                    if self.confirm {
+                        (
+                            None,
+                            Some(ack),
+                            State::AwaitingConfirm(AwaitingConfirm {
+                                established,
+                                deadline: self.deadline,
+                            }),
+                        )
+                    } else {
+                        (Some(Ok(established)), Some(ack), State::Done)
+                    }
                 }
                 Err(r) => (
-                    Err(HandshakeError::Refused(r.clone())),
+                    Some(Err(HandshakeError::Refused(r.clone()))),
                     Some(Frame::HelloReject(r)),
+                    State::Done,
                 ),
             },
             other => (
-                Err(HandshakeError::Unexpected(unexpected(
+                Some(Err(HandshakeError::Unexpected(unexpected(
                     &other,
                     "AwaitingHello",
                     SERVER_EXPECTS,
-                ))),
+                )))),
                 None,
+                State::Done,
+            ),
+        }
+    }
+}
+
+impl AwaitingConfirm {
+    fn handle_frame(self, frame: Frame) -> Step {
+        match frame {
+            Frame::HelloConfirm => (Some(Ok(self.established)), None, State::Done),
+            Frame::HelloReject(r) => (
+                Some(Err(HandshakeError::RefusedByPeer(r))),
+                None,
+                State::Done,
+            ),
+            other => (
+                Some(Err(HandshakeError::Unexpected(unexpected(
+                    &other,
+                    "AwaitingConfirm",
+                    CONFIRM_EXPECTS,
+                )))),
+                None,
+                State::Done,
             ),
         }
     }
@@ -281,6 +339,7 @@ impl Handshake {
             state: State::AwaitingAck(AwaitingAck {
                 local,
                 deadline: now + timeout,
+                confirm: false,
             }),
             outcome: None,
         }
@@ -293,20 +352,52 @@ impl Handshake {
             state: State::AwaitingHello(AwaitingHello {
                 local,
                 deadline: now + timeout,
+                confirm: false,
             }),
             outcome: None,
         }
     }
 
+    /// Makes this an authenticated handshake (SPEC.md §4.8): the client answers an accepted
+    /// HELLO_ACK with HELLO_CONFIRM, and the server is established only once it has received
+    /// HELLO_CONFIRM. Use exactly when the connection's frames pass through an
+    /// authenticating [`crate::auth::AuthChannel`], which proves who sent HELLO_CONFIRM.
+    pub fn with_confirmation(mut self) -> Self {
+        match &mut self.state {
+            State::AwaitingAck(s) => s.confirm = true,
+            State::AwaitingHello(s) => s.confirm = true,
+            State::AwaitingConfirm(_) | State::Done => {}
+        }
+        self
+    }
+
     /// Handles a frame from the peer.
     pub fn handle_frame(&mut self, frame: Frame) {
-        let (outcome, reply) = match std::mem::replace(&mut self.state, State::Done) {
+        let (outcome, reply, next) = match std::mem::replace(&mut self.state, State::Done) {
             State::AwaitingAck(s) => s.handle_frame(frame),
             State::AwaitingHello(s) => s.handle_frame(frame),
+            State::AwaitingConfirm(s) => s.handle_frame(frame),
             State::Done => return,
         };
+        self.state = next;
         self.transmit = reply;
-        self.outcome = Some(outcome);
+        self.outcome = outcome;
+    }
+
+    /// Handles a frame that failed authentication (the connection's
+    /// [`crate::auth::AuthChannel`] refused it): the handshake fails and a HELLO_REJECT
+    /// with the error's code (`AUTH_MISMATCH` or `AUTH_FAILED`) is queued.
+    pub fn handle_auth_error(&mut self, error: &crate::auth::AuthError) {
+        if matches!(self.state, State::Done) {
+            return;
+        }
+        self.state = State::Done;
+        let r = HelloReject {
+            code: error.code(),
+            detail: error.to_string(),
+        };
+        self.transmit = Some(Frame::HelloReject(r.clone()));
+        self.outcome = Some(Err(HandshakeError::Refused(r)));
     }
 
     /// Handles a frame the peer sent with a protocol version this node does not speak: the
@@ -326,6 +417,7 @@ impl Handshake {
         let expired = match &self.state {
             State::AwaitingAck(s) => now >= s.deadline,
             State::AwaitingHello(s) => now >= s.deadline,
+            State::AwaitingConfirm(s) => now >= s.deadline,
             State::Done => false,
         };
         if expired {
@@ -352,6 +444,7 @@ impl Handshake {
         match &self.state {
             State::AwaitingAck(s) => Some(s.deadline),
             State::AwaitingHello(s) => Some(s.deadline),
+            State::AwaitingConfirm(s) => Some(s.deadline),
             State::Done => None,
         }
     }

@@ -6,6 +6,7 @@
 //! driver. The normative description is `SPEC.md` beside this crate.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod error;
 pub mod handshake;
 mod history;

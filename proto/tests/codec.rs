@@ -328,6 +328,7 @@ fn frame() -> impl Strategy<Value = Frame> {
     prop_oneof![
         hello().prop_map(Frame::Hello),
         hello().prop_map(Frame::HelloAck),
+        Just(Frame::HelloConfirm),
         (error_code(), detail())
             .prop_map(|(code, detail)| Frame::HelloReject(HelloReject { code, detail })),
         reserve().prop_map(Frame::Reserve),
@@ -582,8 +583,13 @@ fn unknown_frame_type_with_valid_crc() {
     );
     // Also with an empty payload, and for a gap in the known range.
     assert_eq!(
-        Frame::decode(&raw_frame(VERSION, 0x0004, &[])),
-        Err(DecodeError::UnknownFrameType(FrameType(0x0004)))
+        Frame::decode(&raw_frame(VERSION, 0x0005, &[])),
+        Err(DecodeError::UnknownFrameType(FrameType(0x0005)))
+    );
+    // A flagged (authenticated, SPEC.md §3.11) type is unknown to the plain decoder.
+    assert_eq!(
+        Frame::decode(&raw_frame(VERSION, 0x8013, &[0; 56])),
+        Err(DecodeError::UnknownFrameType(FrameType(0x8013)))
     );
     assert_eq!(
         Frame::decode(&raw_frame(VERSION, 0, &[])),
@@ -1278,6 +1284,7 @@ fn golden_frames() -> Vec<(&'static str, Frame)> {
                 detail: "tokens per page: local 16, peer 32".into(),
             }),
         ),
+        ("hello_confirm", Frame::HelloConfirm),
         (
             "reserve",
             Frame::Reserve(Reserve {

@@ -1,5 +1,5 @@
 //! The sans-IO crate stays sans-IO: no async runtime, no libc, no RDMA bindings among its
-//! normal dependencies, and no `unsafe` in its source.
+//! normal dependencies (only an allow-listed set), and no `unsafe` in its source.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,6 +44,37 @@ fn no_io_dependencies() {
     assert!(
         bad.is_empty(),
         "kvwire-proto depends on {bad:?}; its dependency tree:\n{stdout}"
+    );
+    // An explicit allow-list: a new dependency of the protocol crate is a decision, made
+    // here. crc32fast (frame CRC); hmac + sha2 and the RustCrypto crates under them
+    // (authenticated peers, SPEC.md §3.11) — pure Rust, no I/O; cpufeatures only reads CPUID.
+    let allowed = [
+        "kvwire-proto",
+        "crc32fast",
+        "cfg-if",
+        "hmac",
+        "sha2",
+        "digest",
+        "block-buffer",
+        "crypto-common",
+        "generic-array",
+        "typenum",
+        "subtle",
+        "cpufeatures",
+        "version_check",
+    ];
+    let unexpected: Vec<&str> = stdout
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .filter(|l| {
+            let name = l.split_whitespace().next().unwrap_or("");
+            !allowed.contains(&name)
+        })
+        .collect();
+    assert!(
+        unexpected.is_empty(),
+        "kvwire-proto depends on {unexpected:?}, which the allow-list does not name; its dependency tree:\n{stdout}"
     );
 }
 

@@ -68,6 +68,14 @@ pub struct BenchSpec {
     /// Called after every transfer ends (e.g. to advance a progress bar).
     #[serde(skip)]
     pub on_transfer: Option<OnTransfer>,
+    /// Peer authentication of every connection (reported as "psk (key id ...)" or "off",
+    /// never the key). In one process, an ephemeral key serves both ends.
+    #[serde(serialize_with = "serialize_auth")]
+    pub auth: crate::engine::Auth,
+}
+
+fn serialize_auth<S: serde::Serializer>(a: &crate::engine::Auth, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&a.describe())
 }
 
 /// A callback run after every transfer ends.
@@ -94,6 +102,7 @@ impl Default for BenchSpec {
             digest_offload_bytes: 8 << 20,
             metrics: None,
             on_transfer: None,
+            auth: crate::engine::Auth::ephemeral(),
         }
     }
 }
@@ -190,6 +199,7 @@ impl BenchSpec {
         c.window = self.pages.max(1);
         c.metrics = self.metrics.clone();
         c.digest_offload_bytes = self.digest_offload_bytes;
+        c.auth = self.auth.clone();
         c
     }
 

@@ -1,4 +1,5 @@
-//! The `kvwire` command-line tool: `bench` (the main job), `check-config`, `doctor`.
+//! The `kvwire` command-line tool: `bench` (the main job), `check-config`, `doctor`,
+//! `gen-psk`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -40,6 +41,9 @@ enum Command {
         #[arg(long)]
         require_rdma: bool,
     },
+    /// Prints a fresh random pre-shared key (hex) for `--psk-file`, `[auth] psk_file`,
+    /// KVWIRE_PSK_FILE or KVWIRE_PSK.
+    GenPsk,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -110,6 +114,13 @@ struct BenchArgs {
     /// Serve Prometheus metrics on this address while the bench runs.
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
+    /// Pre-shared key file (hex) authenticating the two processes; else KVWIRE_PSK_FILE or
+    /// KVWIRE_PSK. Without --listen/--connect an ephemeral key serves both ends.
+    #[arg(long)]
+    psk_file: Option<PathBuf>,
+    /// Turn peer authentication off (any peer that reaches the port can connect).
+    #[arg(long, conflicts_with = "psk_file")]
+    insecure_no_auth: bool,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -145,12 +156,23 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Bench(args) => bench_main(args),
         Command::CheckConfig { file } => check_config(&file),
+        Command::GenPsk => match kvwire::config::auth::generate_hex() {
+            Ok(k) => {
+                println!("{k}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvwire gen-psk: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Command::Doctor {
             config,
             require_rdma,
         } => {
             let report = kvwire::doctor::inspect();
             print!("{}", report.render());
+            print!("{}", kvwire::doctor::auth_line(config.as_deref()));
             if require_rdma && !report.rdma.iter().any(|d| d.usable()) {
                 eprintln!("kvwire doctor: no usable RDMA device (--require-rdma)");
                 return ExitCode::FAILURE;
@@ -191,9 +213,21 @@ fn check_config(file: &std::path::Path) -> ExitCode {
         "context: {} tokens (max_context_tokens)",
         engine.max_context_tokens
     );
-    if let Err(e) = cfg.node_config() {
+    // The rest of the file is checked without the key; whether a key is found is reported
+    // (the key may be provided only on the serving host).
+    if let Err(e) = cfg.node_config_with(kvwire::engine::Auth::Off) {
         eprintln!("kvwire check-config: {e}");
         return ExitCode::from(2);
+    }
+    match cfg.auth() {
+        Ok((a, from)) => {
+            let from = from.map(|f| format!(" from {f}")).unwrap_or_default();
+            println!("auth:    {}{from}", a.describe());
+            if !a.is_on() {
+                println!("WARNING: peer authentication is off ([auth] mode = \"off\")");
+            }
+        }
+        Err(e) => println!("WARNING: {e}"),
     }
     match engine.validate_geometry(&geometry) {
         Ok(warnings) if warnings.is_empty() => {
@@ -214,6 +248,29 @@ fn check_config(file: &std::path::Path) -> ExitCode {
 }
 
 fn bench_main(a: BenchArgs) -> ExitCode {
+    let two_process = a.listen.is_some() || a.connect.is_some();
+    let auth = if !two_process && !a.insecure_no_auth && a.psk_file.is_none() {
+        // Both ends in this process: an ephemeral key, unless one was given.
+        match kvwire::config::auth::find_psk(None) {
+            Ok(Some((k, _))) => kvwire::engine::Auth::Psk(k),
+            Ok(None) => kvwire::engine::Auth::ephemeral(),
+            Err(e) => {
+                eprintln!("kvwire bench: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        match kvwire::config::auth::resolve(a.insecure_no_auth, a.psk_file.as_deref()) {
+            Ok((auth, _)) => auth,
+            Err(e) => {
+                eprintln!("kvwire bench: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    };
+    if !auth.is_on() {
+        eprintln!("kvwire bench: --insecure-no-auth: peers are NOT authenticated");
+    }
     let spec = BenchSpec {
         page_sizes: a.page_sizes,
         buffers: a.buffers,
@@ -230,6 +287,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         digest_offload_bytes: a.digest_offload,
         metrics: Some(kvwire::metrics::Metrics::new()),
         on_transfer: None,
+        auth,
     };
     // A progress bar only when a person watches (stderr is a terminal), never in pipes or CI.
     let mut spec = spec;

@@ -19,6 +19,10 @@
 //! max_context_tokens = 65536
 //! allow_undersized_pool = false
 //!
+//! [auth]
+//! mode = "psk"                # psk (the default) | off
+//! psk_file = "/etc/kvwire/psk" # hex key; else KVWIRE_PSK_FILE or KVWIRE_PSK
+//!
 //! [timeouts]
 //! handshake_ms = 10000
 //! reservation_ms = 30000
@@ -33,8 +37,9 @@ use std::time::Duration;
 use kvwire_proto::wire::DigestAlgorithm;
 use serde::Deserialize;
 
+use super::auth::KeySource;
 use super::EngineConfig;
-use crate::engine::NodeConfig;
+use crate::engine::{Auth, NodeConfig};
 use crate::pool::{PoolGeometry, Scrub};
 
 /// The file, as parsed. Unknown keys are refused, so a typo is an error, not a default.
@@ -51,6 +56,19 @@ pub struct ConfigFile {
     /// `[timeouts]`.
     #[serde(default)]
     pub timeouts: TimeoutSection,
+    /// `[auth]`.
+    #[serde(default)]
+    pub auth: AuthSection,
+}
+
+/// `[auth]`: peer authentication with a pre-shared key (on unless `mode = "off"`).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthSection {
+    /// "psk" (the default) or "off".
+    pub mode: Option<String>,
+    /// A file holding the key as hex; else `KVWIRE_PSK_FILE` or `KVWIRE_PSK`.
+    pub psk_file: Option<std::path::PathBuf>,
 }
 
 /// `[node]`.
@@ -178,9 +196,35 @@ impl ConfigFile {
         }
     }
 
-    /// The full node configuration.
+    /// Whether `[auth] mode` turns authentication off.
+    pub fn auth_off(&self) -> Result<bool, FileError> {
+        match self.auth.mode.as_deref() {
+            None | Some("psk") => Ok(false),
+            Some("off") => Ok(true),
+            Some(other) => Err(FileError::Invalid(format!(
+                "unknown auth mode {other:?} (psk, off)"
+            ))),
+        }
+    }
+
+    /// The node's authentication: off if `[auth] mode = "off"`, else the key from
+    /// `[auth] psk_file`, `KVWIRE_PSK_FILE` or `KVWIRE_PSK` (an error if there is none).
+    pub fn auth(&self) -> Result<(Auth, Option<KeySource>), FileError> {
+        super::auth::resolve(self.auth_off()?, self.auth.psk_file.as_deref())
+            .map_err(|e| FileError::Invalid(e.to_string()))
+    }
+
+    /// The full node configuration, with its key ([`ConfigFile::auth`]).
     pub fn node_config(&self) -> Result<NodeConfig, FileError> {
+        let (auth, _) = self.auth()?;
+        self.node_config_with(auth)
+    }
+
+    /// The node configuration with the given authentication (e.g. to check the rest of a
+    /// file on a host that does not hold the key).
+    pub fn node_config_with(&self, auth: Auth) -> Result<NodeConfig, FileError> {
         let mut c = NodeConfig::example();
+        c.auth = auth;
         c.node_id = self.node.node_id;
         c.pool = self.geometry()?;
         c.engine = self.engine();

@@ -6,6 +6,7 @@
 //! for it: call [`EngineConfig::validate`] at start and on every reconfiguration, and refuse
 //! to serve when it fails.
 
+pub mod auth;
 pub mod file;
 
 use std::fmt;

@@ -44,6 +44,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvwire_proto::admission::AdmissionError;
+use kvwire_proto::auth::{AuthChannel, AuthError, Nonce, Opener, Psk, Sealer};
 use kvwire_proto::handshake::HandshakeError;
 use kvwire_proto::receiver::ReceiverConfig;
 use kvwire_proto::sender::SenderConfig;
@@ -92,11 +93,74 @@ pub struct NodeConfig {
     /// pool, so the connection keeps receiving (and sending) other transfers meanwhile;
     /// smaller ones inline, where a thread handoff costs more than it saves.
     pub digest_offload_bytes: u64,
+    /// Peer authentication: a pre-shared key both ends must hold, or explicitly off.
+    pub auth: Auth,
+}
+
+/// Whether a node authenticates its peers (SPEC.md §3.11, §4.8). Its `Debug` form never
+/// shows the key.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Auth {
+    /// Peers must hold this pre-shared key: the handshake proves it both ways and every frame
+    /// after it carries an HMAC-SHA256 tag under per-connection keys.
+    Psk(Psk),
+    /// No authentication (`auth.mode = "off"`, `--insecure-no-auth`): any peer that reaches
+    /// the endpoint with the right layout can connect, and frames can be forged on the path.
+    Off,
+}
+
+impl Auth {
+    /// A fresh random 32-byte key, for the two ends of a connection in one process (the
+    /// in-process bench, tests, examples).
+    ///
+    /// # Panics
+    /// If the operating system has no random source.
+    pub fn ephemeral() -> Self {
+        let key: [u8; 32] = random_bytes().expect("the OS random source");
+        Self::Psk(Psk::new(key.to_vec()).expect("32 bytes is a valid key length"))
+    }
+
+    /// Whether peers are authenticated.
+    pub fn is_on(&self) -> bool {
+        matches!(self, Self::Psk(_))
+    }
+
+    /// What `kvwire doctor` and logs may print: "psk (key id ...)" or "off".
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Psk(k) => format!("psk (key id {}, {} bytes)", k.id(), k.len()),
+            Self::Off => "off".into(),
+        }
+    }
+
+    /// The channel for one new connection, with a fresh nonce.
+    fn channel(&self, client: bool) -> std::io::Result<AuthChannel> {
+        Ok(match self {
+            Self::Off => AuthChannel::off(),
+            Self::Psk(k) => {
+                let nonce: Nonce = random_bytes()?;
+                if client {
+                    AuthChannel::client(k.clone(), nonce)
+                } else {
+                    AuthChannel::server(k.clone(), nonce)
+                }
+            }
+        })
+    }
+}
+
+/// `N` bytes from the operating system's random source.
+pub fn random_bytes<const N: usize>() -> std::io::Result<[u8; N]> {
+    let mut b = [0u8; N];
+    getrandom::getrandom(&mut b).map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(b)
 }
 
 impl NodeConfig {
     /// A small configuration for examples: 2 buffers of 4 KiB pages, 16 tokens per page,
-    /// 256 pages, 4096-token context.
+    /// 256 pages, 4096-token context, authenticated with a fresh random key (so only clones
+    /// of this configuration can connect to each other; set `auth` for real peers).
     pub fn example() -> Self {
         Self {
             node_id: 1,
@@ -116,6 +180,7 @@ impl NodeConfig {
             digest_mode: DigestMode::Verify,
             metrics: None,
             digest_offload_bytes: 8 << 20,
+            auth: Auth::ephemeral(),
         }
     }
 
@@ -151,6 +216,18 @@ pub enum EngineError {
     Stream(String),
 }
 
+impl EngineError {
+    /// The wire code of a handshake refusal (by either side), e.g. `AUTH_FAILED`.
+    pub fn refusal_code(&self) -> Option<kvwire_proto::wire::ErrorCode> {
+        match self {
+            Self::Handshake(HandshakeError::Refused(r) | HandshakeError::RefusedByPeer(r)) => {
+                Some(r.code)
+            }
+            _ => None,
+        }
+    }
+}
+
 /// Why a transfer did not deliver.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -172,6 +249,11 @@ pub enum TransferError {
     /// The connection task is gone.
     #[error("connection closed")]
     ConnectionClosed,
+    /// The peer sent a frame that failed authentication (altered, replayed, from another
+    /// connection, or unauthenticated): the connection was closed and its open transfers
+    /// failed safely (fenced, pages released).
+    #[error("connection closed: {0}")]
+    Unauthenticated(AuthError),
 }
 
 impl TransferError {
@@ -222,24 +304,39 @@ pub(crate) async fn open(
     client: bool,
     role: Role,
     memory: crate::memory::KvMemory,
-) -> Result<
-    (
-        tokio::net::TcpStream,
-        kvwire_proto::handshake::Established,
-        crate::pool::PagePool,
-    ),
-    EngineError,
-> {
+) -> Result<Opened, EngineError> {
     use kvwire_proto::handshake::Handshake;
     stream.set_nodelay(true)?;
     let now = std::time::Instant::now();
     let hello = config.hello(role);
-    let hs = if client {
+    let mut hs = if client {
         Handshake::client(now, hello, config.handshake_timeout)
     } else {
         Handshake::server(now, hello, config.handshake_timeout)
     };
-    let est = stream::handshake(&mut stream, hs, config.handshake_timeout).await?;
+    let mut channel = config.auth.channel(client)?;
+    if channel.is_authenticated() {
+        hs = hs.with_confirmation();
+    }
+    let est = stream::handshake(&mut stream, hs, &mut channel, config.handshake_timeout).await?;
     let pool = crate::pool::PagePool::with_memory(config.pool.clone(), memory, config.scrub)?;
-    Ok((stream, est, pool))
+    let (sealer, opener) = channel.split();
+    Ok(Opened {
+        stream,
+        est,
+        pool,
+        sealer,
+        opener,
+    })
+}
+
+/// A connection after its handshake.
+pub(crate) struct Opened {
+    pub(crate) stream: tokio::net::TcpStream,
+    pub(crate) est: kvwire_proto::handshake::Established,
+    pub(crate) pool: crate::pool::PagePool,
+    /// Seals the frames this node sends.
+    pub(crate) sealer: Sealer,
+    /// Opens the frames the peer sends.
+    pub(crate) opener: Opener,
 }

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvwire_proto::auth::{AuthError, Sealer};
 use kvwire_proto::wire::{ErrorCode, Hello, Role, TransferRef};
 use kvwire_proto::{FailureReason, Scope};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -19,7 +20,7 @@ use crate::memory::KvMemory;
 use crate::metrics::{Connection, Metrics};
 use crate::pool::PagePool;
 use crate::receiver::{ReceiveOutcome, ReceiverEndpoint, ReserveParams, VerifiedKv};
-use crate::transport::tcp::{Record, StreamReader, StreamStats};
+use crate::transport::tcp::{Record, StreamError, StreamReader, StreamStats};
 
 type ReadFn = Box<dyn FnOnce(PagesView<'_>) + Send>;
 
@@ -192,7 +193,13 @@ impl ReceiverConn {
         client: bool,
         memory: KvMemory,
     ) -> Result<Self, EngineError> {
-        let (stream, est, pool) = open(stream, config, client, Role::RECEIVER, memory).await?;
+        let super::Opened {
+            stream,
+            est,
+            pool,
+            sealer,
+            opener,
+        } = open(stream, config, client, Role::RECEIVER, memory).await?;
         let mut rx_config = config.receiver.clone();
         rx_config.nonce_seed = fresh_seed();
         let mut endpoint = ReceiverEndpoint::new(&est, pool, &config.engine, rx_config)?;
@@ -210,7 +217,7 @@ impl ReceiverConn {
             let _ = wr.shutdown().await;
         });
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
-        let reader = StreamReader::new(&config.pool.buffer_page_bytes);
+        let reader = StreamReader::new(&config.pool.buffer_page_bytes).with_opener(opener);
         let (digests_done, digest_rx) = mpsc::unbounded_channel::<DigestDone>();
         // Verified handles talk to the task on a channel of their own, so the engine's
         // channel closes when the engine drops its ReceiverConn handles; the task then ends
@@ -228,8 +235,10 @@ impl ReceiverConn {
             verified: HashMap::new(),
             cmd: own_tx,
             wr: wr_tx,
+            sealer,
             stats: ReceiverConnStats::default(),
             lost: false,
+            auth_failure: None,
         };
         tokio::spawn(run(
             task,
@@ -312,8 +321,11 @@ struct Task {
     verified: HashMap<u64, VerifiedKv>,
     cmd: mpsc::UnboundedSender<Cmd>,
     wr: mpsc::UnboundedSender<Vec<u8>>,
+    sealer: Sealer,
     stats: ReceiverConnStats,
     lost: bool,
+    /// Why the connection was closed, when a frame failed authentication.
+    auth_failure: Option<AuthError>,
     peer: u64,
     offload: u64,
     digests_done: mpsc::UnboundedSender<DigestDone>,
@@ -325,9 +337,11 @@ struct Task {
 impl Task {
     fn flush(&mut self) {
         while let Some(frame) = self.endpoint.poll_transmit() {
-            match frame.to_bytes() {
+            match self.sealer.seal_to_vec(&frame) {
                 Ok(bytes) => {
-                    let _ = self.wr.send(bytes);
+                    if self.auth_failure.is_none() {
+                        let _ = self.wr.send(bytes);
+                    }
                 }
                 Err(e) => tracing::error!(error = %e, "frame could not be encoded"),
             }
@@ -372,7 +386,13 @@ impl Task {
                         .unwrap_or_else(tracing::Span::none);
                     span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed"));
                     if let Some(reply) = self.waiting.remove(&transfer.transfer_id) {
-                        let _ = reply.send(Err(TransferError::Failed(reason)));
+                        let err = match (&reason, &self.auth_failure) {
+                            (FailureReason::PeerLost, Some(e)) => {
+                                TransferError::Unauthenticated(e.clone())
+                            }
+                            _ => TransferError::Failed(reason),
+                        };
+                        let _ = reply.send(Err(err));
                     }
                 }
             }
@@ -509,6 +529,14 @@ async fn run(mut task: Task, mut rd: OwnedReadHalf, mut reader: StreamReader, in
         task.run_digest_jobs();
         task.flush();
         task.publish();
+        // Checked before waiting: once every engine handle and verified handle is gone and
+        // nothing is open, nothing can wake the task any more (its own channels stay open),
+        // so it ends here rather than at the next timer (up to an hour later), which left the
+        // connection, its pool and its socket alive.
+        if !engine_open && task.verified.is_empty() && task.endpoint.session().open_transfers() == 0
+        {
+            return;
+        }
         task.stats.stream = reader.stats;
         let wake = task
             .endpoint
@@ -535,11 +563,6 @@ async fn run(mut task: Task, mut rd: OwnedReadHalf, mut reader: StreamReader, in
             }
         };
         let now = Instant::now();
-        if !engine_open && task.verified.is_empty() && task.endpoint.session().open_transfers() == 0
-        {
-            task.flush();
-            return;
-        }
         match event {
             Event::Read(Ok(0)) => task.peer_lost(now, "end of stream"),
             Event::Read(Err(e)) => task.peer_lost(now, &e.to_string()),
@@ -568,6 +591,14 @@ async fn run(mut task: Task, mut rd: OwnedReadHalf, mut reader: StreamReader, in
                         );
                     }
                     Ok(Some(Record::Landed(_)) | None) => {}
+                    Err(StreamError::Auth(e)) => {
+                        tracing::warn!(peer = task.peer, error = %e, "frame failed authentication: closing the connection");
+                        task.auth_failure = Some(e);
+                        task.peer_lost(now, "a frame failed authentication");
+                        // Close the connection: the writer ends (and shuts the socket
+                        // down) once its channel is gone; nothing more goes to this peer.
+                        task.wr = mpsc::unbounded_channel().0;
+                    }
                     Err(e) => task.peer_lost(now, &e.to_string()),
                 }
             }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::{AdmissionError, Admitted, Request};
+use kvwire_proto::auth::{AuthError, Opener, Sealer};
 use kvwire_proto::sender::SenderEvent;
 use kvwire_proto::wire::{ErrorCode, Frame, Hello, Role};
 use kvwire_proto::{FailureReason, Scope};
@@ -15,7 +16,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::stream::read_frame;
+use super::stream::{read_frame, ReadError};
 use super::{open, run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
 use crate::checksum::DigestExecution;
 use crate::memory::KvMemory;
@@ -113,7 +114,13 @@ impl SenderConn {
         client: bool,
         memory: KvMemory,
     ) -> Result<Self, EngineError> {
-        let (stream, est, pool) = open(stream, config, client, Role::SENDER, memory).await?;
+        let super::Opened {
+            stream,
+            est,
+            pool,
+            sealer,
+            opener,
+        } = open(stream, config, client, Role::SENDER, memory).await?;
         let mut endpoint = SenderEndpoint::new(
             &est,
             pool,
@@ -125,13 +132,15 @@ impl SenderConn {
         endpoint.set_digest_execution(DigestExecution::Deferred);
         let (rd, wr) = stream.into_split();
         let (frame_tx, frame_rx) = mpsc::unbounded_channel();
-        tokio::spawn(read_frames(rd, frame_tx));
+        tokio::spawn(read_frames(rd, frame_tx, opener));
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
         let metrics = config.metrics.clone();
         let peer = est.peer.node_id;
         let wr = BufWriter::with_capacity(256 * 1024, wr);
         let offload = config.digest_offload_bytes;
-        tokio::spawn(run(endpoint, wr, frame_rx, cmd_rx, metrics, peer, offload));
+        tokio::spawn(run(
+            endpoint, wr, sealer, frame_rx, cmd_rx, metrics, peer, offload,
+        ));
         Ok(Self {
             cmd,
             peer: est.peer,
@@ -208,19 +217,33 @@ impl SenderConn {
     }
 }
 
-/// Reads control frames and hands them to the connection task; `None` means the
-/// connection is gone (end of stream, I/O error, or bytes that are not a frame).
-async fn read_frames(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<Option<Frame>>) {
+/// What the frame reader hands the connection task.
+enum Incoming {
+    /// A frame (authenticated, where the connection is).
+    Frame(Frame),
+    /// The connection is gone: end of stream, I/O error, bytes that are not a frame, or (with
+    /// the error) a frame that failed authentication.
+    Closed(Option<AuthError>),
+}
+
+/// Reads and opens control frames and hands them to the connection task.
+async fn read_frames(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<Incoming>, opener: Opener) {
     let mut buf = Vec::new();
+    let mut opener = opener;
+    let mut open = |b: &[u8]| opener.open(b);
     loop {
-        match read_frame(&mut rd, &mut buf).await {
+        match read_frame(&mut rd, &mut buf, &mut open).await {
             Ok(Some(f)) => {
-                if tx.send(Some(f)).is_err() {
+                if tx.send(Incoming::Frame(f)).is_err() {
                     return;
                 }
             }
-            Ok(None) | Err(_) => {
-                let _ = tx.send(None);
+            Ok(None) | Err(ReadError::Engine(_)) => {
+                let _ = tx.send(Incoming::Closed(None));
+                return;
+            }
+            Err(ReadError::Auth(e)) => {
+                let _ = tx.send(Incoming::Closed(Some(e)));
                 return;
             }
         }
@@ -237,8 +260,11 @@ struct Task {
     peer: u64,
     waiting: HashMap<u64, oneshot::Sender<Result<(), TransferError>>>,
     wr: BufWriter<OwnedWriteHalf>,
+    sealer: Sealer,
     stats: SenderConnStats,
     lost: bool,
+    /// Why the connection was closed, when a frame failed authentication.
+    auth_failure: Option<AuthError>,
 }
 
 impl Task {
@@ -269,7 +295,7 @@ impl Task {
                 if self.lost {
                     continue;
                 }
-                let written = match frame.to_bytes() {
+                let written = match self.sealer.seal_to_vec(&frame) {
                     Ok(bytes) => self.wr.write_all(&bytes).await.is_ok(),
                     Err(e) => {
                         tracing::error!(error = %e, "frame could not be encoded");
@@ -309,7 +335,13 @@ impl Task {
                         .remove(&transfer.transfer_id)
                         .unwrap_or_else(tracing::Span::none);
                     span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed"));
-                    (transfer.transfer_id, Err(TransferError::Failed(reason)))
+                    let err = match (&reason, &self.auth_failure) {
+                        (FailureReason::PeerLost, Some(e)) => {
+                            TransferError::Unauthenticated(e.clone())
+                        }
+                        _ => TransferError::Failed(reason),
+                    };
+                    (transfer.transfer_id, Err(err))
                 }
             };
             if let Some(reply) = self.waiting.remove(&id) {
@@ -425,16 +457,18 @@ impl Task {
 }
 
 enum Event {
-    Frame(Option<Option<Frame>>),
+    Frame(Option<Incoming>),
     Digest(Option<DigestDone>),
     Cmd(Option<Cmd>),
     Timer,
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run(
     endpoint: SenderEndpoint,
     wr: BufWriter<OwnedWriteHalf>,
-    mut frames: mpsc::UnboundedReceiver<Option<Frame>>,
+    sealer: Sealer,
+    mut frames: mpsc::UnboundedReceiver<Incoming>,
     mut cmd_rx: mpsc::UnboundedReceiver<Cmd>,
     metrics: Option<Arc<Metrics>>,
     peer: u64,
@@ -450,8 +484,10 @@ async fn run(
         peer,
         waiting: HashMap::new(),
         wr,
+        sealer,
         stats: SenderConnStats::default(),
         lost: false,
+        auth_failure: None,
     };
     let mut frames_open = true;
     let far = Duration::from_secs(3600);
@@ -472,7 +508,7 @@ async fn run(
         };
         let now = Instant::now();
         match event {
-            Event::Frame(Some(Some(frame))) => {
+            Event::Frame(Some(Incoming::Frame(frame))) => {
                 let span = frame
                     .transfer()
                     .and_then(|t| task.spans.get(&t.transfer_id).cloned())
@@ -484,7 +520,15 @@ async fn run(
                     }
                 }
             }
-            Event::Frame(Some(None) | None) => {
+            Event::Frame(Some(Incoming::Closed(Some(e)))) => {
+                frames_open = false;
+                tracing::warn!(peer = task.peer, error = %e, "frame failed authentication: closing the connection");
+                task.auth_failure = Some(e);
+                task.peer_lost("a frame failed authentication");
+                // Nothing more is sent to a peer that cannot be trusted.
+                let _ = task.wr.shutdown().await;
+            }
+            Event::Frame(Some(Incoming::Closed(None)) | None) => {
                 frames_open = false;
                 task.peer_lost("connection closed by the peer");
             }

@@ -2,17 +2,34 @@
 
 use std::time::{Duration, Instant};
 
+use kvwire_proto::auth::{AuthChannel, AuthError, OpenError};
 use kvwire_proto::handshake::{Established, Handshake, HandshakeError};
 use kvwire_proto::wire::{DecodeError, Frame, HEADER_LEN, MAX_PAYLOAD, TRAILER_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::EngineError;
 
-/// Reads one whole control frame. `Ok(None)` on a clean end of stream.
+/// Why [`read_frame`] returned no frame.
+#[derive(Debug)]
+pub(crate) enum ReadError {
+    /// Socket I/O failed, or bytes that are not a frame arrived.
+    Engine(EngineError),
+    /// A frame failed authentication.
+    Auth(AuthError),
+}
+
+impl From<std::io::Error> for ReadError {
+    fn from(e: std::io::Error) -> Self {
+        Self::Engine(e.into())
+    }
+}
+
+/// Reads and opens one whole control frame. `Ok(None)` on a clean end of stream.
 pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     buf: &mut Vec<u8>,
-) -> Result<Option<Frame>, EngineError> {
+    open: &mut impl FnMut(&[u8]) -> Result<(Frame, usize), OpenError>,
+) -> Result<Option<Frame>, ReadError> {
     buf.resize(HEADER_LEN, 0);
     match r.read_exact(&mut buf[..HEADER_LEN]).await {
         Ok(_) => {}
@@ -22,29 +39,33 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     // Let the decoder judge the header (magic, version, length) before reading on.
     match Frame::decode(&buf[..HEADER_LEN]) {
         Err(DecodeError::Incomplete { .. }) => {}
-        Err(e) => return Err(EngineError::Stream(e.to_string())),
+        Err(e) => return Err(ReadError::Engine(EngineError::Stream(e.to_string()))),
         Ok(_) => unreachable!("a header alone is never a whole frame"),
     }
     let len = u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]);
     let total = HEADER_LEN + len.min(MAX_PAYLOAD) as usize + TRAILER_LEN;
     buf.resize(total, 0);
     r.read_exact(&mut buf[HEADER_LEN..]).await?;
-    let (frame, _) = Frame::decode(buf).map_err(|e| EngineError::Stream(e.to_string()))?;
-    Ok(Some(frame))
+    match open(buf) {
+        Ok((frame, _)) => Ok(Some(frame)),
+        Err(OpenError::Auth(e)) => Err(ReadError::Auth(e)),
+        Err(e) => Err(ReadError::Engine(EngineError::Stream(e.to_string()))),
+    }
 }
 
 /// Runs a handshake on a fresh stream.
 pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     mut hs: Handshake,
+    channel: &mut AuthChannel,
     timeout: Duration,
 ) -> Result<Established, EngineError> {
     let work = async {
         let mut buf = Vec::new();
         loop {
             while let Some(f) = hs.poll_transmit() {
-                let bytes = f
-                    .to_bytes()
+                let bytes = channel
+                    .seal_to_vec(&f)
                     .map_err(|e| EngineError::Stream(e.to_string()))?;
                 stream.write_all(&bytes).await?;
             }
@@ -56,15 +77,18 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
                 (buf.len() >= 6 && buf[..4] == kvwire_proto::wire::MAGIC)
                     .then(|| u16::from_le_bytes([buf[4], buf[5]]))
             };
-            match read_frame(stream, &mut buf).await {
+            let mut open = |b: &[u8]| channel.open(b);
+            match read_frame(stream, &mut buf, &mut open).await {
                 Ok(Some(frame)) => hs.handle_frame(frame),
                 Ok(None) => hs.handle_peer_lost(),
-                Err(EngineError::Stream(e)) => match header_version(&buf) {
+                // Refused with HELLO_REJECT(AUTH_MISMATCH / AUTH_FAILED), then closed.
+                Err(ReadError::Auth(e)) => hs.handle_auth_error(&e),
+                Err(ReadError::Engine(EngineError::Stream(e))) => match header_version(&buf) {
                     // A version we do not speak is refused with HELLO_REJECT, never a fallback.
                     Some(v) if v != kvwire_proto::wire::VERSION => hs.handle_unsupported_version(v),
                     _ => return Err(EngineError::Stream(e)),
                 },
-                Err(e) => return Err(e),
+                Err(ReadError::Engine(e)) => return Err(e),
             }
         }
     };

@@ -24,6 +24,7 @@
 //! intermediate buffer is involved unless the write is refused (fenced or out of scope),
 //! in which case its bytes are read into a fixed scratch buffer and dropped.
 
+use kvwire_proto::auth::{AuthChannel, AuthError, OpenError, Opener};
 use kvwire_proto::wire::{DecodeError, Frame, TransferRef, HEADER_LEN, MAGIC, TRAILER_LEN};
 
 use super::{AccessKey, ScopeTable};
@@ -90,6 +91,12 @@ pub enum StreamError {
     /// A control record did not decode.
     #[error("bad control frame: {0}")]
     Frame(#[from] DecodeError),
+    /// A control record failed authentication (SPEC.md §3.11): the connection is closed.
+    #[error("control frame refused: {0}")]
+    Auth(AuthError),
+    /// A control record could not be opened for another reason.
+    #[error("control frame refused: {0}")]
+    Open(OpenError),
     /// A record starts with neither magic.
     #[error("unknown record magic {0:02x?}")]
     BadMagic([u8; 4]),
@@ -152,6 +159,7 @@ pub struct StreamReader {
     head: Vec<u8>,
     scratch: Vec<u8>,
     page_bytes: Vec<usize>,
+    opener: Opener,
     /// Counters.
     pub stats: StreamStats,
 }
@@ -164,8 +172,16 @@ impl StreamReader {
             head: vec![0; HEADER_LEN.max(DATA_HEADER_LEN)],
             scratch: vec![0; 64 * 1024],
             page_bytes: page_bytes.iter().map(|&b| b as usize).collect(),
+            opener: AuthChannel::off().split().1,
             stats: StreamStats::default(),
         }
+    }
+
+    /// Opens control records with `opener` (the receiving half of the connection's
+    /// [`AuthChannel`], SPEC.md §3.11) instead of decoding them unauthenticated.
+    pub fn with_opener(mut self, opener: Opener) -> Self {
+        self.opener = opener;
+        self
     }
 
     fn record_len(&self) -> usize {
@@ -275,7 +291,11 @@ impl StreamReader {
                     return Ok(None);
                 }
                 let total = *total;
-                let (frame, _) = Frame::decode(&self.head[..total])?;
+                let (frame, _) = self.opener.open(&self.head[..total]).map_err(|e| match e {
+                    OpenError::Auth(e) => StreamError::Auth(e),
+                    OpenError::Decode(e) => StreamError::Frame(e),
+                    other => StreamError::Open(other),
+                })?;
                 self.head.truncate(HEADER_LEN.max(DATA_HEADER_LEN));
                 self.state = ReadState::Head { filled: 0 };
                 self.stats.frames += 1;

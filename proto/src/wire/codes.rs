@@ -63,6 +63,9 @@ wire_enum! {
         HELLO_ACK = 0x0002 => "HELLO_ACK",
         /// Connection refused, with a reason.
         HELLO_REJECT = 0x0003 => "HELLO_REJECT",
+        /// Client to server, sealed: the client holds the connection keys (authenticated
+        /// handshakes only).
+        HELLO_CONFIRM = 0x0004 => "HELLO_CONFIRM",
         /// Receiver to sender: pages reserved for a transfer.
         RESERVE = 0x0010 => "RESERVE",
         /// Sender to receiver: the request behind a reservation was rejected; no data follows.
@@ -118,6 +121,11 @@ wire_enum! {
         NO_COMMON_DIGEST = 0x0005 => "NO_COMMON_DIGEST",
         /// The handshake did not finish in time.
         HANDSHAKE_TIMEOUT = 0x0006 => "HANDSHAKE_TIMEOUT",
+        /// One node authenticates its frames and the other does not (a pre-shared key on one
+        /// side only).
+        AUTH_MISMATCH = 0x0007 => "AUTH_MISMATCH",
+        /// A handshake tag did not verify: another key, or altered or replayed bytes.
+        AUTH_FAILED = 0x0008 => "AUTH_FAILED",
 
         // Request admission (REJECT), carried verbatim from the sender's admission.
         /// The prompt needs more pages than the sender's pool has in total.
@@ -174,6 +182,6 @@ wire_enum! {
 impl FrameType {
     /// Whether frames of this type belong to the connection handshake.
     pub const fn is_handshake(self) -> bool {
-        matches!(self.0, 0x0001..=0x0003)
+        matches!(self.0, 0x0001..=0x0004)
     }
 }

@@ -55,9 +55,12 @@ pub fn commit_fits(buffers: usize, pages: usize, page_digests: bool) -> bool {
     } else {
         0
     };
+    // The COMMIT must also fit when sealed (SPEC.md §3.11), so that whether a reservation
+    // can be served does not depend on whether the connection is authenticated.
     buffers <= MAX_BUFFERS
         && per_page <= MAX_PAGE_DIGESTS
-        && fixed + buffers * 16 + per_page * 8 <= MAX_PAYLOAD as usize
+        && fixed + buffers * 16 + per_page * 8 + crate::auth::SEALED_OVERHEAD
+            <= MAX_PAYLOAD as usize
 }
 
 /// Value of `Nack::buffer` / `Nack::page` when no buffer or page is named.
@@ -184,6 +187,9 @@ pub enum Frame {
     HelloAck(Hello),
     /// Connection refused.
     HelloReject(HelloReject),
+    /// Client's confirmation of an authenticated handshake (empty payload; only ever sent
+    /// sealed, SPEC.md §4.8).
+    HelloConfirm,
     /// Pages reserved.
     Reserve(Reserve),
     /// Reservation refused by the sender.
@@ -314,6 +320,12 @@ pub enum EncodeError {
         /// The limit.
         max: usize,
     },
+    /// An authenticated channel cannot send this frame in its state (for example a frame
+    /// after HELLO before the connection keys exist, or a second HELLO).
+    AuthState {
+        /// The frame's type.
+        frame_type: FrameType,
+    },
 }
 
 impl fmt::Display for EncodeError {
@@ -321,6 +333,12 @@ impl fmt::Display for EncodeError {
         match self {
             Self::TooLarge { field, len, max } => {
                 write!(f, "`{field}` is {len}, over the limit {max}")
+            }
+            Self::AuthState { frame_type } => {
+                write!(
+                    f,
+                    "{frame_type} cannot be sealed in this authentication state"
+                )
             }
         }
     }
@@ -355,6 +373,7 @@ impl Frame {
             Self::Hello(_) => FrameType::HELLO,
             Self::HelloAck(_) => FrameType::HELLO_ACK,
             Self::HelloReject(_) => FrameType::HELLO_REJECT,
+            Self::HelloConfirm => FrameType::HELLO_CONFIRM,
             Self::Reserve(_) => FrameType::RESERVE,
             Self::Reject(_) => FrameType::REJECT,
             Self::Commit(_) => FrameType::COMMIT,
@@ -368,7 +387,7 @@ impl Frame {
     /// The transfer a per-transfer frame names; `None` for handshake frames.
     pub fn transfer(&self) -> Option<TransferRef> {
         match self {
-            Self::Hello(_) | Self::HelloAck(_) | Self::HelloReject(_) => None,
+            Self::Hello(_) | Self::HelloAck(_) | Self::HelloReject(_) | Self::HelloConfirm => None,
             Self::Reserve(r) => Some(TransferRef {
                 transfer_id: r.transfer_id,
                 nonce: r.nonce,
@@ -415,6 +434,7 @@ impl Frame {
                 w.u16(r.code.0);
                 put_detail(w, &r.detail);
             }
+            Self::HelloConfirm => {}
             Self::Reserve(r) => {
                 check_len("pages", r.pages.len(), MAX_PAGES)?;
                 check_len("access", r.access.len(), MAX_ACCESS)?;
@@ -476,56 +496,68 @@ impl Frame {
     /// Never panics. `Err(DecodeError::Incomplete)` means `buf` holds a prefix of a frame
     /// that may still be valid; every other error means the bytes are not a valid frame.
     pub fn decode(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
-        if buf.len() < HEADER_LEN {
-            // Report a bad magic as soon as we can see it, rather than waiting for more.
-            let seen = buf.len().min(4);
-            if buf[..seen] != MAGIC[..seen] {
-                let mut m = [0u8; 4];
-                m[..seen].copy_from_slice(&buf[..seen]);
-                return Err(DecodeError::BadMagic(m));
-            }
-            return Err(DecodeError::Incomplete { needed: HEADER_LEN });
-        }
-        let mut header = Reader::new(&buf[..HEADER_LEN]);
-        let magic = header.bytes(4, "magic")?;
-        if magic != MAGIC {
+        let (frame_type, payload, total) = split(buf)?;
+        Ok((decode_body(frame_type, payload)?, total))
+    }
+}
+
+/// Steps 1-7 of SPEC.md §3.3: checks the header and the CRC of the frame at the front of
+/// `buf` and returns its raw type, its payload and its total length.
+pub(crate) fn split(buf: &[u8]) -> Result<(FrameType, &[u8], usize), DecodeError> {
+    if buf.len() < HEADER_LEN {
+        // Report a bad magic as soon as we can see it, rather than waiting for more.
+        let seen = buf.len().min(4);
+        if buf[..seen] != MAGIC[..seen] {
             let mut m = [0u8; 4];
-            m.copy_from_slice(magic);
+            m[..seen].copy_from_slice(&buf[..seen]);
             return Err(DecodeError::BadMagic(m));
         }
-        let version = header.u16("version")?;
-        if version != VERSION {
-            return Err(DecodeError::UnsupportedVersion(version));
-        }
-        let frame_type = FrameType(header.u16("frame_type")?);
-        let len = header.u32("payload_len")?;
-        if len > MAX_PAYLOAD {
-            return Err(DecodeError::PayloadTooLarge { len });
-        }
-        let total = HEADER_LEN + len as usize + TRAILER_LEN;
-        if buf.len() < total {
-            return Err(DecodeError::Incomplete { needed: total });
-        }
-        let body_end = HEADER_LEN + len as usize;
-        let carried = u32::from_le_bytes([
-            buf[body_end],
-            buf[body_end + 1],
-            buf[body_end + 2],
-            buf[body_end + 3],
-        ]);
-        let computed = crc32fast::hash(&buf[..body_end]);
-        if carried != computed {
-            return Err(DecodeError::BadCrc { carried, computed });
-        }
-        let mut r = Reader::new(&buf[HEADER_LEN..body_end]);
-        let frame = decode_payload(frame_type, &mut r)?;
-        if r.remaining() != 0 {
-            return Err(DecodeError::TrailingBytes {
-                extra: r.remaining(),
-            });
-        }
-        Ok((frame, total))
+        return Err(DecodeError::Incomplete { needed: HEADER_LEN });
     }
+    let mut header = Reader::new(&buf[..HEADER_LEN]);
+    let magic = header.bytes(4, "magic")?;
+    if magic != MAGIC {
+        let mut m = [0u8; 4];
+        m.copy_from_slice(magic);
+        return Err(DecodeError::BadMagic(m));
+    }
+    let version = header.u16("version")?;
+    if version != VERSION {
+        return Err(DecodeError::UnsupportedVersion(version));
+    }
+    let frame_type = FrameType(header.u16("frame_type")?);
+    let len = header.u32("payload_len")?;
+    if len > MAX_PAYLOAD {
+        return Err(DecodeError::PayloadTooLarge { len });
+    }
+    let total = HEADER_LEN + len as usize + TRAILER_LEN;
+    if buf.len() < total {
+        return Err(DecodeError::Incomplete { needed: total });
+    }
+    let body_end = HEADER_LEN + len as usize;
+    let carried = u32::from_le_bytes([
+        buf[body_end],
+        buf[body_end + 1],
+        buf[body_end + 2],
+        buf[body_end + 3],
+    ]);
+    let computed = crc32fast::hash(&buf[..body_end]);
+    if carried != computed {
+        return Err(DecodeError::BadCrc { carried, computed });
+    }
+    Ok((frame_type, &buf[HEADER_LEN..body_end], total))
+}
+
+/// Steps 8-10 of SPEC.md §3.3: the payload of a frame of type `frame_type`.
+pub(crate) fn decode_body(frame_type: FrameType, payload: &[u8]) -> Result<Frame, DecodeError> {
+    let mut r = Reader::new(payload);
+    let frame = decode_payload(frame_type, &mut r)?;
+    if r.remaining() != 0 {
+        return Err(DecodeError::TrailingBytes {
+            extra: r.remaining(),
+        });
+    }
+    Ok(frame)
 }
 
 fn put_ref(w: &mut Writer<'_>, t: TransferRef) {
@@ -614,6 +646,7 @@ fn decode_payload(t: FrameType, r: &mut Reader<'_>) -> Result<Frame, DecodeError
             code: ErrorCode(r.u16("code")?),
             detail: r.string(MAX_DETAIL, "detail")?,
         }),
+        FrameType::HELLO_CONFIRM => Frame::HelloConfirm,
         FrameType::RESERVE => {
             let transfer_id = r.u64("transfer_id")?;
             let nonce = r.u64("nonce")?;

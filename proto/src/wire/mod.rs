@@ -3,7 +3,7 @@
 mod codec;
 mod codes;
 mod digest;
-mod frame;
+pub(crate) mod frame;
 mod layout;
 
 pub use codes::{DigestAlgorithm, ErrorCode, FrameType, Role};
