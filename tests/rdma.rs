@@ -1060,3 +1060,137 @@ mod driven {
         assert!(l.pools_full(), "pages leaked");
     }
 }
+
+/// Two `kvwire bench --transport rdma` processes (TCP bootstrap, then everything over RC
+/// queue pairs on rxe0): a whole run verifies; a sender killed with SIGKILL mid-transfer
+/// is noticed through the bootstrap connection, its transfers fail, every page comes back;
+/// the next sender is served.
+#[cfg(feature = "rdma")]
+mod two_processes {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    fn kvwire(dev: &str, args: &[&str]) -> Child {
+        Command::new(env!("CARGO_BIN_EXE_kvwire"))
+            .args(["bench", "--transport", "rdma", "--device", dev])
+            .args([
+                "--page-sizes",
+                "64K",
+                "--buffers",
+                "4",
+                "--pages",
+                "8",
+                "--bytes",
+                "64M",
+                "--json",
+            ])
+            .args(args)
+            .env("KVWIRE_PSK", "72646d612d74776f2d70726f6365737365732d6b6579")
+            .env_remove("KVWIRE_PSK_FILE")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvwire")
+    }
+
+    fn wait_for_line(child: &mut Child, needle: &str) {
+        let stderr = child.stderr.take().expect("stderr");
+        let mut lines = Vec::new();
+        for line in BufReader::new(stderr).lines() {
+            let line = line.expect("read stderr");
+            let hit = line.contains(needle);
+            lines.push(line);
+            if hit {
+                return;
+            }
+        }
+        panic!("never printed {needle:?}: {lines:?}");
+    }
+
+    fn finish(mut child: Child, deadline: Duration) -> (Option<i32>, serde_json::Value, String) {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                let out = child.wait_with_output().expect("output");
+                let json = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+                return (
+                    status.code(),
+                    json,
+                    String::from_utf8_lossy(&out.stderr).into_owned(),
+                );
+            }
+            if start.elapsed() > deadline {
+                let _ = child.kill();
+                panic!("kvwire did not finish within {deadline:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn two_processes_over_rdma_survive_a_killed_sender() {
+        let Some(d) = super::device("two_processes_over_rdma_survive_a_killed_sender") else {
+            return;
+        };
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let receiver = kvwire(&d.name, &["--listen", &addr, "--connections", "3"]);
+        let sender = || kvwire(&d.name, &["--connect", &addr]);
+
+        let (code, json, err) = finish(sender(), Duration::from_secs(300));
+        assert_eq!(code, Some(0), "first sender failed: {err}");
+        assert_eq!(json["transport"], "rdma");
+        let case = &json["cases"][0];
+        assert_eq!(case["verified"], case["transfers"], "{case}");
+
+        let mut victim = sender();
+        wait_for_line(&mut victim, "connected over rdma");
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            victim.try_wait().expect("wait").is_none(),
+            "the sender finished before it could be killed; the case is too small"
+        );
+        victim.kill().expect("SIGKILL");
+        let _ = victim.wait();
+
+        let (code, json, err) = finish(sender(), Duration::from_secs(300));
+        assert_eq!(code, Some(0), "sender after the kill failed: {err}");
+        let case = &json["cases"][0];
+        assert_eq!(case["verified"], case["transfers"], "{case}");
+
+        let (code, json, err) = finish(receiver, Duration::from_secs(120));
+        assert_eq!(
+            code,
+            Some(1),
+            "the receiver must report the killed connection's failures: {err}"
+        );
+        let cases = json["cases"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no receiver report: {err}"));
+        assert_eq!(cases.len(), 3, "{json}");
+        for (i, c) in cases.iter().enumerate() {
+            assert_eq!(
+                c["pages_free_after"], c["pages_total"],
+                "connection {i}: receiver pages not returned: {c}"
+            );
+        }
+        assert_eq!(cases[0]["verified"], cases[0]["transfers"], "{}", cases[0]);
+        let killed = &cases[1];
+        assert!(
+            killed["verified"].as_u64() < killed["transfers"].as_u64(),
+            "nothing was cut short: {killed}"
+        );
+        assert!(
+            killed["failures"]
+                .as_object()
+                .is_some_and(|f| !f.is_empty()),
+            "killed connection reported no failures: {killed}"
+        );
+        assert_eq!(cases[2]["verified"], cases[2]["transfers"], "{}", cases[2]);
+    }
+}

@@ -553,7 +553,7 @@ pub async fn run_connect(
     })
 }
 
-async fn connect_retry(addr: SocketAddr) -> Result<TcpStream, String> {
+pub(crate) async fn connect_retry(addr: SocketAddr) -> Result<TcpStream, String> {
     let mut last = String::new();
     for _ in 0..100 {
         match TcpStream::connect(addr).await {

@@ -11,13 +11,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::Request;
+use kvwire_proto::sender::SenderEvent;
 use kvwire_proto::wire::Role;
 
 use super::{fill_body, page_is_expected, percentile, stamp, BenchSpec, CaseResult, Report};
 use crate::pool::{PagePool, Scrub};
 use crate::receiver::{ReceiveOutcome, ReserveParams};
 use crate::transport::rdma::driver::{LinkState, RdmaReceiver, RdmaSender};
-use crate::transport::rdma::RdmaDevice;
+use crate::transport::rdma::{bootstrap, RdmaDevice};
 
 /// A case that makes no progress for this long fails (rather than hanging a CI lane).
 const STALL: Duration = Duration::from_secs(60);
@@ -245,4 +246,299 @@ fn run_case(
         pages_free_after: Some(free),
         pages_total: Some(capacity),
     })
+}
+
+/// A case's tally on one side.
+#[derive(Default)]
+struct SideTally {
+    latencies: Vec<Duration>,
+    failures: BTreeMap<String, u64>,
+    verified: u64,
+    checked: u64,
+}
+
+impl SideTally {
+    fn result(mut self, spec: &BenchSpec, page: u32, seconds: f64) -> CaseResult {
+        self.latencies.sort_unstable();
+        let bytes = self.verified * spec.transfer_bytes(page);
+        CaseResult {
+            page_bytes: page,
+            pages: spec.pages,
+            buffers: spec.buffers,
+            transfers: spec.transfers(page),
+            concurrency: spec.concurrency,
+            bytes,
+            seconds,
+            gb_per_s: bytes as f64 / seconds / 1e9,
+            transfers_per_s: self.verified as f64 / seconds,
+            p50_ms: percentile(&self.latencies, 0.50),
+            p99_ms: percentile(&self.latencies, 0.99),
+            verified: self.verified,
+            bytes_checked: self.checked,
+            failures: self.failures,
+            raw_gb_per_s: None,
+            ratio_to_raw: None,
+            pages_free_after: None,
+            pages_total: None,
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())
+}
+
+/// Two-process mode over RDMA, decode side: accepts `connections` senders in turn on `addr`
+/// (TCP bootstrap, then everything over RDMA) and runs every case as the receiver.
+pub fn run_rdma_listen(
+    spec: &BenchSpec,
+    device: Option<&str>,
+    addr: std::net::SocketAddr,
+    connections: u32,
+    mut progress: impl FnMut(&str),
+) -> Result<Report, String> {
+    let dev = Arc::new(RdmaDevice::open(device).map_err(|e| e.to_string())?);
+    let rt = runtime()?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(addr))
+        .map_err(|e| e.to_string())?;
+    progress(&format!(
+        "listening on {} (rdma device {})",
+        listener.local_addr().map_err(|e| e.to_string())?,
+        dev.name
+    ));
+    let mut cases = Vec::new();
+    for _ in 0..connections.max(1) {
+        for &page in &spec.page_sizes {
+            let config = spec.node_config(page);
+            let size = super::human_bytes(u64::from(page));
+            let (mut r, mut live) = rt
+                .block_on(async {
+                    let (s, _) = listener.accept().await.map_err(|e| e.to_string())?;
+                    bootstrap::receiver(s, &dev, &config)
+                        .await
+                        .map_err(|e| e.to_string())
+                })
+                .map_err(|e| format!("case {size}: {e}"))?;
+            progress(&format!("case {size}: connected over rdma"));
+            let case = receiver_side(spec, page, &mut r, &mut live)?;
+            progress(&format!(
+                "case {size}: {} verified, failures {:?}, pool {}/{} pages free",
+                case.verified,
+                case.failures,
+                case.pages_free_after.unwrap_or(0),
+                case.pages_total.unwrap_or(0)
+            ));
+            cases.push(case);
+        }
+    }
+    Ok(Report {
+        spec: spec.clone(),
+        transport: "rdma",
+        metrics: None,
+        cases,
+    })
+}
+
+fn receiver_side(
+    spec: &BenchSpec,
+    page: u32,
+    r: &mut RdmaReceiver,
+    live: &mut bootstrap::Liveness,
+) -> Result<CaseResult, String> {
+    let transfers = spec.transfers(page);
+    let mut tally = SideTally::default();
+    let mut started: BTreeMap<u64, Instant> = BTreeMap::new();
+    let (mut next, mut done) = (1u64, 0u64);
+    let start = Instant::now();
+    let mut lost = false;
+    while done < transfers && !(lost && started.is_empty()) {
+        while !lost && started.len() < spec.concurrency as usize && next <= transfers {
+            let id = next;
+            next += 1;
+            let now = Instant::now();
+            match r.reserve(
+                now,
+                ReserveParams {
+                    transfer_id: id,
+                    tokens: spec.tokens(),
+                    timeout: Duration::from_secs(120),
+                    digest: None,
+                    page_digests: false,
+                },
+            ) {
+                Ok(_) => {
+                    started.insert(id, now);
+                }
+                Err(e) => {
+                    *tally.failures.entry(format!("reserve: {e}")).or_default() += 1;
+                    done += 1;
+                }
+            }
+        }
+        let now = Instant::now();
+        let moved = r.poll(now).map_err(|e| e.to_string())?;
+        if !lost && live.peer_gone() {
+            // The sender's process is gone: fence (the queue pair is reset, every window
+            // deallocated) and fail what it had in flight.
+            lost = true;
+            r.handle_peer_lost(now);
+        }
+        while let Some(o) = r.poll_outcome() {
+            done += 1;
+            if let Some(tick) = &spec.on_transfer {
+                (tick.0)();
+            }
+            match o {
+                ReceiveOutcome::Verified(kv) => {
+                    let id = kv.transfer.transfer_id;
+                    if let Some(t) = started.remove(&id) {
+                        tally.latencies.push(t.elapsed());
+                    }
+                    tally.verified += 1;
+                    if spec.check_bytes {
+                        let pool = r.endpoint().pool();
+                        let same = (0..kv.pages()).all(|o| {
+                            (0..spec.buffers as usize).all(|b| {
+                                kv.page(pool, o, b)
+                                    .is_ok_and(|p| page_is_expected(id, o as u32, b, p))
+                            })
+                        });
+                        if same {
+                            tally.checked += 1;
+                        } else {
+                            *tally.failures.entry("BYTES_DIFFER".into()).or_default() += 1;
+                        }
+                    }
+                    r.endpoint().release(kv).map_err(|e| e.to_string())?;
+                }
+                ReceiveOutcome::Failed { transfer, reason } => {
+                    started.remove(&transfer.transfer_id);
+                    *tally.failures.entry(reason.code().to_string()).or_default() += 1;
+                }
+            }
+        }
+        if !moved {
+            std::thread::yield_now();
+        }
+    }
+    let mut case = tally.result(spec, page, start.elapsed().as_secs_f64());
+    let pool = r.endpoint().pool();
+    case.pages_free_after = Some(pool.free_pages());
+    case.pages_total = Some(pool.capacity_pages());
+    Ok(case)
+}
+
+/// Two-process mode over RDMA, prefill side: connects to [`run_rdma_listen`] for every case
+/// and sends.
+pub fn run_rdma_connect(
+    spec: &BenchSpec,
+    device: Option<&str>,
+    addr: std::net::SocketAddr,
+    mut progress: impl FnMut(&str),
+) -> Result<Report, String> {
+    let dev = Arc::new(RdmaDevice::open(device).map_err(|e| e.to_string())?);
+    let rt = runtime()?;
+    let mut cases = Vec::new();
+    for &page in &spec.page_sizes {
+        let config = spec.node_config(page);
+        let size = super::human_bytes(u64::from(page));
+        let (mut s, mut live) = rt
+            .block_on(async {
+                let stream = super::connect_retry(addr).await?;
+                bootstrap::sender(stream, &dev, &config)
+                    .await
+                    .map_err(|e| e.to_string())
+            })
+            .map_err(|e| format!("case {size}: {e}"))?;
+        progress(&format!("case {size}: connected over rdma"));
+        cases.push(sender_side(spec, page, &mut s, &mut live)?);
+    }
+    Ok(Report {
+        spec: spec.clone(),
+        transport: "rdma",
+        metrics: None,
+        cases,
+    })
+}
+
+fn sender_side(
+    spec: &BenchSpec,
+    page: u32,
+    s: &mut RdmaSender,
+    live: &mut bootstrap::Liveness,
+) -> Result<CaseResult, String> {
+    s.endpoint()
+        .fill_free_pages(|_, b, bytes| fill_body(b, bytes));
+    let transfers = spec.transfers(page);
+    let tokens = spec.tokens();
+    let mut tally = SideTally::default();
+    let mut started: BTreeMap<u64, Instant> = BTreeMap::new();
+    let (mut next, mut done) = (1u64, 0u64);
+    let start = Instant::now();
+    let mut lost = false;
+    while done < transfers && !(lost && started.is_empty()) {
+        while !lost && started.len() < spec.concurrency as usize && next <= transfers {
+            let id = next;
+            next += 1;
+            let now = Instant::now();
+            let r = s
+                .endpoint()
+                .admit(Request {
+                    transfer_id: id,
+                    tokens: u64::from(tokens),
+                })
+                .map_err(|e| e.to_string())
+                .and_then(|admitted| {
+                    s.endpoint()
+                        .submit(now, admitted, |ord, b, page| {
+                            let n = page.len().min(16);
+                            page[..n].copy_from_slice(&stamp(id, ord, b)[..n]);
+                        })
+                        .map_err(|e| e.to_string())
+                });
+            match r {
+                Ok(()) => {
+                    started.insert(id, now);
+                }
+                Err(e) => {
+                    *tally.failures.entry(e).or_default() += 1;
+                    done += 1;
+                }
+            }
+        }
+        let now = Instant::now();
+        let moved = s.poll(now).map_err(|e| e.to_string())?;
+        if !lost && live.peer_gone() {
+            lost = true;
+            s.handle_peer_lost(now);
+        }
+        while let Some(e) = s.poll_event() {
+            done += 1;
+            if let Some(tick) = &spec.on_transfer {
+                (tick.0)();
+            }
+            match e {
+                SenderEvent::Verified(t) => {
+                    if let Some(t0) = started.remove(&t.transfer_id) {
+                        tally.latencies.push(t0.elapsed());
+                    }
+                    tally.verified += 1;
+                }
+                SenderEvent::Failed { transfer, reason } => {
+                    started.remove(&transfer.transfer_id);
+                    *tally.failures.entry(reason.code().to_string()).or_default() += 1;
+                }
+                #[allow(unreachable_patterns)]
+                _ => {}
+            }
+        }
+        if !moved {
+            std::thread::yield_now();
+        }
+    }
+    Ok(tally.result(spec, page, start.elapsed().as_secs_f64()))
 }

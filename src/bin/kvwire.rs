@@ -61,9 +61,10 @@ enum TransportArg {
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// Transport: tcp (the embedded default, over loopback or --listen/--connect) or rdma
-    /// (both roles in this process over two RC queue pairs on --device; needs a build with
-    /// `--features rdma` and an RDMA device, e.g. SoftRoCE's rxe0).
+    /// Transport: tcp (the embedded default) or rdma (RC queue pairs on --device; needs a
+    /// build with `--features rdma` and an RDMA device, e.g. SoftRoCE's rxe0). Either runs
+    /// both roles in this process, or one role with --listen/--connect (for rdma, TCP only
+    /// carries the handshake and then watches the peer's liveness).
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportArg,
     /// With --transport rdma: the RDMA device (default: the first one).
@@ -326,14 +327,14 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         None => eprintln!("kvwire bench: {msg}"),
     };
     let result = if a.transport == TransportArg::Rdma {
-        if a.listen.is_some() || a.connect.is_some() {
-            Err(
-                "--transport rdma runs both roles in this process; --listen/--connect are TCP only"
-                    .to_string(),
-            )
-        } else {
-            run_rdma(&spec, a.device.as_deref(), progress)
-        }
+        run_rdma(
+            &spec,
+            a.device.as_deref(),
+            a.listen,
+            a.connect,
+            a.connections,
+            progress,
+        )
     } else {
         runtime.block_on(async {
             if let (Some(addr), Some(m)) = (a.metrics_addr, spec.metrics.clone()) {
@@ -391,15 +392,25 @@ fn bench_main(a: BenchArgs) -> ExitCode {
 fn run_rdma(
     spec: &BenchSpec,
     device: Option<&str>,
+    listen: Option<SocketAddr>,
+    connect: Option<SocketAddr>,
+    connections: u32,
     progress: impl FnMut(&str),
 ) -> Result<bench::Report, String> {
-    bench::rdma::run_rdma(spec, device, progress)
+    match (listen, connect) {
+        (Some(addr), _) => bench::rdma::run_rdma_listen(spec, device, addr, connections, progress),
+        (_, Some(addr)) => bench::rdma::run_rdma_connect(spec, device, addr, progress),
+        _ => bench::rdma::run_rdma(spec, device, progress),
+    }
 }
 
 #[cfg(not(feature = "rdma"))]
 fn run_rdma(
     _spec: &BenchSpec,
     _device: Option<&str>,
+    _listen: Option<SocketAddr>,
+    _connect: Option<SocketAddr>,
+    _connections: u32,
     _progress: impl FnMut(&str),
 ) -> Result<bench::Report, String> {
     Err(

@@ -38,7 +38,7 @@
 
 mod receiver;
 mod sender;
-mod stream;
+pub(crate) mod stream;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -135,7 +135,7 @@ impl Auth {
     }
 
     /// The channel for one new connection, with a fresh nonce.
-    fn channel(&self, client: bool) -> std::io::Result<AuthChannel> {
+    pub(crate) fn channel(&self, client: bool) -> std::io::Result<AuthChannel> {
         Ok(match self {
             Self::Off => AuthChannel::off(),
             Self::Psk(k) => {

@@ -25,6 +25,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvwire_proto::auth::{Opener, Sealer};
 use kvwire_proto::handshake::Established;
 use kvwire_proto::receiver::ReceiverConfig;
 use kvwire_proto::sender::{SenderConfig, SenderEvent};
@@ -130,6 +131,8 @@ pub struct RdmaSender {
     stats: RdmaSenderStats,
     batch: Vec<RdmaWrite>,
     faults: SenderFaults,
+    sealer: Option<Sealer>,
+    opener: Option<Opener>,
 }
 
 impl std::fmt::Debug for RdmaSender {
@@ -142,8 +145,13 @@ impl std::fmt::Debug for RdmaSender {
     }
 }
 
-fn encode(frame: &Frame) -> Option<Vec<u8>> {
-    match frame.to_bytes() {
+/// Seals (authenticates, when the connection is) and encodes a frame for a SEND.
+fn encode(sealer: &mut Option<Sealer>, frame: &Frame) -> Option<Vec<u8>> {
+    let r = match sealer {
+        Some(s) => s.seal_to_vec(frame),
+        None => frame.to_bytes(),
+    };
+    match r {
         Ok(b) => Some(b),
         Err(e) => {
             tracing::error!(error = %e, "frame could not be encoded; dropped");
@@ -151,6 +159,31 @@ fn encode(frame: &Frame) -> Option<Vec<u8>> {
         }
     }
 }
+
+/// Opens (checks the tag of, when authenticated) and decodes a received SEND. `None`: the
+/// connection must close (not a frame, or not authentic).
+fn decode(opener: &mut Option<Opener>, bytes: &[u8]) -> Option<Frame> {
+    let r = match opener {
+        Some(o) => o.open(bytes).map_err(|e| format!("{e:?}")),
+        None => Frame::decode(bytes).map_err(|e| format!("{e:?}")),
+    };
+    match r {
+        Ok((f, _)) => Some(f),
+        Err(e) => {
+            tracing::error!(error = %e, "a received frame is not a frame or not authentic: closing the link");
+            None
+        }
+    }
+}
+
+/// Send-queue work requests an [`RdmaSender`] needs for `window` pages of `buffers` buffers
+/// per transfer in flight (the `max_send` of its [`RcLink`]).
+pub fn sender_queue_depth(window: u32, buffers: usize) -> u32 {
+    (4 * window.max(1) * buffers as u32).clamp(64, 4096)
+}
+
+/// Send-queue depth of an [`RdmaReceiver`]'s link (binds, invalidations, frames).
+pub const RECEIVER_QUEUE_DEPTH: u32 = 4096;
 
 fn flush(link: &mut RcLink, outbox: &mut VecDeque<Vec<u8>>) -> Result<(), RdmaError> {
     while let Some(f) = outbox.front() {
@@ -166,6 +199,25 @@ fn flush(link: &mut RcLink, outbox: &mut VecDeque<Vec<u8>>) -> Result<(), RdmaEr
 }
 
 impl RdmaSender {
+    /// Authenticates the control frames carried as SENDs with the connection's channel
+    /// from the handshake (SPEC.md §3.11); without it they travel unauthenticated.
+    pub fn set_auth(&mut self, sealer: Sealer, opener: Opener) {
+        self.sealer = Some(sealer);
+        self.opener = Some(opener);
+    }
+
+    /// The peer is gone (its bootstrap connection closed, its process died): the queue pair
+    /// is reset and every transfer fails with a retryable reason, as on a link failure.
+    pub fn handle_peer_lost(&mut self, now: Instant) {
+        self.fail_link(now);
+    }
+
+    /// The page pool, after [`Self::handle_peer_lost`] (or a broken link): to serve the next
+    /// connection over the same memory.
+    pub fn into_pool(mut self) -> PagePool {
+        self.endpoint.take().expect("endpoint").into_pool()
+    }
+
     /// Registers the pool's memory on `dev` and creates the queue pair (in INIT; connect it
     /// with [`RdmaSender::connect`]). `window` bounds the pages of one transfer in flight.
     pub fn new(
@@ -176,11 +228,25 @@ impl RdmaSender {
         config: SenderConfig,
         window: u32,
     ) -> Result<Self, DriverError> {
+        let link = RcLink::new(dev, sender_queue_depth(window, pool.buffers()))?;
+        Self::with_link(link, dev, established, pool, engine, config, window)
+    }
+
+    /// [`RdmaSender::new`] over a queue pair created before the handshake (whose parameters
+    /// travelled in HELLO), made with [`sender_queue_depth`].
+    pub fn with_link(
+        link: RcLink,
+        dev: &RdmaDevice,
+        established: &Established,
+        pool: PagePool,
+        engine: &EngineConfig,
+        config: SenderConfig,
+        window: u32,
+    ) -> Result<Self, DriverError> {
         let page_bytes = pool.geometry().buffer_page_bytes.clone();
         let reg = dev.register(pool.memory())?;
         let window = window.max(1);
-        let max_wrs = (4 * window * page_bytes.len() as u32).clamp(64, 4096);
-        let link = RcLink::new(dev, max_wrs)?;
+        let max_wrs = sender_queue_depth(window, page_bytes.len());
         let endpoint = SenderEndpoint::new(established, pool, engine, config.clone(), window)?;
         Ok(Self {
             endpoint: Some(endpoint),
@@ -201,6 +267,8 @@ impl RdmaSender {
             stats: RdmaSenderStats::default(),
             batch: Vec::new(),
             faults: SenderFaults::default(),
+            sealer: None,
+            opener: None,
         })
     }
 
@@ -273,16 +341,13 @@ impl RdmaSender {
                     }
                     broken |= !ok;
                 }
-                RdmaEvent::Frame(bytes) => match Frame::decode(&bytes) {
-                    Ok((f, _)) => {
+                RdmaEvent::Frame(bytes) => match decode(&mut self.opener, &bytes) {
+                    Some(f) => {
                         if let Err(e) = ep.handle_frame(now, f) {
                             tracing::warn!(error = ?e, "frame refused");
                         }
                     }
-                    Err(e) => {
-                        tracing::error!(error = ?e, "undecodable frame: closing the link");
-                        broken = true;
-                    }
+                    None => broken = true,
                 },
                 RdmaEvent::SendFailed(status) => {
                     tracing::error!(status, "SEND failed: the queue pair is in error");
@@ -335,7 +400,7 @@ impl RdmaSender {
                     None => continue,
                 }
             }
-            if let Some(b) = encode(&f) {
+            if let Some(b) = encode(&mut self.sealer, &f) {
                 self.outbox.push_back(b);
             }
         }
@@ -610,6 +675,8 @@ pub struct RdmaReceiver {
     engine: EngineConfig,
     config: ReceiverConfig,
     stats: RdmaReceiverStats,
+    sealer: Option<Sealer>,
+    opener: Option<Opener>,
 }
 
 impl std::fmt::Debug for RdmaReceiver {
@@ -625,6 +692,25 @@ impl std::fmt::Debug for RdmaReceiver {
 const TAG_BIND: u64 = 1 << 40;
 
 impl RdmaReceiver {
+    /// Authenticates the control frames carried as SENDs with the connection's channel
+    /// from the handshake (SPEC.md §3.11); without it they travel unauthenticated.
+    pub fn set_auth(&mut self, sealer: Sealer, opener: Opener) {
+        self.sealer = Some(sealer);
+        self.opener = Some(opener);
+    }
+
+    /// The peer is gone (its bootstrap connection closed, its process died): the queue pair
+    /// is reset and every transfer fails with a retryable reason, as on a link failure.
+    pub fn handle_peer_lost(&mut self, now: Instant) {
+        self.fail_link(now);
+    }
+
+    /// The page pool, after [`Self::handle_peer_lost`] (or a broken link): to serve the next
+    /// connection over the same memory.
+    pub fn into_pool(mut self) -> PagePool {
+        self.endpoint.take().expect("endpoint").into_pool()
+    }
+
     /// Registers the pool's memory on `dev`, checks for memory windows (falling back to the
     /// region's rkeys with a warning) and creates the queue pair.
     pub fn new(
@@ -634,9 +720,22 @@ impl RdmaReceiver {
         engine: &EngineConfig,
         config: ReceiverConfig,
     ) -> Result<Self, DriverError> {
+        let link = RcLink::new(&dev, RECEIVER_QUEUE_DEPTH)?;
+        Self::with_link(link, dev, established, pool, engine, config)
+    }
+
+    /// [`RdmaReceiver::new`] over a queue pair created before the handshake, made with
+    /// [`RECEIVER_QUEUE_DEPTH`].
+    pub fn with_link(
+        link: RcLink,
+        dev: Arc<RdmaDevice>,
+        established: &Established,
+        pool: PagePool,
+        engine: &EngineConfig,
+        config: ReceiverConfig,
+    ) -> Result<Self, DriverError> {
         let page_bytes = pool.geometry().buffer_page_bytes.clone();
         let reg = dev.register(pool.memory())?;
-        let link = RcLink::new(&dev, 4096)?;
         let kind = match dev.alloc_window() {
             Ok(w) => {
                 drop(w);
@@ -667,6 +766,8 @@ impl RdmaReceiver {
             engine: engine.clone(),
             config,
             stats: RdmaReceiverStats::default(),
+            sealer: None,
+            opener: None,
         })
     }
 
@@ -807,7 +908,7 @@ impl RdmaReceiver {
         loop {
             let ep = self.endpoint.as_mut().expect("endpoint");
             while let Some(f) = ep.poll_transmit() {
-                if let Some(b) = encode(&f) {
+                if let Some(b) = encode(&mut self.sealer, &f) {
                     self.outbox.push_back(b);
                 }
             }
@@ -879,16 +980,13 @@ impl RdmaReceiver {
         let mut broken = false;
         for e in events {
             match e {
-                RdmaEvent::Frame(bytes) => match Frame::decode(&bytes) {
-                    Ok((f, _)) => {
+                RdmaEvent::Frame(bytes) => match decode(&mut self.opener, &bytes) {
+                    Some(f) => {
                         if let Err(e) = self.endpoint().handle_frame(now, f) {
                             tracing::warn!(error = ?e, "frame refused");
                         }
                     }
-                    Err(e) => {
-                        tracing::error!(error = ?e, "undecodable frame: closing the link");
-                        broken = true;
-                    }
+                    None => broken = true,
                 },
                 RdmaEvent::LocalDone { wr_id, ok } => {
                     if !ok {

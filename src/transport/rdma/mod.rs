@@ -24,6 +24,8 @@
 //! Not yet here: several QPs per peer, and a tokio driver (the drivers here are synchronous
 //! and polled).
 
+#[cfg(feature = "rdma")]
+pub mod bootstrap;
 pub mod descriptor;
 #[cfg(feature = "rdma")]
 pub mod driver;
