@@ -41,6 +41,6 @@ for size in 65536 1048576; do
   wait
 done
 echo '== kvwire bench --transport rdma (same VM run; verify xxh3, then none)'
-target/release/kvwire bench --transport rdma --device rxe0 --page-sizes 64K,1M --pages 2 --bytes \${KVWIRE_RDMA_BENCH_BYTES:-96M} --check-bytes --json > $out/rdma-xxh3.json 2> $out/rdma-xxh3.log
-target/release/kvwire bench --transport rdma --device rxe0 --page-sizes 64K,1M --pages 2 --bytes \${KVWIRE_RDMA_BENCH_BYTES:-96M} --verify none --json > $out/rdma-none.json 2> $out/rdma-none.log"
+target/release/kvwire bench --transport rdma --device rxe0 --page-sizes 64K,1M --pages 2 --bytes \${KVWIRE_RDMA_BENCH_BYTES:-192M} --check-bytes --json > $out/rdma-xxh3.json 2> $out/rdma-xxh3.log
+target/release/kvwire bench --transport rdma --device rxe0 --page-sizes 64K,1M --pages 2 --bytes \${KVWIRE_RDMA_BENCH_BYTES:-192M} --verify none --json > $out/rdma-none.json 2> $out/rdma-none.log"
 python3 scripts/rdma-ratio.py "$out"
