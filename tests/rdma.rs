@@ -2,9 +2,12 @@
 //! SoftRoCE lane requires a device (`KVWIRE_REQUIRE_RDMA=1`, set by `.ci/run` for the run
 //! inside `scripts/softroce-vm.sh`).
 //!
-//! Today they check the device the RDMA transport will run on, as kvwire sees it; the
-//! transport's own tests (verified transfers, the incident scenarios, late writes, a killed
-//! sender) join them with the transport.
+//! They check the device as kvwire sees it; the verbs primitives (`over_rdma`: verified
+//! scattered transfers, the placeholder and stale-pages incidents, a late write after a
+//! memory-window fence); the drivers (`driven`: concurrent transfers through per-reservation
+//! windows, short transfer, stale pages, abort in flight, late write and recovery); and two
+//! `kvwire bench --transport rdma` processes with a sender killed mid-transfer
+//! (`two_processes`).
 
 use kvwire::doctor::{inspect, RdmaDevice};
 
