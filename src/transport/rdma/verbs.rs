@@ -25,6 +25,24 @@ pub enum RdmaError {
     /// No RDMA device (or none with that name).
     #[error("no RDMA device{0}")]
     NoDevice(String),
+    /// Port 1 is not active (cable, link, or for SoftRoCE: the netdev it sits on is down).
+    #[error("device {device}: port 1 is {state}, not ACTIVE (check the link / `ip link`; for rxe, the underlying netdev)")]
+    PortDown {
+        /// The device.
+        device: String,
+        /// The port's state.
+        state: String,
+    },
+    /// Registering memory failed; most often the locked-memory limit is too low.
+    #[error("registering {bytes} bytes failed: {detail}; locked-memory limit: {limit} (raise `ulimit -l` / LimitMEMLOCK; see `kvwire doctor`)")]
+    Register {
+        /// Bytes of the region that failed.
+        bytes: usize,
+        /// The verbs error.
+        detail: String,
+        /// RLIMIT_MEMLOCK as `/proc/self/limits` shows it.
+        limit: String,
+    },
     /// No RoCE v2 GID usable for IPv4 on the port.
     #[error("device {0}: no usable RoCE v2 GID on port 1")]
     NoUsableGid(String),
@@ -123,6 +141,12 @@ impl RdmaDevice {
             .query_gid(1, gid_index.into())
             .map_err(verbs("ibv_query_gid"))?;
         let port = ctx.query_port(1).map_err(verbs("ibv_query_port"))?;
+        if port.port_state() != sideway::ibverbs::device_context::PortState::Active {
+            return Err(RdmaError::PortDown {
+                device: dev_name,
+                state: format!("{:?}", port.port_state()),
+            });
+        }
         let mtu = mtu_bytes(port.active_mtu());
         let pd = ctx.alloc_pd().map_err(verbs("ibv_alloc_pd"))?;
         Ok(Self {
@@ -153,7 +177,15 @@ impl RdmaDevice {
                             | AccessFlags::RemoteWrite
                             | AccessFlags::MemoryWindowBind,
                     )
-                    .map_err(verbs("ibv_reg_mr"))?
+                    .map_err(|e| RdmaError::Register {
+                        bytes: len,
+                        detail: e.to_string(),
+                        limit: match crate::doctor::inspect().memlock {
+                            Some(Some(b)) => format!("{} KiB", b / 1024),
+                            Some(None) => "unlimited".into(),
+                            None => "unknown".into(),
+                        },
+                    })?
             };
             mrs.push((mr, ptr.as_ptr() as u64));
         }
