@@ -124,6 +124,16 @@ impl Admitted {
     pub fn pages(&self) -> u32 {
         self.pages
     }
+
+    /// A copy for a cloned session (model checking). Deliberately not `Clone`: outside this
+    /// crate only admission makes an `Admitted`, and submitting one consumes it.
+    pub(crate) fn duplicate(&self) -> Self {
+        Self {
+            transfer_id: self.transfer_id,
+            tokens: self.tokens,
+            pages: self.pages,
+        }
+    }
 }
 
 /// A request admission refused, with its original error. Retire it with

@@ -11,7 +11,7 @@ pub(crate) struct Finished {
     pub(crate) failure: Option<(crate::wire::ErrorCode, String)>,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct History {
     capacity: usize,
     order: VecDeque<u64>,

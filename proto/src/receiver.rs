@@ -175,23 +175,23 @@ pub struct ReceiverStats {
 
 // ---- states -----------------------------------------------------------------------------
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct AwaitingCommit {
     deadline: Instant,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct FencingForVerify {
     commit: Commit,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Verifying {
     commit: Commit,
 }
 
 /// What follows the fence of a failed transfer.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum AfterFence {
     /// Send ABORT with this code and wait for ABORT_ACK.
     SendAbort(ErrorCode),
@@ -220,19 +220,19 @@ enum Pending {
     Nothing,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Failing {
     reason: FailureReason,
     after: AfterFence,
     awaiting: Awaiting,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct AwaitingAbortAck {
     deadline: Instant,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum State {
     AwaitingCommit(AwaitingCommit),
     FencingForVerify(FencingForVerify),
@@ -273,7 +273,7 @@ impl State {
 }
 
 /// The fixed facts of one reservation.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Spec {
     transfer: TransferRef,
     tokens: u32,
@@ -284,7 +284,7 @@ struct Spec {
     page_digests: bool,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Transfer {
     spec: Spec,
     state: State,
@@ -298,7 +298,7 @@ enum Next {
 }
 
 /// The queues a transition writes into.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Out {
     transmit: VecDeque<Frame>,
     actions: VecDeque<ReceiverAction>,
@@ -620,7 +620,7 @@ impl Transfer {
 }
 
 /// The receiver side of one connection: all its transfers.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ReceiverSession {
     layout: KvLayout,
     digests: Vec<DigestAlgorithm>,

@@ -152,12 +152,12 @@ pub struct SenderStats {
 
 // ---- states -----------------------------------------------------------------------------
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct AwaitingReservation {
     deadline: Instant,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Writing {
     deadline: Instant,
     digest: DigestAlgorithm,
@@ -166,7 +166,7 @@ struct Writing {
 }
 
 /// What follows the drain of an abandoned transfer.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum AfterDrain {
     SendAbort(ErrorCode),
     SendAbortAck,
@@ -180,7 +180,7 @@ enum DigestJob {
     Returned,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Draining {
     completed: u32,
     accounted: u32,
@@ -189,12 +189,12 @@ struct Draining {
     after: AfterDrain,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct AwaitingVerdict {
     deadline: Instant,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct AwaitingAbortAck {
     deadline: Instant,
     /// Why the transfer was abandoned; reported when the abort resolves, unless the receiver
@@ -202,7 +202,7 @@ struct AwaitingAbortAck {
     reason: FailureReason,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum State {
     AwaitingReservation(AwaitingReservation),
     Writing(Writing),
@@ -242,12 +242,23 @@ struct Transfer {
     state: State,
 }
 
+impl Clone for Transfer {
+    fn clone(&self) -> Self {
+        Self {
+            admitted: self.admitted.duplicate(),
+            source: self.source.clone(),
+            transfer: self.transfer,
+            state: self.state.clone(),
+        }
+    }
+}
+
 enum Next {
     Stay(State),
     Done(Option<(ErrorCode, String)>),
 }
 
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Out {
     transmit: VecDeque<Frame>,
     actions: VecDeque<SenderAction>,
@@ -635,7 +646,7 @@ impl Transfer {
 }
 
 /// The sender side of one connection: all its transfers.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct SenderSession {
     digests: Vec<DigestAlgorithm>,
     bytes_per_page_index: u64,

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 /// Armed deadlines keyed by transfer id. An entry is live only while the transfer's current
 /// deadline equals it; stale entries are discarded when they reach the top.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Timers {
     heap: BinaryHeap<Reverse<(Instant, u64)>>,
 }
