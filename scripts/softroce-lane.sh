@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The SoftRoCE lane: kvwire's RDMA tests (feature `rdma`) on a real verbs stack (rdma_rxe,
-# device rxe0), where a missing device is a failure (KVWIRE_REQUIRE_RDMA=1): the device,
-# verified transfers over RC queue pairs, the stale-pages incident; plus ib_write_bw baselines.
+# device rxe0), where a missing device is a failure (KVWIRE_REQUIRE_RDMA=1): the device, the
+# verbs primitives, the drivers (incidents, abort in flight, late write and recovery), two
+# processes with a killed sender; then kvwire bench --transport rdma beside ib_write_bw, and
+# their ratio (a failed bench case fails the lane).
 # Runs the host-built binaries inside scripts/softroce-vm.sh (or on the host when its kernel
 # has rdma_rxe).
 set -euo pipefail
@@ -29,18 +31,6 @@ echo '== kvwire doctor --require-rdma'
 target/debug/kvwire doctor --require-rdma
 echo '== RDMA tests (KVWIRE_REQUIRE_RDMA=1)'
 $tests --test-threads 1
-echo '== ib_write_bw baselines (rxe0, GID index 1, software emulation)'
-for size in 65536 1048576; do
-  ib_write_bw -d rxe0 -x 1 -s \$size -n 200 -F >/dev/null 2>&1 &
-  # The server may take a while to listen on a slow emulated CPU: retry the client.
-  for try in \$(seq 1 30); do
-    if ib_write_bw -d rxe0 -x 1 -s \$size -n 200 -F localhost > $out/ib_write_bw-\$size.txt 2>&1; then break; fi
-    sleep 1
-  done
-  grep -A1 '#bytes' $out/ib_write_bw-\$size.txt
-  wait
-done
-echo '== kvwire bench --transport rdma (same VM run; verify xxh3, then none)'
-target/release/kvwire bench --transport rdma --device rxe0 --page-sizes 64K,1M --pages 2 --bytes \${KVWIRE_RDMA_BENCH_BYTES:-192M} --check-bytes --json > $out/rdma-xxh3.json 2> $out/rdma-xxh3.log
-target/release/kvwire bench --transport rdma --device rxe0 --page-sizes 64K,1M --pages 2 --bytes \${KVWIRE_RDMA_BENCH_BYTES:-192M} --verify none --json > $out/rdma-none.json 2> $out/rdma-none.log"
+echo '== kvwire bench --transport rdma beside ib_write_bw (same VM run, same sizes and bytes)'
+bash scripts/rdma-bench.sh $out"
 python3 scripts/rdma-ratio.py "$out"

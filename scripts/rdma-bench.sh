@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# kvwire's RDMA bench beside ib_write_bw, in one run where rxe0 exists (inside
+# scripts/softroce-vm.sh; the lane calls it): the same message sizes and the same bytes.
+# Writes ib_write_bw-SIZE.txt, rdma-{xxh3,none}.json (+ .log) and rxe-counters.txt to OUT;
+# scripts/rdma-ratio.py OUT prints the ratios. Needs target/release/kvwire (--features rdma).
+set -euo pipefail
+out=${1:-target/softroce-bench}
+mib=${KVWIRE_RDMA_BENCH_MIB:-192}
+dev=${KVWIRE_RDMA_DEVICE:-rxe0}
+mkdir -p "$out"
+for size in 65536 1048576; do
+  iters=$((mib * 1048576 / size))
+  ib_write_bw -d "$dev" -x 1 -s "$size" -n "$iters" -F >/dev/null 2>&1 &
+  # The server may take a while to listen on a slow emulated CPU: retry the client.
+  for _ in $(seq 1 30); do
+    if ib_write_bw -d "$dev" -x 1 -s "$size" -n "$iters" -F localhost >"$out/ib_write_bw-$size.txt" 2>&1; then break; fi
+    sleep 1
+  done
+  wait
+  grep -A1 '#bytes' "$out/ib_write_bw-$size.txt"
+done
+target/release/kvwire bench --transport rdma --device "$dev" --page-sizes 64K,1M --pages 2 \
+  --bytes "${mib}M" --check-bytes --json >"$out/rdma-xxh3.json" 2>"$out/rdma-xxh3.log"
+target/release/kvwire bench --transport rdma --device "$dev" --page-sizes 64K,1M --pages 2 \
+  --bytes "${mib}M" --verify none --json >"$out/rdma-none.json" 2>"$out/rdma-none.log"
+for f in /sys/class/infiniband/"$dev"/ports/1/hw_counters/*; do
+  echo "$(basename "$f") $(cat "$f")"
+done >"$out/rxe-counters.txt" 2>/dev/null || true
