@@ -6,9 +6,12 @@
 //! a veth pair when run as root with `ip netns` (`.ci/run` requires the latter with
 //! `KVWIRE_REQUIRE_NETNS=1`).
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use common::process::{finish, wait_for_line};
 
 const CASE: &[&str] = &[
     "--page-sizes",
@@ -48,40 +51,6 @@ fn spawn(mut c: Command) -> Child {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn kvwire")
-}
-
-/// Waits until the child prints a line containing `needle` on stderr; returns the lines.
-fn wait_for_line(child: &mut Child, needle: &str) -> Vec<String> {
-    let stderr = child.stderr.take().expect("stderr");
-    let mut lines = Vec::new();
-    for line in BufReader::new(stderr).lines() {
-        let line = line.expect("read stderr");
-        let hit = line.contains(needle);
-        lines.push(line);
-        if hit {
-            return lines;
-        }
-    }
-    panic!("never printed {needle:?}: {lines:?}");
-}
-
-fn finish(child: Child, deadline: Duration) -> (Option<i32>, serde_json::Value, String) {
-    let start = Instant::now();
-    let mut child = child;
-    loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            let out = child.wait_with_output().expect("output");
-            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-            let json = serde_json::from_str(&stdout).unwrap_or(serde_json::Value::Null);
-            return (status.code(), json, stderr);
-        }
-        if start.elapsed() > deadline {
-            let _ = child.kill();
-            panic!("kvwire did not finish within {deadline:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// The scenario: one complete sender, one killed mid-transfer, one complete again.

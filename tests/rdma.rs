@@ -9,6 +9,9 @@
 //! `kvwire bench --transport rdma` processes with a sender killed mid-transfer
 //! (`two_processes`).
 
+#[cfg(feature = "rdma")]
+mod common;
+
 use kvwire::doctor::{inspect, RdmaDevice};
 
 /// The usable device, or `None` after printing why the test is skipped.
@@ -1070,9 +1073,10 @@ mod driven {
 /// the next sender is served.
 #[cfg(feature = "rdma")]
 mod two_processes {
-    use std::io::{BufRead, BufReader};
     use std::process::{Child, Command, Stdio};
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
+
+    use super::common::process::{finish, wait_for_line};
 
     fn kvwire(dev: &str, args: &[&str]) -> Child {
         Command::new(env!("CARGO_BIN_EXE_kvwire"))
@@ -1095,40 +1099,6 @@ mod two_processes {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn kvwire")
-    }
-
-    fn wait_for_line(child: &mut Child, needle: &str) {
-        let stderr = child.stderr.take().expect("stderr");
-        let mut lines = Vec::new();
-        for line in BufReader::new(stderr).lines() {
-            let line = line.expect("read stderr");
-            let hit = line.contains(needle);
-            lines.push(line);
-            if hit {
-                return;
-            }
-        }
-        panic!("never printed {needle:?}: {lines:?}");
-    }
-
-    fn finish(mut child: Child, deadline: Duration) -> (Option<i32>, serde_json::Value, String) {
-        let start = Instant::now();
-        loop {
-            if let Some(status) = child.try_wait().expect("wait") {
-                let out = child.wait_with_output().expect("output");
-                let json = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
-                return (
-                    status.code(),
-                    json,
-                    String::from_utf8_lossy(&out.stderr).into_owned(),
-                );
-            }
-            if start.elapsed() > deadline {
-                let _ = child.kill();
-                panic!("kvwire did not finish within {deadline:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
     }
 
     #[test]

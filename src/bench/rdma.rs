@@ -107,12 +107,9 @@ fn run_case(
         .fill_free_pages(|_, b, bytes| fill_body(b, bytes));
 
     let transfers = spec.transfers(page);
-    let tokens = spec.tokens();
-    let mut next = 1u64;
+    let mut tally = SideTally::default();
     let mut started: BTreeMap<u64, Instant> = BTreeMap::new();
-    let mut latencies = Vec::new();
-    let mut failures: BTreeMap<String, u64> = BTreeMap::new();
-    let (mut verified, mut checked, mut done) = (0u64, 0u64, 0u64);
+    let (mut next, mut done) = (1u64, 0u64);
     let start = Instant::now();
     let mut last_progress = start;
     while done < transfers {
@@ -120,78 +117,21 @@ fn run_case(
             let id = next;
             next += 1;
             let now = Instant::now();
-            let reserved = receiver.reserve(
-                now,
-                ReserveParams {
-                    transfer_id: id,
-                    tokens,
-                    // Generous: software RDMA under emulation moves a few MB/s.
-                    timeout: Duration::from_secs(120),
-                    digest: None,
-                    page_digests: false,
-                },
-            );
-            if let Err(e) = reserved {
-                *failures.entry(format!("reserve: {e}")).or_default() += 1;
+            if !reserve_one(spec, &mut receiver, id, now, &mut tally) {
                 done += 1;
                 continue;
             }
             started.insert(id, now);
-            match sender.endpoint().admit(Request {
-                transfer_id: id,
-                tokens: u64::from(tokens),
-            }) {
-                Ok(admitted) => {
-                    if let Err(e) = sender.endpoint().submit(now, admitted, |ord, b, page| {
-                        let n = page.len().min(16);
-                        page[..n].copy_from_slice(&stamp(id, ord, b)[..n]);
-                    }) {
-                        tracing::error!(transfer_id = id, error = %e, "submit");
-                    }
-                }
-                Err(e) => tracing::error!(transfer_id = id, error = %e, "admission"),
+            if let Err(e) = submit_one(spec, &mut sender, id, now) {
+                tracing::error!(transfer_id = id, error = %e, "admission or submit");
             }
         }
         let now = Instant::now();
         let mut moved = sender.poll(now).map_err(|e| e.to_string())?;
         moved |= receiver.poll(now).map_err(|e| e.to_string())?;
-        while let Some(o) = receiver.poll_outcome() {
-            moved = true;
-            done += 1;
-            if let Some(tick) = &spec.on_transfer {
-                (tick.0)();
-            }
-            match o {
-                ReceiveOutcome::Verified(kv) => {
-                    let id = kv.transfer.transfer_id;
-                    if let Some(t) = started.remove(&id) {
-                        latencies.push(t.elapsed());
-                    }
-                    verified += 1;
-                    if spec.check_bytes {
-                        let pool = receiver.endpoint().pool();
-                        let same = (0..kv.pages()).all(|o| {
-                            (0..spec.buffers as usize).all(|b| {
-                                kv.page(pool, o, b)
-                                    .is_ok_and(|p| page_is_expected(id, o as u32, b, p))
-                            })
-                        });
-                        if same {
-                            checked += 1;
-                        } else {
-                            *failures.entry("BYTES_DIFFER".into()).or_default() += 1;
-                        }
-                    }
-                    if let Err(e) = receiver.endpoint().release(kv) {
-                        return Err(format!("releasing verified pages: {e}"));
-                    }
-                }
-                ReceiveOutcome::Failed { transfer, reason } => {
-                    started.remove(&transfer.transfer_id);
-                    *failures.entry(reason.code().to_string()).or_default() += 1;
-                }
-            }
-        }
+        let n = take_outcomes(spec, &mut receiver, &mut started, &mut tally)?;
+        done += n;
+        moved |= n > 0;
         while sender.poll_event().is_some() {}
         if sender.state() == LinkState::Broken || receiver.state() == LinkState::Broken {
             return Err("the RDMA link broke during the bench (see the log)".into());
@@ -209,13 +149,6 @@ fn run_case(
             ));
         }
     }
-    let seconds = start.elapsed().as_secs_f64();
-    latencies.sort_unstable();
-    let bytes = verified * spec.transfer_bytes(page);
-    let (free, capacity) = {
-        let pool = receiver.endpoint().pool();
-        (pool.free_pages(), pool.capacity_pages())
-    };
     let rs = receiver.stats();
     progress(&format!(
         "windows bound {}, invalidated {}, mean fence {:.2} ms; sender: {} writes, {} signaled, {} doorbells",
@@ -226,26 +159,104 @@ fn run_case(
         sender.stats().signaled,
         sender.stats().doorbells
     ));
-    Ok(CaseResult {
-        page_bytes: page,
-        pages: spec.pages,
-        buffers: spec.buffers,
-        transfers,
-        concurrency: spec.concurrency,
-        bytes,
-        seconds,
-        gb_per_s: bytes as f64 / seconds / 1e9,
-        transfers_per_s: verified as f64 / seconds,
-        p50_ms: percentile(&latencies, 0.50),
-        p99_ms: percentile(&latencies, 0.99),
-        verified,
-        bytes_checked: checked,
-        failures,
-        raw_gb_per_s: None,
-        ratio_to_raw: None,
-        pages_free_after: Some(free),
-        pages_total: Some(capacity),
-    })
+    let mut case = tally.result(spec, page, start.elapsed().as_secs_f64());
+    let pool = receiver.endpoint().pool();
+    case.pages_free_after = Some(pool.free_pages());
+    case.pages_total = Some(pool.capacity_pages());
+    Ok(case)
+}
+
+/// Reserves transfer `id` on the decode side; a refused reservation is tallied (false).
+fn reserve_one(
+    spec: &BenchSpec,
+    r: &mut RdmaReceiver,
+    id: u64,
+    now: Instant,
+    tally: &mut SideTally,
+) -> bool {
+    let reserved = r.reserve(
+        now,
+        ReserveParams {
+            transfer_id: id,
+            tokens: spec.tokens(),
+            // Generous: software RDMA under emulation moves a few MB/s.
+            timeout: Duration::from_secs(120),
+            digest: None,
+            page_digests: false,
+        },
+    );
+    match reserved {
+        Ok(_) => true,
+        Err(e) => {
+            *tally.failures.entry(format!("reserve: {e}")).or_default() += 1;
+            false
+        }
+    }
+}
+
+/// Admits transfer `id` on the prefill side and submits its stamped pages.
+fn submit_one(spec: &BenchSpec, s: &mut RdmaSender, id: u64, now: Instant) -> Result<(), String> {
+    let admitted = s
+        .endpoint()
+        .admit(Request {
+            transfer_id: id,
+            tokens: u64::from(spec.tokens()),
+        })
+        .map_err(|e| e.to_string())?;
+    s.endpoint()
+        .submit(now, admitted, |ord, b, page| {
+            let n = page.len().min(16);
+            page[..n].copy_from_slice(&stamp(id, ord, b)[..n]);
+        })
+        .map_err(|e| e.to_string())
+}
+
+/// Takes every finished transfer off the decode side: tallies it, compares its bytes when
+/// asked, gives its pages back. Returns how many finished.
+fn take_outcomes(
+    spec: &BenchSpec,
+    r: &mut RdmaReceiver,
+    started: &mut BTreeMap<u64, Instant>,
+    tally: &mut SideTally,
+) -> Result<u64, String> {
+    let mut n = 0;
+    while let Some(o) = r.poll_outcome() {
+        n += 1;
+        if let Some(tick) = &spec.on_transfer {
+            (tick.0)();
+        }
+        match o {
+            ReceiveOutcome::Verified(kv) => {
+                let id = kv.transfer.transfer_id;
+                if let Some(t) = started.remove(&id) {
+                    tally.latencies.push(t.elapsed());
+                }
+                tally.verified += 1;
+                if spec.check_bytes {
+                    let pool = r.endpoint().pool();
+                    let same = (0..kv.pages()).all(|o| {
+                        (0..spec.buffers as usize).all(|b| {
+                            kv.page(pool, o, b)
+                                .is_ok_and(|p| page_is_expected(id, o as u32, b, p))
+                        })
+                    });
+                    if same {
+                        tally.checked += 1;
+                    } else {
+                        *tally.failures.entry("BYTES_DIFFER".into()).or_default() += 1;
+                    }
+                }
+                r.endpoint()
+                    .release(kv)
+                    .map_err(|e| format!("releasing verified pages: {e}"))?;
+            }
+            ReceiveOutcome::Failed { transfer, reason } => {
+                started.remove(&transfer.transfer_id);
+                *tally.failures.entry(reason.code().to_string()).or_default() += 1;
+            }
+        }
+    }
+    Ok(n)
 }
 
 /// A case's tally on one side.
@@ -360,23 +371,10 @@ fn receiver_side(
             let id = next;
             next += 1;
             let now = Instant::now();
-            match r.reserve(
-                now,
-                ReserveParams {
-                    transfer_id: id,
-                    tokens: spec.tokens(),
-                    timeout: Duration::from_secs(120),
-                    digest: None,
-                    page_digests: false,
-                },
-            ) {
-                Ok(_) => {
-                    started.insert(id, now);
-                }
-                Err(e) => {
-                    *tally.failures.entry(format!("reserve: {e}")).or_default() += 1;
-                    done += 1;
-                }
+            if reserve_one(spec, r, id, now, &mut tally) {
+                started.insert(id, now);
+            } else {
+                done += 1;
             }
         }
         let now = Instant::now();
@@ -387,40 +385,7 @@ fn receiver_side(
             lost = true;
             r.handle_peer_lost(now);
         }
-        while let Some(o) = r.poll_outcome() {
-            done += 1;
-            if let Some(tick) = &spec.on_transfer {
-                (tick.0)();
-            }
-            match o {
-                ReceiveOutcome::Verified(kv) => {
-                    let id = kv.transfer.transfer_id;
-                    if let Some(t) = started.remove(&id) {
-                        tally.latencies.push(t.elapsed());
-                    }
-                    tally.verified += 1;
-                    if spec.check_bytes {
-                        let pool = r.endpoint().pool();
-                        let same = (0..kv.pages()).all(|o| {
-                            (0..spec.buffers as usize).all(|b| {
-                                kv.page(pool, o, b)
-                                    .is_ok_and(|p| page_is_expected(id, o as u32, b, p))
-                            })
-                        });
-                        if same {
-                            tally.checked += 1;
-                        } else {
-                            *tally.failures.entry("BYTES_DIFFER".into()).or_default() += 1;
-                        }
-                    }
-                    r.endpoint().release(kv).map_err(|e| e.to_string())?;
-                }
-                ReceiveOutcome::Failed { transfer, reason } => {
-                    started.remove(&transfer.transfer_id);
-                    *tally.failures.entry(reason.code().to_string()).or_default() += 1;
-                }
-            }
-        }
+        done += take_outcomes(spec, r, &mut started, &mut tally)?;
         if !moved {
             std::thread::yield_now();
         }
@@ -474,7 +439,6 @@ fn sender_side(
     s.endpoint()
         .fill_free_pages(|_, b, bytes| fill_body(b, bytes));
     let transfers = spec.transfers(page);
-    let tokens = spec.tokens();
     let mut tally = SideTally::default();
     let mut started: BTreeMap<u64, Instant> = BTreeMap::new();
     let (mut next, mut done) = (1u64, 0u64);
@@ -485,21 +449,7 @@ fn sender_side(
             let id = next;
             next += 1;
             let now = Instant::now();
-            let r = s
-                .endpoint()
-                .admit(Request {
-                    transfer_id: id,
-                    tokens: u64::from(tokens),
-                })
-                .map_err(|e| e.to_string())
-                .and_then(|admitted| {
-                    s.endpoint()
-                        .submit(now, admitted, |ord, b, page| {
-                            let n = page.len().min(16);
-                            page[..n].copy_from_slice(&stamp(id, ord, b)[..n]);
-                        })
-                        .map_err(|e| e.to_string())
-                });
+            let r = submit_one(spec, s, id, now);
             match r {
                 Ok(()) => {
                     started.insert(id, now);

@@ -2,6 +2,8 @@
 //! safety invariants every scenario must keep.
 #![allow(dead_code)]
 
+pub mod process;
+
 use std::time::Duration;
 
 use kvwire::harness::{kv_pattern, Pair};
