@@ -692,6 +692,11 @@ mod driven {
         /// bytes). With `held`, the receiver's pool is fragmented first: `held` leases of every
         /// other page stay taken, so reservations are scattered.
         fn new(dev: &str) -> Self {
+            Self::with_lanes(dev, 1)
+        }
+
+        /// As [`Link::new`] with `lanes` queue pairs per side.
+        fn with_lanes(dev: &str, lanes: usize) -> Self {
             let dev = Arc::new(RdmaDevice::open(Some(dev)).expect("open device"));
             let hello = |role| Hello {
                 node_id: 1,
@@ -710,9 +715,18 @@ mod driven {
                     dst.raw_page_mut(p, b).unwrap().fill(0xA5);
                 }
             }
-            let mut s =
-                RdmaSender::new(&dev, &s_est, src, &engine, SenderConfig::default(), 8).unwrap();
-            let mut r = RdmaReceiver::new(
+            let mut s = RdmaSender::with_queue_pairs(
+                lanes,
+                &dev,
+                &s_est,
+                src,
+                &engine,
+                SenderConfig::default(),
+                8,
+            )
+            .unwrap();
+            let mut r = RdmaReceiver::with_queue_pairs(
+                lanes,
                 Arc::clone(&dev),
                 &r_est,
                 dst,
@@ -921,6 +935,31 @@ mod driven {
         assert!(l.pools_full(), "pages leaked");
     }
 
+    /// Several queue pairs per connection: reservations take the lanes in turn, each
+    /// transfer's windows, writes and COMMIT stay on its lane, and all verify.
+    #[test]
+    fn transfers_spread_over_three_queue_pairs_all_verify() {
+        let Some(d) = super::device("transfers_spread_over_three_queue_pairs_all_verify") else {
+            return;
+        };
+        let mut l = Link::with_lanes(&d.name, 3);
+        assert_eq!(l.s.params().len(), 3);
+        for id in 1..=6u64 {
+            l.start(id, 3, id % 2 == 0);
+        }
+        l.until(|l| (1..=6).all(|id| l.finished(id)));
+        for id in 1..=6u64 {
+            assert_eq!(l.take(id), Ok(true), "transfer {id}");
+            assert!(matches!(l.sender_event(id), SenderEvent::Verified(_)));
+        }
+        let st = l.r.stats();
+        assert_eq!(st.invalidations, st.binds);
+        assert_eq!(st.link_failures, 0);
+        // Writes went out on more than one queue pair: one doorbell per lane per round.
+        assert!(l.s.stats().doorbells >= 3, "{:?}", l.s.stats());
+        assert!(l.pools_full(), "pages leaked");
+    }
+
     #[test]
     fn short_transfer_over_rdma_fails_on_counts() {
         let Some(d) = super::device("short_transfer_over_rdma_fails_on_counts") else {
@@ -1112,11 +1151,23 @@ mod two_processes {
             .unwrap()
             .port();
         let addr = format!("127.0.0.1:{port}");
-        let receiver = kvwire(&d.name, &["--listen", &addr, "--connections", "3"]);
-        let sender = || kvwire(&d.name, &["--connect", &addr]);
+        // Two queue pairs per connection, authenticated (KVWIRE_PSK): each lane has its own
+        // channel.
+        let receiver = kvwire(
+            &d.name,
+            &[
+                "--listen",
+                &addr,
+                "--connections",
+                "3",
+                "--queue-pairs",
+                "2",
+            ],
+        );
+        let sender = || kvwire(&d.name, &["--connect", &addr, "--queue-pairs", "2"]);
 
         let (code, json, err) = finish(sender(), Duration::from_secs(300));
-        assert_eq!(code, Some(0), "first sender failed: {err}");
+        assert_eq!(code, Some(0), "first sender failed: {err} {json}");
         assert_eq!(json["transport"], "rdma");
         let case = &json["cases"][0];
         assert_eq!(case["verified"], case["transfers"], "{case}");
@@ -1132,7 +1183,7 @@ mod two_processes {
         let _ = victim.wait();
 
         let (code, json, err) = finish(sender(), Duration::from_secs(300));
-        assert_eq!(code, Some(0), "sender after the kill failed: {err}");
+        assert_eq!(code, Some(0), "sender after the kill failed: {err} {json}");
         let case = &json["cases"][0];
         assert_eq!(case["verified"], case["transfers"], "{case}");
 

@@ -51,6 +51,7 @@ const CONN_LABEL: &[u8] = b"kvwire v1 conn";
 const C2S_LABEL: &[u8] = b"kvwire v1 c2s";
 const S2C_LABEL: &[u8] = b"kvwire v1 s2c";
 const ID_LABEL: &[u8] = b"kvwire v1 key id";
+const LANE_LABEL: &[u8] = b"kvwire v1 lane";
 
 /// A node's random contribution to a connection's keys; MUST be fresh for every connection.
 pub type Nonce = [u8; NONCE_LEN];
@@ -368,6 +369,32 @@ impl AuthChannel {
     /// Whether this channel authenticates.
     pub fn is_authenticated(&self) -> bool {
         self.on.is_some()
+    }
+
+    /// The channels of `n` lanes (queue pairs) of one connection, after the handshake
+    /// (SPEC.md §3.11.1). Lane 0 is this channel as it is; lane `i > 0` has the keys
+    /// `HMAC(K, "kvwire v1 lane" || u16 LE i)` for each direction's key `K`, and its own
+    /// sequence numbers from 0. Frames sealed on one lane open only on the same lane of the
+    /// peer, so lanes may be delivered independently of each other. An unauthenticated
+    /// channel gives `n` unauthenticated lanes.
+    pub fn lanes(self, n: u16) -> Vec<AuthChannel> {
+        let mut out = Vec::with_capacity(usize::from(n.max(1)));
+        for i in 0..n.max(1) {
+            let mut c = self.clone();
+            if i > 0 {
+                if let Some(on) = &mut c.on {
+                    if let Some(k) = &mut on.keys {
+                        let lane = i.to_le_bytes();
+                        k.send = mac(&k.send, &[LANE_LABEL, &lane]);
+                        k.recv = mac(&k.recv, &[LANE_LABEL, &lane]);
+                    }
+                    on.send_seq = 0;
+                    on.recv_seq = 0;
+                }
+            }
+            out.push(c);
+        }
+        out
     }
 
     /// Splits the channel into its sending and receiving halves (after the handshake, for

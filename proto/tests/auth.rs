@@ -611,3 +611,43 @@ fn psk_parsing_and_redaction() {
     assert!(dbg.contains(&k.id()));
     assert_ne!(k.id(), Psk::new(vec![7; 32]).unwrap().id());
 }
+
+/// Lanes (one channel per queue pair, SPEC.md §3.11.1): each lane of one side opens only what
+/// the same lane of the other side sealed, with its own sequence numbers, in any interleaving
+/// across lanes; lane 0 is the connection's channel itself.
+#[test]
+fn lanes_open_only_their_own_frames_in_any_order_across_lanes() {
+    let (client, server) = established();
+    let mut c = client.clone().lanes(3);
+    let mut s = server.clone().lanes(3);
+    assert_eq!((c.len(), s.len()), (3, 3));
+    // Server seals one RESERVE on each lane; the client opens them in reverse lane order.
+    let sealed: Vec<Vec<u8>> = s
+        .iter_mut()
+        .map(|l| l.seal_to_vec(&reserve()).unwrap())
+        .collect();
+    for i in (0..3).rev() {
+        assert!(c[i].open(&sealed[i]).is_ok(), "lane {i}");
+    }
+    // A frame sealed on lane 1 does not open on lane 2 (nor on lane 0).
+    let f = c[1].seal_to_vec(&commit()).unwrap();
+    for wrong in [0usize, 2] {
+        assert!(
+            matches!(s[wrong].clone().open(&f), Err(OpenError::Auth(_))),
+            "lane {wrong} opened a lane-1 frame"
+        );
+    }
+    assert!(s[1].open(&f).is_ok());
+    // Lane 0 is the channel itself: it continues the connection's sequence.
+    let mut plain_client = client;
+    let a = server
+        .clone()
+        .lanes(1)
+        .remove(0)
+        .seal_to_vec(&reserve())
+        .unwrap();
+    assert!(plain_client.open(&a).is_ok());
+    // Unauthenticated channels give unauthenticated lanes.
+    let off = AuthChannel::off().lanes(2);
+    assert!(off.iter().all(|l| !l.is_authenticated()));
+}

@@ -72,6 +72,8 @@ pub struct BenchSpec {
     /// never the key). In one process, an ephemeral key serves both ends.
     #[serde(serialize_with = "serialize_auth")]
     pub auth: crate::engine::Auth,
+    /// RDMA: RC queue pairs per connection.
+    pub queue_pairs: u16,
 }
 
 fn serialize_auth<S: serde::Serializer>(a: &crate::engine::Auth, s: S) -> Result<S::Ok, S::Error> {
@@ -103,6 +105,7 @@ impl Default for BenchSpec {
             metrics: None,
             on_transfer: None,
             auth: crate::engine::Auth::ephemeral(),
+            queue_pairs: 1,
         }
     }
 }
@@ -200,6 +203,7 @@ impl BenchSpec {
         c.metrics = self.metrics.clone();
         c.digest_offload_bytes = self.digest_offload_bytes;
         c.auth = self.auth.clone();
+        c.rdma_queue_pairs = self.queue_pairs.max(1);
         c
     }
 

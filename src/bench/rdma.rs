@@ -69,7 +69,9 @@ fn run_case(
     let dst = PagePool::new(config.pool.clone(), Scrub::None).map_err(|e| e.to_string())?;
     let bytes_registered = 2 * config.pool.total_bytes().unwrap_or(0);
     let t0 = Instant::now();
-    let mut sender = RdmaSender::new(
+    let lanes = usize::from(config.rdma_queue_pairs.max(1));
+    let mut sender = RdmaSender::with_queue_pairs(
+        lanes,
         dev,
         &s_est,
         src,
@@ -78,7 +80,8 @@ fn run_case(
         config.window,
     )
     .map_err(|e| e.to_string())?;
-    let mut receiver = RdmaReceiver::new(
+    let mut receiver = RdmaReceiver::with_queue_pairs(
+        lanes,
         Arc::clone(dev),
         &r_est,
         dst,
@@ -88,8 +91,9 @@ fn run_case(
     .map_err(|e| e.to_string())?;
     let registration = t0.elapsed();
     progress(&format!(
-        "registered {} and created 2 queue pairs in {:.1} ms; access scoping: {}",
+        "registered {} and created {} queue pairs in {:.1} ms; access scoping: {}",
         super::human_bytes(bytes_registered),
+        2 * lanes,
         registration.as_secs_f64() * 1e3,
         if receiver.access_kind() == crate::transport::rdma::descriptor::AccessKind::WINDOWS {
             "memory windows per reservation"

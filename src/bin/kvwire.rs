@@ -70,6 +70,10 @@ struct BenchArgs {
     /// With --transport rdma: the RDMA device (default: the first one).
     #[arg(long)]
     device: Option<String>,
+    /// With --transport rdma: RC queue pairs per connection (both processes must agree);
+    /// transfers take them in turn.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    queue_pairs: u16,
     /// Two-process mode, decode side: listen here and receive.
     #[arg(long, conflicts_with = "connect")]
     listen: Option<SocketAddr>,
@@ -289,6 +293,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         metrics: Some(kvwire::metrics::Metrics::new()),
         on_transfer: None,
         auth,
+        queue_pairs: a.queue_pairs,
     };
     // A progress bar only when a person watches (stderr is a terminal), never in pipes or CI.
     let mut spec = spec;

@@ -95,6 +95,9 @@ pub struct NodeConfig {
     pub digest_offload_bytes: u64,
     /// Peer authentication: a pre-shared key both ends must hold, or explicitly off.
     pub auth: Auth,
+    /// RDMA: RC queue pairs per connection (both ends must agree; transfers take them in
+    /// turn). Ignored by TCP.
+    pub rdma_queue_pairs: u16,
 }
 
 /// Whether a node authenticates its peers (SPEC.md §3.11, §4.8). Its `Debug` form never
@@ -181,6 +184,7 @@ impl NodeConfig {
             metrics: None,
             digest_offload_bytes: 8 << 20,
             auth: Auth::ephemeral(),
+            rdma_queue_pairs: 1,
         }
     }
 

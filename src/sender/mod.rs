@@ -321,6 +321,12 @@ impl SenderEndpoint {
         self.writes.pop_front()
     }
 
+    /// The page write [`SenderEndpoint::poll_write`] would return next, left queued (a
+    /// transport with several queues checks it has room before taking it).
+    pub fn peek_write(&self) -> Option<&PostedWrite> {
+        self.writes.front()
+    }
+
     /// The next event for the engine.
     pub fn poll_event(&mut self) -> Option<SenderEvent> {
         self.session.poll_event()

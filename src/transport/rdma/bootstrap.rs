@@ -13,6 +13,7 @@ use std::io::Read;
 use std::sync::Arc;
 use std::time::Instant;
 
+use kvwire_proto::auth::AuthChannel;
 use kvwire_proto::handshake::{Established, Handshake};
 use kvwire_proto::wire::Role;
 use tokio::net::TcpStream;
@@ -48,18 +49,20 @@ pub enum BootstrapError {
     NoRdmaParams(&'static str),
 }
 
-/// HELLO transport parameters for a queue pair: `u16 kind = 1, u16 length = 28, QpParams`.
-pub fn encode_params(p: &QpParams) -> Vec<u8> {
-    let body = p.encode();
-    let mut v = Vec::with_capacity(4 + body.len());
+/// HELLO transport parameters for a connection's queue pairs, lane 0 first:
+/// `u16 kind = 1, u16 length = 28 x n, n x QpParams`.
+pub fn encode_params(lanes: &[QpParams]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(4 + 28 * lanes.len());
     v.extend_from_slice(&PARAMS_RDMA_RC.to_le_bytes());
-    v.extend_from_slice(&(body.len() as u16).to_le_bytes());
-    v.extend_from_slice(&body);
+    v.extend_from_slice(&((28 * lanes.len()) as u16).to_le_bytes());
+    for p in lanes {
+        v.extend_from_slice(&p.encode());
+    }
     v
 }
 
-/// The queue pair parameters in a HELLO's transport parameters.
-pub fn decode_params(b: &[u8]) -> Result<QpParams, BootstrapError> {
+/// The queue pairs' parameters in a HELLO's transport parameters, lane 0 first.
+pub fn decode_params(b: &[u8]) -> Result<Vec<QpParams>, BootstrapError> {
     if b.len() < 4 {
         return Err(BootstrapError::NoRdmaParams("shorter than its header"));
     }
@@ -70,7 +73,15 @@ pub fn decode_params(b: &[u8]) -> Result<QpParams, BootstrapError> {
     if b.len() != 4 + len {
         return Err(BootstrapError::NoRdmaParams("length disagrees"));
     }
-    QpParams::decode(&b[4..]).ok_or(BootstrapError::NoRdmaParams("not 28 bytes"))
+    if len == 0 || len % 28 != 0 {
+        return Err(BootstrapError::NoRdmaParams(
+            "not a whole number of 28-byte records",
+        ));
+    }
+    b[4..]
+        .chunks(28)
+        .map(|c| QpParams::decode(c).ok_or(BootstrapError::NoRdmaParams("not 28 bytes")))
+        .collect()
 }
 
 /// The bootstrap TCP connection, kept open after the handshake to learn that the peer died.
@@ -87,7 +98,7 @@ impl Liveness {
     }
 
     /// Whether the peer closed the connection (or its process died). Never blocks. Nothing
-    /// is sent on it after the handshake, so any byte is a protocol violation and counts as
+    /// is sent on it after the ready byte, so any byte is a protocol violation and counts as
     /// the peer being gone too.
     pub fn peer_gone(&mut self) -> bool {
         let mut b = [0u8; 16];
@@ -108,20 +119,13 @@ async fn handshake(
     mut stream: TcpStream,
     config: &NodeConfig,
     role: Role,
-    link: &RcLink,
-) -> Result<
-    (
-        Established,
-        kvwire_proto::auth::Sealer,
-        kvwire_proto::auth::Opener,
-        TcpStream,
-    ),
-    BootstrapError,
-> {
+    links: &[RcLink],
+) -> Result<(Established, AuthChannel, TcpStream), BootstrapError> {
     stream.set_nodelay(true).map_err(EngineError::from)?;
     let client = role == Role::SENDER;
     let mut hello = config.hello(role);
-    hello.transport_params = encode_params(&link.params());
+    let params: Vec<QpParams> = links.iter().map(RcLink::params).collect();
+    hello.transport_params = encode_params(&params);
     let now = Instant::now();
     let mut hs = if client {
         Handshake::client(now, hello, config.handshake_timeout)
@@ -135,26 +139,55 @@ async fn handshake(
     let est =
         crate::engine::stream::handshake(&mut stream, hs, &mut channel, config.handshake_timeout)
             .await?;
-    let (sealer, opener) = channel.split();
-    Ok((est, sealer, opener, stream))
+    Ok((est, channel, stream))
 }
 
-/// The prefill side: handshake on `stream` (connected to the decode side), then its queue
-/// pair connected to the peer's.
+/// The readiness barrier: this side's queue pairs are connected (RTR, RTS); say so with one
+/// byte `R` and wait for the peer's. Without it a SEND can reach a peer queue pair that is
+/// not yet ready to receive, and the sender's queue pair fails after its retries (seen on rxe
+/// when one side registers its memory more slowly than the other).
+async fn ready(mut stream: TcpStream, config: &NodeConfig) -> Result<TcpStream, BootstrapError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let barrier = async {
+        stream.write_all(&[READY]).await?;
+        stream.flush().await?;
+        let mut b = [0u8; 1];
+        stream.read_exact(&mut b).await?;
+        Ok::<u8, std::io::Error>(b[0])
+    };
+    match tokio::time::timeout(config.handshake_timeout, barrier).await {
+        Ok(Ok(READY)) => Ok(stream),
+        Ok(Ok(_)) => Err(BootstrapError::NoRdmaParams(
+            "the peer sent something else than READY",
+        )),
+        Ok(Err(e)) => Err(EngineError::from(e).into()),
+        Err(_) => Err(EngineError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "the peer's queue pairs did not become ready",
+        ))
+        .into()),
+    }
+}
+
+/// The readiness byte (SPEC.md §9.2).
+pub const READY: u8 = b'R';
+
+/// The prefill side: handshake on `stream` (connected to the decode side), then its
+/// `config.rdma_queue_pairs` queue pairs connected to the peer's.
 pub async fn sender(
     stream: TcpStream,
     dev: &Arc<RdmaDevice>,
     config: &NodeConfig,
 ) -> Result<(RdmaSender, Liveness), BootstrapError> {
-    let mut link = RcLink::new(
-        dev,
-        sender_queue_depth(config.window, config.pool.buffers()),
-    )?;
-    let (est, sealer, opener, stream) = handshake(stream, config, Role::SENDER, &link).await?;
-    link.connect(&decode_params(&est.peer.transport_params)?)?;
+    let depth = sender_queue_depth(config.window, config.pool.buffers());
+    let links = (0..config.rdma_queue_pairs.max(1))
+        .map(|_| RcLink::new(dev, depth))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (est, channel, stream) = handshake(stream, config, Role::SENDER, &links).await?;
+    let peer = decode_params(&est.peer.transport_params)?;
     let pool = PagePool::new(config.pool.clone(), config.scrub)?;
-    let mut s = RdmaSender::with_link(
-        link,
+    let mut s = RdmaSender::with_links(
+        links,
         dev,
         &est,
         pool,
@@ -162,32 +195,38 @@ pub async fn sender(
         config.sender.clone(),
         config.window,
     )?;
-    s.set_auth(sealer, opener);
+    s.connect(&peer)?;
+    s.set_auth(channel);
     s.endpoint().set_digest_mode(config.digest_mode);
+    let stream = ready(stream, config).await?;
     Ok((s, Liveness::new(stream)?))
 }
 
-/// The decode side: handshake on an accepted `stream`, then its queue pair connected to the
-/// peer's.
+/// The decode side: handshake on an accepted `stream`, then its `config.rdma_queue_pairs`
+/// queue pairs connected to the peer's.
 pub async fn receiver(
     stream: TcpStream,
     dev: &Arc<RdmaDevice>,
     config: &NodeConfig,
 ) -> Result<(RdmaReceiver, Liveness), BootstrapError> {
-    let mut link = RcLink::new(dev, RECEIVER_QUEUE_DEPTH)?;
-    let (est, sealer, opener, stream) = handshake(stream, config, Role::RECEIVER, &link).await?;
-    link.connect(&decode_params(&est.peer.transport_params)?)?;
+    let links = (0..config.rdma_queue_pairs.max(1))
+        .map(|_| RcLink::new(dev, RECEIVER_QUEUE_DEPTH))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (est, channel, stream) = handshake(stream, config, Role::RECEIVER, &links).await?;
+    let peer = decode_params(&est.peer.transport_params)?;
     let pool = PagePool::new(config.pool.clone(), config.scrub)?;
-    let mut r = RdmaReceiver::with_link(
-        link,
+    let mut r = RdmaReceiver::with_links(
+        links,
         Arc::clone(dev),
         &est,
         pool,
         &config.engine,
         config.receiver.clone(),
     )?;
-    r.set_auth(sealer, opener);
+    r.connect(&peer)?;
+    r.set_auth(channel);
     r.endpoint().set_digest_mode(config.digest_mode);
+    let stream = ready(stream, config).await?;
     Ok((r, Liveness::new(stream)?))
 }
 
@@ -203,9 +242,16 @@ mod tests {
             gid: [3; 16],
             mtu: 1024,
         };
-        let b = encode_params(&p);
+        let b = encode_params(&[p]);
         assert_eq!(&b[..4], &[1, 0, 28, 0]);
-        assert_eq!(decode_params(&b).unwrap(), p);
+        assert_eq!(decode_params(&b).unwrap(), vec![p]);
+        let two = encode_params(&[p, QpParams { qpn: 18, ..p }]);
+        assert_eq!(&two[..4], &[1, 0, 56, 0]);
+        assert_eq!(decode_params(&two).unwrap().len(), 2);
+        assert!(
+            decode_params(&[1, 0, 0, 0]).is_err(),
+            "no queue pair at all"
+        );
         assert!(decode_params(&[]).is_err());
         assert!(decode_params(&b[..b.len() - 1]).is_err());
         let mut other = b.clone();

@@ -1,11 +1,12 @@
-//! The protocol's endpoints over one RC queue pair: [`RdmaSender`] and [`RdmaReceiver`].
+//! The protocol's endpoints over RC queue pairs: [`RdmaSender`] and [`RdmaReceiver`].
 //!
 //! Both are synchronous and polled: call `poll(now)` whenever there may be work (it posts
 //! what the endpoint queued and takes what the completion queue holds; it never blocks).
-//! Each link has exactly one poller (its driver). Everything travels on the one queue pair:
-//! the receiver's memory-window binds, then its RESERVE (a SEND); the sender's WRITEs, then
-//! its COMMIT (a SEND), so RC ordering puts the commit after the data it describes and the
-//! reservation after the windows it names.
+//! Each queue pair's completion queue has exactly one poller (its driver). A connection has
+//! one or more queue pairs ("lanes", SPEC.md §9.2); everything of one transfer travels on its
+//! lane: the receiver's memory-window binds, then its RESERVE (a SEND); the sender's WRITEs,
+//! then its COMMIT (a SEND), so RC ordering puts the commit after the data it describes and
+//! the reservation after the windows it names. Reservations take the lanes in turn.
 //!
 //! **Per-reservation scope.** The receiver binds one type-2 memory window per run of
 //! consecutive reserved pages and per buffer, and RESERVE carries their rkeys
@@ -25,7 +26,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvwire_proto::auth::{Opener, Sealer};
+use kvwire_proto::auth::{AuthChannel, Opener, Sealer};
 use kvwire_proto::handshake::Established;
 use kvwire_proto::receiver::ReceiverConfig;
 use kvwire_proto::sender::{SenderConfig, SenderEvent};
@@ -106,108 +107,258 @@ pub type FrameRewrite = Box<dyn FnMut(Frame) -> Option<Frame> + Send>;
 pub type WriteFilter = Box<dyn FnMut(&kvwire_proto::sender::PageWrite) -> bool + Send>;
 
 struct Signaled {
+    lane: usize,
     transfer: TransferRef,
     pages: u32,
     wrs: u32,
 }
 
-/// The sender's side of an RDMA link: the [`SenderEndpoint`] and its source memory.
+/// One queue pair of a connection and what travels on it: its frames' outbox and its lane
+/// of the connection's authentication channel (SPEC.md §3.11.1).
+struct Lane {
+    link: RcLink,
+    outbox: VecDeque<Vec<u8>>,
+    sealer: Option<Sealer>,
+    opener: Option<Opener>,
+    /// Sender: send-queue work requests posted and not yet retired by a completion.
+    wrs_in_flight: u32,
+}
+
+impl Lane {
+    fn new(link: RcLink) -> Self {
+        Self {
+            link,
+            outbox: VecDeque::new(),
+            sealer: None,
+            opener: None,
+            wrs_in_flight: 0,
+        }
+    }
+
+    /// Seals (authenticates, when the connection is) and queues a frame for a SEND.
+    fn queue(&mut self, frame: &Frame) {
+        let r = match &mut self.sealer {
+            Some(s) => s.seal_to_vec(frame),
+            None => frame.to_bytes(),
+        };
+        match r {
+            Ok(b) => self.outbox.push_back(b),
+            Err(e) => tracing::error!(error = %e, "frame could not be encoded; dropped"),
+        }
+    }
+
+    /// Opens (checks the tag of, when authenticated) and decodes a received SEND. `None`:
+    /// the connection must close (not a frame, or not authentic).
+    fn open(&mut self, bytes: &[u8]) -> Option<Frame> {
+        let r = match &mut self.opener {
+            Some(o) => o.open(bytes).map_err(|e| format!("{e:?}")),
+            None => Frame::decode(bytes).map_err(|e| format!("{e:?}")),
+        };
+        match r {
+            Ok((f, _)) => Some(f),
+            Err(e) => {
+                tracing::error!(error = %e, "a received frame is not a frame or not authentic: closing the link");
+                None
+            }
+        }
+    }
+
+    /// Posts queued frames while send slots are free.
+    fn flush(&mut self) -> Result<(), RdmaError> {
+        while let Some(f) = self.outbox.front() {
+            match self.link.post_frame(f) {
+                Ok(()) => {
+                    self.outbox.pop_front();
+                }
+                Err(RdmaError::SendSlotsBusy) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sets each lane's authentication from the connection's channel.
+fn set_lane_auth(lanes: &mut [Lane], channel: AuthChannel) {
+    let n = lanes.len() as u16;
+    for (lane, c) in lanes.iter_mut().zip(channel.lanes(n)) {
+        let (s, o) = c.split();
+        lane.sealer = Some(s);
+        lane.opener = Some(o);
+    }
+}
+
+fn params_of(lanes: &[Lane]) -> Vec<QpParams> {
+    lanes.iter().map(|l| l.link.params()).collect()
+}
+
+fn connect_lanes(lanes: &mut [Lane], peer: &[QpParams]) -> Result<(), RdmaError> {
+    if peer.len() != lanes.len() {
+        return Err(RdmaError::Lanes {
+            local: lanes.len(),
+            peer: peer.len(),
+        });
+    }
+    for (l, p) in lanes.iter_mut().zip(peer) {
+        l.link.connect(p)?;
+    }
+    Ok(())
+}
+
+/// Resets every lane's queue pair (after which none of its work requests touches memory).
+fn reset_lanes(lanes: &mut [Lane]) {
+    for l in lanes {
+        if let Err(e) = l.link.recover() {
+            tracing::error!(error = %e, "queue pair reset failed");
+        }
+        l.outbox.clear();
+        l.wrs_in_flight = 0;
+    }
+}
+
+/// Remembers which lane each live transfer uses (bounded: the oldest entries go first).
+#[derive(Default)]
+struct LaneMap(BTreeMap<u64, usize>);
+
+impl LaneMap {
+    fn set(&mut self, transfer_id: u64, lane: usize) {
+        if self.0.len() >= 65_536 {
+            self.0.pop_first();
+        }
+        self.0.insert(transfer_id, lane);
+    }
+
+    fn get(&self, transfer_id: u64) -> usize {
+        self.0.get(&transfer_id).copied().unwrap_or(0)
+    }
+
+    /// The lane of a frame: its transfer's, or lane 0 for a frame of no live transfer.
+    fn of(&self, f: &Frame) -> usize {
+        f.transfer().map_or(0, |t| self.get(t.transfer_id))
+    }
+}
+
+/// The sender's side of an RDMA connection: the [`SenderEndpoint`] and its source memory,
+/// over one or more RC queue pairs (lanes).
 pub struct RdmaSender {
     endpoint: Option<SenderEndpoint>,
-    link: RcLink,
+    lanes: Vec<Lane>,
+    lane_of: LaneMap,
     reg: RegisteredMemory,
     page_bytes: Vec<u32>,
     max_wrs: u32,
-    wrs_in_flight: u32,
     inflight: BTreeMap<u64, Signaled>,
     next_wr: u64,
     descriptors: VecDeque<CachedDescriptor>,
-    outbox: VecDeque<Vec<u8>>,
     carried: VecDeque<SenderEvent>,
     state: LinkState,
     window: u32,
     engine: EngineConfig,
     config: SenderConfig,
     stats: RdmaSenderStats,
-    batch: Vec<RdmaWrite>,
     faults: SenderFaults,
-    sealer: Option<Sealer>,
-    opener: Option<Opener>,
 }
 
 impl std::fmt::Debug for RdmaSender {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaSender")
             .field("state", &self.state)
-            .field("wrs_in_flight", &self.wrs_in_flight)
+            .field("lanes", &self.lanes.len())
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
 }
 
-/// Seals (authenticates, when the connection is) and encodes a frame for a SEND.
-fn encode(sealer: &mut Option<Sealer>, frame: &Frame) -> Option<Vec<u8>> {
-    let r = match sealer {
-        Some(s) => s.seal_to_vec(frame),
-        None => frame.to_bytes(),
-    };
-    match r {
-        Ok(b) => Some(b),
-        Err(e) => {
-            tracing::error!(error = %e, "frame could not be encoded; dropped");
-            None
-        }
-    }
-}
-
-/// Opens (checks the tag of, when authenticated) and decodes a received SEND. `None`: the
-/// connection must close (not a frame, or not authentic).
-fn decode(opener: &mut Option<Opener>, bytes: &[u8]) -> Option<Frame> {
-    let r = match opener {
-        Some(o) => o.open(bytes).map_err(|e| format!("{e:?}")),
-        None => Frame::decode(bytes).map_err(|e| format!("{e:?}")),
-    };
-    match r {
-        Ok((f, _)) => Some(f),
-        Err(e) => {
-            tracing::error!(error = %e, "a received frame is not a frame or not authentic: closing the link");
-            None
-        }
-    }
-}
-
-/// Send-queue work requests an [`RdmaSender`] needs for `window` pages of `buffers` buffers
-/// per transfer in flight (the `max_send` of its [`RcLink`]).
+/// Send-queue work requests an [`RdmaSender`] needs per queue pair for `window` pages of
+/// `buffers` buffers per transfer in flight (the `max_send` of each of its [`RcLink`]s).
 pub fn sender_queue_depth(window: u32, buffers: usize) -> u32 {
     (4 * window.max(1) * buffers as u32).clamp(64, 4096)
 }
 
-/// Send-queue depth of an [`RdmaReceiver`]'s link (binds, invalidations, frames).
+/// Send-queue depth of each of an [`RdmaReceiver`]'s queue pairs (binds, invalidations,
+/// frames).
 pub const RECEIVER_QUEUE_DEPTH: u32 = 4096;
 
-fn flush(link: &mut RcLink, outbox: &mut VecDeque<Vec<u8>>) -> Result<(), RdmaError> {
-    while let Some(f) = outbox.front() {
-        match link.post_frame(f) {
-            Ok(()) => {
-                outbox.pop_front();
-            }
-            Err(RdmaError::SendSlotsBusy) => break,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 impl RdmaSender {
-    /// Authenticates the control frames carried as SENDs with the connection's channel
-    /// from the handshake (SPEC.md §3.11); without it they travel unauthenticated.
-    pub fn set_auth(&mut self, sealer: Sealer, opener: Opener) {
-        self.sealer = Some(sealer);
-        self.opener = Some(opener);
+    /// Registers the pool's memory on `dev` and creates one queue pair (in INIT; connect it
+    /// with [`RdmaSender::connect`]). `window` bounds the pages of one transfer in flight.
+    pub fn new(
+        dev: &RdmaDevice,
+        established: &Established,
+        pool: PagePool,
+        engine: &EngineConfig,
+        config: SenderConfig,
+        window: u32,
+    ) -> Result<Self, DriverError> {
+        Self::with_queue_pairs(1, dev, established, pool, engine, config, window)
     }
 
-    /// The peer is gone (its bootstrap connection closed, its process died): the queue pair
-    /// is reset and every transfer fails with a retryable reason, as on a link failure.
+    /// [`RdmaSender::new`] with `n` queue pairs (lanes, at least 1): each transfer travels on
+    /// the lane its reservation arrived on.
+    pub fn with_queue_pairs(
+        n: usize,
+        dev: &RdmaDevice,
+        established: &Established,
+        pool: PagePool,
+        engine: &EngineConfig,
+        config: SenderConfig,
+        window: u32,
+    ) -> Result<Self, DriverError> {
+        let depth = sender_queue_depth(window, pool.buffers());
+        let links = (0..n.max(1))
+            .map(|_| RcLink::new(dev, depth))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::with_links(links, dev, established, pool, engine, config, window)
+    }
+
+    /// [`RdmaSender::new`] over queue pairs created before the handshake (whose parameters
+    /// travelled in HELLO), each made with [`sender_queue_depth`].
+    pub fn with_links(
+        links: Vec<RcLink>,
+        dev: &RdmaDevice,
+        established: &Established,
+        pool: PagePool,
+        engine: &EngineConfig,
+        config: SenderConfig,
+        window: u32,
+    ) -> Result<Self, DriverError> {
+        if links.is_empty() {
+            return Err(DriverError::Rdma(RdmaError::Lanes { local: 0, peer: 0 }));
+        }
+        let page_bytes = pool.geometry().buffer_page_bytes.clone();
+        let reg = dev.register(pool.memory())?;
+        let window = window.max(1);
+        let max_wrs = sender_queue_depth(window, page_bytes.len());
+        let endpoint = SenderEndpoint::new(established, pool, engine, config.clone(), window)?;
+        Ok(Self {
+            endpoint: Some(endpoint),
+            lanes: links.into_iter().map(Lane::new).collect(),
+            lane_of: LaneMap::default(),
+            reg,
+            page_bytes,
+            max_wrs,
+            inflight: BTreeMap::new(),
+            next_wr: 1,
+            descriptors: VecDeque::new(),
+            carried: VecDeque::new(),
+            state: LinkState::Up,
+            window,
+            engine: engine.clone(),
+            config,
+            stats: RdmaSenderStats::default(),
+            faults: SenderFaults::default(),
+        })
+    }
+
+    /// Authenticates the control frames carried as SENDs with the connection's channel from
+    /// the handshake, one lane per queue pair (SPEC.md §3.11); without it they travel
+    /// unauthenticated.
+    pub fn set_auth(&mut self, channel: AuthChannel) {
+        set_lane_auth(&mut self.lanes, channel);
+    }
+
+    /// The peer is gone (its bootstrap connection closed, its process died): the queue pairs
+    /// are reset and every transfer fails with a retryable reason, as on a link failure.
     pub fn handle_peer_lost(&mut self, now: Instant) {
         self.fail_link(now);
     }
@@ -218,68 +369,14 @@ impl RdmaSender {
         self.endpoint.take().expect("endpoint").into_pool()
     }
 
-    /// Registers the pool's memory on `dev` and creates the queue pair (in INIT; connect it
-    /// with [`RdmaSender::connect`]). `window` bounds the pages of one transfer in flight.
-    pub fn new(
-        dev: &RdmaDevice,
-        established: &Established,
-        pool: PagePool,
-        engine: &EngineConfig,
-        config: SenderConfig,
-        window: u32,
-    ) -> Result<Self, DriverError> {
-        let link = RcLink::new(dev, sender_queue_depth(window, pool.buffers()))?;
-        Self::with_link(link, dev, established, pool, engine, config, window)
+    /// This side's queue pair parameters, lane 0 first, for the peer.
+    pub fn params(&self) -> Vec<QpParams> {
+        params_of(&self.lanes)
     }
 
-    /// [`RdmaSender::new`] over a queue pair created before the handshake (whose parameters
-    /// travelled in HELLO), made with [`sender_queue_depth`].
-    pub fn with_link(
-        link: RcLink,
-        dev: &RdmaDevice,
-        established: &Established,
-        pool: PagePool,
-        engine: &EngineConfig,
-        config: SenderConfig,
-        window: u32,
-    ) -> Result<Self, DriverError> {
-        let page_bytes = pool.geometry().buffer_page_bytes.clone();
-        let reg = dev.register(pool.memory())?;
-        let window = window.max(1);
-        let max_wrs = sender_queue_depth(window, page_bytes.len());
-        let endpoint = SenderEndpoint::new(established, pool, engine, config.clone(), window)?;
-        Ok(Self {
-            endpoint: Some(endpoint),
-            link,
-            reg,
-            page_bytes,
-            max_wrs,
-            wrs_in_flight: 0,
-            inflight: BTreeMap::new(),
-            next_wr: 1,
-            descriptors: VecDeque::new(),
-            outbox: VecDeque::new(),
-            carried: VecDeque::new(),
-            state: LinkState::Up,
-            window,
-            engine: engine.clone(),
-            config,
-            stats: RdmaSenderStats::default(),
-            batch: Vec::new(),
-            faults: SenderFaults::default(),
-            sealer: None,
-            opener: None,
-        })
-    }
-
-    /// This side's queue pair parameters, for the peer.
-    pub fn params(&self) -> QpParams {
-        self.link.params()
-    }
-
-    /// Connects the queue pair to the receiver's.
-    pub fn connect(&mut self, peer: &QpParams) -> Result<(), RdmaError> {
-        self.link.connect(peer)
+    /// Connects lane `i` to the receiver's lane `i` (the counts must match).
+    pub fn connect(&mut self, peer: &[QpParams]) -> Result<(), RdmaError> {
+        connect_lanes(&mut self.lanes, peer)
     }
 
     /// The endpoint (admit, submit, abort).
@@ -320,40 +417,49 @@ impl RdmaSender {
             progress = true;
         }
         progress |= self.post(now);
-        let mut events = Vec::new();
-        if let Err(e) = self.link.poll(&mut events) {
-            tracing::error!(error = %e, "rdma poll");
-            self.fail_link(now);
-            return Ok(true);
-        }
-        progress |= !events.is_empty();
         let mut broken = false;
-        for e in events {
-            let ep = self.endpoint.as_mut().expect("endpoint");
-            match e {
-                RdmaEvent::WriteDone { wr_id, ok } => {
-                    let Some(s) = self.inflight.remove(&wr_id) else {
-                        continue;
-                    };
-                    self.wrs_in_flight -= s.wrs;
-                    for _ in 0..s.pages {
-                        ep.handle_write_completion(now, s.transfer, ok);
-                    }
-                    broken |= !ok;
-                }
-                RdmaEvent::Frame(bytes) => match decode(&mut self.opener, &bytes) {
-                    Some(f) => {
-                        if let Err(e) = ep.handle_frame(now, f) {
-                            tracing::warn!(error = ?e, "frame refused");
+        let mut events = Vec::new();
+        for lane in 0..self.lanes.len() {
+            events.clear();
+            if let Err(e) = self.lanes[lane].link.poll(&mut events) {
+                tracing::error!(error = %e, lane, "rdma poll");
+                broken = true;
+                break;
+            }
+            progress |= !events.is_empty();
+            for e in events.drain(..) {
+                match e {
+                    RdmaEvent::WriteDone { wr_id, ok } => {
+                        let Some(s) = self.inflight.remove(&wr_id) else {
+                            continue;
+                        };
+                        let l = &mut self.lanes[s.lane];
+                        l.wrs_in_flight = l.wrs_in_flight.saturating_sub(s.wrs);
+                        let ep = self.endpoint.as_mut().expect("endpoint");
+                        for _ in 0..s.pages {
+                            ep.handle_write_completion(now, s.transfer, ok);
                         }
+                        broken |= !ok;
                     }
-                    None => broken = true,
-                },
-                RdmaEvent::SendFailed(status) => {
-                    tracing::error!(status, "SEND failed: the queue pair is in error");
-                    broken = true;
+                    RdmaEvent::Frame(bytes) => match self.lanes[lane].open(&bytes) {
+                        Some(f) => {
+                            if let Frame::Reserve(r) = &f {
+                                // The transfer's writes and COMMIT go back on this lane.
+                                self.lane_of.set(r.transfer_id, lane);
+                            }
+                            let ep = self.endpoint.as_mut().expect("endpoint");
+                            if let Err(e) = ep.handle_frame(now, f) {
+                                tracing::warn!(error = ?e, "frame refused");
+                            }
+                        }
+                        None => broken = true,
+                    },
+                    RdmaEvent::SendFailed(status) => {
+                        tracing::error!(status, lane, "SEND failed: the queue pair is in error");
+                        broken = true;
+                    }
+                    RdmaEvent::LocalDone { .. } => {}
                 }
-                RdmaEvent::LocalDone { .. } => {}
             }
         }
         if broken {
@@ -389,7 +495,8 @@ impl RdmaSender {
         d
     }
 
-    /// Frames out; as many queued page writes as the send queue takes, behind one doorbell.
+    /// Frames out; as many queued page writes as the send queues take, behind one doorbell
+    /// per lane.
     fn post(&mut self, now: Instant) -> bool {
         let mut progress = false;
         let ep = self.endpoint.as_mut().expect("endpoint");
@@ -400,17 +507,22 @@ impl RdmaSender {
                     None => continue,
                 }
             }
-            if let Some(b) = encode(&mut self.sealer, &f) {
-                self.outbox.push_back(b);
-            }
+            let lane = self.lane_of.of(&f);
+            self.lanes[lane].queue(&f);
         }
         let buffers = self.page_bytes.len() as u32;
-        let mut batch = std::mem::take(&mut self.batch);
-        batch.clear();
-        let mut group: Option<(TransferRef, u32)> = None;
+        let n = self.lanes.len();
+        let mut batches: Vec<Vec<RdmaWrite>> = vec![Vec::new(); n];
+        let mut groups: Vec<Option<(TransferRef, u32)>> = vec![None; n];
         let mut refused = Vec::new();
         let mut lied = Vec::new();
-        while self.wrs_in_flight + batch.len() as u32 + buffers <= self.max_wrs {
+        while let Some(head) = self.endpoint.as_ref().expect("endpoint").peek_write() {
+            let lane = self.lane_of.get(head.transfer.transfer_id);
+            // A lane whose send queue is full stops the round (writes are taken in order).
+            if self.lanes[lane].wrs_in_flight + batches[lane].len() as u32 + buffers > self.max_wrs
+            {
+                break;
+            }
             let Some(w) = self.endpoint.as_mut().expect("endpoint").poll_write() else {
                 break;
             };
@@ -442,14 +554,14 @@ impl RdmaSender {
                 refused.push(w.transfer);
                 continue;
             }
-            // Close the previous transfer's group with a signaled write.
-            if let Some((t, n)) = group.filter(|(t, _)| *t != w.transfer) {
-                self.signal(&mut batch, t, n);
-                group = None;
+            // Close the lane's previous transfer group with a signaled write.
+            if let Some((t, k)) = groups[lane].filter(|(t, _)| *t != w.transfer) {
+                self.signal(lane, &mut batches[lane], t, k);
+                groups[lane] = None;
             }
             for (b, (rkey, addr)) in located.into_iter().enumerate() {
                 let bytes = self.page_bytes[b];
-                batch.push(RdmaWrite {
+                batches[lane].push(RdmaWrite {
                     wr_id: 0,
                     local: (
                         self.reg.lkey(b),
@@ -461,43 +573,41 @@ impl RdmaSender {
                     signaled: false,
                 });
             }
-            let n = group.map_or(0, |(_, n)| n) + 1;
-            group = Some((w.transfer, n));
-            if n == SIGNAL_EVERY {
-                self.signal(&mut batch, w.transfer, n);
-                group = None;
+            let k = groups[lane].map_or(0, |(_, k)| k) + 1;
+            groups[lane] = Some((w.transfer, k));
+            if k == SIGNAL_EVERY {
+                self.signal(lane, &mut batches[lane], w.transfer, k);
+                groups[lane] = None;
             }
         }
-        if let Some((t, n)) = group {
-            self.signal(&mut batch, t, n);
-        }
-        if !batch.is_empty() {
-            match self.link.post_writes(&batch) {
+        for lane in 0..n {
+            if let Some((t, k)) = groups[lane] {
+                self.signal(lane, &mut batches[lane], t, k);
+            }
+            let batch = &batches[lane];
+            if batch.is_empty() {
+                continue;
+            }
+            match self.lanes[lane].link.post_writes(batch) {
                 Ok(()) => {
                     self.stats.doorbells += 1;
                     self.stats.writes_posted += batch.len() as u64;
-                    self.wrs_in_flight += batch.len() as u32;
+                    self.lanes[lane].wrs_in_flight += batch.len() as u32;
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "posting writes failed");
+                    tracing::error!(error = %e, lane, "posting writes failed");
                     // Nothing of the batch was posted: report each page failed.
-                    let ids: Vec<u64> = batch
-                        .iter()
-                        .filter(|w| w.signaled)
-                        .map(|w| w.wr_id)
-                        .collect();
-                    for id in ids {
-                        if let Some(s) = self.inflight.remove(&id) {
+                    for w in batch.iter().filter(|w| w.signaled) {
+                        if let Some(s) = self.inflight.remove(&w.wr_id) {
+                            let ep = self.endpoint.as_mut().expect("endpoint");
                             for _ in 0..s.pages {
-                                self.endpoint()
-                                    .handle_write_completion(now, s.transfer, false);
+                                ep.handle_write_completion(now, s.transfer, false);
                             }
                         }
                     }
                 }
             }
         }
-        self.batch = batch;
         for t in refused {
             self.stats.writes_refused += 1;
             self.endpoint().handle_write_completion(now, t, false);
@@ -505,15 +615,25 @@ impl RdmaSender {
         for t in lied {
             self.endpoint().handle_write_completion(now, t, true);
         }
-        if let Err(e) = flush(&mut self.link, &mut self.outbox) {
-            tracing::error!(error = %e, "posting a frame failed");
-            self.fail_link(now);
+        // Frames after the writes of the same round, so a COMMIT follows its data.
+        let ep = self.endpoint.as_mut().expect("endpoint");
+        while let Some(f) = ep.poll_transmit() {
+            let lane = self.lane_of.of(&f);
+            self.lanes[lane].queue(&f);
+        }
+        for lane in 0..n {
+            if let Err(e) = self.lanes[lane].flush() {
+                tracing::error!(error = %e, lane, "posting a frame failed");
+                self.fail_link(now);
+                break;
+            }
         }
         progress
     }
 
-    /// Marks the last write in `batch` signaled, covering `pages` pages of `transfer`.
-    fn signal(&mut self, batch: &mut [RdmaWrite], transfer: TransferRef, pages: u32) {
+    /// Marks the last write in `batch` (of `lane`) signaled, covering `pages` pages of
+    /// `transfer`.
+    fn signal(&mut self, lane: usize, batch: &mut [RdmaWrite], transfer: TransferRef, pages: u32) {
         let unsignaled_before = batch
             .iter()
             .rev()
@@ -531,6 +651,7 @@ impl RdmaSender {
         self.inflight.insert(
             id,
             Signaled {
+                lane,
                 transfer,
                 pages,
                 wrs: unsignaled_before + 1,
@@ -538,21 +659,16 @@ impl RdmaSender {
         );
     }
 
-    /// The queue pair failed: every write still in flight is reported failed (the queue
-    /// pair is reset first, so none of them can still read the source pages), and every
-    /// transfer fails with a retryable reason.
+    /// A queue pair failed: every lane is reset first (so none of their writes can still
+    /// read the source pages), every write in flight is reported failed, and every transfer
+    /// fails with a retryable reason.
     fn fail_link(&mut self, now: Instant) {
         if self.state == LinkState::Broken {
             return;
         }
         self.state = LinkState::Broken;
         self.stats.link_failures += 1;
-        // Reset now: after this no work request of the old queue pair touches memory.
-        if let Err(e) = self.link.recover() {
-            tracing::error!(error = %e, "queue pair reset failed");
-        }
-        self.wrs_in_flight = 0;
-        self.outbox.clear();
+        reset_lanes(&mut self.lanes);
         let ep = self.endpoint.as_mut().expect("endpoint");
         for (_, s) in std::mem::take(&mut self.inflight) {
             for _ in 0..s.pages {
@@ -566,13 +682,13 @@ impl RdmaSender {
     }
 
     /// After [`LinkState::Broken`] (or to replace a working link): fails what is left,
-    /// rebuilds the queue pair and starts a new session over the same source memory.
+    /// rebuilds the queue pairs and starts a new session over the same source memory.
     /// Returns the new parameters; connect with the receiver's new ones.
     pub fn recover(
         &mut self,
         now: Instant,
         established: &Established,
-    ) -> Result<QpParams, DriverError> {
+    ) -> Result<Vec<QpParams>, DriverError> {
         self.fail_link(now);
         let pool = self.endpoint.take().expect("endpoint").into_pool();
         self.endpoint = Some(SenderEndpoint::new(
@@ -583,8 +699,9 @@ impl RdmaSender {
             self.window,
         )?);
         self.descriptors.clear();
+        self.lane_of = LaneMap::default();
         self.state = LinkState::Up;
-        Ok(self.link.params())
+        Ok(self.params())
     }
 
     /// Test-only: installs fault knobs (a buggy or lying sender).
@@ -594,9 +711,9 @@ impl RdmaSender {
     }
 
     /// Test-only fault: posts one more write of source page 0 into the first destination
-    /// page of `transfer`'s access descriptor, whatever state the transfer is in (a sender
-    /// that keeps writing after the receiver fenced). Returns that page, or `None` if no
-    /// descriptor of `transfer` is known.
+    /// page of `transfer`'s access descriptor, on its lane, whatever state the transfer is in
+    /// (a sender that keeps writing after the receiver fenced). Returns that page, or `None`
+    /// if no descriptor of `transfer` is known.
     #[doc(hidden)]
     pub fn inject_late_write(&mut self, transfer: TransferRef) -> Result<Option<u32>, RdmaError> {
         let Some(d) = self
@@ -613,18 +730,20 @@ impl RdmaSender {
         let Ok((rkey, addr)) = d.locate(page, 0, self.page_bytes[0]) else {
             return Ok(None);
         };
+        let lane = self.lane_of.get(transfer.transfer_id);
         let id = self.next_wr;
         self.next_wr += 1;
         self.inflight.insert(
             id,
             Signaled {
+                lane,
                 transfer,
                 pages: 0,
                 wrs: 1,
             },
         );
-        self.wrs_in_flight += 1;
-        self.link.post_writes(&[RdmaWrite {
+        self.lanes[lane].wrs_in_flight += 1;
+        self.lanes[lane].link.post_writes(&[RdmaWrite {
             wr_id: id,
             local: (self.reg.lkey(0), self.reg.addr(0, 0), self.page_bytes[0]),
             remote: (rkey, addr),
@@ -656,11 +775,14 @@ struct Fencing {
     since: Instant,
 }
 
-/// The receiver's side of an RDMA link: the [`ReceiverEndpoint`] over registered
-/// destination memory, with memory windows per reservation.
+/// The receiver's side of an RDMA connection: the [`ReceiverEndpoint`] over registered
+/// destination memory, with memory windows per reservation, over one or more RC queue pairs
+/// (lanes).
 pub struct RdmaReceiver {
     endpoint: Option<ReceiverEndpoint>,
-    link: RcLink,
+    lanes: Vec<Lane>,
+    lane_of: LaneMap,
+    next_lane: usize,
     dev: Arc<RdmaDevice>,
     reg: RegisteredMemory,
     page_bytes: Vec<u32>,
@@ -669,20 +791,18 @@ pub struct RdmaReceiver {
     fencing: BTreeMap<u64, Fencing>,
     fence_wrs: BTreeMap<u64, u64>,
     next_wr: u64,
-    outbox: VecDeque<Vec<u8>>,
     carried: VecDeque<ReceiveOutcome>,
     state: LinkState,
     engine: EngineConfig,
     config: ReceiverConfig,
     stats: RdmaReceiverStats,
-    sealer: Option<Sealer>,
-    opener: Option<Opener>,
 }
 
 impl std::fmt::Debug for RdmaReceiver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaReceiver")
             .field("state", &self.state)
+            .field("lanes", &self.lanes.len())
             .field("kind", &self.kind)
             .field("stats", &self.stats)
             .finish_non_exhaustive()
@@ -692,27 +812,8 @@ impl std::fmt::Debug for RdmaReceiver {
 const TAG_BIND: u64 = 1 << 40;
 
 impl RdmaReceiver {
-    /// Authenticates the control frames carried as SENDs with the connection's channel
-    /// from the handshake (SPEC.md §3.11); without it they travel unauthenticated.
-    pub fn set_auth(&mut self, sealer: Sealer, opener: Opener) {
-        self.sealer = Some(sealer);
-        self.opener = Some(opener);
-    }
-
-    /// The peer is gone (its bootstrap connection closed, its process died): the queue pair
-    /// is reset and every transfer fails with a retryable reason, as on a link failure.
-    pub fn handle_peer_lost(&mut self, now: Instant) {
-        self.fail_link(now);
-    }
-
-    /// The page pool, after [`Self::handle_peer_lost`] (or a broken link): to serve the next
-    /// connection over the same memory.
-    pub fn into_pool(mut self) -> PagePool {
-        self.endpoint.take().expect("endpoint").into_pool()
-    }
-
     /// Registers the pool's memory on `dev`, checks for memory windows (falling back to the
-    /// region's rkeys with a warning) and creates the queue pair.
+    /// region's rkeys with a warning) and creates one queue pair.
     pub fn new(
         dev: Arc<RdmaDevice>,
         established: &Established,
@@ -720,20 +821,38 @@ impl RdmaReceiver {
         engine: &EngineConfig,
         config: ReceiverConfig,
     ) -> Result<Self, DriverError> {
-        let link = RcLink::new(&dev, RECEIVER_QUEUE_DEPTH)?;
-        Self::with_link(link, dev, established, pool, engine, config)
+        Self::with_queue_pairs(1, dev, established, pool, engine, config)
     }
 
-    /// [`RdmaReceiver::new`] over a queue pair created before the handshake, made with
-    /// [`RECEIVER_QUEUE_DEPTH`].
-    pub fn with_link(
-        link: RcLink,
+    /// [`RdmaReceiver::new`] with `n` queue pairs (lanes, at least 1); reservations take
+    /// them in turn.
+    pub fn with_queue_pairs(
+        n: usize,
         dev: Arc<RdmaDevice>,
         established: &Established,
         pool: PagePool,
         engine: &EngineConfig,
         config: ReceiverConfig,
     ) -> Result<Self, DriverError> {
+        let links = (0..n.max(1))
+            .map(|_| RcLink::new(&dev, RECEIVER_QUEUE_DEPTH))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::with_links(links, dev, established, pool, engine, config)
+    }
+
+    /// [`RdmaReceiver::new`] over queue pairs created before the handshake, each made with
+    /// [`RECEIVER_QUEUE_DEPTH`].
+    pub fn with_links(
+        links: Vec<RcLink>,
+        dev: Arc<RdmaDevice>,
+        established: &Established,
+        pool: PagePool,
+        engine: &EngineConfig,
+        config: ReceiverConfig,
+    ) -> Result<Self, DriverError> {
+        if links.is_empty() {
+            return Err(DriverError::Rdma(RdmaError::Lanes { local: 0, peer: 0 }));
+        }
         let page_bytes = pool.geometry().buffer_page_bytes.clone();
         let reg = dev.register(pool.memory())?;
         let kind = match dev.alloc_window() {
@@ -751,7 +870,9 @@ impl RdmaReceiver {
         endpoint.set_fence_completion(FenceCompletion::Transport);
         Ok(Self {
             endpoint: Some(endpoint),
-            link,
+            lanes: links.into_iter().map(Lane::new).collect(),
+            lane_of: LaneMap::default(),
+            next_lane: 0,
             dev,
             reg,
             page_bytes,
@@ -760,25 +881,41 @@ impl RdmaReceiver {
             fencing: BTreeMap::new(),
             fence_wrs: BTreeMap::new(),
             next_wr: 1,
-            outbox: VecDeque::new(),
             carried: VecDeque::new(),
             state: LinkState::Up,
             engine: engine.clone(),
             config,
             stats: RdmaReceiverStats::default(),
-            sealer: None,
-            opener: None,
         })
     }
 
-    /// This side's queue pair parameters, for the peer.
-    pub fn params(&self) -> QpParams {
-        self.link.params()
+    /// Authenticates the control frames carried as SENDs with the connection's channel from
+    /// the handshake, one lane per queue pair (SPEC.md §3.11); without it they travel
+    /// unauthenticated.
+    pub fn set_auth(&mut self, channel: AuthChannel) {
+        set_lane_auth(&mut self.lanes, channel);
     }
 
-    /// Connects the queue pair to the sender's.
-    pub fn connect(&mut self, peer: &QpParams) -> Result<(), RdmaError> {
-        self.link.connect(peer)
+    /// The peer is gone (its bootstrap connection closed, its process died): the queue pairs
+    /// are reset, every window deallocated, and every transfer fails with a retryable reason.
+    pub fn handle_peer_lost(&mut self, now: Instant) {
+        self.fail_link(now);
+    }
+
+    /// The page pool, after [`Self::handle_peer_lost`] (or a broken link): to serve the next
+    /// connection over the same memory.
+    pub fn into_pool(mut self) -> PagePool {
+        self.endpoint.take().expect("endpoint").into_pool()
+    }
+
+    /// This side's queue pair parameters, lane 0 first, for the peer.
+    pub fn params(&self) -> Vec<QpParams> {
+        params_of(&self.lanes)
+    }
+
+    /// Connects lane `i` to the sender's lane `i` (the counts must match).
+    pub fn connect(&mut self, peer: &[QpParams]) -> Result<(), RdmaError> {
+        connect_lanes(&mut self.lanes, peer)
     }
 
     /// How access is scoped on this device.
@@ -812,17 +949,19 @@ impl RdmaReceiver {
     }
 
     /// Reserves pages, binds memory windows over exactly them (one per run of consecutive
-    /// pages and buffer), and sends RESERVE with their rkeys after the binds on the same
-    /// queue pair.
+    /// pages and buffer) on the next lane's queue pair, and sends RESERVE with their rkeys
+    /// after the binds on that queue pair.
     pub fn reserve(&mut self, now: Instant, p: ReserveParams) -> Result<TransferRef, ReceiveError> {
         if self.state == LinkState::Broken {
             return Err(ReceiveError::Access(
                 "the link is broken; recover it".into(),
             ));
         }
+        let lane = self.next_lane % self.lanes.len();
+        let transfer_id = p.transfer_id;
         let Self {
             endpoint,
-            link,
+            lanes,
             dev,
             reg,
             page_bytes,
@@ -831,6 +970,7 @@ impl RdmaReceiver {
             stats,
             ..
         } = self;
+        let link = &mut lanes[lane].link;
         let mut windows = Vec::new();
         let kind = *kind;
         let r = endpoint
@@ -890,13 +1030,15 @@ impl RdmaReceiver {
                 if kind == AccessKind::REGION {
                     self.stats.region_fallbacks += 1;
                 }
+                self.next_lane = self.next_lane.wrapping_add(1);
+                self.lane_of.set(transfer_id, lane);
                 self.bound.insert(t.transfer_id, windows);
                 self.pump(now);
                 Ok(t)
             }
             Err(e) => {
-                // Windows bound for a reservation that was not made: never sent to anyone,
-                // but invalidate them before reuse all the same, by dropping them.
+                // Windows bound for a reservation that was not made: never sent to anyone;
+                // deallocating them invalidates them.
                 drop(windows);
                 Err(e)
             }
@@ -908,9 +1050,8 @@ impl RdmaReceiver {
         loop {
             let ep = self.endpoint.as_mut().expect("endpoint");
             while let Some(f) = ep.poll_transmit() {
-                if let Some(b) = encode(&mut self.sealer, &f) {
-                    self.outbox.push_back(b);
-                }
+                let lane = self.lane_of.of(&f);
+                self.lanes[lane].queue(&f);
             }
             let Some(t) = ep.poll_fenced() else {
                 break;
@@ -921,17 +1062,18 @@ impl RdmaReceiver {
                 ep.handle_fence_complete(now, t);
                 continue;
             }
+            let lane = self.lane_of.get(t.transfer_id);
             let mut posted = 0;
             for w in &windows {
                 let id = self.next_wr;
                 self.next_wr += 1;
-                match self.link.invalidate(w.rkey, id) {
+                match self.lanes[lane].link.invalidate(w.rkey, id) {
                     Ok(()) => {
                         self.fence_wrs.insert(id, t.transfer_id);
                         posted += 1;
                     }
                     Err(e) => {
-                        tracing::error!(error = %e, "invalidate could not be posted");
+                        tracing::error!(error = %e, lane, "invalidate could not be posted");
                         break;
                     }
                 }
@@ -952,9 +1094,12 @@ impl RdmaReceiver {
                 return;
             }
         }
-        if let Err(e) = flush(&mut self.link, &mut self.outbox) {
-            tracing::error!(error = %e, "posting a frame failed");
-            self.fail_link(now);
+        for lane in 0..self.lanes.len() {
+            if let Err(e) = self.lanes[lane].flush() {
+                tracing::error!(error = %e, lane, "posting a frame failed");
+                self.fail_link(now);
+                return;
+            }
         }
     }
 
@@ -970,52 +1115,62 @@ impl RdmaReceiver {
             progress = true;
         }
         self.pump(now);
-        let mut events = Vec::new();
-        if let Err(e) = self.link.poll(&mut events) {
-            tracing::error!(error = %e, "rdma poll");
-            self.fail_link(now);
+        if self.state == LinkState::Broken {
             return Ok(true);
         }
-        progress |= !events.is_empty();
         let mut broken = false;
-        for e in events {
-            match e {
-                RdmaEvent::Frame(bytes) => match decode(&mut self.opener, &bytes) {
-                    Some(f) => {
-                        if let Err(e) = self.endpoint().handle_frame(now, f) {
-                            tracing::warn!(error = ?e, "frame refused");
+        let mut events = Vec::new();
+        for lane in 0..self.lanes.len() {
+            events.clear();
+            if let Err(e) = self.lanes[lane].link.poll(&mut events) {
+                tracing::error!(error = %e, lane, "rdma poll");
+                broken = true;
+                break;
+            }
+            progress |= !events.is_empty();
+            for e in events.drain(..) {
+                match e {
+                    RdmaEvent::Frame(bytes) => match self.lanes[lane].open(&bytes) {
+                        Some(f) => {
+                            if let Err(e) = self.endpoint().handle_frame(now, f) {
+                                tracing::warn!(error = ?e, "frame refused");
+                            }
+                        }
+                        None => broken = true,
+                    },
+                    RdmaEvent::LocalDone { wr_id, ok } => {
+                        if !ok {
+                            tracing::error!(
+                                wr_id,
+                                lane,
+                                "memory window bind or invalidation failed"
+                            );
+                            broken = true;
+                            continue;
+                        }
+                        let Some(tid) = self.fence_wrs.remove(&wr_id) else {
+                            continue; // a bind
+                        };
+                        let done = self.fencing.get_mut(&tid).is_some_and(|f| {
+                            f.remaining -= 1;
+                            f.remaining == 0
+                        });
+                        if done {
+                            if let Some(f) = self.fencing.remove(&tid) {
+                                self.stats.fence_time += now.saturating_duration_since(f.since);
+                                // Deallocated, not reused: rxe refuses to rebind an
+                                // invalidated type-2 window (seen on rdma-core 44 / Linux 6.1).
+                                drop(f.windows);
+                                self.endpoint().handle_fence_complete(now, f.transfer);
+                            }
                         }
                     }
-                    None => broken = true,
-                },
-                RdmaEvent::LocalDone { wr_id, ok } => {
-                    if !ok {
-                        tracing::error!(wr_id, "memory window bind or invalidation failed");
+                    RdmaEvent::SendFailed(status) => {
+                        tracing::error!(status, lane, "SEND failed: the queue pair is in error");
                         broken = true;
-                        continue;
                     }
-                    let Some(tid) = self.fence_wrs.remove(&wr_id) else {
-                        continue; // a bind
-                    };
-                    let done = self.fencing.get_mut(&tid).is_some_and(|f| {
-                        f.remaining -= 1;
-                        f.remaining == 0
-                    });
-                    if done {
-                        if let Some(f) = self.fencing.remove(&tid) {
-                            self.stats.fence_time += now.saturating_duration_since(f.since);
-                            // Deallocated, not reused: rxe refuses to rebind an invalidated
-                            // type-2 window (seen on rdma-core 44 / Linux 6.1).
-                            drop(f.windows);
-                            self.endpoint().handle_fence_complete(now, f.transfer);
-                        }
-                    }
+                    RdmaEvent::WriteDone { .. } => {}
                 }
-                RdmaEvent::SendFailed(status) => {
-                    tracing::error!(status, "SEND failed: the queue pair is in error");
-                    broken = true;
-                }
-                RdmaEvent::WriteDone { .. } => {}
             }
         }
         if broken {
@@ -1026,21 +1181,18 @@ impl RdmaReceiver {
         Ok(progress)
     }
 
-    /// The queue pair failed: reset it (no remote access through it after this), deallocate
-    /// every window (the fence of every open reservation), and fail every transfer.
+    /// A queue pair failed: reset every lane (no remote access through them after this),
+    /// deallocate every window (the fence of every open reservation), fail every transfer.
     fn fail_link(&mut self, now: Instant) {
         if self.state == LinkState::Broken {
             return;
         }
         self.state = LinkState::Broken;
         self.stats.link_failures += 1;
-        if let Err(e) = self.link.recover() {
-            tracing::error!(error = %e, "queue pair reset failed");
-        }
+        reset_lanes(&mut self.lanes);
         // Deallocating a window invalidates it: no write through it can land any more.
         self.bound.clear();
         self.fence_wrs.clear();
-        self.outbox.clear();
         let ep = self.endpoint.as_mut().expect("endpoint");
         for (_, f) in std::mem::take(&mut self.fencing) {
             drop(f.windows);
@@ -1056,20 +1208,21 @@ impl RdmaReceiver {
     }
 
     /// After [`LinkState::Broken`] (or to replace a working link): fails what is left,
-    /// rebuilds the queue pair and starts a new session over the same memory (verified
+    /// rebuilds the queue pairs and starts a new session over the same memory (verified
     /// pages the engine still holds stay valid). Returns the new parameters.
     pub fn recover(
         &mut self,
         now: Instant,
         established: &Established,
-    ) -> Result<QpParams, DriverError> {
+    ) -> Result<Vec<QpParams>, DriverError> {
         self.fail_link(now);
         let pool = self.endpoint.take().expect("endpoint").into_pool();
         let mut endpoint =
             ReceiverEndpoint::new(established, pool, &self.engine, self.config.clone())?;
         endpoint.set_fence_completion(FenceCompletion::Transport);
         self.endpoint = Some(endpoint);
+        self.lane_of = LaneMap::default();
         self.state = LinkState::Up;
-        Ok(self.link.params())
+        Ok(self.params())
     }
 }

@@ -73,6 +73,14 @@ pub enum RdmaError {
         /// The peer's.
         peer: u32,
     },
+    /// The two sides of a connection have different numbers of queue pairs.
+    #[error("queue pair count differs: {local} here, {peer} at the peer")]
+    Lanes {
+        /// Queue pairs here.
+        local: usize,
+        /// Queue pairs the peer listed.
+        peer: usize,
+    },
     /// Every send slot holds a frame whose SEND has not completed yet; retry after polling.
     #[error("all {SEND_SLOTS} send slots are in flight")]
     SendSlotsBusy,
