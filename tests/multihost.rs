@@ -11,7 +11,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::process::{finish, wait_for_line};
+use common::process::{finish, wait_for_line, Reaped};
 
 const CASE: &[&str] = &[
     "--page-sizes",
@@ -57,7 +57,7 @@ fn spawn(mut c: Command) -> Child {
 fn scenario(receiver_prefix: &[String], sender_prefix: &[String], addr: &str) {
     let mut rx_args = vec!["bench", "--listen", addr, "--connections", "3"];
     rx_args.extend_from_slice(CASE);
-    let receiver = spawn(kvwire(receiver_prefix, &rx_args));
+    let mut receiver = Reaped(Some(spawn(kvwire(receiver_prefix, &rx_args))));
     let mut tx_args = vec!["bench", "--connect", addr];
     tx_args.extend_from_slice(CASE);
 
@@ -91,7 +91,7 @@ fn scenario(receiver_prefix: &[String], sender_prefix: &[String], addr: &str) {
     assert_eq!(case["verified"], case["transfers"], "{case}");
 
     // The receiver's own account of the three connections.
-    let (code, json, err) = finish(receiver, Duration::from_secs(60));
+    let (code, json, err) = finish(receiver.take(), Duration::from_secs(60));
     assert_eq!(
         code,
         Some(1),

@@ -1115,7 +1115,7 @@ mod two_processes {
     use std::process::{Child, Command, Stdio};
     use std::time::Duration;
 
-    use super::common::process::{finish, wait_for_line};
+    use super::common::process::{finish, wait_for_line, Reaped};
 
     fn kvwire(dev: &str, args: &[&str]) -> Child {
         Command::new(env!("CARGO_BIN_EXE_kvwire"))
@@ -1153,7 +1153,7 @@ mod two_processes {
         let addr = format!("127.0.0.1:{port}");
         // Two queue pairs per connection, authenticated (KVWIRE_PSK): each lane has its own
         // channel.
-        let receiver = kvwire(
+        let mut receiver = Reaped(Some(kvwire(
             &d.name,
             &[
                 "--listen",
@@ -1163,7 +1163,7 @@ mod two_processes {
                 "--queue-pairs",
                 "2",
             ],
-        );
+        )));
         let sender = || kvwire(&d.name, &["--connect", &addr, "--queue-pairs", "2"]);
 
         let (code, json, err) = finish(sender(), Duration::from_secs(300));
@@ -1187,7 +1187,7 @@ mod two_processes {
         let case = &json["cases"][0];
         assert_eq!(case["verified"], case["transfers"], "{case}");
 
-        let (code, json, err) = finish(receiver, Duration::from_secs(120));
+        let (code, json, err) = finish(receiver.take(), Duration::from_secs(120));
         assert_eq!(
             code,
             Some(1),

@@ -32,8 +32,39 @@ pub fn finish(child: Child, deadline: Duration) -> (Option<i32>, serde_json::Val
         }
         if start.elapsed() > deadline {
             let _ = child.kill();
-            panic!("kvwire did not finish within {deadline:?}");
+            // What it said before it hung, for the diagnosis.
+            let out = child.wait_with_output().expect("output");
+            panic!(
+                "kvwire did not finish within {deadline:?}; stderr: {}; stdout: {}",
+                String::from_utf8_lossy(&out.stderr),
+                String::from_utf8_lossy(&out.stdout)
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A child process that is killed when the test unwinds (a failed assertion must not leave
+/// it running), printing what it wrote to stderr for the diagnosis.
+pub struct Reaped(pub Option<Child>);
+
+impl Reaped {
+    /// Takes the child back (to wait for it normally).
+    pub fn take(&mut self) -> Child {
+        self.0.take().expect("child already taken")
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            if let Ok(out) = c.wait_with_output() {
+                eprintln!(
+                    "killed a kvwire left running; its stderr:\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
     }
 }
