@@ -11,7 +11,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::process::{finish, wait_for_line, Reaped};
+use common::process::{assert_receiver_account, finish, wait_for_line, Reaped};
 
 const CASE: &[&str] = &[
     "--page-sizes",
@@ -92,40 +92,7 @@ fn scenario(receiver_prefix: &[String], sender_prefix: &[String], addr: &str) {
 
     // The receiver's own account of the three connections.
     let (code, json, err) = finish(receiver.take(), Duration::from_secs(60));
-    assert_eq!(
-        code,
-        Some(1),
-        "the receiver must report the killed connection's failures: {err}"
-    );
-    let cases = json["cases"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no receiver report: {err}"));
-    assert_eq!(cases.len(), 3, "{json}");
-    for (i, c) in cases.iter().enumerate() {
-        assert_eq!(
-            c["pages_free_after"], c["pages_total"],
-            "connection {i}: receiver pages not returned: {c}"
-        );
-    }
-    assert_eq!(cases[0]["verified"], cases[0]["transfers"], "{}", cases[0]);
-    let killed = &cases[1];
-    assert!(
-        killed["verified"].as_u64() < killed["transfers"].as_u64(),
-        "nothing was cut short: {killed}"
-    );
-    let failures = killed["failures"].as_object().expect("failures");
-    assert!(
-        !failures.is_empty(),
-        "killed connection reported no failures: {killed}"
-    );
-    assert_eq!(cases[2]["verified"], cases[2]["transfers"], "{}", cases[2]);
-    assert!(
-        cases[2]["failures"]
-            .as_object()
-            .is_some_and(|f| f.is_empty()),
-        "{}",
-        cases[2]
-    );
+    assert_receiver_account(code, &json, &err);
 }
 
 #[test]

@@ -1115,7 +1115,7 @@ mod two_processes {
     use std::process::{Child, Command, Stdio};
     use std::time::Duration;
 
-    use super::common::process::{finish, wait_for_line, Reaped};
+    use super::common::process::{assert_receiver_account, finish, wait_for_line, Reaped};
 
     fn kvwire(dev: &str, args: &[&str]) -> Child {
         Command::new(env!("CARGO_BIN_EXE_kvwire"))
@@ -1188,33 +1188,6 @@ mod two_processes {
         assert_eq!(case["verified"], case["transfers"], "{case}");
 
         let (code, json, err) = finish(receiver.take(), Duration::from_secs(120));
-        assert_eq!(
-            code,
-            Some(1),
-            "the receiver must report the killed connection's failures: {err}"
-        );
-        let cases = json["cases"]
-            .as_array()
-            .unwrap_or_else(|| panic!("no receiver report: {err}"));
-        assert_eq!(cases.len(), 3, "{json}");
-        for (i, c) in cases.iter().enumerate() {
-            assert_eq!(
-                c["pages_free_after"], c["pages_total"],
-                "connection {i}: receiver pages not returned: {c}"
-            );
-        }
-        assert_eq!(cases[0]["verified"], cases[0]["transfers"], "{}", cases[0]);
-        let killed = &cases[1];
-        assert!(
-            killed["verified"].as_u64() < killed["transfers"].as_u64(),
-            "nothing was cut short: {killed}"
-        );
-        assert!(
-            killed["failures"]
-                .as_object()
-                .is_some_and(|f| !f.is_empty()),
-            "killed connection reported no failures: {killed}"
-        );
-        assert_eq!(cases[2]["verified"], cases[2]["transfers"], "{}", cases[2]);
+        assert_receiver_account(code, &json, &err);
     }
 }

@@ -68,3 +68,45 @@ impl Drop for Reaped {
         }
     }
 }
+
+/// The receiver's own account of three connections in turn (whole, killed mid-transfer,
+/// whole), from `kvwire bench --listen --connections 3 --json`: it exits 1 for the killed
+/// connection's failures, returned every page after each connection, and served the others
+/// completely.
+pub fn assert_receiver_account(code: Option<i32>, json: &serde_json::Value, err: &str) {
+    assert_eq!(
+        code,
+        Some(1),
+        "the receiver must report the killed connection's failures: {err}"
+    );
+    let cases = json["cases"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no receiver report: {err}"));
+    assert_eq!(cases.len(), 3, "{json}");
+    for (i, c) in cases.iter().enumerate() {
+        assert_eq!(
+            c["pages_free_after"], c["pages_total"],
+            "connection {i}: receiver pages not returned: {c}"
+        );
+    }
+    assert_eq!(cases[0]["verified"], cases[0]["transfers"], "{}", cases[0]);
+    let killed = &cases[1];
+    assert!(
+        killed["verified"].as_u64() < killed["transfers"].as_u64(),
+        "nothing was cut short: {killed}"
+    );
+    assert!(
+        killed["failures"]
+            .as_object()
+            .is_some_and(|f| !f.is_empty()),
+        "killed connection reported no failures: {killed}"
+    );
+    assert_eq!(cases[2]["verified"], cases[2]["transfers"], "{}", cases[2]);
+    assert!(
+        cases[2]["failures"]
+            .as_object()
+            .is_some_and(|f| f.is_empty()),
+        "{}",
+        cases[2]
+    );
+}
