@@ -15,6 +15,8 @@ if ((${#need[@]})); then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 cargo clippy --quiet -p kvwire --features rdma --all-targets -- -D warnings
+# Unit tests of the RDMA code that need no device (queue-pair and transport parameters, MTU).
+cargo test --quiet -p kvwire --features rdma --lib -- transport::rdma
 cargo build --quiet --features rdma --bin kvwire
 # The RDMA bench is measured with the optimized binary.
 cargo build --quiet --release --features rdma --bin kvwire
