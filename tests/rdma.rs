@@ -955,8 +955,10 @@ mod driven {
         let st = l.r.stats();
         assert_eq!(st.invalidations, st.binds);
         assert_eq!(st.link_failures, 0);
-        // Writes went out on more than one queue pair: one doorbell per lane per round.
-        assert!(l.s.stats().doorbells >= 3, "{:?}", l.s.stats());
+        // Lane affinity is what this proves: a type-2 window admits writes only through the
+        // queue pair it was bound on, so a transfer written on another lane than its
+        // reservation's never verifies (checked: routing every write to lane 0 makes this
+        // test fail with a commit timeout).
         assert!(l.pools_full(), "pages leaked");
     }
 

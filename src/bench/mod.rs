@@ -250,7 +250,7 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 }
 
 #[derive(Default)]
-struct Tally {
+pub(crate) struct Tally {
     latencies: Vec<Duration>,
     verified: u64,
     checked: u64,
@@ -258,6 +258,32 @@ struct Tally {
 }
 
 impl Tally {
+    /// The case's figures from this side's tally (pool state left for the caller).
+    pub(crate) fn result(mut self, spec: &BenchSpec, page: u32, seconds: f64) -> CaseResult {
+        self.latencies.sort_unstable();
+        let bytes = self.verified * spec.transfer_bytes(page);
+        CaseResult {
+            page_bytes: page,
+            pages: spec.pages,
+            buffers: spec.buffers,
+            transfers: spec.transfers(page),
+            concurrency: spec.concurrency,
+            bytes,
+            seconds,
+            gb_per_s: bytes as f64 / seconds / 1e9,
+            transfers_per_s: self.verified as f64 / seconds,
+            p50_ms: percentile(&self.latencies, 0.50),
+            p99_ms: percentile(&self.latencies, 0.99),
+            verified: self.verified,
+            bytes_checked: self.checked,
+            failures: self.failures,
+            raw_gb_per_s: None,
+            ratio_to_raw: None,
+            pages_free_after: None,
+            pages_total: None,
+        }
+    }
+
     fn fail(&mut self, e: &TransferError) {
         let key = match e.reason() {
             Some(r) => r.code().to_string(),
@@ -617,29 +643,8 @@ where
         let _ = w.await;
     }
     let seconds = start.elapsed().as_secs_f64();
-    let mut t = std::mem::take(&mut *tally.lock().unwrap_or_else(|p| p.into_inner()));
-    t.latencies.sort_unstable();
-    let bytes = t.verified * spec.transfer_bytes(page);
-    CaseResult {
-        page_bytes: page,
-        pages: spec.pages,
-        buffers: spec.buffers,
-        transfers,
-        concurrency: spec.concurrency,
-        bytes,
-        seconds,
-        gb_per_s: bytes as f64 / seconds / 1e9,
-        transfers_per_s: t.verified as f64 / seconds,
-        p50_ms: percentile(&t.latencies, 0.50),
-        p99_ms: percentile(&t.latencies, 0.99),
-        verified: t.verified,
-        bytes_checked: t.checked,
-        failures: t.failures,
-        raw_gb_per_s: None,
-        ratio_to_raw: None,
-        pages_free_after: None,
-        pages_total: None,
-    }
+    let t = std::mem::take(&mut *tally.lock().unwrap_or_else(|p| p.into_inner()));
+    t.result(spec, page, seconds)
 }
 
 async fn run_receiver_side(spec: &BenchSpec, page: u32, receiver: &ReceiverConn) -> CaseResult {

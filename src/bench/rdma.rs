@@ -14,7 +14,7 @@ use kvwire_proto::admission::Request;
 use kvwire_proto::sender::SenderEvent;
 use kvwire_proto::wire::Role;
 
-use super::{fill_body, page_is_expected, percentile, stamp, BenchSpec, CaseResult, Report};
+use super::{fill_body, page_is_expected, stamp, BenchSpec, CaseResult, Report, Tally};
 use crate::pool::{PagePool, Scrub};
 use crate::receiver::{ReceiveOutcome, ReserveParams};
 use crate::transport::rdma::driver::{LinkState, RdmaReceiver, RdmaSender};
@@ -111,7 +111,7 @@ fn run_case(
         .fill_free_pages(|_, b, bytes| fill_body(b, bytes));
 
     let transfers = spec.transfers(page);
-    let mut tally = SideTally::default();
+    let mut tally = Tally::default();
     let mut started: BTreeMap<u64, Instant> = BTreeMap::new();
     let (mut next, mut done) = (1u64, 0u64);
     let start = Instant::now();
@@ -176,7 +176,7 @@ fn reserve_one(
     r: &mut RdmaReceiver,
     id: u64,
     now: Instant,
-    tally: &mut SideTally,
+    tally: &mut Tally,
 ) -> bool {
     let reserved = r.reserve(
         now,
@@ -221,7 +221,7 @@ fn take_outcomes(
     spec: &BenchSpec,
     r: &mut RdmaReceiver,
     started: &mut BTreeMap<u64, Instant>,
-    tally: &mut SideTally,
+    tally: &mut Tally,
 ) -> Result<u64, String> {
     let mut n = 0;
     while let Some(o) = r.poll_outcome() {
@@ -261,42 +261,6 @@ fn take_outcomes(
         }
     }
     Ok(n)
-}
-
-/// A case's tally on one side.
-#[derive(Default)]
-struct SideTally {
-    latencies: Vec<Duration>,
-    failures: BTreeMap<String, u64>,
-    verified: u64,
-    checked: u64,
-}
-
-impl SideTally {
-    fn result(mut self, spec: &BenchSpec, page: u32, seconds: f64) -> CaseResult {
-        self.latencies.sort_unstable();
-        let bytes = self.verified * spec.transfer_bytes(page);
-        CaseResult {
-            page_bytes: page,
-            pages: spec.pages,
-            buffers: spec.buffers,
-            transfers: spec.transfers(page),
-            concurrency: spec.concurrency,
-            bytes,
-            seconds,
-            gb_per_s: bytes as f64 / seconds / 1e9,
-            transfers_per_s: self.verified as f64 / seconds,
-            p50_ms: percentile(&self.latencies, 0.50),
-            p99_ms: percentile(&self.latencies, 0.99),
-            verified: self.verified,
-            bytes_checked: self.checked,
-            failures: self.failures,
-            raw_gb_per_s: None,
-            ratio_to_raw: None,
-            pages_free_after: None,
-            pages_total: None,
-        }
-    }
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, String> {
@@ -365,7 +329,7 @@ fn receiver_side(
     live: &mut bootstrap::Liveness,
 ) -> Result<CaseResult, String> {
     let transfers = spec.transfers(page);
-    let mut tally = SideTally::default();
+    let mut tally = Tally::default();
     let mut started: BTreeMap<u64, Instant> = BTreeMap::new();
     let (mut next, mut done) = (1u64, 0u64);
     let start = Instant::now();
@@ -443,7 +407,7 @@ fn sender_side(
     s.endpoint()
         .fill_free_pages(|_, b, bytes| fill_body(b, bytes));
     let transfers = spec.transfers(page);
-    let mut tally = SideTally::default();
+    let mut tally = Tally::default();
     let mut started: BTreeMap<u64, Instant> = BTreeMap::new();
     let (mut next, mut done) = (1u64, 0u64);
     let start = Instant::now();
