@@ -478,6 +478,7 @@ impl RdmaSender {
         if let Some((_, _, d)) = self
             .descriptors
             .iter()
+            .rev() // the transfer being written is almost always among the newest
             .find(|(t, a, _)| *t == transfer && Arc::ptr_eq(a, access))
         {
             return d.clone();
@@ -540,38 +541,37 @@ impl RdmaSender {
                 refused.push(w.transfer);
                 continue;
             };
-            let mut located = Vec::with_capacity(self.page_bytes.len());
-            for (b, &bytes) in self.page_bytes.iter().enumerate() {
-                match d.locate(w.write.dst_page, b, bytes) {
-                    Ok(r) => located.push(r),
-                    Err(e) => {
-                        tracing::error!(transfer_id = w.transfer.transfer_id, error = %e, "write refused");
-                        break;
-                    }
-                }
-            }
-            if located.len() != self.page_bytes.len() {
-                refused.push(w.transfer);
-                continue;
-            }
             // Close the lane's previous transfer group with a signaled write.
             if let Some((t, k)) = groups[lane].filter(|(t, _)| *t != w.transfer) {
                 self.signal(lane, &mut batches[lane], t, k);
                 groups[lane] = None;
             }
-            for (b, (rkey, addr)) in located.into_iter().enumerate() {
-                let bytes = self.page_bytes[b];
-                batches[lane].push(RdmaWrite {
-                    wr_id: 0,
-                    local: (
-                        self.reg.lkey(b),
-                        self.reg
-                            .addr(b, u64::from(w.write.src_page) * u64::from(bytes)),
-                        bytes,
-                    ),
-                    remote: (rkey, addr),
-                    signaled: false,
-                });
+            // One WRITE per buffer, straight into the batch (no allocation per page); a page
+            // outside the descriptor takes its buffers back out and is refused.
+            let mark = batches[lane].len();
+            for (b, &bytes) in self.page_bytes.iter().enumerate() {
+                match d.locate(w.write.dst_page, b, bytes) {
+                    Ok((rkey, addr)) => batches[lane].push(RdmaWrite {
+                        wr_id: 0,
+                        local: (
+                            self.reg.lkey(b),
+                            self.reg
+                                .addr(b, u64::from(w.write.src_page) * u64::from(bytes)),
+                            bytes,
+                        ),
+                        remote: (rkey, addr),
+                        signaled: false,
+                    }),
+                    Err(e) => {
+                        tracing::error!(transfer_id = w.transfer.transfer_id, error = %e, "write refused");
+                        batches[lane].truncate(mark);
+                        break;
+                    }
+                }
+            }
+            if batches[lane].len() == mark {
+                refused.push(w.transfer);
+                continue;
             }
             let k = groups[lane].map_or(0, |(_, k)| k) + 1;
             groups[lane] = Some((w.transfer, k));
