@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
 use kvwire::harness::{kv_pattern, Pair, PairConfig};
-use kvwire::pool::PoolGeometry;
+use kvwire::memory::PoolGeometry;
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::{Commit, Digest128, DigestAlgorithm, Frame, Reserve, TransferRef};
 use kvwire::receiver::ReserveParams;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use common::{assert_invariants, reserve, send, transfer};
 use kvwire::config::{ConfigError, EngineConfig};
 use kvwire::harness::{handshake, Pair, PairConfig, PairError};
-use kvwire::pool::{PagePool, PoolGeometry, Scrub};
+use kvwire::memory::{PagePool, PoolGeometry, Scrub};
 use kvwire::proto::admission::AdmissionError;
 use kvwire::proto::receiver::ReceiverConfig;
 use kvwire::proto::wire::{

@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 
 use kvwire::config::*;
-use kvwire::pool::*;
+use kvwire::memory::*;
 use proptest::prelude::*;
 
 fn geometry(pages: u32) -> PoolGeometry {

@@ -12,7 +12,7 @@
 #[cfg(feature = "rdma")]
 mod common;
 
-use kvwire::doctor::{inspect, RdmaDevice};
+use kvwire::host::{inspect, RdmaDevice};
 
 /// The usable device, or `None` after printing why the test is skipped.
 fn device(test: &str) -> Option<RdmaDevice> {
@@ -90,7 +90,7 @@ mod over_rdma {
 
     use kvwire::checksum::{digest_transfer, DigestBinding};
     use kvwire::harness::{handshake, kv_pattern};
-    use kvwire::pool::{PageLease, PagePool, PoolGeometry, Scrub};
+    use kvwire::memory::{PageLease, PagePool, PoolGeometry, Scrub};
     use kvwire::proto::admission::{AdmissionPolicy, Request};
     use kvwire::proto::receiver::{
         ReceiverAction, ReceiverConfig, ReceiverEvent, ReceiverSession, ReservationRequest,
@@ -656,7 +656,7 @@ mod driven {
 
     use kvwire::config::EngineConfig;
     use kvwire::harness::{handshake, kv_pattern};
-    use kvwire::pool::{PagePool, PoolGeometry, Scrub};
+    use kvwire::memory::{PagePool, PoolGeometry, Scrub};
     use kvwire::proto::admission::Request;
     use kvwire::proto::handshake::Established;
     use kvwire::proto::receiver::ReceiverConfig;

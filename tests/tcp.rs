@@ -226,7 +226,7 @@ async fn transfers_land_in_memory_the_engine_registered() {
     kv_pattern(5, 0, 1, &mut want);
     assert_eq!(first, want);
     // A geometry that does not match the registered memory is refused at start.
-    let wrong = KvMemory::allocate(&kvwire::pool::PoolGeometry {
+    let wrong = KvMemory::allocate(&kvwire::memory::PoolGeometry {
         pages: 8,
         ..config.pool.clone()
     })

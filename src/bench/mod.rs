@@ -26,7 +26,7 @@ use tokio::net::{TcpListener, TcpStream};
 use crate::checksum::DigestMode;
 use crate::config::EngineConfig;
 use crate::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
-use crate::pool::PoolGeometry;
+use crate::memory::PoolGeometry;
 use crate::receiver::ReserveParams;
 
 /// How transfers are verified.

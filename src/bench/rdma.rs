@@ -15,7 +15,7 @@ use kvwire_proto::sender::SenderEvent;
 use kvwire_proto::wire::Role;
 
 use super::{fill_body, page_is_expected, stamp, BenchSpec, CaseResult, Report, Tally};
-use crate::pool::{PagePool, Scrub};
+use crate::memory::{PagePool, Scrub};
 use crate::receiver::{ReceiveOutcome, ReserveParams};
 use crate::transport::rdma::driver::{LinkState, RdmaReceiver, RdmaSender};
 use crate::transport::rdma::{bootstrap, RdmaDevice};

@@ -429,7 +429,7 @@ impl DigestRunner {
         transfer: kvwire_proto::wire::TransferRef,
         algorithm: DigestAlgorithm,
         page_digests: bool,
-        view: Result<crate::memory::SharedPages, crate::pool::PoolError>,
+        view: Result<crate::memory::SharedPages, crate::memory::PoolError>,
     ) -> Option<Result<TransferDigests, ()>> {
         let Ok(view) = view else { return Some(Err(())) };
         let job = DigestJob::new(transfer, algorithm, page_digests, self.mode, view);

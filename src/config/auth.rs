@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use kvwire_proto::auth::{Psk, PskError};
 
-use crate::engine::Auth;
+use super::Auth;
 
 /// Environment variable naming a key file.
 pub const PSK_FILE_ENV: &str = "KVWIRE_PSK_FILE";
@@ -113,6 +113,6 @@ pub fn resolve(
 
 /// A fresh random key as hex text (what `kvwire gen-psk` prints).
 pub fn generate_hex() -> std::io::Result<String> {
-    let key: [u8; 32] = crate::engine::random_bytes()?;
+    let key: [u8; 32] = super::random_bytes()?;
     Ok(key.iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -39,8 +39,8 @@ use serde::Deserialize;
 
 use super::auth::KeySource;
 use super::EngineConfig;
-use crate::engine::{Auth, NodeConfig};
-use crate::pool::{PoolGeometry, Scrub};
+use super::{Auth, NodeConfig};
+use crate::memory::{PoolGeometry, Scrub};
 
 /// The file, as parsed. Unknown keys are refused, so a typo is an error, not a default.
 #[derive(Clone, Debug, Deserialize)]

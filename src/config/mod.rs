@@ -8,10 +8,13 @@
 
 pub mod auth;
 pub mod file;
+mod node;
+
+pub use node::{random_bytes, Auth, NodeConfig};
 
 use std::fmt;
 
-use crate::pool::PagePool;
+use crate::memory::PagePool;
 
 /// The engine-level settings the pool must be able to honour.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -143,7 +146,7 @@ impl EngineConfig {
     /// allocating it: what `kvwire check-config` runs before a deploy.
     pub fn validate_geometry(
         &self,
-        geometry: &crate::pool::PoolGeometry,
+        geometry: &crate::memory::PoolGeometry,
     ) -> Result<Vec<ConfigWarning>, ConfigError> {
         if self.max_context_tokens == 0 {
             return Err(ConfigError::ZeroContext);
@@ -180,7 +183,7 @@ impl EngineConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::{PoolGeometry, Scrub};
+    use crate::memory::{PoolGeometry, Scrub};
     use std::sync::{Arc, Mutex};
     use tracing::field::{Field, Visit};
     use tracing::span::{Attributes, Id, Record};

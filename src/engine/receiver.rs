@@ -17,8 +17,8 @@ use tokio::sync::{mpsc, oneshot};
 use super::{open, run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
 use crate::checksum::DigestExecution;
 use crate::memory::KvMemory;
+use crate::memory::PagePool;
 use crate::metrics::{Connection, Metrics};
-use crate::pool::PagePool;
 use crate::receiver::{ReceiveOutcome, ReceiverEndpoint, ReserveParams, VerifiedKv};
 use crate::transport::tcp::{Record, StreamError, StreamReader, StreamStats};
 

@@ -16,12 +16,12 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::stream::{read_frame, ReadError};
 use super::{open, run_digest_job, DigestDone, EngineError, NodeConfig, TransferError};
 use crate::checksum::DigestExecution;
 use crate::memory::KvMemory;
 use crate::metrics::Metrics;
 use crate::sender::{PostedWrite, SenderEndpoint};
+use crate::transport::stream::{read_frame, ReadError};
 use crate::transport::tcp::DataHeader;
 use crate::transport::AccessKey;
 
@@ -238,7 +238,7 @@ async fn read_frames(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<Incoming>,
                     return;
                 }
             }
-            Ok(None) | Err(ReadError::Engine(_)) => {
+            Ok(None) | Err(ReadError::Stream(_)) => {
                 let _ = tx.send(Incoming::Closed(None));
                 return;
             }

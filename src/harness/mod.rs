@@ -21,7 +21,7 @@ use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, Hello, Role};
 use kvwire_proto::{FrameError, Scope};
 
 use crate::config::{ConfigError, EngineConfig};
-use crate::pool::{PagePool, PoolGeometry, Scrub};
+use crate::memory::{PagePool, PoolGeometry, Scrub};
 use crate::receiver::{ReceiveOutcome, ReceiverEndpoint};
 use crate::sender::SenderEndpoint;
 use crate::transport::loopback::{
@@ -81,7 +81,7 @@ impl PairConfig {
 pub enum PairError {
     /// A pool could not be built.
     #[error("pool: {0}")]
-    Pool(#[from] crate::pool::PoolError),
+    Pool(#[from] crate::memory::PoolError),
     /// An engine refused to start.
     #[error("engine refused to start: {0}")]
     Config(#[from] ConfigError),

@@ -20,7 +20,7 @@ use kvwire_proto::{FailureReason, FrameError};
 
 use crate::checksum::{DigestExecution, DigestJob, DigestMode, DigestRunner, UnsupportedAlgorithm};
 use crate::config::{ConfigError, EngineConfig};
-use crate::pool::{PageLease, PagePool, PoolError};
+use crate::memory::{PageLease, PagePool, PoolError};
 use crate::transport::ScopeTable;
 
 /// What the engine asks to receive.

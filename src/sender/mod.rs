@@ -21,7 +21,7 @@ use kvwire_proto::FrameError;
 
 use crate::checksum::{DigestExecution, DigestJob, DigestMode, DigestRunner, UnsupportedAlgorithm};
 use crate::config::{ConfigError, EngineConfig};
-use crate::pool::{PageLease, PagePool, PoolError};
+use crate::memory::{PageLease, PagePool, PoolError};
 
 /// A page write for the transport to carry out.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -389,7 +389,7 @@ impl SenderEndpoint {
     /// `f(page, buffer, bytes)`. Pages leased to a transfer are not touched.
     pub fn fill_free_pages(&mut self, mut f: impl FnMut(u32, usize, &mut [u8])) {
         for p in 0..self.pool.capacity_pages() {
-            if self.pool.state(p) != Some(crate::pool::PageState::Free) {
+            if self.pool.state(p) != Some(crate::memory::PageState::Free) {
                 continue;
             }
             for b in 0..self.pool.buffers() {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use kvwire_proto::wire::{FrameType, TransferRef};
 
 use super::{AccessError, AccessKey, ScopeTable};
-use crate::pool::PagePool;
+use crate::memory::PagePool;
 
 /// Damage a fault did to a write in flight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -28,7 +28,7 @@ use kvwire_proto::auth::{AuthChannel, AuthError, OpenError, Opener};
 use kvwire_proto::wire::{DecodeError, Frame, TransferRef, HEADER_LEN, MAGIC, TRAILER_LEN};
 
 use super::{AccessKey, ScopeTable};
-use crate::pool::PagePool;
+use crate::memory::PagePool;
 
 /// Magic of a data record.
 pub const DATA_MAGIC: [u8; 4] = *b"KVDT";

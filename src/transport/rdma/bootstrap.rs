@@ -23,7 +23,7 @@ use super::driver::{
 };
 use super::verbs::{QpParams, RcLink, RdmaDevice, RdmaError};
 use crate::engine::{EngineError, NodeConfig};
-use crate::pool::{PagePool, PoolError};
+use crate::memory::{PagePool, PoolError};
 
 /// Transport-parameter kind of an RDMA RC queue pair in HELLO.
 pub const PARAMS_RDMA_RC: u16 = 1;
@@ -136,9 +136,13 @@ async fn handshake(
     if channel.is_authenticated() {
         hs = hs.with_confirmation();
     }
-    let est =
-        crate::engine::stream::handshake(&mut stream, hs, &mut channel, config.handshake_timeout)
-            .await?;
+    let est = crate::transport::stream::handshake(
+        &mut stream,
+        hs,
+        &mut channel,
+        config.handshake_timeout,
+    )
+    .await?;
     Ok((est, channel, stream))
 }
 

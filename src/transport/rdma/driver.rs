@@ -37,7 +37,7 @@ use super::verbs::{
     MemoryWindow, QpParams, RcLink, RdmaDevice, RdmaError, RdmaEvent, RdmaWrite, RegisteredMemory,
 };
 use crate::config::{ConfigError, EngineConfig};
-use crate::pool::PagePool;
+use crate::memory::PagePool;
 use crate::receiver::{
     FenceCompletion, ReceiveError, ReceiveOutcome, ReceiverEndpoint, ReserveParams,
 };

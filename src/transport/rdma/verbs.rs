@@ -129,7 +129,7 @@ impl RdmaDevice {
         let dev_name = dev.name().to_string();
         let ctx = dev.open().map_err(verbs("ibv_open_device"))?;
         // Index 1 is where rdma_rxe and most RoCE NICs put the IPv4-mapped RoCE v2 GID; check it.
-        let doctor = crate::doctor::inspect();
+        let doctor = crate::host::inspect();
         let gid_index = doctor
             .rdma
             .iter()
@@ -188,7 +188,7 @@ impl RdmaDevice {
                     .map_err(|e| RdmaError::Register {
                         bytes: len,
                         detail: e.to_string(),
-                        limit: match crate::doctor::inspect().memlock {
+                        limit: match crate::host::inspect().memlock {
                             Some(Some(b)) => format!("{} KiB", b / 1024),
                             Some(None) => "unlimited".into(),
                             None => "unknown".into(),

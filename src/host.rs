@@ -1,9 +1,10 @@
-//! `kvwire doctor`: what this host offers a transfer engine.
+//! The host probe: what this host offers a transfer engine (RDMA devices, their ports, GIDs
+//! and memory-window support, the locked-memory limit, huge pages). The RDMA transport uses
+//! it to choose a GID; `kvwire doctor` prints it.
 //!
-//! Reads only files under `/sys` and `/proc`, so it works (and says so plainly) on hosts
-//! without RDMA support or packages.
+//! Reads only files under `/sys` and `/proc` (and runs `ibv_devinfo` when installed), so it
+//! works, and says so plainly, on hosts without RDMA support or packages.
 
-use std::fmt::Write as _;
 use std::path::Path;
 
 /// One RDMA device found under `/sys/class/infiniband`.
@@ -199,105 +200,6 @@ pub fn inspect_at(root: &Path) -> Report {
     }
 }
 
-impl Report {
-    /// A human summary, one finding per line.
-    pub fn render(&self) -> String {
-        let mut o = String::new();
-        if self.rdma.is_empty() {
-            let why = if self.rdma_sysfs {
-                "no RDMA devices"
-            } else {
-                "no RDMA support in this kernel (/sys/class/infiniband absent)"
-            };
-            let _ = writeln!(
-                o,
-                "rdma:      none: {why}; the RDMA transport is unavailable, TCP and loopback work"
-            );
-        }
-        for d in &self.rdma {
-            let note = if d.usable() {
-                ""
-            } else {
-                " (not usable: no ACTIVE port with a RoCE v2 GID)"
-            };
-            let _ = writeln!(o, "rdma:      {}{note}", d.name);
-            match d.memory_windows {
-                Some((true, max)) => {
-                    let _ = writeln!(
-                        o,
-                        "           memory windows: type 2B supported, max_mw {max} (ibv_devinfo)"
-                    );
-                }
-                Some((false, max)) => {
-                    let _ = writeln!(
-                        o,
-                        "           memory windows: type 2B NOT supported (max_mw {max})"
-                    );
-                }
-                None => {
-                    let _ = writeln!(o, "           memory windows: unknown (install ibverbs-utils for ibv_devinfo)");
-                }
-            }
-            for (n, state, mtu, ll) in &d.ports {
-                let _ = writeln!(
-                    o,
-                    "           port {n}: {state}, active MTU {mtu}, link layer {ll}"
-                );
-            }
-            for (port, i, gid, kind) in &d.gids {
-                let _ = writeln!(o, "           gid {port}/{i}: {gid} ({kind})");
-            }
-        }
-        match self.memlock {
-            Some(None) => {
-                let _ = writeln!(o, "memlock:   unlimited");
-            }
-            Some(Some(b)) => {
-                let hint = if b < 64 << 20 {
-                    " -- too low to register KV memory for RDMA; raise `ulimit -l` (e.g. unlimited)"
-                } else {
-                    ""
-                };
-                let _ = writeln!(o, "memlock:   {} KiB{hint}", b / 1024);
-            }
-            None => {
-                let _ = writeln!(o, "memlock:   unknown (/proc/self/limits unreadable)");
-            }
-        }
-        match self.hugepages {
-            Some((total, free, size)) => {
-                let _ = writeln!(o, "hugepages: {total} total, {free} free, {size} KiB each");
-            }
-            None => {
-                let _ = writeln!(o, "hugepages: unknown (/proc/meminfo unreadable)");
-            }
-        }
-        o
-    }
-}
-
-/// The `auth:` lines of `kvwire doctor`: whether peers will be authenticated and where the
-/// key comes from (its id, never the key), with a warning when authentication is off or no
-/// key is found. `config` is the configuration file, if one was given.
-pub fn auth_line(config: Option<&Path>) -> String {
-    use crate::config::auth;
-    let resolved = match config {
-        Some(f) => match crate::config::file::ConfigFile::load(f) {
-            Ok(c) => c.auth().map_err(|e| e.to_string()),
-            Err(e) => Err(e.to_string()),
-        },
-        None => auth::resolve(false, None).map_err(|e| e.to_string()),
-    };
-    match resolved {
-        Ok((a, from)) if a.is_on() => {
-            let from = from.map(|f| format!(" from {f}")).unwrap_or_default();
-            format!("auth:      on: {}{from}\n", a.describe())
-        }
-        Ok(_) => "auth:      WARNING: off: peers are not authenticated; anyone who reaches the port can connect and forge frames\n".to_string(),
-        Err(e) => format!("auth:      WARNING: {e}\n"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -347,15 +249,9 @@ mod tests {
         );
         assert_eq!(r.memlock, Some(Some(8 << 20)));
         assert_eq!(r.hugepages, Some((16, 8, 2048)));
-        let text = r.render();
-        assert!(text.contains("rxe0") && text.contains("too low"), "{text}");
         let gid = "fe80:0000:0000:0000:0200:00ff:fe00:0000".to_string();
         assert_eq!(r.rdma[0].gids, vec![("1".into(), 0, gid, "RoCE v2".into())]);
         assert!(r.rdma[0].usable());
-        assert!(
-            text.contains("gid 1/0: fe80") && text.contains("(RoCE v2)"),
-            "{text}"
-        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -369,14 +265,5 @@ mod tests {
         );
         assert_eq!(memory_windows(text), Some((true, 524287)));
         assert_eq!(memory_windows("max_mw: 0\n"), Some((false, 0)));
-    }
-
-    #[test]
-    fn no_rdma_is_a_clear_message() {
-        let dir = std::env::temp_dir().join(format!("kvwire-doctor-none-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let text = inspect_at(&dir).render();
-        assert!(text.contains("no RDMA support in this kernel"), "{text}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

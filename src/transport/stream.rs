@@ -1,4 +1,5 @@
-//! Handshake over a TCP stream, and reading whole control frames.
+//! The handshake over a byte stream (TCP, and the RDMA bootstrap connection), and reading
+//! whole control frames from one.
 
 use std::time::{Duration, Instant};
 
@@ -7,20 +8,33 @@ use kvwire_proto::handshake::{Established, Handshake, HandshakeError};
 use kvwire_proto::wire::{DecodeError, Frame, HEADER_LEN, MAX_PAYLOAD, TRAILER_LEN};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::EngineError;
+/// Why a connection could not be opened over a stream.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// Socket I/O failed.
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The handshake failed (refused, by us or the peer, with the exact reason).
+    #[error("handshake: {0}")]
+    Handshake(#[from] HandshakeError),
+    /// The peer sent bytes that are not a frame during the handshake.
+    #[error("handshake stream: {0}")]
+    Stream(String),
+}
 
 /// Why [`read_frame`] returned no frame.
 #[derive(Debug)]
 pub(crate) enum ReadError {
     /// Socket I/O failed, or bytes that are not a frame arrived.
-    Engine(EngineError),
+    Stream(ConnectError),
     /// A frame failed authentication.
     Auth(AuthError),
 }
 
 impl From<std::io::Error> for ReadError {
     fn from(e: std::io::Error) -> Self {
-        Self::Engine(e.into())
+        Self::Stream(e.into())
     }
 }
 
@@ -39,7 +53,7 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     // Let the decoder judge the header (magic, version, length) before reading on.
     match Frame::decode(&buf[..HEADER_LEN]) {
         Err(DecodeError::Incomplete { .. }) => {}
-        Err(e) => return Err(ReadError::Engine(EngineError::Stream(e.to_string()))),
+        Err(e) => return Err(ReadError::Stream(ConnectError::Stream(e.to_string()))),
         Ok(_) => unreachable!("a header alone is never a whole frame"),
     }
     let len = u32::from_le_bytes([buf[8], buf[9], buf[10], buf[11]]);
@@ -49,7 +63,7 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     match open(buf) {
         Ok((frame, _)) => Ok(Some(frame)),
         Err(OpenError::Auth(e)) => Err(ReadError::Auth(e)),
-        Err(e) => Err(ReadError::Engine(EngineError::Stream(e.to_string()))),
+        Err(e) => Err(ReadError::Stream(ConnectError::Stream(e.to_string()))),
     }
 }
 
@@ -59,19 +73,19 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     mut hs: Handshake,
     channel: &mut AuthChannel,
     timeout: Duration,
-) -> Result<Established, EngineError> {
+) -> Result<Established, ConnectError> {
     let work = async {
         let mut buf = Vec::new();
         loop {
             while let Some(f) = hs.poll_transmit() {
                 let bytes = channel
                     .seal_to_vec(&f)
-                    .map_err(|e| EngineError::Stream(e.to_string()))?;
+                    .map_err(|e| ConnectError::Stream(e.to_string()))?;
                 stream.write_all(&bytes).await?;
             }
             if let Some(outcome) = hs.poll_outcome() {
                 stream.flush().await?;
-                return outcome.map_err(EngineError::from);
+                return outcome.map_err(ConnectError::from);
             }
             let header_version = |buf: &[u8]| {
                 (buf.len() >= 6 && buf[..4] == kvwire_proto::wire::MAGIC)
@@ -83,12 +97,12 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
                 Ok(None) => hs.handle_peer_lost(),
                 // Refused with HELLO_REJECT(AUTH_MISMATCH / AUTH_FAILED), then closed.
                 Err(ReadError::Auth(e)) => hs.handle_auth_error(&e),
-                Err(ReadError::Engine(EngineError::Stream(e))) => match header_version(&buf) {
+                Err(ReadError::Stream(ConnectError::Stream(e))) => match header_version(&buf) {
                     // A version we do not speak is refused with HELLO_REJECT, never a fallback.
                     Some(v) if v != kvwire_proto::wire::VERSION => hs.handle_unsupported_version(v),
-                    _ => return Err(EngineError::Stream(e)),
+                    _ => return Err(ConnectError::Stream(e)),
                 },
-                Err(ReadError::Engine(e)) => return Err(e),
+                Err(ReadError::Stream(e)) => return Err(e),
             }
         }
     };

@@ -5,6 +5,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod doctor;
+
 use clap::{Parser, Subcommand, ValueEnum};
 use kvwire::bench::{self, BenchSpec, Verify};
 use kvwire::config::file::ConfigFile;
@@ -175,9 +177,9 @@ fn main() -> ExitCode {
             config,
             require_rdma,
         } => {
-            let report = kvwire::doctor::inspect();
-            print!("{}", report.render());
-            print!("{}", kvwire::doctor::auth_line(config.as_deref()));
+            let report = kvwire::host::inspect();
+            print!("{}", doctor::render(&report));
+            print!("{}", doctor::auth_line(config.as_deref()));
             if require_rdma && !report.rdma.iter().any(|d| d.usable()) {
                 eprintln!("kvwire doctor: no usable RDMA device (--require-rdma)");
                 return ExitCode::FAILURE;

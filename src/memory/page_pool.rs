@@ -553,7 +553,7 @@ impl PagePool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::RawLease;
+    use crate::memory::RawLease;
     use proptest::prelude::*;
 
     fn geometry(pages: u32) -> PoolGeometry {

@@ -1,0 +1,152 @@
+//! `kvwire doctor`: the host probe ([`kvwire::host`]) and the authentication settings, as
+//! one finding per line.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use kvwire::host::Report;
+
+/// A human summary of the host, one finding per line.
+pub fn render(report: &Report) -> String {
+    let mut o = String::new();
+    if report.rdma.is_empty() {
+        let why = if report.rdma_sysfs {
+            "no RDMA devices"
+        } else {
+            "no RDMA support in this kernel (/sys/class/infiniband absent)"
+        };
+        let _ = writeln!(
+            o,
+            "rdma:      none: {why}; the RDMA transport is unavailable, TCP and loopback work"
+        );
+    }
+    for d in &report.rdma {
+        let note = if d.usable() {
+            ""
+        } else {
+            " (not usable: no ACTIVE port with a RoCE v2 GID)"
+        };
+        let _ = writeln!(o, "rdma:      {}{note}", d.name);
+        match d.memory_windows {
+            Some((true, max)) => {
+                let _ = writeln!(
+                    o,
+                    "           memory windows: type 2B supported, max_mw {max} (ibv_devinfo)"
+                );
+            }
+            Some((false, max)) => {
+                let _ = writeln!(
+                    o,
+                    "           memory windows: type 2B NOT supported (max_mw {max})"
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    o,
+                    "           memory windows: unknown (install ibverbs-utils for ibv_devinfo)"
+                );
+            }
+        }
+        for (n, state, mtu, ll) in &d.ports {
+            let _ = writeln!(
+                o,
+                "           port {n}: {state}, active MTU {mtu}, link layer {ll}"
+            );
+        }
+        for (port, i, gid, kind) in &d.gids {
+            let _ = writeln!(o, "           gid {port}/{i}: {gid} ({kind})");
+        }
+    }
+    match report.memlock {
+        Some(None) => {
+            let _ = writeln!(o, "memlock:   unlimited");
+        }
+        Some(Some(b)) => {
+            let hint = if b < 64 << 20 {
+                " -- too low to register KV memory for RDMA; raise `ulimit -l` (e.g. unlimited)"
+            } else {
+                ""
+            };
+            let _ = writeln!(o, "memlock:   {} KiB{hint}", b / 1024);
+        }
+        None => {
+            let _ = writeln!(o, "memlock:   unknown (/proc/self/limits unreadable)");
+        }
+    }
+    match report.hugepages {
+        Some((total, free, size)) => {
+            let _ = writeln!(o, "hugepages: {total} total, {free} free, {size} KiB each");
+        }
+        None => {
+            let _ = writeln!(o, "hugepages: unknown (/proc/meminfo unreadable)");
+        }
+    }
+    o
+}
+
+/// The `auth:` lines of `kvwire doctor`: whether peers will be authenticated and where the
+/// key comes from (its id, never the key), with a warning when authentication is off or no
+/// key is found. `config` is the configuration file, if one was given.
+pub fn auth_line(config: Option<&Path>) -> String {
+    use kvwire::config::auth;
+    let resolved = match config {
+        Some(f) => match kvwire::config::file::ConfigFile::load(f) {
+            Ok(c) => c.auth().map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        },
+        None => auth::resolve(false, None).map_err(|e| e.to_string()),
+    };
+    match resolved {
+        Ok((a, from)) if a.is_on() => {
+            let from = from.map(|f| format!(" from {f}")).unwrap_or_default();
+            format!("auth:      on: {}{from}\n", a.describe())
+        }
+        Ok(_) => "auth:      WARNING: off: peers are not authenticated; anyone who reaches the port can connect and forge frames\n".to_string(),
+        Err(e) => format!("auth:      WARNING: {e}\n"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_devices_gids_and_limits() {
+        let report = Report {
+            rdma: vec![kvwire::host::RdmaDevice {
+                name: "rxe0".into(),
+                ports: vec![(
+                    "1".into(),
+                    "4: ACTIVE".into(),
+                    "1024".into(),
+                    "Ethernet".into(),
+                )],
+                gids: vec![(
+                    "1".into(),
+                    0,
+                    "fe80:0000:0000:0000:0200:00ff:fe00:0000".into(),
+                    "RoCE v2".into(),
+                )],
+                memory_windows: None,
+            }],
+            rdma_sysfs: true,
+            memlock: Some(Some(8 << 20)),
+            hugepages: Some((16, 8, 2048)),
+        };
+        let text = render(&report);
+        assert!(text.contains("rxe0") && text.contains("too low"), "{text}");
+        assert!(
+            text.contains("gid 1/0: fe80") && text.contains("(RoCE v2)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn no_rdma_is_a_clear_message() {
+        let dir = std::env::temp_dir().join(format!("kvwire-doctor-none-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = render(&kvwire::host::inspect_at(&dir));
+        assert!(text.contains("no RDMA support in this kernel"), "{text}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

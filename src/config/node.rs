@@ -1,0 +1,154 @@
+//! A node's configuration: what every connection it opens is built from.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvwire_proto::auth::{AuthChannel, Nonce, Psk};
+use kvwire_proto::receiver::ReceiverConfig;
+use kvwire_proto::sender::SenderConfig;
+use kvwire_proto::wire::{DigestAlgorithm, Hello, Role};
+
+use super::EngineConfig;
+use crate::checksum::DigestMode;
+use crate::memory::{PoolGeometry, Scrub};
+use crate::metrics::Metrics;
+
+/// Everything a node needs to open connections.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// This node's id (for logs).
+    pub node_id: u64,
+    /// The KV pool each connection gets: its geometry is the layout advertised in HELLO.
+    pub pool: PoolGeometry,
+    /// Context length and the undersized-pool override, checked against the pool as built.
+    pub engine: EngineConfig,
+    /// Opaque model / tensor-parallel fingerprint; peers must match exactly.
+    pub fingerprint: Vec<u8>,
+    /// Digest algorithms offered, preferred first.
+    pub digests: Vec<DigestAlgorithm>,
+    /// Scrub policy of the pool.
+    pub scrub: Scrub,
+    /// How long the handshake may take.
+    pub handshake_timeout: Duration,
+    /// Sender session settings.
+    pub sender: SenderConfig,
+    /// Receiver session settings.
+    pub receiver: ReceiverConfig,
+    /// Page writes in flight per transfer on the sender.
+    pub window: u32,
+    /// Digest computation; anything but [`DigestMode::Verify`] delivers unverified data and
+    /// exists only to measure the integrity tax.
+    pub digest_mode: DigestMode,
+    /// Where the node's connections count transfers, fences and pages; `None` for no metrics.
+    pub metrics: Option<Arc<Metrics>>,
+    /// Transfers of at least this many bytes (default 8 MiB) are digested on tokio's blocking
+    /// pool, so the connection keeps receiving (and sending) other transfers meanwhile;
+    /// smaller ones inline, where a thread handoff costs more than it saves.
+    pub digest_offload_bytes: u64,
+    /// Peer authentication: a pre-shared key both ends must hold, or explicitly off.
+    pub auth: Auth,
+    /// RDMA: RC queue pairs per connection (both ends must agree; transfers take them in
+    /// turn). Ignored by TCP.
+    pub rdma_queue_pairs: u16,
+}
+
+/// Whether a node authenticates its peers (SPEC.md §3.11, §4.8). Its `Debug` form never
+/// shows the key.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Auth {
+    /// Peers must hold this pre-shared key: the handshake proves it both ways and every frame
+    /// after it carries an HMAC-SHA256 tag under per-connection keys.
+    Psk(Psk),
+    /// No authentication (`auth.mode = "off"`, `--insecure-no-auth`): any peer that reaches
+    /// the endpoint with the right layout can connect, and frames can be forged on the path.
+    Off,
+}
+
+impl Auth {
+    /// A fresh random 32-byte key, for the two ends of a connection in one process (the
+    /// in-process bench, tests, examples).
+    ///
+    /// # Panics
+    /// If the operating system has no random source.
+    pub fn ephemeral() -> Self {
+        let key: [u8; 32] = random_bytes().expect("the OS random source");
+        Self::Psk(Psk::new(key.to_vec()).expect("32 bytes is a valid key length"))
+    }
+
+    /// Whether peers are authenticated.
+    pub fn is_on(&self) -> bool {
+        matches!(self, Self::Psk(_))
+    }
+
+    /// What `kvwire doctor` and logs may print: "psk (key id ...)" or "off".
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Psk(k) => format!("psk (key id {}, {} bytes)", k.id(), k.len()),
+            Self::Off => "off".into(),
+        }
+    }
+
+    /// The authentication channel for one new connection (client or server side), with a
+    /// fresh nonce from the OS random source.
+    pub fn channel(&self, client: bool) -> std::io::Result<AuthChannel> {
+        Ok(match self {
+            Self::Off => AuthChannel::off(),
+            Self::Psk(k) => {
+                let nonce: Nonce = random_bytes()?;
+                if client {
+                    AuthChannel::client(k.clone(), nonce)
+                } else {
+                    AuthChannel::server(k.clone(), nonce)
+                }
+            }
+        })
+    }
+}
+
+/// `N` bytes from the operating system's random source.
+pub fn random_bytes<const N: usize>() -> std::io::Result<[u8; N]> {
+    let mut b = [0u8; N];
+    getrandom::getrandom(&mut b).map_err(|e| std::io::Error::other(e.to_string()))?;
+    Ok(b)
+}
+
+impl NodeConfig {
+    /// A small configuration for examples: 2 buffers of 4 KiB pages, 16 tokens per page,
+    /// 256 pages, 4096-token context, authenticated with a fresh random key (so only clones
+    /// of this configuration can connect to each other; set `auth` for real peers).
+    pub fn example() -> Self {
+        Self {
+            node_id: 1,
+            pool: PoolGeometry {
+                tokens_per_page: 16,
+                buffer_page_bytes: vec![4096, 4096],
+                pages: 256,
+            },
+            engine: EngineConfig::new(4096),
+            fingerprint: b"example-model/tp0".to_vec(),
+            digests: vec![DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32],
+            scrub: Scrub::None,
+            handshake_timeout: Duration::from_secs(10),
+            sender: SenderConfig::default(),
+            receiver: ReceiverConfig::default(),
+            window: 16,
+            digest_mode: DigestMode::Verify,
+            metrics: None,
+            digest_offload_bytes: 8 << 20,
+            auth: Auth::ephemeral(),
+            rdma_queue_pairs: 1,
+        }
+    }
+
+    /// This node's hello body for a connection in `role` (no transport parameters).
+    pub fn hello(&self, role: Role) -> Hello {
+        Hello {
+            node_id: self.node_id,
+            role,
+            layout: self.pool.to_layout(self.fingerprint.clone()),
+            digests: self.digests.clone(),
+            transport_params: Vec::new(),
+        }
+    }
+}

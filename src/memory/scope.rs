@@ -1,0 +1,128 @@
+//! Access scopes: the fence primitive of the in-process and TCP transports.
+//!
+//! A reservation opens an [`AccessScope`] over exactly its pages; a write is accepted only if
+//! it carries the scope's key and targets one of those pages. Closing the scope
+//! ([`ScopeTable::close`]) is the fence: once it returns, no write for that transfer can land.
+//! RDMA implements the same guarantee at the NIC with memory windows.
+
+use std::collections::HashMap;
+
+use kvwire_proto::wire::TransferRef;
+
+/// The key a sender presents with each write; carried in RESERVE's access descriptor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AccessKey(pub u32);
+
+impl AccessKey {
+    /// The access descriptor bytes for RESERVE (the key, little-endian).
+    pub fn to_descriptor(self) -> Vec<u8> {
+        self.0.to_le_bytes().to_vec()
+    }
+
+    /// Parses an access descriptor; `None` if it is not exactly four bytes.
+    pub fn from_descriptor(bytes: &[u8]) -> Option<Self> {
+        let b: [u8; 4] = bytes.try_into().ok()?;
+        Some(Self(u32::from_le_bytes(b)))
+    }
+}
+
+/// Why a write was refused at the receiver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AccessError {
+    /// No open scope has this key: never opened, or fenced.
+    #[error("no open access scope with key {0:?} (never opened or fenced)")]
+    NoScope(AccessKey),
+    /// The page is outside the scope.
+    #[error("page {page} is outside the scope of key {key:?}")]
+    OutOfScope {
+        /// The key.
+        key: AccessKey,
+        /// The page written.
+        page: u32,
+    },
+}
+
+/// Remote access granted for one transfer's pages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AccessScope {
+    /// The reservation it serves.
+    pub transfer: TransferRef,
+    /// Its pages, sorted.
+    pages: Vec<u32>,
+}
+
+impl AccessScope {
+    /// Whether `page` is in scope.
+    pub fn contains(&self, page: u32) -> bool {
+        self.pages.binary_search(&page).is_ok()
+    }
+}
+
+/// The receiver's table of open scopes. Keys are never reused within a table's lifetime
+/// (until 2^32 scopes), so a fenced key stays dead.
+#[derive(Debug, Default)]
+pub struct ScopeTable {
+    next_key: u32,
+    open: HashMap<AccessKey, AccessScope>,
+    by_transfer: HashMap<u64, AccessKey>,
+}
+
+impl ScopeTable {
+    /// Opens a scope over `pages` for a transfer, returning its key.
+    pub fn open(&mut self, transfer_id: u64, pages: &[u32]) -> AccessKey {
+        self.next_key = self.next_key.wrapping_add(1);
+        let key = AccessKey(self.next_key);
+        let mut sorted = pages.to_vec();
+        sorted.sort_unstable();
+        self.open.insert(
+            key,
+            AccessScope {
+                transfer: TransferRef {
+                    transfer_id,
+                    nonce: 0,
+                },
+                pages: sorted,
+            },
+        );
+        if let Some(old) = self.by_transfer.insert(transfer_id, key) {
+            self.open.remove(&old);
+        }
+        key
+    }
+
+    /// Binds the scope of a transfer to its reservation's nonce once known.
+    pub fn bind(&mut self, transfer: TransferRef) {
+        if let Some(scope) = self
+            .by_transfer
+            .get(&transfer.transfer_id)
+            .and_then(|k| self.open.get_mut(k))
+        {
+            scope.transfer = transfer;
+        }
+    }
+
+    /// Checks a write of `page` under `key`, returning the transfer it belongs to.
+    pub fn check(&self, key: AccessKey, page: u32) -> Result<TransferRef, AccessError> {
+        let scope = self.open.get(&key).ok_or(AccessError::NoScope(key))?;
+        if scope.contains(page) {
+            Ok(scope.transfer)
+        } else {
+            Err(AccessError::OutOfScope { key, page })
+        }
+    }
+
+    /// Fences a transfer: after this returns, no write for it is accepted. Returns whether a
+    /// scope was open.
+    pub fn close(&mut self, transfer_id: u64) -> bool {
+        match self.by_transfer.remove(&transfer_id) {
+            Some(key) => self.open.remove(&key).is_some(),
+            None => false,
+        }
+    }
+
+    /// Open scopes.
+    pub fn open_scopes(&self) -> usize {
+        self.open.len()
+    }
+}
