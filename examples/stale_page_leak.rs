@@ -238,8 +238,8 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
         let pool = pair.receiver.landing_parts().0;
         for p in 0..pool.capacity_pages() {
             for b in 0..pool.buffers() {
-                if let Some(page) = pool.raw_page_mut(p, b) {
-                    fill_tenant_a(page);
+                if let Some(mut page) = pool.raw_page_mut(p, b) {
+                    fill_tenant_a(&mut page);
                 }
             }
         }

@@ -71,7 +71,7 @@ async fn concurrent_transfers_verify_with_the_senders_bytes() {
                     (0..pages.pages()).all(|o| {
                         (0..pages.buffers()).all(|b| {
                             kv_pattern(id, o as u32, b, &mut want);
-                            pages.page(o, b) == &want[..]
+                            pages.page(o, b) == want[..]
                         })
                     })
                 })

@@ -327,7 +327,7 @@ fn receive_one(
             .read(move |pages| {
                 (0..pages.pages()).all(|o| {
                     (0..pages.buffers())
-                        .all(|b| page_is_expected(id, o as u32, b, pages.page(o, b)))
+                        .all(|b| page_is_expected(id, o as u32, b, &pages.page(o, b)))
                 })
             })
             .await;

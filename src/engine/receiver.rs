@@ -77,7 +77,7 @@ impl PagesView<'_> {
     ///
     /// # Panics
     /// If `ordinal` or `buffer` is out of range.
-    pub fn page(&self, ordinal: usize, buffer: usize) -> &[u8] {
+    pub fn page(&self, ordinal: usize, buffer: usize) -> crate::memory::PageRef<'_> {
         match self.kv.page(self.pool, ordinal, buffer) {
             Ok(p) => p,
             Err(e) => panic!("page {ordinal} of buffer {buffer}: {e}"),
@@ -553,9 +553,9 @@ async fn run(mut task: Task, mut rd: OwnedReadHalf, mut reader: StreamReader, in
             }
         } else {
             let (pool, scopes) = task.endpoint.landing_parts();
-            let target = reader.target(pool, scopes);
+            let mut target = reader.target(pool, scopes);
             tokio::select! {
-                r = rd.read(target) => Event::Read(r),
+                r = rd.read(target.bytes()) => Event::Read(r),
                 c = cmd_rx.recv(), if engine_open => Event::Cmd(c),
                 c = own_rx.recv() => Event::Cmd(c),
                 d = digest_rx.recv() => Event::Digest(d),

@@ -363,8 +363,12 @@ impl Task {
         };
         self.wr.write_all(&header.encode()).await?;
         for b in 0..pool.buffers() {
-            let page = pool.raw_page(w.write.src_page, b).unwrap_or(&[]);
-            self.wr.write_all(page).await?;
+            // The source page is leased to this transfer until its writes complete: the
+            // engine does not write it meanwhile, so the read lock is always granted.
+            match pool.raw_page(w.write.src_page, b) {
+                Some(page) => self.wr.write_all(&page).await?,
+                None => return Err(std::io::Error::other("source page out of range or busy")),
+            }
         }
         self.stats.writes += 1;
         self.stats.bytes += u64::from(len);

@@ -189,12 +189,12 @@ impl Pair {
     pub fn new(config: PairConfig) -> Result<Self, PairError> {
         let now = Instant::now();
         let s_pool = PagePool::new(config.sender_pool.clone(), Scrub::None)?;
-        let mut r_pool = PagePool::new(config.receiver_pool.clone(), config.receiver_scrub)?;
+        let r_pool = PagePool::new(config.receiver_pool.clone(), config.receiver_scrub)?;
         // The receiver's pages start out holding another tenant's data: pages are not zeroed
         // between requests, exactly as in the incident.
         for p in 0..r_pool.capacity_pages() {
             for b in 0..r_pool.buffers() {
-                if let Some(page) = r_pool.raw_page_mut(p, b) {
+                if let Some(mut page) = r_pool.raw_page_mut(p, b) {
                     page.fill(0xA0 | (p as u8 & 0x0f));
                 }
             }
@@ -548,7 +548,7 @@ impl Pair {
                         Ok(bytes) => {
                             expected.resize(bytes.len(), 0);
                             kv_pattern(id, ord as u32, b, &mut expected);
-                            bytes == &expected[..]
+                            *bytes == expected[..]
                         }
                         Err(_) => false,
                     })

@@ -73,6 +73,26 @@ pub enum PoolError {
         /// The page.
         page: u32,
     },
+    /// The engine asked to lease a page that is leased or quarantined already (by this or
+    /// another connection): a page is never leased twice.
+    #[error("page {page} is already leased (a page is never leased twice)")]
+    AlreadyLeased {
+        /// The page.
+        page: u32,
+    },
+    /// A page appears twice in one request.
+    #[error("page {page} appears twice")]
+    DuplicatePage {
+        /// The page.
+        page: u32,
+    },
+    /// A writer holds the page right now (a transport landing bytes in it, or the engine
+    /// writing through a [`PageMut`](super::PageMut)).
+    #[error("page {page} is being written")]
+    Busy {
+        /// The page.
+        page: u32,
+    },
     /// The memory for a buffer could not be allocated.
     #[error("could not allocate {bytes} bytes for pool buffer {buffer}")]
     OutOfMemory {

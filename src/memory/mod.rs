@@ -38,6 +38,7 @@
 //! Allocation and release are O(1) per page: the free list is a preallocated stack of page
 //! indices and the slot table a flat vector; nothing is allocated per page.
 
+mod access;
 mod error;
 mod geometry;
 mod lease;
@@ -45,10 +46,10 @@ mod page_pool;
 mod region;
 mod scope;
 
+pub use access::{PageMut, PageRef, SharedPages};
 pub use error::PoolError;
 pub use geometry::PoolGeometry;
 pub use lease::{PageLease, RawLease};
 pub use page_pool::{PagePool, PageState, PoolStats, Scrub, POISON_BYTE};
-pub(crate) use region::Pins;
-pub use region::{KvMemory, SharedPages, ALIGN};
+pub use region::{KvMemory, ALIGN};
 pub use scope::{AccessError, AccessKey, AccessScope, ScopeTable};

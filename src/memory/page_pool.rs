@@ -1,12 +1,11 @@
 //! The page pool proper: memory, slot table, free list.
 
 use std::fmt;
-use std::ops::Range;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{PageLease, PoolError, PoolGeometry};
-use crate::memory::{KvMemory, Pins, SharedPages};
+use super::access::{PageLocks, PageMut, PageRef, SharedPages};
+use super::{KvMemory, PageLease, PoolError, PoolGeometry};
 
 /// The byte [`Scrub::Poison`] fills released pages with: conspicuous in a hex dump and
 /// unlikely as a run of real KV-cache data.
@@ -88,13 +87,97 @@ struct Slot {
     state: SlotState,
 }
 
+/// "No page" in the free list's links.
+const NIL: u32 = u32::MAX;
+
+/// The free pages, as a doubly linked list threaded through two arrays: O(1) push and pop at
+/// the head (a fresh pool hands out page 0 first; a released page is reused first) and O(1)
+/// removal of any page (when the engine leases pages it chose itself). Allocated once.
+#[derive(Debug)]
+struct FreeList {
+    next: Vec<u32>,
+    prev: Vec<u32>,
+    head: u32,
+    len: u32,
+}
+
+impl FreeList {
+    fn full(pages: u32) -> Self {
+        Self {
+            next: (0..pages)
+                .map(|p| if p + 1 < pages { p + 1 } else { NIL })
+                .collect(),
+            prev: (0..pages)
+                .map(|p| if p == 0 { NIL } else { p - 1 })
+                .collect(),
+            head: if pages == 0 { NIL } else { 0 },
+            len: pages,
+        }
+    }
+
+    fn push(&mut self, page: u32) {
+        let p = page as usize;
+        self.next[p] = self.head;
+        self.prev[p] = NIL;
+        if self.head != NIL {
+            self.prev[self.head as usize] = page;
+        }
+        self.head = page;
+        self.len += 1;
+    }
+
+    fn pop(&mut self) -> Option<u32> {
+        let page = self.head;
+        if page == NIL {
+            return None;
+        }
+        self.unlink(page);
+        Some(page)
+    }
+
+    /// Removes `page`, which must be on the list.
+    fn unlink(&mut self, page: u32) {
+        let p = page as usize;
+        let (prev, next) = (self.prev[p], self.next[p]);
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.next[prev as usize] = next;
+        }
+        if next != NIL {
+            self.prev[next as usize] = prev;
+        }
+        self.next[p] = NIL;
+        self.prev[p] = NIL;
+        self.len -= 1;
+    }
+}
+
+/// The slot table and everything else that changes under the pool's lock.
+#[derive(Debug)]
+struct Table {
+    slots: Vec<Slot>,
+    free: FreeList,
+    leased: u32,
+    quarantined: u32,
+    allocations: u64,
+    quarantines: u64,
+    releases: u64,
+    stale_release_errors: u64,
+}
+
 static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A pool of fixed-size KV pages, handed out as generation-checked [`PageLease`]s.
 ///
-/// The pool owns one contiguous, zero-initialised allocation per buffer, made once at
-/// construction. Allocation and release cost O(1) per page and allocate nothing per page.
-/// See the [module documentation](super) for the page life cycle.
+/// The pool owns (or has been given) one contiguous region per buffer ([`KvMemory`]).
+/// Allocation and release cost O(1) per page and allocate nothing per page. See the
+/// [module documentation](super) for the page life cycle.
+///
+/// A pool is `Sync`: every method takes `&self`, so one pool (behind an `Arc`) can serve
+/// every connection of a node. The slot table sits behind a mutex held only for the
+/// bookkeeping of a call, never while bytes move; the bytes themselves are reached through
+/// per-page access guards ([`PageRef`], [`PageMut`]; `access.rs`).
 ///
 /// Generations are `u32` and wrap: a lease could only be mistaken for a current one if it
 /// were kept across 2^32 reuses of its page.
@@ -103,17 +186,8 @@ pub struct PagePool {
     geometry: PoolGeometry,
     scrub: Scrub,
     memory: Arc<KvMemory>,
-    /// Per-page pin counts of live `SharedPages` views: a pinned page is never written.
-    pins: Pins,
-    slots: Vec<Slot>,
-    /// Stack of free page indices; capacity `pages`, never reallocated.
-    free: Vec<u32>,
-    leased: u32,
-    quarantined: u32,
-    allocations: u64,
-    quarantines: u64,
-    releases: u64,
-    stale_release_errors: u64,
+    locks: PageLocks,
+    table: Mutex<Table>,
 }
 
 impl fmt::Debug for PagePool {
@@ -162,8 +236,6 @@ impl PagePool {
                 )));
             }
         }
-        let memory = Arc::new(memory);
-        let geometry_pages = geometry.pages;
         let pages = geometry.pages;
         let slots = vec![
             Slot {
@@ -172,23 +244,29 @@ impl PagePool {
             };
             pages as usize
         ];
-        // Reversed so that a fresh pool hands out page 0 first.
-        let free: Vec<u32> = (0..pages).rev().collect();
         Ok(Self {
             id: NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed),
-            geometry,
             scrub,
-            pins: (0..geometry_pages).map(|_| AtomicU32::new(0)).collect(),
-            memory,
-            slots,
-            free,
-            leased: 0,
-            quarantined: 0,
-            allocations: 0,
-            quarantines: 0,
-            releases: 0,
-            stale_release_errors: 0,
+            locks: PageLocks::new(pages),
+            memory: Arc::new(memory),
+            table: Mutex::new(Table {
+                slots,
+                free: FreeList::full(pages),
+                leased: 0,
+                quarantined: 0,
+                allocations: 0,
+                quarantines: 0,
+                releases: 0,
+                stale_release_errors: 0,
+            }),
+            geometry,
         })
+    }
+
+    fn table(&self) -> MutexGuard<'_, Table> {
+        // A panic while holding the lock cannot leave the table half-updated in a way that
+        // matters more than the panic itself; keep serving.
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// This pool's process-unique id (never 0); every lease records it.
@@ -223,49 +301,84 @@ impl PagePool {
 
     /// Pages on the free list.
     pub fn free_pages(&self) -> u32 {
-        // The free list never holds more than `pages` (a u32) entries.
-        self.free.len() as u32
+        self.table().free.len
     }
 
     /// Pages leased and not quarantined.
     pub fn leased_pages(&self) -> u32 {
-        self.leased
+        self.table().leased
     }
 
     /// Pages quarantined, waiting for release.
     pub fn quarantined_pages(&self) -> u32 {
-        self.quarantined
+        self.table().quarantined
     }
 
-    /// Leases `n` pages, all or nothing. `n == 0` yields an empty vector.
+    /// Leases `n` pages the pool chooses (the embedded allocator), all or nothing. `n == 0`
+    /// yields an empty vector.
     ///
     /// Fails with [`PoolError::Exhausted`] (and allocates nothing) when fewer than `n` pages
     /// are free.
-    pub fn allocate(&mut self, n: u32) -> Result<Vec<PageLease>, PoolError> {
+    pub fn allocate(&self, n: u32) -> Result<Vec<PageLease>, PoolError> {
         if n == 0 {
             return Ok(Vec::new());
         }
-        let free = self.free_pages();
+        let mut t = self.table();
+        let free = t.free.len;
         if n > free {
             return Err(PoolError::Exhausted { requested: n, free });
         }
         let mut leases = Vec::with_capacity(n as usize);
         for _ in 0..n {
-            let Some(page) = self.free.pop() else {
+            let Some(page) = t.free.pop() else {
                 unreachable!("free list shorter than its checked length");
             };
-            let slot = &mut self.slots[page as usize];
-            debug_assert_eq!(
-                slot.state,
-                SlotState::Free,
-                "page {page} on free list twice"
-            );
-            slot.state = SlotState::Leased;
-            leases.push(PageLease::new(self.id, page, slot.generation));
+            leases.push(self.lease_slot(&mut t, page));
         }
-        self.leased += n;
-        self.allocations += u64::from(n);
+        t.leased += n;
+        t.allocations += u64::from(n);
         Ok(leases)
+    }
+
+    /// Leases exactly `pages` (chosen by the engine's own allocator), all or nothing, in the
+    /// order given.
+    ///
+    /// Fails, leasing nothing, with [`PoolError::PageOutOfRange`], with
+    /// [`PoolError::AlreadyLeased`] when a page is leased or quarantined already (by any
+    /// connection: a page is never leased twice), or with [`PoolError::DuplicatePage`] when a
+    /// page appears twice in `pages`.
+    pub fn lease_pages(&self, pages: &[u32]) -> Result<Vec<PageLease>, PoolError> {
+        let mut t = self.table();
+        for (i, &page) in pages.iter().enumerate() {
+            let Some(slot) = t.slots.get(page as usize) else {
+                return Err(PoolError::PageOutOfRange {
+                    page,
+                    pages: self.geometry.pages,
+                });
+            };
+            if slot.state != SlotState::Free {
+                return Err(PoolError::AlreadyLeased { page });
+            }
+            if pages[..i].contains(&page) {
+                return Err(PoolError::DuplicatePage { page });
+            }
+        }
+        let mut leases = Vec::with_capacity(pages.len());
+        for &page in pages {
+            t.free.unlink(page);
+            leases.push(self.lease_slot(&mut t, page));
+        }
+        let n = pages.len() as u32;
+        t.leased += n;
+        t.allocations += u64::from(n);
+        Ok(leases)
+    }
+
+    fn lease_slot(&self, t: &mut Table, page: u32) -> PageLease {
+        let slot = &mut t.slots[page as usize];
+        debug_assert_eq!(slot.state, SlotState::Free, "page {page} leased twice");
+        slot.state = SlotState::Leased;
+        PageLease::new(self.id, page, slot.generation)
     }
 
     /// Moves a leased page to quarantine: its transfer failed or was aborted, and it must wait
@@ -274,13 +387,14 @@ impl PagePool {
     ///
     /// Fails, changing nothing, when the lease is stale, released, forged or from another
     /// pool.
-    pub fn quarantine(&mut self, lease: &PageLease) -> Result<(), PoolError> {
-        let state = self.check(lease)?;
+    pub fn quarantine(&self, lease: &PageLease) -> Result<(), PoolError> {
+        let mut t = self.table();
+        let state = self.check(&t, lease)?;
         if state == SlotState::Leased {
-            self.slots[lease.page() as usize].state = SlotState::Quarantined;
-            self.leased -= 1;
-            self.quarantined += 1;
-            self.quarantines += 1;
+            t.slots[lease.page() as usize].state = SlotState::Quarantined;
+            t.leased -= 1;
+            t.quarantined += 1;
+            t.quarantines += 1;
         }
         Ok(())
     }
@@ -292,51 +406,57 @@ impl PagePool {
     /// Fails, changing nothing but the `stale_release_errors` counter, with
     /// [`PoolError::NotLeased`] when the page is free (a double release),
     /// [`PoolError::StaleLease`] when the page has been handed out again since,
-    /// [`PoolError::WrongPool`] or [`PoolError::PageOutOfRange`].
-    pub fn release(&mut self, lease: PageLease) -> Result<(), PoolError> {
-        let state = match self.check(&lease) {
+    /// [`PoolError::WrongPool`] or [`PoolError::PageOutOfRange`], and with
+    /// [`PoolError::Pinned`] / [`PoolError::Busy`] while a reader or writer still holds the
+    /// page.
+    pub fn release(&self, lease: PageLease) -> Result<(), PoolError> {
+        let mut t = self.table();
+        let state = match self.check(&t, &lease) {
             Ok(state) => state,
             Err(e) => {
-                self.stale_release_errors += 1;
+                t.stale_release_errors += 1;
                 tracing::debug!(pool = self.id, error = %e, "page release refused");
                 return Err(e);
             }
         };
         let page = lease.page();
-        if self.pinned(page) {
-            self.stale_release_errors += 1;
-            tracing::error!(
-                pool = self.id,
-                page,
-                "release of a page a digest job still reads refused"
-            );
-            return Err(PoolError::Pinned { page });
+        if self.locks.held(page) {
+            t.stale_release_errors += 1;
+            let e = if self.locks.read_locked(page) {
+                PoolError::Pinned { page }
+            } else {
+                PoolError::Busy { page }
+            };
+            tracing::error!(pool = self.id, page, error = %e, "page release refused");
+            return Err(e);
         }
         if let Some(byte) = self.scrub.fill_byte() {
             for buffer in 0..self.memory.buffers() {
-                let range = self.range(page, buffer);
-                // SAFETY: in bounds; `&mut self` excludes the pool's other accessors, and the
-                // page is not pinned (checked above), so no `SharedPages` view reads it.
-                unsafe { self.memory.bytes_mut(buffer, range) }.fill(byte);
+                // Nobody holds the page (checked above, under the table lock, and new guards
+                // need a current lease or go through the transports, which write only pages
+                // leased to an open scope).
+                if let Ok(mut bytes) = PageMut::new(&self.memory, &self.locks, page, buffer) {
+                    bytes.fill(byte);
+                }
             }
         }
-        let slot = &mut self.slots[page as usize];
+        let slot = &mut t.slots[page as usize];
         slot.generation = slot.generation.wrapping_add(1);
         slot.state = SlotState::Free;
         match state {
-            SlotState::Leased => self.leased -= 1,
-            SlotState::Quarantined => self.quarantined -= 1,
+            SlotState::Leased => t.leased -= 1,
+            SlotState::Quarantined => t.quarantined -= 1,
             SlotState::Free => unreachable!("check() refuses free pages"),
         }
-        debug_assert!(self.free.len() < self.slots.len(), "free list overflow");
-        self.free.push(page);
-        self.releases += 1;
+        t.free.push(page);
+        t.releases += 1;
         Ok(())
     }
 
     /// The state of `page`, or `None` if it is out of range.
     pub fn state(&self, page: u32) -> Option<PageState> {
-        let slot = self.slots.get(page as usize)?;
+        let t = self.table();
+        let slot = t.slots.get(page as usize)?;
         Some(match slot.state {
             SlotState::Free => PageState::Free,
             SlotState::Leased => PageState::Leased {
@@ -351,7 +471,8 @@ impl PagePool {
     /// Whether `page` is leased or quarantined under exactly `generation`: what a transport
     /// checks before letting a write land in the page.
     pub fn holds(&self, page: u32, generation: u32) -> bool {
-        self.slots
+        self.table()
+            .slots
             .get(page as usize)
             .is_some_and(|s| s.state != SlotState::Free && s.generation == generation)
     }
@@ -359,66 +480,45 @@ impl PagePool {
     /// Checks a lease without using it: its page's state if the lease is current, the error
     /// any other operation would return otherwise.
     pub fn check_lease(&self, lease: &PageLease) -> Result<PageState, PoolError> {
-        self.check(lease)?;
+        self.check(&self.table(), lease)?;
         Ok(self.state(lease.page()).unwrap_or(PageState::Free))
     }
 
-    /// The bytes of the leased page in `buffer`.
+    /// The bytes of the leased page in `buffer`, read-locked while the guard lives.
     ///
-    /// Fails when the lease is not current or of this pool, when its page is quarantined, or
-    /// when `buffer` is out of range.
-    pub fn page(&self, lease: &PageLease, buffer: usize) -> Result<&[u8], PoolError> {
+    /// Fails when the lease is not current or of this pool, when its page is quarantined,
+    /// when `buffer` is out of range, or ([`PoolError::Busy`]) while a writer holds the page.
+    pub fn page(&self, lease: &PageLease, buffer: usize) -> Result<PageRef<'_>, PoolError> {
         self.check_usable(lease, buffer)?;
-        let range = self.range(lease.page(), buffer);
-        // SAFETY: checked in bounds; writers need `&mut self`, which `&self` excludes.
-        Ok(unsafe { self.memory.bytes(buffer, range) })
+        PageRef::new(&self.memory, &self.locks, lease.page(), buffer)
     }
 
-    /// The bytes of the leased page in `buffer`, writable. Fails as [`PagePool::page`] does.
-    pub fn page_mut(&mut self, lease: &PageLease, buffer: usize) -> Result<&mut [u8], PoolError> {
+    /// The bytes of the leased page in `buffer`, writable, locked against everyone else while
+    /// the guard lives. Fails as [`PagePool::page`] does, and with [`PoolError::Pinned`] while
+    /// a digest job reads the page.
+    pub fn page_mut(&self, lease: &PageLease, buffer: usize) -> Result<PageMut<'_>, PoolError> {
         self.check_usable(lease, buffer)?;
-        if self.pinned(lease.page()) {
-            return Err(PoolError::Pinned { page: lease.page() });
-        }
-        let range = self.range(lease.page(), buffer);
-        // SAFETY: checked in bounds; `&mut self` is exclusive, and the page is not pinned,
-        // so no `SharedPages` view reads it (new pins need `&self`).
-        Ok(unsafe { self.memory.bytes_mut(buffer, range) })
+        PageMut::new(&self.memory, &self.locks, lease.page(), buffer)
     }
 
     /// The bytes of slot `page` in `buffer` regardless of lease state: what a NIC or an
     /// in-process transport sees. Access control is the transport's job (scopes/fences), not
-    /// this method's. `None` if `page` or `buffer` is out of range.
-    pub fn raw_page(&self, page: u32, buffer: usize) -> Option<&[u8]> {
-        if page >= self.geometry.pages || buffer >= self.memory.buffers() {
-            return None;
-        }
-        let range = self.range(page, buffer);
-        // SAFETY: checked in bounds; writers need `&mut self`, which `&self` excludes.
-        Some(unsafe { self.memory.bytes(buffer, range) })
+    /// this method's. `None` if `page` or `buffer` is out of range or a writer holds it.
+    pub fn raw_page(&self, page: u32, buffer: usize) -> Option<PageRef<'_>> {
+        self.in_range(page, buffer)?;
+        PageRef::new(&self.memory, &self.locks, page, buffer).ok()
     }
 
     /// The bytes of slot `page` in `buffer` regardless of lease state, writable. See
-    /// [`PagePool::raw_page`].
-    pub fn raw_page_mut(&mut self, page: u32, buffer: usize) -> Option<&mut [u8]> {
-        if page >= self.geometry.pages || buffer >= self.memory.buffers() {
-            return None;
-        }
-        if self.pinned(page) {
-            return None;
-        }
-        let range = self.range(page, buffer);
-        // SAFETY: checked in bounds; `&mut self` is exclusive, and the page is not pinned,
-        // so no `SharedPages` view reads it (new pins need `&self`).
-        Some(unsafe { self.memory.bytes_mut(buffer, range) })
+    /// [`PagePool::raw_page`]; `None` also while anyone else holds the page (e.g. a digest
+    /// job pins it).
+    pub fn raw_page_mut(&self, page: u32, buffer: usize) -> Option<PageMut<'_>> {
+        self.in_range(page, buffer)?;
+        PageMut::new(&self.memory, &self.locks, page, buffer).ok()
     }
 
-    /// The whole of `buffer` (all its page slots, contiguous), e.g. to register it with a
-    /// NIC. `None` if `buffer` is out of range.
-    pub fn buffer(&self, buffer: usize) -> Option<&[u8]> {
-        let (_, len) = self.memory.region(buffer)?;
-        // SAFETY: the whole region, in bounds; writers need `&mut self`, which `&self` excludes.
-        Some(unsafe { self.memory.bytes(buffer, 0..len) })
+    fn in_range(&self, page: u32, buffer: usize) -> Option<()> {
+        (page < self.geometry.pages && buffer < self.memory.buffers()).then_some(())
     }
 
     /// A read-only view of `pages` that can cross threads (e.g. a digest job on the
@@ -432,11 +532,7 @@ impl PagePool {
                 pages: self.geometry.pages,
             });
         }
-        Ok(SharedPages::new(
-            self.memory.clone(),
-            self.pins.clone(),
-            pages,
-        ))
+        SharedPages::new(self.memory.clone(), self.locks.clone(), pages)
     }
 
     /// The pool's memory, e.g. to register it with a NIC.
@@ -446,26 +542,25 @@ impl PagePool {
 
     /// Whether a live [`SharedPages`] view pins `page`.
     pub fn pinned(&self, page: u32) -> bool {
-        self.pins
-            .get(page as usize)
-            .is_some_and(|p| p.load(Ordering::Acquire) > 0)
+        self.locks.read_locked(page)
     }
 
     /// A snapshot of the pool's counters.
     pub fn stats(&self) -> PoolStats {
+        let t = self.table();
         PoolStats {
-            free: self.free_pages(),
-            leased: self.leased,
-            quarantined: self.quarantined,
-            allocations: self.allocations,
-            quarantines: self.quarantines,
-            releases: self.releases,
-            stale_release_errors: self.stale_release_errors,
+            free: t.free.len,
+            leased: t.leased,
+            quarantined: t.quarantined,
+            allocations: t.allocations,
+            quarantines: t.quarantines,
+            releases: t.releases,
+            stale_release_errors: t.stale_release_errors,
         }
     }
 
     /// Checks that `lease` is current in this pool; returns its page's (non-free) state.
-    fn check(&self, lease: &PageLease) -> Result<SlotState, PoolError> {
+    fn check(&self, t: &Table, lease: &PageLease) -> Result<SlotState, PoolError> {
         if lease.pool_id() != self.id {
             return Err(PoolError::WrongPool {
                 lease_pool: lease.pool_id(),
@@ -473,7 +568,7 @@ impl PagePool {
             });
         }
         let page = lease.page();
-        let Some(slot) = self.slots.get(page as usize) else {
+        let Some(slot) = t.slots.get(page as usize) else {
             return Err(PoolError::PageOutOfRange {
                 page,
                 pages: self.geometry.pages,
@@ -494,7 +589,7 @@ impl PagePool {
 
     /// Checks that `lease` is current, not quarantined, and `buffer` exists.
     fn check_usable(&self, lease: &PageLease, buffer: usize) -> Result<(), PoolError> {
-        if self.check(lease)? == SlotState::Quarantined {
+        if self.check(&self.table(), lease)? == SlotState::Quarantined {
             return Err(PoolError::Quarantined { page: lease.page() });
         }
         if buffer >= self.memory.buffers() {
@@ -506,24 +601,23 @@ impl PagePool {
         Ok(())
     }
 
-    /// Byte range of slot `page` in `buffer`; both must be in range. Cannot overflow: the
-    /// buffer's length (`pages * page_bytes`) was checked to fit when the pool was built.
-    fn range(&self, page: u32, buffer: usize) -> Range<usize> {
-        let len = self.geometry.buffer_page_bytes[buffer] as usize;
-        let start = page as usize * len;
-        start..start + len
-    }
-
     /// Cross-checks the free list, slot table and counters (tests only).
     #[cfg(test)]
     fn assert_invariants(&self) {
-        let mut on_free_list = vec![false; self.slots.len()];
-        for &p in &self.free {
+        let t = self.table();
+        let mut on_free_list = vec![false; t.slots.len()];
+        let (mut p, mut n, mut prev) = (t.free.head, 0u32, NIL);
+        while p != NIL {
             assert!(!on_free_list[p as usize], "page {p} twice on the free list");
+            assert_eq!(t.free.prev[p as usize], prev, "broken back link at {p}");
             on_free_list[p as usize] = true;
+            n += 1;
+            prev = p;
+            p = t.free.next[p as usize];
         }
+        assert_eq!(n, t.free.len);
         let (mut leased, mut quarantined) = (0u32, 0u32);
-        for (p, slot) in self.slots.iter().enumerate() {
+        for (p, slot) in t.slots.iter().enumerate() {
             assert_eq!(
                 on_free_list[p],
                 slot.state == SlotState::Free,
@@ -536,16 +630,11 @@ impl PagePool {
                 SlotState::Free => {}
             }
         }
-        assert_eq!(leased, self.leased);
-        assert_eq!(quarantined, self.quarantined);
+        assert_eq!(leased, t.leased);
+        assert_eq!(quarantined, t.quarantined);
         assert_eq!(
-            self.free.len() as u64 + u64::from(leased) + u64::from(quarantined),
+            u64::from(t.free.len) + u64::from(leased) + u64::from(quarantined),
             u64::from(self.geometry.pages)
-        );
-        assert_eq!(
-            self.free.capacity(),
-            self.slots.len(),
-            "free list reallocated"
         );
     }
 }
@@ -570,12 +659,14 @@ mod tests {
 
     #[test]
     fn new_pool_is_zeroed_free_and_hands_out_page_zero_first() {
-        let mut p = pool(3, Scrub::None);
+        let p = pool(3, Scrub::None);
         p.assert_invariants();
         assert_ne!(p.id(), 0);
-        assert_eq!(p.buffer(0).unwrap(), &[0u8; 24][..]);
-        assert_eq!(p.buffer(1).unwrap(), &[0u8; 9][..]);
-        assert_eq!(p.buffer(2), None);
+        for page in 0..3 {
+            assert_eq!(&*p.raw_page(page, 0).unwrap(), &[0u8; 8][..]);
+            assert_eq!(&*p.raw_page(page, 1).unwrap(), &[0u8; 3][..]);
+        }
+        assert!(p.raw_page(0, 2).is_none());
         assert_eq!((p.free_pages(), p.capacity_pages()), (3, 3));
         assert_eq!(p.capacity_tokens(), 12);
         let l = p.allocate(1).unwrap();
@@ -595,7 +686,7 @@ mod tests {
 
     #[test]
     fn slots_do_not_overlap() {
-        let mut p = pool(3, Scrub::None);
+        let p = pool(3, Scrub::None);
         for page in 0..3u32 {
             for buffer in 0..2 {
                 let fill = (page * 10) as u8 + buffer as u8 + 1;
@@ -617,7 +708,7 @@ mod tests {
 
     #[test]
     fn release_bumps_generation_and_frees_only_once() {
-        let mut p = pool(1, Scrub::None);
+        let p = pool(1, Scrub::None);
         let lease = p.allocate(1).unwrap().pop().unwrap();
         let raw = RawLease {
             pool_id: lease.pool_id(),
@@ -650,8 +741,8 @@ mod tests {
 
     #[test]
     fn generation_wraps() {
-        let mut p = pool(1, Scrub::None);
-        p.slots[0].generation = u32::MAX;
+        let p = pool(1, Scrub::None);
+        p.table().slots[0].generation = u32::MAX;
         let lease = p.allocate(1).unwrap().pop().unwrap();
         assert_eq!(lease.generation(), u32::MAX);
         p.release(lease).unwrap();
@@ -660,10 +751,13 @@ mod tests {
 
     #[test]
     fn quarantined_page_is_not_usable_through_its_lease() {
-        let mut p = pool(2, Scrub::None);
+        let p = pool(2, Scrub::None);
         let lease = p.allocate(1).unwrap().pop().unwrap();
         p.quarantine(&lease).unwrap();
-        assert_eq!(p.page(&lease, 0), Err(PoolError::Quarantined { page: 0 }));
+        assert_eq!(
+            p.page(&lease, 0).map(|_| ()),
+            Err(PoolError::Quarantined { page: 0 })
+        );
         assert_eq!(
             p.page_mut(&lease, 0).map(|_| ()),
             Err(PoolError::Quarantined { page: 0 })
@@ -679,10 +773,10 @@ mod tests {
 
     #[test]
     fn buffer_out_of_range() {
-        let mut p = pool(1, Scrub::None);
+        let p = pool(1, Scrub::None);
         let lease = p.allocate(1).unwrap().pop().unwrap();
         assert_eq!(
-            p.page(&lease, 2),
+            p.page(&lease, 2).map(|_| ()),
             Err(PoolError::BufferOutOfRange {
                 buffer: 2,
                 buffers: 2
@@ -694,14 +788,14 @@ mod tests {
 
     #[test]
     fn forged_out_of_range_lease_is_refused() {
-        let mut p = pool(2, Scrub::None);
+        let p = pool(2, Scrub::None);
         let forged = PageLease::from_raw(RawLease {
             pool_id: p.id(),
             page: 2,
             generation: 0,
         });
         assert_eq!(
-            p.page(&forged, 0),
+            p.page(&forged, 0).map(|_| ()),
             Err(PoolError::PageOutOfRange { page: 2, pages: 2 })
         );
         assert_eq!(
@@ -755,7 +849,7 @@ mod tests {
         /// free list, slot table and counters stay consistent.
         #[test]
         fn invariants_hold_under_any_sequence(ops in proptest::collection::vec(op(), 0..80)) {
-            let mut p = pool(8, Scrub::Poison);
+            let p = pool(8, Scrub::Poison);
             let mut held: Vec<PageLease> = Vec::new();
             let mut released: Vec<RawLease> = Vec::new();
             for op in ops {

@@ -5,19 +5,15 @@
 //! over safely with [`KvMemory::from_buffers`], or memory the engine already owns (its KV
 //! cache) with the `unsafe` [`KvMemory::from_raw_parts`].
 //!
-//! This module and the RDMA transport are the only places with `unsafe` code. Bytes are
-//! reached only through [`crate::memory::PagePool`] (whose `&`/`&mut` methods give the usual
-//! guarantees) and through [`SharedPages`], a read-only view of a transfer's pages that a
-//! digest job can take to another thread. A view *pins* its pages: while any view of a page
-//! lives, the pool refuses every write to it (and its release), so the view can never observe
-//! a write.
+//! This module, `access.rs` and the RDMA transport are the only places with `unsafe` code.
+//! Bytes are reached only through [`PagePool`](super::PagePool)'s access guards and
+//! [`SharedPages`](super::SharedPages) views, which take each page's access lock
+//! (`access.rs`), so no two Rust references to a page's bytes ever conflict.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::fmt;
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
 
 use crate::memory::{PoolError, PoolGeometry};
 
@@ -46,7 +42,7 @@ struct Region {
 /// The memory of every buffer of a pool.
 pub struct KvMemory {
     regions: Vec<Region>,
-    page_bytes: Vec<usize>,
+    pub(super) page_bytes: Vec<usize>,
     pages: usize,
 }
 
@@ -249,82 +245,6 @@ impl Drop for KvMemory {
                 }
                 Owner::Foreign => {}
             }
-        }
-    }
-}
-
-/// Per-page pin counts, shared by a pool and its [`SharedPages`] views.
-pub(crate) type Pins = Arc<[AtomicU32]>;
-
-/// A read-only view of some pages of a [`KvMemory`], which may cross threads (a digest
-/// job on the blocking pool). It keeps the memory alive and pins its pages: the pool that
-/// made it refuses to write or release them until the view is dropped.
-pub struct SharedPages {
-    memory: Arc<KvMemory>,
-    pins: Pins,
-    pages: Arc<[u32]>,
-}
-
-impl fmt::Debug for SharedPages {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SharedPages")
-            .field("pages", &self.pages.len())
-            .finish()
-    }
-}
-
-impl SharedPages {
-    /// Pins `pages` (in range: the pool checked) and makes the view. Only the pool calls
-    /// this, with `&self`: no writer (`&mut self`) can be active meanwhile, and every writer
-    /// checks the pins before touching a page.
-    pub(crate) fn new(memory: Arc<KvMemory>, pins: Pins, pages: Vec<u32>) -> Self {
-        for &p in &pages {
-            pins[p as usize].fetch_add(1, Ordering::AcqRel);
-        }
-        Self {
-            memory,
-            pins,
-            pages: pages.into(),
-        }
-    }
-
-    /// Pages in the view.
-    pub fn pages(&self) -> usize {
-        self.pages.len()
-    }
-
-    /// Buffers per page.
-    pub fn buffers(&self) -> usize {
-        self.memory.buffers()
-    }
-
-    /// Bytes the view covers (all buffers of all its pages).
-    pub fn bytes(&self) -> u64 {
-        self.memory
-            .page_bytes
-            .iter()
-            .map(|&b| b as u64)
-            .sum::<u64>()
-            * self.pages.len() as u64
-    }
-
-    /// The bytes of the view's page `ordinal` in `buffer`.
-    ///
-    /// # Panics
-    /// If `ordinal` or `buffer` is out of range.
-    pub fn page(&self, ordinal: usize, buffer: usize) -> &[u8] {
-        let range = self.memory.range(self.pages[ordinal], buffer);
-        // SAFETY: the page is in range (checked by the pool) and pinned while this view
-        // lives; the pool refuses every write to a pinned page, so no `&mut` aliases it. The
-        // view holds the memory alive.
-        unsafe { self.memory.bytes(buffer, range) }
-    }
-}
-
-impl Drop for SharedPages {
-    fn drop(&mut self) {
-        for &p in self.pages.iter() {
-            self.pins[p as usize].fetch_sub(1, Ordering::AcqRel);
         }
     }
 }

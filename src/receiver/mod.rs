@@ -87,7 +87,7 @@ impl VerifiedKv {
         pool: &'a PagePool,
         ordinal: usize,
         buffer: usize,
-    ) -> Result<&'a [u8], PoolError> {
+    ) -> Result<crate::memory::PageRef<'a>, PoolError> {
         let lease = self.leases.get(ordinal).ok_or(PoolError::PageOutOfRange {
             page: ordinal as u32,
             pages: self.leases.len() as u32,
@@ -456,8 +456,8 @@ impl ReceiverEndpoint {
     }
 
     /// The pool and the scope table, for a transport landing writes.
-    pub fn landing_parts(&mut self) -> (&mut PagePool, &ScopeTable) {
-        (&mut self.pool, &self.scopes)
+    pub fn landing_parts(&mut self) -> (&PagePool, &ScopeTable) {
+        (&self.pool, &self.scopes)
     }
 
     /// Open access scopes.

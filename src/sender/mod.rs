@@ -142,8 +142,8 @@ impl SenderEndpoint {
         };
         for (ordinal, lease) in (0u32..).zip(&leases) {
             for b in 0..self.pool.buffers() {
-                if let Ok(page) = self.pool.page_mut(lease, b) {
-                    fill(ordinal, b, page);
+                if let Ok(mut page) = self.pool.page_mut(lease, b) {
+                    fill(ordinal, b, &mut page);
                 }
             }
         }
@@ -393,8 +393,8 @@ impl SenderEndpoint {
                 continue;
             }
             for b in 0..self.pool.buffers() {
-                if let Some(page) = self.pool.raw_page_mut(p, b) {
-                    f(p, b, page);
+                if let Some(mut page) = self.pool.raw_page_mut(p, b) {
+                    f(p, b, &mut page);
                 }
             }
         }

@@ -468,7 +468,7 @@ impl Link {
 pub fn land(
     op: &WriteOp,
     src: &PagePool,
-    dst: &mut PagePool,
+    dst: &PagePool,
     scopes: &ScopeTable,
     leased_to: impl Fn(TransferRef, u32) -> bool,
     record: &mut LandingRecord,
@@ -486,7 +486,7 @@ pub fn land(
     }
     stats.writes_landed += 1;
     for b in 0..dst.buffers() {
-        let (Some(from), Some(to)) = (
+        let (Some(from), Some(mut to)) = (
             src.raw_page(op.src_page, b),
             dst.raw_page_mut(op.dst_page, b),
         ) else {

@@ -133,6 +133,26 @@ enum ReadState {
     Discard { header: DataHeader, done: usize },
 }
 
+/// Where the next read lands: the reader's own buffer, or a destination page from an offset
+/// (write-locked while the target lives).
+#[derive(Debug)]
+pub enum ReadTarget<'a> {
+    /// Header, frame or discarded bytes.
+    Buf(&'a mut [u8]),
+    /// A destination page's bytes from this offset.
+    Page(crate::memory::PageMut<'a>, usize),
+}
+
+impl ReadTarget<'_> {
+    /// The bytes to read into.
+    pub fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Self::Buf(b) => b,
+            Self::Page(p, off) => &mut p[*off..],
+        }
+    }
+}
+
 /// Counters of the receiving side of a stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StreamStats {
@@ -189,7 +209,7 @@ impl StreamReader {
     }
 
     /// The slice the next read must fill.
-    pub fn target<'a>(&'a mut self, pool: &'a mut PagePool, scopes: &ScopeTable) -> &'a mut [u8] {
+    pub fn target<'a>(&'a mut self, pool: &'a PagePool, scopes: &ScopeTable) -> ReadTarget<'a> {
         // A fence since the last read turns the rest of a landing record into a discard.
         if let ReadState::Land { header, done } = self.state {
             if scopes.check(header.key, header.dst_page).is_err() {
@@ -205,11 +225,11 @@ impl StreamReader {
                 } else {
                     DATA_HEADER_LEN
                 };
-                &mut self.head[*filled..want]
+                ReadTarget::Buf(&mut self.head[*filled..want])
             }
             ReadState::Frame { total, filled } => {
                 let (f, t) = (*filled, *total);
-                &mut self.head[f..t]
+                ReadTarget::Buf(&mut self.head[f..t])
             }
             ReadState::Land { header, done } => {
                 let (mut b, mut off) = (0, *done);
@@ -218,14 +238,14 @@ impl StreamReader {
                     b += 1;
                 }
                 match pool.raw_page_mut(header.dst_page, b) {
-                    Some(page) => &mut page[off..],
-                    None => &mut self.scratch[..1],
+                    Some(page) => ReadTarget::Page(page, off),
+                    None => ReadTarget::Buf(&mut self.scratch[..1]),
                 }
             }
             ReadState::Discard { header, done } => {
                 let left = header.len as usize - *done;
                 let n = left.min(self.scratch.len());
-                &mut self.scratch[..n]
+                ReadTarget::Buf(&mut self.scratch[..n])
             }
         }
     }
