@@ -26,7 +26,7 @@ fn raw(lease: &PageLease) -> RawLease {
     }
 }
 
-fn release_all(pool: &mut PagePool, leases: Vec<PageLease>) {
+fn release_all(pool: &PagePool, leases: Vec<PageLease>) {
     for lease in leases {
         pool.release(lease).expect("release of a live lease");
     }
@@ -76,7 +76,7 @@ fn allocate_release_round_trip_restores_free_count() {
         assert!(p.holds(lease.page(), lease.generation()));
     }
     let pages: Vec<u32> = leases.iter().map(PageLease::page).collect();
-    release_all(&mut p, leases);
+    release_all(&p, leases);
     assert_eq!(counts(&p), (10, 0, 0));
     for page in pages {
         assert_eq!(p.state(page), Some(PageState::Free));
@@ -94,7 +94,7 @@ fn allocate_release_round_trip_restores_free_count() {
     // And the whole pool can still be handed out, each page once.
     let all = drain_and_check_distinct(&mut p);
     assert_eq!(all.len(), 10);
-    release_all(&mut p, all);
+    release_all(&p, all);
 }
 
 #[test]
@@ -114,8 +114,8 @@ fn exhaustion_is_all_or_nothing() {
     assert_eq!(rest.len(), 2);
     assert_eq!(p.allocate(0).unwrap(), Vec::new());
     assert_eq!(counts(&p), (0, 5, 0));
-    release_all(&mut p, first);
-    release_all(&mut p, rest);
+    release_all(&p, first);
+    release_all(&p, rest);
     assert_eq!(
         p.allocate(6).unwrap_err(),
         PoolError::Exhausted {
@@ -156,8 +156,8 @@ fn double_release_via_raw_lease_is_refused_and_changes_nothing() {
     let drained = drain_and_check_distinct(&mut p);
     assert_eq!(drained.len(), 3);
     assert_eq!(drained.iter().filter(|l| l.page() == page).count(), 1);
-    release_all(&mut p, drained);
-    release_all(&mut p, leases);
+    release_all(&p, drained);
+    release_all(&p, leases);
     assert_eq!(counts(&p), (4, 0, 0));
 }
 
@@ -255,7 +255,7 @@ fn quarantine_counts_and_release_from_quarantine() {
         Err(PoolError::NotLeased { page: q0_raw.page })
     );
     assert_eq!(counts(&p), (4, 1, 1));
-    release_all(&mut p, leases);
+    release_all(&p, leases);
     assert_eq!(counts(&p), (6, 0, 0));
     assert_eq!(p.stats().releases, 3);
 }
@@ -437,7 +437,7 @@ fn page_views_address_the_leased_slot_in_every_buffer() {
     );
     assert!(p.raw_page(4, 0).is_none());
     assert!(p.raw_page(0, 3).is_none());
-    release_all(&mut p, leases);
+    release_all(&p, leases);
 }
 
 #[test]
@@ -774,8 +774,8 @@ proptest! {
         let mut all: Vec<u32> = live.iter().chain(rest.iter()).map(PageLease::page).collect();
         all.sort_unstable();
         prop_assert_eq!(all, (0..MODEL_PAGES).collect::<Vec<_>>());
-        release_all(&mut p, live);
-        release_all(&mut p, rest);
+        release_all(&p, live);
+        release_all(&p, rest);
     }
 }
 
@@ -928,4 +928,40 @@ fn a_pool_over_caller_memory_uses_it_in_place() {
         PagePool::with_memory(g, wrong, Scrub::None),
         Err(PoolError::BadGeometry(_))
     ));
+}
+
+#[test]
+fn engine_chosen_pages_are_leased_exactly_and_never_twice() {
+    let p = pool(8, Scrub::None);
+    let leases = p.lease_pages(&[5, 2, 7]).unwrap();
+    assert_eq!(
+        leases.iter().map(PageLease::page).collect::<Vec<_>>(),
+        vec![5, 2, 7]
+    );
+    assert_eq!(counts(&p), (5, 3, 0));
+    // A page already leased (by anyone) is refused, and nothing of the request is leased.
+    assert_eq!(
+        p.lease_pages(&[1, 2]),
+        Err(PoolError::AlreadyLeased { page: 2 })
+    );
+    assert_eq!(
+        p.lease_pages(&[1, 1]),
+        Err(PoolError::DuplicatePage { page: 1 })
+    );
+    assert_eq!(
+        p.lease_pages(&[1, 8]),
+        Err(PoolError::PageOutOfRange { page: 8, pages: 8 })
+    );
+    assert_eq!(counts(&p), (5, 3, 0));
+    // The embedded allocator never hands out a page the engine leased.
+    let rest = p.allocate(5).unwrap();
+    let mut all: Vec<u32> = rest.iter().chain(&leases).map(PageLease::page).collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..8).collect::<Vec<_>>());
+    assert!(p.allocate(1).is_err());
+    release_all(&p, rest);
+    release_all(&p, leases);
+    assert_eq!(counts(&p), (8, 0, 0));
+    // Released pages can be chosen again.
+    release_all(&p, p.lease_pages(&[2, 5]).unwrap());
 }
