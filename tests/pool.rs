@@ -99,7 +99,7 @@ fn allocate_release_round_trip_restores_free_count() {
 
 #[test]
 fn exhaustion_is_all_or_nothing() {
-    let mut p = pool(5, Scrub::None);
+    let p = pool(5, Scrub::None);
     let first = p.allocate(3).unwrap();
     assert_eq!(
         p.allocate(3).unwrap_err(),
@@ -220,7 +220,7 @@ fn wrong_pool_is_refused() {
 
 #[test]
 fn quarantine_counts_and_release_from_quarantine() {
-    let mut p = pool(6, Scrub::None);
+    let p = pool(6, Scrub::None);
     let mut leases = p.allocate(3).unwrap();
     p.quarantine(&leases[0]).unwrap();
     p.quarantine(&leases[1]).unwrap();
@@ -408,7 +408,7 @@ fn page_access_with_stale_lease_fails() {
 
 #[test]
 fn page_views_address_the_leased_slot_in_every_buffer() {
-    let mut p = pool(4, Scrub::None);
+    let p = pool(4, Scrub::None);
     let leases = p.allocate(4).unwrap();
     for (i, lease) in leases.iter().enumerate() {
         for buffer in 0..3 {
