@@ -6,11 +6,11 @@
 use std::time::Duration;
 
 use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
-use kvwire::harness::{kv_pattern, Pair, PairConfig};
+use kvwire::driver::ReserveParams;
 use kvwire::memory::PoolGeometry;
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::{Commit, Digest128, DigestAlgorithm, Frame, Reserve, TransferRef};
-use kvwire::receiver::ReserveParams;
+use kvwire::testkit::{kv_pattern, Pair, PairConfig};
 
 fn frames() -> Vec<(&'static str, Frame)> {
     let t = TransferRef {
@@ -102,12 +102,16 @@ fn loopback(c: &mut Criterion) {
                         },
                     )
                     .unwrap();
+                let now = pair.now;
                 let admitted = pair
                     .sender
-                    .admit(Request {
-                        transfer_id: id,
-                        tokens: 128,
-                    })
+                    .admit(
+                        now,
+                        Request {
+                            transfer_id: id,
+                            tokens: 128,
+                        },
+                    )
                     .unwrap();
                 let this = id;
                 pair.sender

@@ -12,7 +12,7 @@
 //!   "transfer complete" and hands tenant B the pages it reserved for B. The example prints
 //!   what B's decode reads: tenant A's text.
 //! * Part 2, kvwire: the same sequence through the library's public API
-//!   ([`kvwire::harness::Pair`]). The prefill rejects B's prompt at admission with a typed
+//!   ([`kvwire::testkit::Pair`]). The prefill rejects B's prompt at admission with a typed
 //!   error. The decode side's reservation is answered with that original error
 //!   (`PROMPT_EXCEEDS_POOL`), no byte moves, nothing is delivered to B's decode, and every
 //!   page goes back to the pool. A legitimate short request then verifies end to end, which
@@ -31,10 +31,10 @@ use std::error::Error;
 use std::time::Duration;
 
 use kvwire::config::EngineConfig;
-use kvwire::harness::{kv_pattern, Pair, PairConfig};
+use kvwire::driver::ReserveParams;
 use kvwire::proto::admission::Request;
 use kvwire::proto::FailureReason;
-use kvwire::receiver::ReserveParams;
+use kvwire::testkit::{kv_pattern, Pair, PairConfig};
 
 /// What tenant A's request left in every KV page it used, repeated to fill each page.
 const TENANT_A_TEXT: &[u8] = b"TENANT-A secret: account 4471-0093-2231-8857 | ";
@@ -235,7 +235,7 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
 
     // Tenant A's earlier request left its bytes in every page of the decode pool.
     {
-        let pool = pair.receiver.landing_parts().0;
+        let pool = pair.receiver.pool();
         for p in 0..pool.capacity_pages() {
             for b in 0..pool.buffers() {
                 if let Some(mut page) = pool.raw_page_mut(p, b) {
@@ -254,10 +254,14 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
 
     // Tenant B's prompt: the prefill admits it or rejects it with a typed error.
     let tokens = TENANT_B_TOKENS as u64;
-    let err = match pair.sender.admit(Request {
-        transfer_id: TENANT_B_ID,
-        tokens,
-    }) {
+    let now = pair.now;
+    let err = match pair.sender.admit(
+        now,
+        Request {
+            transfer_id: TENANT_B_ID,
+            tokens,
+        },
+    ) {
         Ok(_) => panic!("a prompt longer than the prefill pool was admitted"),
         Err(e) => e,
     };
@@ -284,7 +288,7 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
 
     // What tenant B's decode engine got.
     let failure = pair.receiver_failure(TENANT_B_ID).cloned();
-    let stats = pair.link.stats;
+    let stats = pair.wire_stats();
     let pool = pair.receiver.pool();
     println!(
         "verified deliveries: {:?} (nothing handed to B's decode)",
@@ -332,11 +336,14 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
     // A legitimate short request still verifies end to end, over pages that held tenant
     // A's bytes.
     println!("-- legitimate request: {LEGIT_TOKENS} tokens --");
-    let admitted = pair.sender.admit(Request {
-        transfer_id: LEGIT_ID,
-        tokens: u64::from(LEGIT_TOKENS),
-    })?;
     let now = pair.now;
+    let admitted = pair.sender.admit(
+        now,
+        Request {
+            transfer_id: LEGIT_ID,
+            tokens: u64::from(LEGIT_TOKENS),
+        },
+    )?;
     pair.sender.submit(now, admitted, |ord, b, page| {
         kv_pattern(LEGIT_ID, ord, b, page)
     })?;
@@ -351,7 +358,7 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
         },
     )?;
     pair.drive();
-    let stats = &pair.link.stats;
+    let stats = &pair.wire_stats();
     let pool = pair.receiver.pool();
     println!(
         "verified deliveries: {:?}; bytes_landed = {}, writes_posted = {}; content mismatches: {:?}",
@@ -364,7 +371,7 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
     );
     assert_eq!(pair.verified, vec![LEGIT_ID]);
     assert!(pair.wrong_content.is_empty());
-    assert!(pair.landings.illegal.is_empty());
+    assert!(pair.illegal_landings().is_empty());
     assert!(pair.sender_verified(LEGIT_ID));
     let legit_pages = u64::from(LEGIT_TOKENS).div_ceil(TOKENS_PER_PAGE as u64);
     assert_eq!(stats.bytes_landed, legit_pages * PAGE_BYTES as u64);

@@ -9,11 +9,13 @@ pub use kvwire_proto as proto;
 pub mod bench;
 pub mod checksum;
 pub mod config;
+pub mod driver;
 pub mod engine;
-pub mod harness;
 pub mod host;
 pub mod memory;
 pub mod metrics;
 pub mod receiver;
 pub mod sender;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 pub mod transport;

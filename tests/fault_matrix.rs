@@ -10,10 +10,10 @@ mod common;
 use std::time::Duration;
 
 use common::{assert_invariants, reserve, send, transfer};
-use kvwire::harness::{Pair, PairConfig};
 use kvwire::proto::wire::FrameType;
 use kvwire::proto::{FailureReason, Wait};
-use kvwire::transport::loopback::{Fault, FaultRule, Side, Step};
+use kvwire::testkit::{Fault, FaultRule, Side, Step};
+use kvwire::testkit::{Pair, PairConfig};
 
 const ID: u64 = 77;
 

@@ -3,11 +3,13 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use common::{assert_invariants, reserve, send, transfer};
 use kvwire::config::{ConfigError, EngineConfig};
-use kvwire::harness::{handshake, Pair, PairConfig, PairError};
+use kvwire::driver::{ReceiveOutcome, ReceiverDriver, ReserveParams};
 use kvwire::memory::{PagePool, PoolGeometry, Scrub};
 use kvwire::proto::admission::AdmissionError;
 use kvwire::proto::receiver::ReceiverConfig;
@@ -15,8 +17,10 @@ use kvwire::proto::wire::{
     Commit, Digest128, DigestAlgorithm, ErrorCode, Frame, Hello, Role, TransferRef,
 };
 use kvwire::proto::{CountField, FailureReason};
-use kvwire::receiver::{ReceiveOutcome, ReceiverEndpoint, ReserveParams};
-use kvwire::transport::loopback::{Fault, FaultRule};
+use kvwire::testkit::{handshake, Pair, PairConfig, PairError};
+use kvwire::testkit::{Fault, FaultRule};
+use kvwire::transport::loopback::{self, LoopbackReceiver, LoopbackSender};
+use kvwire::transport::{Transport, TransportEvent};
 
 /// The receiver's page bytes for every page of the pool, to prove nothing changed.
 fn snapshot(pool: &PagePool) -> Vec<Vec<u8>> {
@@ -72,10 +76,11 @@ fn placeholder_prompt_longer_than_pool_is_rejected_at_admission() {
     }
     assert!(pair.verified.is_empty());
     assert_eq!(
-        pair.link.stats.writes_posted, 0,
+        pair.wire_stats().writes_posted,
+        0,
         "a rejected request reached the transfer stage"
     );
-    assert_eq!(pair.link.stats.bytes_landed, 0);
+    assert_eq!(pair.wire_stats().bytes_landed, 0);
     assert_eq!(
         pair.sender.pool().stats().allocations,
         0,
@@ -105,7 +110,7 @@ fn placeholder_token_count_mismatch_is_refused_by_the_sender() {
     assert!(
         matches!(pair.sender_failure(5), Some(FailureReason::ReservationRefused { code, .. }) if *code == ErrorCode::TOKEN_COUNT_MISMATCH)
     );
-    assert_eq!(pair.link.stats.writes_posted, 0);
+    assert_eq!(pair.wire_stats().writes_posted, 0);
     assert!(pair.verified.is_empty());
     assert_invariants(&pair);
 }
@@ -124,17 +129,34 @@ fn hello(role: Role) -> Hello {
     }
 }
 
-/// A lone receiver endpoint, handshaken with a sender that is played by the test.
-fn receiver_endpoint(now: Instant) -> ReceiverEndpoint {
+/// A lone receiver driver, handshaken with a sender that is played by the test through the
+/// other end of the loopback wire.
+fn receiver_driver(now: Instant) -> (ReceiverDriver<LoopbackReceiver>, LoopbackSender) {
     let (est, _) = handshake(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
-    let pool = PagePool::new(geometry(), Scrub::None).unwrap();
-    ReceiverEndpoint::new(
+    let pool = Arc::new(PagePool::new(geometry(), Scrub::None).unwrap());
+    let source = Arc::new(PagePool::new(geometry(), Scrub::None).unwrap());
+    let (s, r) = loopback::connect(source, pool.clone(), Duration::ZERO);
+    let rx = ReceiverDriver::new(
         &est,
         pool,
         &EngineConfig::new(1024),
         ReceiverConfig::default(),
+        r,
     )
-    .unwrap()
+    .unwrap();
+    (rx, s)
+}
+
+/// The frames the receiver sent, as the played sender reads them off the wire.
+fn frames_sent(peer: &mut LoopbackSender, now: Instant) -> Vec<Frame> {
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut out = Vec::new();
+    while let Poll::Ready(e) = peer.poll_event(&mut cx, now) {
+        if let TransportEvent::Frame(f) = e {
+            out.push(f);
+        }
+    }
+    out
 }
 
 /// Incident 2: a short transfer. A (buggy or legacy) sender writes 1 of N pages and commits
@@ -143,7 +165,7 @@ fn receiver_endpoint(now: Instant) -> ReceiverEndpoint {
 #[test]
 fn short_transfer_one_of_n_pages_fails_on_counts() {
     let now = Instant::now();
-    let mut rx = receiver_endpoint(now);
+    let (mut rx, mut peer) = receiver_driver(now);
     let t: TransferRef = rx
         .reserve(
             now,
@@ -171,8 +193,7 @@ fn short_transfer_one_of_n_pages_fails_on_counts() {
         buffer_digests: vec![Digest128::from_u128(1); 3],
         page_digests: vec![],
     });
-    let err = rx.handle_frame(now, commit).unwrap_err();
-    assert_eq!(err.scope, kvwire::proto::Scope::Transfer);
+    rx.handle_event(now, TransportEvent::Frame(commit));
     match rx.poll_outcome() {
         Some(ReceiveOutcome::Failed { reason, .. }) => assert_eq!(
             reason,
@@ -190,11 +211,13 @@ fn short_transfer_one_of_n_pages_fails_on_counts() {
         rx.pool().capacity_pages(),
         "pages leaked"
     );
-    assert_eq!(rx.open_scopes(), 0, "scope not fenced");
+    assert_eq!(rx.transport().open_scopes(), 0, "scope not fenced");
     // The NACK tells the sender why.
-    assert!(matches!(rx.poll_transmit(), Some(Frame::Reserve(_))));
+    let sent = frames_sent(&mut peer, now);
+    assert!(matches!(sent[0], Frame::Reserve(_)), "{sent:?}");
     assert!(
-        matches!(rx.poll_transmit(), Some(Frame::Nack(n)) if n.code == ErrorCode::COUNT_MISMATCH)
+        matches!(&sent[1], Frame::Nack(n) if n.code == ErrorCode::COUNT_MISMATCH),
+        "{sent:?}"
     );
 }
 
@@ -222,7 +245,7 @@ fn stale_pages_counts_right_data_not_written_fails_on_digest() {
         pair.sender_failure(11),
         Some(FailureReason::Nacked { code, buffer: Some(0), page: Some(0) }) if *code == ErrorCode::DIGEST_MISMATCH
     ));
-    assert_eq!(pair.link.stats.bytes_landed, 0);
+    assert_eq!(pair.wire_stats().bytes_landed, 0);
     assert_invariants(&pair);
 }
 
@@ -256,7 +279,7 @@ fn abort_while_writes_in_flight_fences_before_release() {
     pair.fault(FaultRule::on(21, Fault::LateWrites));
     transfer(&mut pair, 21, 128);
     assert!(
-        pair.drive_until(|p| p.link.held_writes(21) > 0),
+        pair.drive_until(|p| p.held_writes(21) > 0),
         "no write ever in flight"
     );
     let reserved = pair.receiver.pool().leased_pages();
@@ -266,18 +289,19 @@ fn abort_while_writes_in_flight_fences_before_release() {
     assert!(pair.receiver.abort(now, 21, ErrorCode::CANCELLED));
     // The fence completed before the release: the scope is closed and nothing was released
     // while it was open.
-    assert_eq!(pair.receiver.open_scopes(), 0);
+    assert_eq!(pair.open_scopes(), 0);
     assert_eq!(pair.receiver.stats().release_before_fence, 0);
     assert_eq!(pair.receiver.stats().fences, 1);
     let after_release = snapshot(pair.receiver.pool());
 
     pair.drive();
     assert!(
-        pair.link.stats.writes_refused > 0,
+        pair.wire_stats().writes_refused > 0,
         "the late writes never arrived"
     );
     assert_eq!(
-        pair.link.stats.writes_landed, 0,
+        pair.wire_stats().writes_landed,
+        0,
         "a late write landed after the fence"
     );
     assert_eq!(
@@ -303,7 +327,7 @@ fn abort_while_writes_in_flight_fences_before_release() {
 fn abort_midway_through_real_writes() {
     let mut pair = Pair::new(PairConfig::small()).unwrap();
     transfer(&mut pair, 22, 256);
-    assert!(pair.drive_until(|p| p.link.stats.writes_landed >= 2));
+    assert!(pair.drive_until(|p| p.wire_stats().writes_landed >= 2));
     let now = pair.now;
     assert!(pair.receiver.abort(now, 22, ErrorCode::CANCELLED));
     pair.drive();
@@ -341,7 +365,7 @@ fn pool_smaller_than_context_refuses_to_start() {
 #[test]
 fn zero_digest_is_missing_and_fails_closed() {
     let now = Instant::now();
-    let mut rx = receiver_endpoint(now);
+    let (mut rx, _peer) = receiver_driver(now);
     let params = ReserveParams {
         transfer_id: 4,
         tokens: 32,
@@ -366,7 +390,7 @@ fn zero_digest_is_missing_and_fails_closed() {
         buffer_digests: digests,
         page_digests: vec![],
     });
-    assert!(rx.handle_frame(now, commit).is_err());
+    rx.handle_event(now, TransportEvent::Frame(commit));
     match rx.poll_outcome() {
         Some(ReceiveOutcome::Failed {
             reason: FailureReason::MissingDigest { detail },
@@ -388,12 +412,15 @@ fn pool_that_differs_from_the_negotiated_layout_refuses_to_start() {
     let (est, _) = handshake(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
     let mut g = geometry();
     g.buffer_page_bytes[1] = 1024;
-    let pool = PagePool::new(g, Scrub::None).unwrap();
-    match ReceiverEndpoint::new(
+    let pool = Arc::new(PagePool::new(g, Scrub::None).unwrap());
+    let source = Arc::new(PagePool::new(geometry(), Scrub::None).unwrap());
+    let (_, r) = loopback::connect(source, pool.clone(), Duration::ZERO);
+    match ReceiverDriver::new(
         &est,
         pool,
         &EngineConfig::new(1024),
         ReceiverConfig::default(),
+        r,
     ) {
         Err(e @ ConfigError::PoolLayoutMismatch { .. }) => {
             let msg = e.to_string();

@@ -9,9 +9,9 @@ mod common;
 use std::time::Duration;
 
 use common::{assert_invariants, try_reserve, try_send};
-use kvwire::harness::{Pair, PairConfig};
 use kvwire::proto::wire::FrameType;
-use kvwire::transport::loopback::{Fault, FaultRule, Side, Step};
+use kvwire::testkit::{Fault, FaultRule, Side, Step};
+use kvwire::testkit::{Pair, PairConfig};
 use proptest::prelude::*;
 
 fn step() -> impl Strategy<Value = Step> {

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{assert_invariants, transfer};
-use kvwire::harness::{Pair, PairConfig};
+use kvwire::testkit::{Pair, PairConfig};
 
 #[test]
 fn one_transfer_verifies_with_the_senders_bytes() {
@@ -17,7 +17,7 @@ fn one_transfer_verifies_with_the_senders_bytes() {
         "{:?}",
         pair.receiver_failures
     );
-    assert!(pair.link.stats.bytes_landed > 0);
+    assert!(pair.wire_stats().bytes_landed > 0);
     assert_invariants(&pair);
 }
 
@@ -39,7 +39,7 @@ fn reservation_before_request_is_parked_then_served() {
     let mut pair = Pair::new(PairConfig::small()).unwrap();
     common::reserve(&mut pair, 9, 33);
     // Deliver the RESERVE to a sender that has no such request yet (no timer may fire).
-    while pair.link.next_due().is_some() {
+    while !pair.wire_idle() {
         pair.step();
     }
     assert_eq!(pair.sender.session().open_transfers(), 0);
@@ -60,7 +60,7 @@ fn reservation_before_request_is_parked_then_served() {
 #[test]
 fn duplicated_reserve_is_idempotent() {
     use kvwire::proto::wire::FrameType;
-    use kvwire::transport::loopback::{Fault, FaultRule};
+    use kvwire::testkit::{Fault, FaultRule};
     let mut pair = Pair::new(PairConfig::small()).unwrap();
     pair.fault(FaultRule::on(31, Fault::DuplicateFrame(FrameType::RESERVE)));
     transfer(&mut pair, 31, 64);
@@ -78,7 +78,7 @@ fn duplicated_reserve_is_idempotent() {
 #[test]
 fn writes_posted_after_the_fence_are_refused_and_the_sender_drains() {
     use kvwire::proto::wire::FrameType;
-    use kvwire::transport::loopback::{Fault, FaultRule};
+    use kvwire::testkit::{Fault, FaultRule};
     use std::time::Duration;
     let mut pair = Pair::new(PairConfig::small()).unwrap();
     pair.fault(FaultRule::on(41, Fault::LateWrites));
@@ -90,7 +90,7 @@ fn writes_posted_after_the_fence_are_refused_and_the_sender_drains() {
     transfer(&mut pair, 41, 16);
     pair.drive();
     assert!(pair.verified.is_empty());
-    assert!(pair.link.stats.writes_refused > 0);
+    assert!(pair.wire_stats().writes_refused > 0);
     assert!(pair.sender_failure(41).is_some());
     assert_invariants(&pair);
 }
@@ -102,7 +102,7 @@ fn writes_posted_after_the_fence_are_refused_and_the_sender_drains() {
 #[test]
 fn a_lost_verified_ends_verified_on_both_sides() {
     use kvwire::proto::wire::FrameType;
-    use kvwire::transport::loopback::{Fault, FaultRule};
+    use kvwire::testkit::{Fault, FaultRule};
     let mut pair = Pair::new(PairConfig::small()).unwrap();
     pair.fault(FaultRule::on(51, Fault::DropFrame(FrameType::VERIFIED)));
     transfer(&mut pair, 51, 64);

@@ -89,7 +89,6 @@ mod over_rdma {
     use std::time::{Duration, Instant};
 
     use kvwire::checksum::{digest_transfer, DigestBinding};
-    use kvwire::harness::{handshake, kv_pattern};
     use kvwire::memory::{PageLease, PagePool, PoolGeometry, Scrub};
     use kvwire::proto::admission::{AdmissionPolicy, Request};
     use kvwire::proto::receiver::{
@@ -100,6 +99,7 @@ mod over_rdma {
     };
     use kvwire::proto::wire::{DigestAlgorithm, Frame, Hello, Role};
     use kvwire::proto::FailureReason;
+    use kvwire::testkit::{handshake, kv_pattern};
     use kvwire::transport::rdma::{RcLink, RdmaDevice, RdmaEvent, RdmaWrite, RegisteredMemory};
 
     const ID: u64 = 9;
@@ -133,13 +133,21 @@ mod over_rdma {
             transfer_id: t.transfer_id,
             nonce: t.nonce,
         };
+        let copies: Vec<Vec<Vec<u8>>> = (0..pool.buffers())
+            .map(|b| {
+                pages
+                    .iter()
+                    .map(|&p| pool.raw_page(p, b).unwrap().to_vec())
+                    .collect()
+            })
+            .collect();
         digest_transfer(
             DigestAlgorithm::XXH3_64,
             binding,
             pool.buffers(),
             pages.len(),
             per_page,
-            |b, o| pool.raw_page(pages[o], b).unwrap(),
+            |b, o| &copies[b][o],
         )
         .unwrap()
     }
@@ -180,8 +188,8 @@ mod over_rdma {
     fn run(dev_name: &str, lost_page: Option<u32>, placeholder: bool) -> Outcome {
         let dev = RdmaDevice::open(Some(dev_name)).expect("open device");
         let g = geometry();
-        let mut src = PagePool::new(g.clone(), Scrub::None).unwrap();
-        let mut dst = PagePool::new(g.clone(), Scrub::None).unwrap();
+        let src = PagePool::new(g.clone(), Scrub::None).unwrap();
+        let dst = PagePool::new(g.clone(), Scrub::None).unwrap();
         // The destination pages hold another tenant's bytes.
         for p in 0..g.pages {
             for b in 0..g.buffers() {
@@ -249,7 +257,7 @@ mod over_rdma {
                 src_leases = src.allocate(PAGES).unwrap();
                 for (o, l) in src_leases.iter().enumerate() {
                     for buf in 0..g.buffers() {
-                        kv_pattern(ID, o as u32, buf, src.page_mut(l, buf).unwrap());
+                        kv_pattern(ID, o as u32, buf, &mut src.page_mut(l, buf).unwrap());
                     }
                 }
                 let pages = src_leases.iter().map(PageLease::page).collect();
@@ -398,7 +406,7 @@ mod over_rdma {
                                 let page = dst.page(l, buf).unwrap();
                                 want.resize(page.len(), 0);
                                 kv_pattern(ID, o as u32, buf, &mut want);
-                                page == &want[..]
+                                page == want[..]
                             })
                         });
                         out.delivered_bytes_ok = Some(ok);
@@ -522,8 +530,8 @@ mod over_rdma {
         };
         let dev = RdmaDevice::open(Some(&d.name)).unwrap();
         let g = geometry();
-        let mut src = PagePool::new(g.clone(), Scrub::None).unwrap();
-        let mut dst = PagePool::new(g.clone(), Scrub::None).unwrap();
+        let src = PagePool::new(g.clone(), Scrub::None).unwrap();
+        let dst = PagePool::new(g.clone(), Scrub::None).unwrap();
         for p in 0..g.pages {
             src.raw_page_mut(p, 0).unwrap().fill(0x11);
             dst.raw_page_mut(p, 0).unwrap().fill(0xA5);
@@ -655,7 +663,6 @@ mod driven {
     use std::time::{Duration, Instant};
 
     use kvwire::config::EngineConfig;
-    use kvwire::harness::{handshake, kv_pattern};
     use kvwire::memory::{PagePool, PoolGeometry, Scrub};
     use kvwire::proto::admission::Request;
     use kvwire::proto::handshake::Established;
@@ -664,6 +671,7 @@ mod driven {
     use kvwire::proto::wire::{DigestAlgorithm, ErrorCode, Frame, Hello, Role, TransferRef};
     use kvwire::proto::{CountField, FailureReason};
     use kvwire::receiver::{ReceiveOutcome, ReserveParams};
+    use kvwire::testkit::{handshake, kv_pattern};
     use kvwire::transport::rdma::driver::{LinkState, RdmaReceiver, RdmaSender, SenderFaults};
     use kvwire::transport::rdma::RdmaDevice;
 
@@ -709,7 +717,7 @@ mod driven {
                 handshake(Instant::now(), hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
             let engine = EngineConfig::new(u64::from(64 * TPP));
             let src = PagePool::new(geometry(), Scrub::None).unwrap();
-            let mut dst = PagePool::new(geometry(), Scrub::None).unwrap();
+            let dst = PagePool::new(geometry(), Scrub::None).unwrap();
             for p in 0..64 {
                 for b in 0..3 {
                     dst.raw_page_mut(p, b).unwrap().fill(0xA5);
@@ -830,7 +838,7 @@ mod driven {
                             let got = kv.page(pool, o, b).unwrap();
                             want.resize(got.len(), 0);
                             kv_pattern(id, o as u32, b, &mut want);
-                            got == &want[..]
+                            *got == want[..]
                         })
                     });
                     self.r.endpoint().release(kv).unwrap();
@@ -1093,8 +1101,8 @@ mod driven {
         assert_eq!(l.s.stats().link_failures, 1);
         for p in 0..64u32 {
             assert_eq!(
-                l.r.endpoint().pool().raw_page(p, 0).unwrap(),
-                &snapshot[p as usize][..],
+                *l.r.endpoint().pool().raw_page(p, 0).unwrap(),
+                snapshot[p as usize][..],
                 "a late write landed in page {p} (aimed at {page})"
             );
         }

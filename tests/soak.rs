@@ -20,12 +20,12 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::{assert_invariants, try_reserve, try_send};
+use kvwire::driver::ReserveParams;
 use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
-use kvwire::harness::{kv_pattern, Pair, PairConfig};
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::{ErrorCode, FrameType};
-use kvwire::receiver::ReserveParams;
-use kvwire::transport::loopback::{Fault, FaultRule, Side, Step};
+use kvwire::testkit::{kv_pattern, Pair, PairConfig};
+use kvwire::testkit::{Fault, FaultRule, Side, Step};
 
 /// splitmix64: small, seedable, good enough to pick faults.
 struct Rng(u64);
@@ -276,25 +276,19 @@ async fn tcp_batch(rng: &mut Rng, first_id: u64, n: u64, config: &NodeConfig, ta
         rx_tasks.push(tokio::spawn(async move {
             match v.await {
                 Ok(kv) => {
-                    let pages = kv.pages;
-                    let ok = kv
-                        .read(move |view| {
-                            (0..pages).all(|o| {
-                                (0..view.buffers()).all(|b| {
-                                    let got = view.page(o, b);
-                                    let mut want = vec![0u8; got.len()];
-                                    kv_pattern(id, o as u32, b, &mut want);
-                                    got == want.as_slice()
-                                })
-                            })
+                    let ok = (0..kv.pages()).all(|o| {
+                        (0..kv.buffers()).all(|b| {
+                            let got = kv.page(o, b).unwrap();
+                            let mut want = vec![0u8; got.len()];
+                            kv_pattern(id, o as u32, b, &mut want);
+                            *got == want[..]
                         })
-                        .await;
-                    kv.release();
-                    match ok {
-                        Ok(true) => Ok(()),
-                        Ok(false) => panic!("transfer {id} verified with the wrong bytes"),
-                        Err(e) => Err(e),
+                    });
+                    kv.release().unwrap();
+                    if !ok {
+                        panic!("transfer {id} verified with the wrong bytes");
                     }
+                    Ok(())
                 }
                 Err(e) => Err(e),
             }

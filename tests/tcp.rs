@@ -3,12 +3,12 @@
 
 use std::time::Duration;
 
+use kvwire::driver::ReserveParams;
 use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
-use kvwire::harness::kv_pattern;
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::ErrorCode;
 use kvwire::proto::{FailureReason, Wait};
-use kvwire::receiver::ReserveParams;
+use kvwire::testkit::kv_pattern;
 use tokio::net::TcpListener;
 
 async fn pair(config: &NodeConfig) -> (SenderConn, ReceiverConn) {
@@ -65,18 +65,13 @@ async fn concurrent_transfers_verify_with_the_senders_bytes() {
         tasks.push(tokio::spawn(async move {
             send(&s, id, u64::from(tokens)).await.unwrap();
             let kv = verified.await.unwrap();
-            let ok = kv
-                .read(move |pages| {
-                    let mut want = vec![0u8; 4096];
-                    (0..pages.pages()).all(|o| {
-                        (0..pages.buffers()).all(|b| {
-                            kv_pattern(id, o as u32, b, &mut want);
-                            pages.page(o, b) == want[..]
-                        })
-                    })
+            let mut want = vec![0u8; 4096];
+            let ok = (0..kv.pages()).all(|o| {
+                (0..kv.buffers()).all(|b| {
+                    kv_pattern(id, o as u32, b, &mut want);
+                    *kv.page(o, b).unwrap() == want[..]
                 })
-                .await
-                .unwrap();
+            });
             assert!(
                 ok,
                 "transfer {id}: delivered bytes differ from the sender's"
@@ -114,7 +109,7 @@ async fn placeholder_is_rejected_at_admission_and_nothing_moves() {
         other => panic!("receiver did not get the original error: {other:?}"),
     }
     assert_eq!(s.stats().await.unwrap().writes, 0);
-    assert_eq!(r.stats().await.unwrap().stream.bytes_landed, 0);
+    assert_eq!(r.stats().await.unwrap().bytes_landed, 0);
     assert_receiver_pool_full(&r).await;
 }
 
@@ -171,7 +166,7 @@ async fn metrics_count_transfers_and_are_served_as_prometheus_text() {
     let (s, r) = pair(&config).await;
     let verified = r.reserve(params(1, 64));
     send(&s, 1, 64).await.unwrap();
-    verified.await.unwrap().release();
+    verified.await.unwrap().release().unwrap();
     // A failure is counted by its wire code.
     let mut p = params(2, 64);
     p.timeout = Duration::from_millis(50);
@@ -221,7 +216,7 @@ async fn transfers_land_in_memory_the_engine_registered() {
     let verified = r.reserve(params(5, 64));
     send(&s, 5, 64).await.unwrap();
     let kv = verified.await.unwrap();
-    let first = kv.read(|p| p.page(0, 1).to_vec()).await.unwrap();
+    let first = kv.page(0, 1).unwrap().to_vec();
     let mut want = vec![0u8; first.len()];
     kv_pattern(5, 0, 1, &mut want);
     assert_eq!(first, want);
@@ -255,7 +250,7 @@ async fn offloaded_digests_verify_and_release() {
         let s = s.clone();
         tasks.push(tokio::spawn(async move {
             send(&s, id, 300).await.unwrap();
-            verified.await.unwrap().release();
+            verified.await.unwrap().release().unwrap();
         }));
     }
     for t in tasks {
@@ -274,7 +269,7 @@ async fn dropping_the_receiver_handles_ends_its_connection() {
     let (s, r) = pair(&config).await;
     let v = r.reserve(params(1, 40));
     send(&s, 1, 40).await.unwrap();
-    v.await.unwrap().release();
+    v.await.unwrap().release().unwrap();
     drop(r);
     // Bounded rounds, not a duration: the sender learns of the close from end of stream.
     for _ in 0..2000 {

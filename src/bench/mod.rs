@@ -25,9 +25,9 @@ use tokio::net::{TcpListener, TcpStream};
 
 use crate::checksum::DigestMode;
 use crate::config::EngineConfig;
+use crate::driver::ReserveParams;
 use crate::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
 use crate::memory::PoolGeometry;
-use crate::receiver::ReserveParams;
 
 /// How transfers are verified.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -323,18 +323,13 @@ fn receive_one(
         if !check {
             return Outcome::Verified(None);
         }
-        let same = kv
-            .read(move |pages| {
-                (0..pages.pages()).all(|o| {
-                    (0..pages.buffers())
-                        .all(|b| page_is_expected(id, o as u32, b, &pages.page(o, b)))
-                })
+        let same = (0..kv.pages()).all(|o| {
+            (0..kv.buffers()).all(|b| {
+                kv.page(o, b)
+                    .is_ok_and(|page| page_is_expected(id, o as u32, b, &page))
             })
-            .await;
-        match same {
-            Ok(same) => Outcome::Verified(Some(same)),
-            Err(e) => Outcome::Failed(e),
-        }
+        });
+        Outcome::Verified(Some(same))
     }
 }
 

@@ -60,7 +60,7 @@ fn run_case(
     progress: &mut impl FnMut(&str),
 ) -> Result<CaseResult, String> {
     let config = spec.node_config(page);
-    let (r_est, s_est) = crate::harness::handshake(
+    let (r_est, s_est) = handshake(
         Instant::now(),
         config.hello(Role::RECEIVER),
         config.hello(Role::SENDER),
@@ -241,7 +241,7 @@ fn take_outcomes(
                     let same = (0..kv.pages()).all(|o| {
                         (0..spec.buffers as usize).all(|b| {
                             kv.page(pool, o, b)
-                                .is_ok_and(|p| page_is_expected(id, o as u32, b, p))
+                                .is_ok_and(|p| page_is_expected(id, o as u32, b, &p))
                         })
                     });
                     if same {
@@ -459,4 +459,45 @@ fn sender_side(
         }
     }
     Ok(tally.result(spec, page, start.elapsed().as_secs_f64()))
+}
+
+/// Runs a handshake between two machines over encoded bytes, in memory.
+fn handshake(
+    now: Instant,
+    client_hello: kvwire_proto::wire::Hello,
+    server_hello: kvwire_proto::wire::Hello,
+) -> Result<
+    (
+        kvwire_proto::handshake::Established,
+        kvwire_proto::handshake::Established,
+    ),
+    String,
+> {
+    use kvwire_proto::handshake::Handshake;
+    use kvwire_proto::wire::Frame;
+    let timeout = Duration::from_secs(5);
+    let mut client = Handshake::client(now, client_hello, timeout);
+    let mut server = Handshake::server(now, server_hello, timeout);
+    let mut outcomes = (None, None);
+    for _ in 0..8 {
+        fn pass(from: &mut Handshake, to: &mut Handshake) -> Result<(), String> {
+            while let Some(f) = from.poll_transmit() {
+                let bytes = f.to_bytes().map_err(|e| e.to_string())?;
+                let (frame, _) = Frame::decode(&bytes).map_err(|e| e.to_string())?;
+                to.handle_frame(frame);
+            }
+            Ok(())
+        }
+        pass(&mut client, &mut server)?;
+        pass(&mut server, &mut client)?;
+        outcomes.0 = outcomes.0.or_else(|| client.poll_outcome());
+        outcomes.1 = outcomes.1.or_else(|| server.poll_outcome());
+        if let (Some(c), Some(s)) = &outcomes {
+            return match (c, s) {
+                (Ok(c), Ok(s)) => Ok((c.clone(), s.clone())),
+                (c, s) => Err(format!("client {c:?}, server {s:?}")),
+            };
+        }
+    }
+    Err("handshake did not finish".into())
 }

@@ -1,16 +1,16 @@
-//! The public engine API over TCP: what an integrator codes against.
+//! The public engine API: what an integrator codes against, whatever the transport.
 //!
 //! A connection joins one prefill node (the [`SenderConn`] side) and one decode node (the
 //! [`ReceiverConn`] side). Either side may listen; the connecting side is the handshake
-//! client. Each connection is served by its own task, which owns that connection's page
-//! pool and drives the sans-IO protocol session; the handles talk to it over channels.
+//! client. Each connection is served by its own task, which runs the role's driver
+//! (`crate::driver`) over the connection's transport; the handles talk to it over channels.
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
 //! use std::time::Duration;
 //! use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn};
 //! use kvwire::proto::admission::Request;
-//! use kvwire::receiver::ReserveParams;
+//! use kvwire::driver::ReserveParams;
 //!
 //! let config = NodeConfig::example();
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -30,9 +30,8 @@
 //! let admitted = prefill.admit(Request { transfer_id: 7, tokens: 100 }).await?;
 //! prefill.send(admitted, |ordinal, buffer, page| page.fill((ordinal + buffer as u32) as u8)).await?;
 //! let kv = verified.await?;
-//! let first = kv.read(|pages| pages.page(0, 0).to_vec()).await?;
-//! assert_eq!(first[0], 0);
-//! kv.release();
+//! assert_eq!(kv.page(0, 0)?[0], 0); // the pages, read in place
+//! kv.release()?;
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(()) }).unwrap();
 //! ```
 
@@ -47,13 +46,12 @@ use kvwire_proto::handshake::HandshakeError;
 use kvwire_proto::wire::Role;
 use kvwire_proto::FailureReason;
 
-pub use receiver::{PagesView, ReceiverConn, ReceiverConnStats, Verified};
+pub use receiver::{ReceiverConn, ReceiverConnStats, Verified};
 pub use sender::{SenderConn, SenderConnStats};
 
 use crate::config::ConfigError;
+use crate::driver::{ReceiveError, StartError};
 use crate::memory::PoolError;
-use crate::receiver::ReceiveError;
-use crate::sender::StartError;
 
 /// Why a connection could not be opened or stopped working.
 #[derive(Debug, thiserror::Error)]
@@ -137,49 +135,49 @@ impl TransferError {
     }
 }
 
-/// A finished digest job: the transfer and its digests.
-pub(crate) type DigestDone = (
-    kvwire_proto::wire::TransferRef,
-    Result<kvwire_proto::wire::TransferDigests, crate::checksum::UnsupportedAlgorithm>,
-);
-
-/// Runs a digest job: inline if small (returning the result), else on the blocking pool
-/// (the result arrives on `done`). The job (and with it the pin on its pages) is dropped
-/// before the result is reported.
-pub(crate) fn run_digest_job(
-    job: crate::checksum::DigestJob,
-    offload_bytes: u64,
-    done: &tokio::sync::mpsc::UnboundedSender<DigestDone>,
-) -> Option<DigestDone> {
-    let run = move |job: crate::checksum::DigestJob| {
-        let transfer = job.transfer;
-        let result = job.run();
-        drop(job);
-        (transfer, result)
-    };
-    if job.bytes() < offload_bytes {
-        return Some(run(job));
-    }
-    let done = done.clone();
-    tokio::task::spawn_blocking(move || {
-        let _ = done.send(run(job));
-    });
-    None
-}
-
 /// Opens a connection on `stream`: no Nagle delay, the handshake as `role` (client or
 /// server), and the connection's pool over `memory`.
 pub(crate) async fn open(
-    mut stream: tokio::net::TcpStream,
+    stream: tokio::net::TcpStream,
     config: &NodeConfig,
     client: bool,
     role: Role,
     memory: crate::memory::KvMemory,
 ) -> Result<Opened, EngineError> {
+    let (stream, est, channel) = handshake(stream, config, client, role, Vec::new()).await?;
+    let pool = crate::memory::PagePool::with_memory(config.pool.clone(), memory, config.scrub)?;
+    let (sealer, opener) = channel.split();
+    Ok(Opened {
+        stream,
+        est,
+        pool: std::sync::Arc::new(pool),
+        sealer,
+        opener,
+    })
+}
+
+/// The handshake on a fresh stream as `role` (client or server), with this node's hello
+/// carrying `transport_params`; returns the established session parameters and the
+/// connection's authentication channel.
+pub(crate) async fn handshake(
+    mut stream: tokio::net::TcpStream,
+    config: &NodeConfig,
+    client: bool,
+    role: Role,
+    transport_params: Vec<u8>,
+) -> Result<
+    (
+        tokio::net::TcpStream,
+        kvwire_proto::handshake::Established,
+        kvwire_proto::auth::AuthChannel,
+    ),
+    EngineError,
+> {
     use kvwire_proto::handshake::Handshake;
     stream.set_nodelay(true)?;
     let now = std::time::Instant::now();
-    let hello = config.hello(role);
+    let mut hello = config.hello(role);
+    hello.transport_params = transport_params;
     let mut hs = if client {
         Handshake::client(now, hello, config.handshake_timeout)
     } else {
@@ -196,24 +194,30 @@ pub(crate) async fn open(
         config.handshake_timeout,
     )
     .await?;
-    let pool = crate::memory::PagePool::with_memory(config.pool.clone(), memory, config.scrub)?;
-    let (sealer, opener) = channel.split();
-    Ok(Opened {
-        stream,
-        est,
-        pool,
-        sealer,
-        opener,
-    })
+    Ok((stream, est, channel))
 }
 
 /// A connection after its handshake.
 pub(crate) struct Opened {
     pub(crate) stream: tokio::net::TcpStream,
     pub(crate) est: kvwire_proto::handshake::Established,
-    pub(crate) pool: crate::memory::PagePool,
+    pub(crate) pool: std::sync::Arc<crate::memory::PagePool>,
     /// Seals the frames this node sends.
     pub(crate) sealer: Sealer,
     /// Opens the frames the peer sends.
     pub(crate) opener: Opener,
+}
+
+/// The failure an engine reports for a transfer the protocol failed: an authentication
+/// failure that closed the connection is reported as such rather than as a peer loss.
+pub(crate) fn transfer_error(
+    reason: FailureReason,
+    closed: Option<&crate::transport::Closed>,
+) -> TransferError {
+    match (&reason, closed) {
+        (FailureReason::PeerLost, Some(crate::transport::Closed::Unauthentic(e))) => {
+            TransferError::Unauthenticated(e.clone())
+        }
+        _ => TransferError::Failed(reason),
+    }
 }

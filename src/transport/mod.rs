@@ -1,22 +1,181 @@
-//! Transports: how page bytes reach the receiver's memory, and how the receiver fences them.
+//! Transports: how control frames and page bytes cross between two nodes, and how the
+//! receiver fences them. This module is the **seam** every transport implements and every
+//! driver (`crate::driver`) is written against, once.
 //!
-//! Every transport gives the receiver the same two guarantees the protocol relies on
-//! (`proto/SPEC.md` §9):
+//! A transport is one connection's data path, for one role:
 //!
-//! * **Scoped access.** A reservation opens an [`AccessScope`] over exactly its pages; a
-//!   write is accepted only if it carries the scope's key and targets one of those pages.
-//! * **Fence.** Closing a scope is a fence: once [`ScopeTable::close`] returns, no write
-//!   for that transfer can land. RDMA implements this with a memory window invalidation, TCP
-//!   and loopback with this table.
+//! * [`Transport`] (both roles): send control frames in order ([`Transport::send_frame`]),
+//!   and report what happened ([`Transport::poll_event`]): frames from the peer, completions,
+//!   fences done, the connection gone.
+//! * [`SenderTransport`]: post the page writes of one transfer (a scatter list of source
+//!   page → destination page), within the credit the transport has room for; each page's
+//!   outcome comes back exactly once ([`TransportEvent::WritesDone`]), also after the
+//!   connection is gone.
+//! * [`ReceiverTransport`]: open an access scope over exactly a reservation's pages (the
+//!   access descriptor RESERVE carries) and close it: the **fence**. After a fence has
+//!   completed no write for that transfer can land any more (`proto/SPEC.md` §9).
 //!
-//! [`loopback`] is the in-process transport with fault injection used by the
-//! [`Pair`](crate::harness::Pair) harness.
+//! Implementations: [`loopback`] (in process, with a fault injector), [`tcp`] and, with the
+//! `rdma` feature, [`rdma`] (RC queue pairs, memory windows as the fence). Each guarantees
+//! what the protocol relies on: a reliable ordered frame channel, scoped access, the fence,
+//! one outcome per posted write, and a COMMIT that reaches the receiver only after the writes
+//! it covers.
+//!
+//! Transports are polled: [`Transport::poll_event`] never blocks; when it returns
+//! `Poll::Pending` it has arranged for the task's waker to be woken when it may have more
+//! (socket readiness, a completion channel's file descriptor, the loopback link).
 
 pub mod loopback;
 pub mod rdma;
 pub(crate) mod stream;
 pub mod tcp;
 
-pub use stream::ConnectError;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use kvwire_proto::auth::AuthError;
+use kvwire_proto::sender::PageWrite;
+use kvwire_proto::wire::{Frame, TransferRef};
 
 pub use crate::memory::{AccessError, AccessKey, AccessScope, ScopeTable};
+pub use stream::ConnectError;
+
+/// What a transport reports to its driver.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum TransportEvent {
+    /// A control frame from the peer (opened and authenticated, where the connection is).
+    Frame(Frame),
+    /// Sender: `pages` page writes of `transfer` ended; `ok` when their bytes are placed in
+    /// the receiver's memory as far as the transport can tell (TCP: written to the stream
+    /// ahead of anything sent later; RDMA: the RC completion).
+    WritesDone {
+        /// The reservation written into.
+        transfer: TransferRef,
+        /// Page writes (all buffers of one page index each) this covers.
+        pages: u32,
+        /// Completed, or failed.
+        ok: bool,
+    },
+    /// Receiver: page `page` (ordinal `ordinal` of `transfer`) received all its bytes, under
+    /// an open scope. Transports that cannot see landings (RDMA one-sided writes) never
+    /// report this.
+    Landed {
+        /// The reservation.
+        transfer: TransferRef,
+        /// The page's ordinal in the transfer.
+        ordinal: u32,
+        /// The destination page index.
+        page: u32,
+    },
+    /// Receiver: the fence of `transfer` completed (after [`ReceiverTransport::fence`]
+    /// returned [`Fence::Pending`]).
+    Fenced(TransferRef),
+    /// The connection is gone: nothing more will be sent or received. Outcomes of writes
+    /// still outstanding and fences still pending are reported (failed / done) before this.
+    Closed(Closed),
+}
+
+/// Why a connection is gone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Closed {
+    /// The peer closed the connection, its process died, or the socket failed.
+    PeerGone(String),
+    /// A frame failed authentication (altered, replayed, foreign, or unauthenticated): the
+    /// connection was closed and nothing more is sent to that peer (SPEC §3.11).
+    Unauthentic(AuthError),
+    /// The peer sent bytes that break the transport's format.
+    Malformed(String),
+    /// The link failed under us (RDMA: a queue pair went to the error state). Every
+    /// transfer on it fails with a retryable reason.
+    LinkFailed(String),
+    /// This side closed it.
+    Local,
+}
+
+impl std::fmt::Display for Closed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::PeerGone(why) => write!(f, "peer gone: {why}"),
+            Self::Unauthentic(e) => write!(f, "a frame failed authentication: {e}"),
+            Self::Malformed(why) => write!(f, "malformed bytes from the peer: {why}"),
+            Self::LinkFailed(why) => write!(f, "link failed: {why}"),
+            Self::Local => f.write_str("closed by this side"),
+        }
+    }
+}
+
+/// Whether a fence completed at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fence {
+    /// Done: no write for the transfer can land any more.
+    Done,
+    /// Started; [`TransportEvent::Fenced`] follows when it completes.
+    Pending,
+}
+
+/// Why a receiver transport could not open an access scope.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ScopeError(pub String);
+
+/// What both roles of a transport do.
+pub trait Transport: Send {
+    /// Queues `frame` for the peer, after everything queued before it (frames and, on the
+    /// sender, page writes of the same transfer). Sealed with the connection's
+    /// authentication channel where there is one. After the connection closed, dropped.
+    /// `now` is the driver's clock (every entry point takes it; most transports ignore it).
+    fn send_frame(&mut self, now: Instant, frame: &Frame);
+
+    /// Makes progress (sends what is queued, takes what arrived or completed) and returns the
+    /// next event, or `Pending` having registered `cx`'s waker. `now` is the driver's clock.
+    fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent>;
+
+    /// Closes the connection from this side. Outcomes of writes still outstanding and
+    /// fences still pending are then reported, then [`TransportEvent::Closed`]`(Local)`.
+    fn close(&mut self, now: Instant);
+
+    /// When the transport must be polled again even if nothing wakes it (a simulated link's
+    /// next delivery). Most transports never need this.
+    fn poll_timeout(&self) -> Option<Instant> {
+        None
+    }
+}
+
+/// The prefill side's transport: page writes out of the source memory.
+pub trait SenderTransport: Transport {
+    /// Page writes that may be posted now without overrunning the transport's queues.
+    fn write_credit(&self) -> usize;
+
+    /// Posts page writes of `transfer` into the destinations its receiver's `access`
+    /// descriptor (from RESERVE) grants. Every page's outcome is reported exactly once as
+    /// [`TransportEvent::WritesDone`] (refused pages, e.g. outside the descriptor, as failed).
+    fn post_writes(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        access: &Arc<[u8]>,
+        writes: &[PageWrite],
+    );
+}
+
+/// The decode side's transport: scoped remote access to its pages, and the fence.
+pub trait ReceiverTransport: Transport {
+    /// Opens remote access to exactly `pages` (every buffer's slot of each) for a
+    /// reservation of `transfer_id` about to be made, and returns the access descriptor
+    /// RESERVE carries. On error nothing stays open.
+    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError>;
+
+    /// The reservation for the scope last opened for `transfer.transfer_id` was made with
+    /// this nonce.
+    fn bind_scope(&mut self, transfer: TransferRef);
+
+    /// The reservation was not made after all: close its scope (no peer ever saw it).
+    fn abandon_scope(&mut self, transfer_id: u64);
+
+    /// Closes `transfer`'s scope: the fence. After [`Fence::Done`], or once
+    /// [`TransportEvent::Fenced`] is reported, no write for it can land any more.
+    fn fence(&mut self, transfer: TransferRef) -> Fence;
+}

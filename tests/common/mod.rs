@@ -6,10 +6,10 @@ pub mod process;
 
 use std::time::Duration;
 
-use kvwire::harness::{kv_pattern, Pair};
+use kvwire::driver::ReserveParams;
 use kvwire::proto::admission::{AdmissionError, Request};
 use kvwire::proto::wire::TransferRef;
-use kvwire::receiver::ReserveParams;
+use kvwire::testkit::{kv_pattern, Pair};
 
 /// The receiver reserves for `tokens` (commit deadline 2 s).
 pub fn reserve(pair: &mut Pair, id: u64, tokens: u32) -> TransferRef {
@@ -21,7 +21,7 @@ pub fn try_reserve(
     pair: &mut Pair,
     id: u64,
     tokens: u32,
-) -> Result<TransferRef, kvwire::receiver::ReceiveError> {
+) -> Result<TransferRef, kvwire::driver::ReceiveError> {
     let now = pair.now;
     pair.receiver.reserve(
         now,
@@ -45,12 +45,15 @@ pub fn try_send(
     pair: &mut Pair,
     id: u64,
     tokens: u64,
-) -> Result<Result<(), kvwire::sender::StartError>, AdmissionError> {
-    let admitted = pair.sender.admit(Request {
-        transfer_id: id,
-        tokens,
-    })?;
+) -> Result<Result<(), kvwire::driver::StartError>, AdmissionError> {
     let now = pair.now;
+    let admitted = pair.sender.admit(
+        now,
+        Request {
+            transfer_id: id,
+            tokens,
+        },
+    )?;
     Ok(pair
         .sender
         .submit(now, admitted, |ord, b, page| kv_pattern(id, ord, b, page)))
@@ -74,16 +77,16 @@ pub fn assert_invariants(pair: &Pair) {
         pair.wrong_content
     );
     assert!(
-        pair.landings.illegal.is_empty(),
+        pair.illegal_landings().is_empty(),
         "writes landed in unleased pages: {:?}",
-        pair.landings.illegal
+        pair.illegal_landings()
     );
     assert_eq!(
         pair.receiver.stats().release_before_fence,
         0,
         "a page was released before its fence"
     );
-    if pair.crashed != Some(kvwire::transport::loopback::Side::Receiver) {
+    if pair.crashed != Some(kvwire::testkit::Side::Receiver) {
         let pool = pair.receiver.pool();
         assert_eq!(
             pool.free_pages(),
@@ -96,13 +99,9 @@ pub fn assert_invariants(pair: &Pair) {
             0,
             "receiver transfers still open"
         );
-        assert_eq!(
-            pair.receiver.open_scopes(),
-            0,
-            "receiver access scopes still open"
-        );
+        assert_eq!(pair.open_scopes(), 0, "receiver access scopes still open");
     }
-    if pair.crashed != Some(kvwire::transport::loopback::Side::Sender) {
+    if pair.crashed != Some(kvwire::testkit::Side::Sender) {
         let pool = pair.sender.pool();
         assert_eq!(
             pool.free_pages(),

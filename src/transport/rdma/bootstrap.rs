@@ -142,7 +142,8 @@ async fn handshake(
         &mut channel,
         config.handshake_timeout,
     )
-    .await?;
+    .await
+    .map_err(EngineError::from)?;
     Ok((est, channel, stream))
 }
 

@@ -1,34 +1,10 @@
-//! The TCP transport's stream format and its receiving side.
-//!
-//! One TCP connection per peer pair carries, in order, two kinds of record:
-//!
-//! * a **control record**: one protocol frame exactly as `proto/SPEC.md` §3 defines it
-//!   (it starts with the frame magic `KVWR` and is self-delimiting);
-//! * a **data record**: one page write —
-//!
-//! ```text
-//! offset size field
-//! 0      4    magic        "KVDT"
-//! 4      8    transfer_id  u64 LE
-//! 12     8    nonce        u64 LE
-//! 20     4    access key   u32 LE (from RESERVE's access descriptor)
-//! 24     4    ordinal      u32 LE
-//! 28     4    dst_page     u32 LE
-//! 32     4    length       u32 LE = bytes per page index (sum over buffers)
-//! 36     len  page bytes   buffer 0's page, then buffer 1's, ...
-//! ```
-//!
-//! The sender writes a transfer's data records before its COMMIT on the same stream, so the
-//! receiver has consumed every byte of the transfer before it sees the commit: ordering is
-//! structural. Page bytes are read straight into the destination page slices; no
-//! intermediate buffer is involved unless the write is refused (fenced or out of scope),
-//! in which case its bytes are read into a fixed scratch buffer and dropped.
+//! The TCP stream's records (control frames and data records) and the incremental parser of
+//! its receiving side.
 
 use kvwire_proto::auth::{AuthChannel, AuthError, OpenError, Opener};
 use kvwire_proto::wire::{DecodeError, Frame, TransferRef, HEADER_LEN, MAGIC, TRAILER_LEN};
 
-use super::{AccessKey, ScopeTable};
-use crate::memory::PagePool;
+use crate::memory::{AccessKey, PageMut, PagePool, ScopeTable};
 
 /// Magic of a data record.
 pub const DATA_MAGIC: [u8; 4] = *b"KVDT";
@@ -140,7 +116,7 @@ pub enum ReadTarget<'a> {
     /// Header, frame or discarded bytes.
     Buf(&'a mut [u8]),
     /// A destination page's bytes from this offset.
-    Page(crate::memory::PageMut<'a>, usize),
+    Page(PageMut<'a>, usize),
 }
 
 impl ReadTarget<'_> {

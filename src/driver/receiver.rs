@@ -1,0 +1,535 @@
+//! The decode-side driver: the one loop that runs a [`ReceiverSession`] over a
+//! [`ReceiverTransport`] and real destination memory.
+//!
+//! It leases destination pages, has the transport open an access scope over exactly those
+//! pages, fences (the transport closes the scope) when the session asks, computes digests
+//! over the memory that actually landed, quarantines the pages of failed transfers and
+//! releases them only after their fence. The engine receives a [`VerifiedKv`] only for a
+//! transfer whose digests matched.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use kvwire_proto::handshake::Established;
+use kvwire_proto::receiver::{
+    ReceiverAction, ReceiverConfig, ReceiverEvent, ReceiverSession, ReservationRequest,
+    ReserveError,
+};
+use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, TransferDigests, TransferRef};
+use kvwire_proto::{FailureReason, FrameError, Scope};
+
+use super::digest::{DigestExecution, Digests};
+use crate::checksum::DigestMode;
+use crate::config::{ConfigError, EngineConfig};
+use crate::memory::{PageLease, PagePool, PageRef, PoolError};
+use crate::transport::{Closed, Fence, ReceiverTransport, TransportEvent};
+
+/// What the engine asks to receive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReserveParams {
+    /// The transfer id (the request id both engines know).
+    pub transfer_id: u64,
+    /// Tokens expected.
+    pub tokens: u32,
+    /// How long the sender has to commit.
+    pub timeout: Duration,
+    /// The digest algorithm; `None` for the first agreed.
+    pub digest: Option<DigestAlgorithm>,
+    /// Require per-page digests (names the first bad page on a mismatch).
+    pub page_digests: bool,
+}
+
+/// Why a reservation could not be made.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReceiveError {
+    /// Too few free pages.
+    #[error("receiver pool: {0}")]
+    Pool(#[from] PoolError),
+    /// The session refused the reservation.
+    #[error("reservation refused: {0}")]
+    Reserve(#[from] ReserveError),
+    /// The transport could not scope remote access to the pages (e.g. RDMA: binding a
+    /// memory window failed, or the pages are too scattered for one descriptor).
+    #[error("transport could not scope access to the pages: {0}")]
+    Access(String),
+}
+
+/// KV pages of a verified transfer, owned by the engine until it gives them back with
+/// [`ReceiverDriver::release`].
+#[derive(Debug)]
+#[must_use = "verified pages must be released to the pool when the engine is done with them"]
+pub struct VerifiedKv {
+    /// The transfer.
+    pub transfer: TransferRef,
+    /// Tokens verified.
+    pub tokens: u32,
+    leases: Vec<PageLease>,
+}
+
+impl VerifiedKv {
+    /// The bytes of page `ordinal` in `buffer`.
+    pub fn page<'a>(
+        &self,
+        pool: &'a PagePool,
+        ordinal: usize,
+        buffer: usize,
+    ) -> Result<PageRef<'a>, PoolError> {
+        let lease = self.leases.get(ordinal).ok_or(PoolError::PageOutOfRange {
+            page: ordinal as u32,
+            pages: self.leases.len() as u32,
+        })?;
+        pool.page(lease, buffer)
+    }
+
+    /// Pages.
+    pub fn pages(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// The destination page indices, in ordinal order.
+    pub fn page_indices(&self) -> impl Iterator<Item = u32> + '_ {
+        self.leases.iter().map(PageLease::page)
+    }
+
+    /// The leases of the pages, in ordinal order (to release them to their pool).
+    pub fn into_leases(self) -> Vec<PageLease> {
+        self.leases
+    }
+}
+
+/// The end of a transfer, for the engine.
+#[derive(Debug)]
+pub enum ReceiveOutcome {
+    /// Verified: the pages are the engine's.
+    Verified(VerifiedKv),
+    /// Failed: the pages were fenced and released.
+    Failed {
+        /// The transfer.
+        transfer: TransferRef,
+        /// Why.
+        reason: FailureReason,
+    },
+}
+
+/// Counters of a receiver driver.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReceiverDriverStats {
+    /// Fences carried out.
+    pub fences: u64,
+    /// Pages quarantined.
+    pub pages_quarantined: u64,
+    /// Releases the session asked for while the transfer's fence had not completed. The
+    /// driver fences first anyway; a non-zero count is a protocol-machine bug.
+    pub release_before_fence: u64,
+    /// Page writes that landed (transports that see landings: TCP, loopback).
+    pub pages_landed: u64,
+}
+
+/// Who waits for a fence that has not completed yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FenceWaiter {
+    /// The session (it asked for the fence).
+    Session,
+    /// A release the session asked for without a fence first (a protocol-machine bug the
+    /// driver defends against): the pages go back only once the fence completed.
+    Release,
+}
+
+/// The decode side of one connection: a [`ReceiverSession`] over a transport `T` and a pool
+/// of destination pages.
+#[derive(Debug)]
+pub struct ReceiverDriver<T> {
+    session: ReceiverSession,
+    transport: T,
+    pool: Arc<PagePool>,
+    /// Leases of every open transfer (and their current reservation).
+    leases: BTreeMap<u64, (TransferRef, Vec<PageLease>)>,
+    /// Transfers whose access scope is open (reserved, not fenced yet).
+    open: BTreeSet<u64>,
+    /// Transfers whose fence was started and has not completed, and who waits for it.
+    fencing: BTreeMap<u64, (TransferRef, FenceWaiter)>,
+    outcomes: VecDeque<ReceiveOutcome>,
+    digests: Digests,
+    closed: Option<Closed>,
+    stats: ReceiverDriverStats,
+}
+
+impl<T: ReceiverTransport> ReceiverDriver<T> {
+    /// Builds the driver; refuses to start if the pool's geometry differs from the layout
+    /// negotiated in `established`, or if the pool as built cannot hold the configured
+    /// context length (unless explicitly allowed, with a warning).
+    pub fn new(
+        established: &Established,
+        pool: Arc<PagePool>,
+        engine: &EngineConfig,
+        config: ReceiverConfig,
+        transport: T,
+    ) -> Result<Self, ConfigError> {
+        engine.validate(&pool)?;
+        crate::config::check_layout(&pool, established.layout())?;
+        Ok(Self {
+            session: ReceiverSession::new(established, config),
+            transport,
+            pool,
+            leases: BTreeMap::new(),
+            open: BTreeSet::new(),
+            fencing: BTreeMap::new(),
+            outcomes: VecDeque::new(),
+            digests: Digests::new(DigestMode::Verify, DigestExecution::Inline),
+            closed: None,
+            stats: ReceiverDriverStats::default(),
+        })
+    }
+
+    /// Sets the digest mode. [`DigestMode::UnverifiedBenchmarkOnly`] delivers unverified
+    /// data and exists only to measure the integrity tax.
+    pub fn set_digest_mode(&mut self, mode: DigestMode) {
+        self.digests.mode = mode;
+    }
+
+    /// Sets where digests are computed (inline by default).
+    pub fn set_digest_execution(&mut self, execution: DigestExecution) {
+        self.digests.execution = execution;
+    }
+
+    /// Leases pages, has the transport open an access scope over exactly them, and sends
+    /// RESERVE.
+    pub fn reserve(&mut self, now: Instant, p: ReserveParams) -> Result<TransferRef, ReceiveError> {
+        if self.closed.is_some() {
+            return Err(ReserveError::PeerLost.into());
+        }
+        let tpp = self.pool.geometry().tokens_per_page.max(1);
+        let leases = self.pool.allocate(p.tokens.div_ceil(tpp))?;
+        let pages: Vec<u32> = leases.iter().map(PageLease::page).collect();
+        let access = match self.transport.open_scope(p.transfer_id, &pages) {
+            Ok(a) => a,
+            Err(e) => {
+                self.release_leases(p.transfer_id, leases);
+                return Err(ReceiveError::Access(e.0));
+            }
+        };
+        let req = ReservationRequest {
+            transfer_id: p.transfer_id,
+            tokens: p.tokens,
+            pages,
+            digest: p.digest,
+            page_digests: p.page_digests,
+            timeout: p.timeout,
+            access,
+        };
+        match self.session.reserve(now, req) {
+            Ok(transfer) => {
+                self.transport.bind_scope(transfer);
+                self.open.insert(p.transfer_id);
+                self.leases.insert(p.transfer_id, (transfer, leases));
+                self.process(now);
+                Ok(transfer)
+            }
+            Err(e) => {
+                // A duplicate id must not close the open transfer's scope.
+                if !matches!(e, ReserveError::DuplicateTransfer(_)) {
+                    self.transport.abandon_scope(p.transfer_id);
+                }
+                self.release_leases(p.transfer_id, leases);
+                Err(e.into())
+            }
+        }
+    }
+
+    fn release_leases(&mut self, transfer_id: u64, leases: Vec<PageLease>) {
+        for l in leases {
+            if let Err(e) = self.pool.release(l) {
+                tracing::error!(transfer_id, error = %e, "page release refused");
+            }
+        }
+    }
+
+    /// Aborts a transfer: fence, release, then ABORT.
+    pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+        let r = self.session.abort(now, transfer_id, code);
+        self.process(now);
+        r
+    }
+
+    /// Handles the passage of time.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.session.handle_timeout(now);
+        self.process(now);
+    }
+
+    /// When [`ReceiverDriver::handle_timeout`] must next be called.
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        let session = self.session.poll_timeout();
+        let transport = self.transport.poll_timeout();
+        session.into_iter().chain(transport).min()
+    }
+
+    /// Closes the connection from this side: every open transfer is fenced, released and
+    /// failed as the transport reports its end.
+    pub fn close(&mut self, now: Instant) {
+        self.transport.close(now);
+    }
+
+    /// Gives verified pages back to the pool.
+    pub fn release(&mut self, kv: VerifiedKv) -> Result<(), PoolError> {
+        let mut first = Ok(());
+        for l in kv.leases {
+            if let Err(e) = self.pool.release(l) {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+
+    /// Waits for the next input (a transport event or a digest job finished elsewhere) and
+    /// handles it. `Ready` when something was handled.
+    pub fn poll_input(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<()> {
+        if let Poll::Ready((t, r)) = self.digests.poll_done(cx) {
+            self.finish_digests(now, t, r.map_err(|_| ()));
+            self.process(now);
+            return Poll::Ready(());
+        }
+        match self.transport.poll_event(cx, now) {
+            Poll::Ready(ev) => {
+                self.handle_event(now, ev);
+                Poll::Ready(())
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// Handles one transport event.
+    pub fn handle_event(&mut self, now: Instant, event: TransportEvent) {
+        match event {
+            TransportEvent::Frame(frame) => {
+                if let Err(e) = self.session.handle_frame(now, frame) {
+                    self.frame_error(now, e);
+                }
+            }
+            TransportEvent::Landed { .. } => self.stats.pages_landed += 1,
+            TransportEvent::Fenced(t) => match self.fencing.get(&t.transfer_id) {
+                Some(&(f, waiter)) if f == t => {
+                    self.fencing.remove(&t.transfer_id);
+                    match waiter {
+                        FenceWaiter::Session => self.session.handle_fenced(now, t),
+                        FenceWaiter::Release => self.release_transfer(t),
+                    }
+                }
+                _ => {}
+            },
+            TransportEvent::Closed(why) => {
+                if self.closed.is_none() {
+                    self.closed = Some(why);
+                    self.session.handle_peer_lost(now);
+                }
+            }
+            TransportEvent::WritesDone { .. } => {
+                tracing::debug!("sender-side transport event at a receiver; ignored");
+            }
+        }
+        self.process(now);
+    }
+
+    fn frame_error(&mut self, now: Instant, e: FrameError) {
+        if e.scope == Scope::Connection {
+            tracing::warn!(error = %e, "protocol error on the connection: closing it");
+            self.transport.close(now);
+        } else {
+            tracing::debug!(error = %e, "frame dropped");
+        }
+    }
+
+    /// The next finished transfer.
+    pub fn poll_outcome(&mut self) -> Option<ReceiveOutcome> {
+        self.outcomes.pop_front()
+    }
+
+    /// Why the connection closed, once it has.
+    pub fn closed(&self) -> Option<&Closed> {
+        self.closed.as_ref()
+    }
+
+    /// Whether `page` is currently leased to `transfer` (by this driver, for an open
+    /// transfer). Harnesses use it to detect writes landing where they must not.
+    pub fn is_leased_to(&self, transfer: TransferRef, page: u32) -> bool {
+        self.leases
+            .get(&transfer.transfer_id)
+            .filter(|(t, _)| *t == transfer)
+            .is_some_and(|(_, ls)| {
+                ls.iter()
+                    .any(|l| l.page() == page && self.pool.holds(l.page(), l.generation()))
+            })
+    }
+
+    fn leases_of(&self, transfer: TransferRef) -> Option<&Vec<PageLease>> {
+        self.leases
+            .get(&transfer.transfer_id)
+            .filter(|(t, _)| *t == transfer)
+            .map(|(_, l)| l)
+    }
+
+    /// Carries out every queued session effect and moves frames to the transport, until
+    /// nothing is left to do.
+    fn process(&mut self, now: Instant) {
+        loop {
+            let mut moved = false;
+            while let Some(action) = self.session.poll_action() {
+                moved = true;
+                self.act(now, action);
+            }
+            while let Some(frame) = self.session.poll_transmit() {
+                moved = true;
+                self.transport.send_frame(now, &frame);
+            }
+            while let Some(event) = self.session.poll_event() {
+                moved = true;
+                self.deliver(event);
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    fn deliver(&mut self, event: ReceiverEvent) {
+        match event {
+            ReceiverEvent::Delivered(d) => {
+                let (_, leases) = self
+                    .leases
+                    .remove(&d.transfer.transfer_id)
+                    .unwrap_or((d.transfer, Vec::new()));
+                self.outcomes
+                    .push_back(ReceiveOutcome::Verified(VerifiedKv {
+                        transfer: d.transfer,
+                        tokens: d.tokens,
+                        leases,
+                    }));
+            }
+            ReceiverEvent::Failed { transfer, reason } => {
+                self.outcomes
+                    .push_back(ReceiveOutcome::Failed { transfer, reason });
+            }
+        }
+    }
+
+    fn act(&mut self, now: Instant, action: ReceiverAction) {
+        match action {
+            ReceiverAction::Quarantine(t) => {
+                let n = self.leases_of(t).map_or(0, |leases| {
+                    leases
+                        .iter()
+                        .filter(|l| self.pool.quarantine(l).is_ok())
+                        .count()
+                });
+                self.stats.pages_quarantined += n as u64;
+            }
+            ReceiverAction::Fence(t) => {
+                self.stats.fences += 1;
+                self.open.remove(&t.transfer_id);
+                match self.transport.fence(t) {
+                    Fence::Done => self.session.handle_fenced(now, t),
+                    Fence::Pending => {
+                        self.fencing
+                            .insert(t.transfer_id, (t, FenceWaiter::Session));
+                    }
+                }
+            }
+            ReceiverAction::ComputeDigests {
+                transfer,
+                algorithm,
+                page_digests,
+            } => {
+                let Some(leases) = self.leases_of(transfer) else {
+                    return;
+                };
+                // Digests of the memory that actually landed, after the fence. The view pins
+                // the pages until the job is dropped.
+                let pages = leases.iter().map(PageLease::page).collect();
+                let view = self.pool.share_pages(pages);
+                if let Some(result) = self.digests.start(transfer, algorithm, page_digests, view) {
+                    self.finish_digests(now, transfer, result);
+                }
+            }
+            ReceiverAction::Release(t) => {
+                // The session releases only after the fence completed. Should it ever ask
+                // earlier, fence first and give the pages back only after that fence.
+                let unfenced = self.open.remove(&t.transfer_id);
+                if unfenced || self.fencing.contains_key(&t.transfer_id) {
+                    self.stats.release_before_fence += 1;
+                    tracing::error!(
+                        transfer_id = t.transfer_id,
+                        "release requested before the fence completed; fencing first"
+                    );
+                    if unfenced && self.transport.fence(t) == Fence::Done {
+                        self.release_transfer(t);
+                    } else {
+                        self.fencing
+                            .insert(t.transfer_id, (t, FenceWaiter::Release));
+                    }
+                    return;
+                }
+                self.release_transfer(t);
+            }
+        }
+    }
+
+    fn release_transfer(&mut self, t: TransferRef) {
+        if self
+            .leases
+            .get(&t.transfer_id)
+            .is_some_and(|(r, _)| *r == t)
+        {
+            if let Some((_, leases)) = self.leases.remove(&t.transfer_id) {
+                self.release_leases(t.transfer_id, leases);
+            }
+        }
+    }
+
+    fn finish_digests(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        result: Result<TransferDigests, ()>,
+    ) {
+        match result {
+            Ok(d) => self.session.handle_digests(now, transfer, d),
+            Err(()) => {
+                // No digest can be made: abort, then report the digest job as ended so the
+                // session may release the pages it was waiting on.
+                self.session
+                    .abort(now, transfer.transfer_id, ErrorCode::DIGEST_UNSUPPORTED);
+                self.session
+                    .handle_digests(now, transfer, TransferDigests::default());
+            }
+        }
+    }
+
+    /// The destination page pool.
+    pub fn pool(&self) -> &Arc<PagePool> {
+        &self.pool
+    }
+
+    /// The protocol session.
+    pub fn session(&self) -> &ReceiverSession {
+        &self.session
+    }
+
+    /// The transport.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
+    /// The transport, mutably (harnesses reach their fault injectors through it).
+    pub fn transport_mut(&mut self) -> &mut T {
+        &mut self.transport
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ReceiverDriverStats {
+        self.stats
+    }
+}

@@ -1,0 +1,204 @@
+//! The decode end of a TCP connection: records in (page bytes straight into the destination
+//! pages, under their access scopes), frames out.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use kvwire_proto::auth::{Opener, Sealer};
+use kvwire_proto::wire::{Frame, TransferRef};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+use super::records::{Record, StreamError, StreamReader, StreamStats};
+use crate::memory::{PagePool, ScopeTable};
+use crate::transport::{Closed, Fence, ReceiverTransport, ScopeError, Transport, TransportEvent};
+
+/// The decode end of a TCP connection (after the handshake).
+#[derive(Debug)]
+pub struct TcpReceiver {
+    stream: Option<TcpStream>,
+    sealer: Sealer,
+    reader: StreamReader,
+    pool: Arc<PagePool>,
+    scopes: ScopeTable,
+    out: VecDeque<Vec<u8>>,
+    /// Bytes of the front frame already written.
+    front_written: usize,
+    events: VecDeque<TransportEvent>,
+    closed: bool,
+}
+
+impl TcpReceiver {
+    /// The decode end over `stream` (handshake done): frames sealed by `sealer` and opened
+    /// by `opener` (the halves of the connection's authentication channel), page bytes
+    /// landing in `pool`.
+    pub fn new(stream: TcpStream, sealer: Sealer, opener: Opener, pool: Arc<PagePool>) -> Self {
+        let reader = StreamReader::new(&pool.geometry().buffer_page_bytes).with_opener(opener);
+        Self {
+            stream: Some(stream),
+            sealer,
+            reader,
+            pool,
+            scopes: ScopeTable::default(),
+            out: VecDeque::new(),
+            front_written: 0,
+            events: VecDeque::new(),
+            closed: false,
+        }
+    }
+
+    /// What the stream carried.
+    pub fn stats(&self) -> StreamStats {
+        self.reader.stats
+    }
+
+    /// Open access scopes.
+    pub fn open_scopes(&self) -> usize {
+        self.scopes.open_scopes()
+    }
+
+    fn shut(&mut self, why: Closed) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        // Dropping the socket closes it: nothing more is read into any page.
+        self.stream = None;
+        self.out.clear();
+        self.events.push_back(TransportEvent::Closed(why));
+    }
+
+    /// Writes queued frames until the socket would block.
+    fn poll_flush(&mut self, cx: &mut Context<'_>) {
+        while let Some(front) = self.out.front() {
+            let Some(stream) = self.stream.as_mut() else {
+                return;
+            };
+            match Pin::new(stream).poll_write(cx, &front[self.front_written..]) {
+                Poll::Pending => return,
+                Poll::Ready(Ok(0)) => {
+                    self.shut(Closed::PeerGone("the socket accepts no more bytes".into()));
+                    return;
+                }
+                Poll::Ready(Ok(n)) => {
+                    self.front_written += n;
+                    if self.front_written == front.len() {
+                        self.front_written = 0;
+                        self.out.pop_front();
+                    }
+                }
+                Poll::Ready(Err(e)) => {
+                    self.shut(Closed::PeerGone(e.to_string()));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reads records until one is complete (landing page bytes as they come).
+    fn poll_read_records(&mut self, cx: &mut Context<'_>) -> Option<TransportEvent> {
+        loop {
+            let stream = self.stream.as_mut()?;
+            let read = {
+                let mut target = self.reader.target(&self.pool, &self.scopes);
+                let mut buf = ReadBuf::new(target.bytes());
+                match Pin::new(stream).poll_read(cx, &mut buf) {
+                    Poll::Pending => return None,
+                    Poll::Ready(Ok(())) => Ok(buf.filled().len()),
+                    Poll::Ready(Err(e)) => Err(e),
+                }
+            };
+            let n = match read {
+                Ok(n) => n,
+                Err(e) => {
+                    self.shut(Closed::PeerGone(e.to_string()));
+                    return None;
+                }
+            };
+            if n == 0 {
+                self.shut(Closed::PeerGone("end of stream".into()));
+                return None;
+            }
+            match self.reader.advance(n, &self.scopes) {
+                Ok(None) => {}
+                Ok(Some(Record::Frame(f))) => return Some(TransportEvent::Frame(f)),
+                Ok(Some(Record::Landed(h))) => {
+                    return Some(TransportEvent::Landed {
+                        transfer: h.transfer,
+                        ordinal: h.ordinal,
+                        page: h.dst_page,
+                    })
+                }
+                Ok(Some(Record::Refused(h))) => {
+                    tracing::debug!(
+                        transfer_id = h.transfer.transfer_id,
+                        page = h.dst_page,
+                        "write refused (fenced or out of scope)"
+                    );
+                }
+                Err(StreamError::Auth(e)) => {
+                    self.shut(Closed::Unauthentic(e));
+                    return None;
+                }
+                Err(e) => {
+                    self.shut(Closed::Malformed(e.to_string()));
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+impl Transport for TcpReceiver {
+    fn send_frame(&mut self, _now: Instant, frame: &Frame) {
+        if self.closed {
+            return;
+        }
+        match self.sealer.seal_to_vec(frame) {
+            Ok(bytes) => self.out.push_back(bytes),
+            Err(e) => tracing::error!(error = %e, "frame could not be encoded; dropped"),
+        }
+    }
+
+    fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
+        self.poll_flush(cx);
+        if let Some(e) = self.events.pop_front() {
+            return Poll::Ready(e);
+        }
+        if let Some(e) = self.poll_read_records(cx) {
+            return Poll::Ready(e);
+        }
+        match self.events.pop_front() {
+            Some(e) => Poll::Ready(e),
+            None => Poll::Pending,
+        }
+    }
+
+    fn close(&mut self, _now: Instant) {
+        self.shut(Closed::Local);
+    }
+}
+
+impl ReceiverTransport for TcpReceiver {
+    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError> {
+        Ok(self.scopes.open(transfer_id, pages).to_descriptor())
+    }
+
+    fn bind_scope(&mut self, transfer: TransferRef) {
+        self.scopes.bind(transfer);
+    }
+
+    fn abandon_scope(&mut self, transfer_id: u64) {
+        self.scopes.close(transfer_id);
+    }
+
+    fn fence(&mut self, transfer: TransferRef) -> Fence {
+        // The reader checks the scope before every read into a page: once it is closed, the
+        // rest of any record for this transfer goes to scratch.
+        self.scopes.close(transfer.transfer_id);
+        Fence::Done
+    }
+}

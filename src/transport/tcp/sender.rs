@@ -1,0 +1,393 @@
+//! The prefill end of a TCP connection: frames and data records out, frames in.
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use kvwire_proto::auth::{OpenError, Opener, Sealer};
+use kvwire_proto::sender::PageWrite;
+use kvwire_proto::wire::{Frame, TransferRef, HEADER_LEN, MAGIC, MAX_PAYLOAD, TRAILER_LEN};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+use super::records::DataHeader;
+use crate::memory::{AccessKey, PagePool, PageRef};
+use crate::transport::{Closed, SenderTransport, Transport, TransportEvent};
+
+/// Data records queued at most (their bytes stay in the source pages until written).
+const MAX_QUEUED_RECORDS: usize = 256;
+/// Slices handed to one vectored write.
+const MAX_IOV: usize = 64;
+
+/// Something to write, in order.
+#[derive(Debug)]
+enum Out {
+    /// A sealed control frame.
+    Frame(Vec<u8>),
+    /// A data record: header, then the source page of every buffer.
+    Data {
+        header: [u8; super::DATA_HEADER_LEN],
+        transfer: TransferRef,
+        src_page: u32,
+    },
+}
+
+/// Counters of a TCP sender.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TcpSenderStats {
+    /// Data records written.
+    pub records: u64,
+    /// Page bytes written.
+    pub bytes: u64,
+    /// Control frames written.
+    pub frames: u64,
+    /// Write system calls.
+    pub writes: u64,
+}
+
+/// The prefill end of a TCP connection (after the handshake).
+#[derive(Debug)]
+pub struct TcpSender {
+    stream: Option<TcpStream>,
+    sealer: Sealer,
+    opener: Opener,
+    pool: Arc<PagePool>,
+    record_len: u32,
+    out: VecDeque<Out>,
+    /// Bytes of the front item already written.
+    front_written: usize,
+    data_queued: usize,
+    rbuf: Vec<u8>,
+    rfilled: usize,
+    events: VecDeque<TransportEvent>,
+    closed: bool,
+    stats: TcpSenderStats,
+}
+
+impl TcpSender {
+    /// The prefill end over `stream` (handshake done): frames sealed by `sealer` and opened
+    /// by `opener` (the halves of the connection's authentication channel), page bytes from
+    /// `pool`.
+    pub fn new(stream: TcpStream, sealer: Sealer, opener: Opener, pool: Arc<PagePool>) -> Self {
+        let record_len = pool.geometry().bytes_per_page_index() as u32;
+        Self {
+            stream: Some(stream),
+            sealer,
+            opener,
+            pool,
+            record_len,
+            out: VecDeque::new(),
+            front_written: 0,
+            data_queued: 0,
+            rbuf: vec![0; 64 * 1024],
+            rfilled: 0,
+            events: VecDeque::new(),
+            closed: false,
+            stats: TcpSenderStats::default(),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> TcpSenderStats {
+        self.stats
+    }
+
+    /// Ends the connection: every data record not yet fully written fails, then `why`.
+    fn shut(&mut self, why: Closed) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        // Dropping the socket closes it; the peer sees the end of the stream.
+        self.stream = None;
+        for item in std::mem::take(&mut self.out) {
+            if let Out::Data { transfer, .. } = item {
+                self.complete(transfer, false);
+            }
+        }
+        self.data_queued = 0;
+        self.events.push_back(TransportEvent::Closed(why));
+    }
+
+    /// Reports one page write ended, merged with the previous report of the same transfer.
+    fn complete(&mut self, transfer: TransferRef, ok: bool) {
+        if let Some(TransportEvent::WritesDone {
+            transfer: t,
+            pages,
+            ok: o,
+        }) = self.events.back_mut()
+        {
+            if *t == transfer && *o == ok {
+                *pages += 1;
+                return;
+            }
+        }
+        self.events.push_back(TransportEvent::WritesDone {
+            transfer,
+            pages: 1,
+            ok,
+        });
+    }
+
+    /// Writes what is queued until the socket would block.
+    fn poll_flush(&mut self, cx: &mut Context<'_>) {
+        while !self.out.is_empty() && !self.closed {
+            let Some(stream) = self.stream.as_mut() else {
+                return;
+            };
+            let written = {
+                let pool = &self.pool;
+                let buffers = pool.buffers();
+                // Read locks on the source pages of the records about to be written (they are
+                // leased to their transfers: the engine does not write them until the writes
+                // completed, so the locks are always granted).
+                let mut guards: Vec<PageRef<'_>> = Vec::new();
+                let (mut covered, mut n_slices) = (0, 0);
+                for item in self.out.iter() {
+                    if let Out::Data { src_page, .. } = item {
+                        let start = guards.len();
+                        for b in 0..buffers {
+                            match pool.raw_page(*src_page, b) {
+                                Some(g) => guards.push(g),
+                                None => break,
+                            }
+                        }
+                        if guards.len() - start < buffers {
+                            guards.truncate(start);
+                            break;
+                        }
+                        n_slices += 1 + buffers;
+                    } else {
+                        n_slices += 1;
+                    }
+                    covered += 1;
+                    if n_slices >= MAX_IOV {
+                        break;
+                    }
+                }
+                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(n_slices);
+                let mut skip = self.front_written;
+                let mut pages = guards.iter();
+                for item in self.out.iter().take(covered) {
+                    match item {
+                        Out::Frame(bytes) => push_part(&mut slices, &mut skip, bytes),
+                        Out::Data { header, .. } => {
+                            push_part(&mut slices, &mut skip, header);
+                            for page in pages.by_ref().take(buffers) {
+                                push_part(&mut slices, &mut skip, page);
+                            }
+                        }
+                    }
+                }
+                if covered == 0 {
+                    // The front record's source page cannot be read: fail the connection
+                    // rather than send a record with missing bytes.
+                    None
+                } else {
+                    Some(Pin::new(stream).poll_write_vectored(cx, &slices))
+                }
+            };
+            match written {
+                None => {
+                    self.shut(Closed::Malformed("a source page could not be read".into()));
+                    return;
+                }
+                Some(Poll::Pending) => return,
+                Some(Poll::Ready(Ok(0))) => {
+                    self.shut(Closed::PeerGone("the socket accepts no more bytes".into()));
+                    return;
+                }
+                Some(Poll::Ready(Ok(n))) => {
+                    self.stats.writes += 1;
+                    self.advance(n);
+                }
+                Some(Poll::Ready(Err(e))) => {
+                    self.shut(Closed::PeerGone(e.to_string()));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Accounts for `n` bytes written from the front of the queue.
+    fn advance(&mut self, mut n: usize) {
+        while n > 0 {
+            let Some(front) = self.out.front() else {
+                return;
+            };
+            let len = match front {
+                Out::Frame(b) => b.len(),
+                Out::Data { .. } => super::DATA_HEADER_LEN + self.record_len as usize,
+            };
+            let left = len - self.front_written;
+            if n < left {
+                self.front_written += n;
+                return;
+            }
+            n -= left;
+            self.front_written = 0;
+            match self.out.pop_front() {
+                Some(Out::Data { transfer, .. }) => {
+                    self.data_queued -= 1;
+                    self.stats.records += 1;
+                    self.stats.bytes += u64::from(self.record_len);
+                    self.complete(transfer, true);
+                }
+                Some(Out::Frame(_)) => self.stats.frames += 1,
+                None => {}
+            }
+        }
+    }
+
+    /// Reads and opens control frames from the receiver.
+    fn poll_read_frames(&mut self, cx: &mut Context<'_>) -> Option<TransportEvent> {
+        loop {
+            if let Some(e) = self.take_frame() {
+                return Some(e);
+            }
+            let stream = self.stream.as_mut()?;
+            let mut buf = ReadBuf::new(&mut self.rbuf[self.rfilled..]);
+            match Pin::new(stream).poll_read(cx, &mut buf) {
+                Poll::Pending => return None,
+                Poll::Ready(Ok(())) if buf.filled().is_empty() => {
+                    self.shut(Closed::PeerGone("end of stream".into()));
+                    return None;
+                }
+                Poll::Ready(Ok(())) => self.rfilled += buf.filled().len(),
+                Poll::Ready(Err(e)) => {
+                    self.shut(Closed::PeerGone(e.to_string()));
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// A whole frame from the read buffer, if one is there.
+    fn take_frame(&mut self) -> Option<TransportEvent> {
+        if self.rfilled < 4 {
+            return None;
+        }
+        if self.rbuf[..4] != MAGIC {
+            let magic = [self.rbuf[0], self.rbuf[1], self.rbuf[2], self.rbuf[3]];
+            self.shut(Closed::Malformed(format!(
+                "a record from the receiver starts with {magic:02x?}, not a frame"
+            )));
+            return None;
+        }
+        if self.rfilled < HEADER_LEN {
+            return None;
+        }
+        let len = u32::from_le_bytes([self.rbuf[8], self.rbuf[9], self.rbuf[10], self.rbuf[11]]);
+        if len > MAX_PAYLOAD {
+            self.shut(Closed::Malformed(format!("frame payload of {len} bytes")));
+            return None;
+        }
+        let total = HEADER_LEN + len as usize + TRAILER_LEN;
+        if self.rbuf.len() < total {
+            self.rbuf.resize(total, 0);
+        }
+        if self.rfilled < total {
+            return None;
+        }
+        let opened = self.opener.open(&self.rbuf[..total]).map(|(f, _)| f);
+        self.rbuf.copy_within(total..self.rfilled, 0);
+        self.rfilled -= total;
+        match opened {
+            Ok(f) => Some(TransportEvent::Frame(f)),
+            Err(OpenError::Auth(e)) => {
+                self.shut(Closed::Unauthentic(e));
+                None
+            }
+            Err(e) => {
+                self.shut(Closed::Malformed(e.to_string()));
+                None
+            }
+        }
+    }
+}
+
+impl Transport for TcpSender {
+    fn send_frame(&mut self, _now: Instant, frame: &Frame) {
+        if self.closed {
+            return;
+        }
+        match self.sealer.seal_to_vec(frame) {
+            Ok(bytes) => self.out.push_back(Out::Frame(bytes)),
+            Err(e) => tracing::error!(error = %e, "frame could not be encoded; dropped"),
+        }
+    }
+
+    fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
+        self.poll_flush(cx);
+        if let Some(e) = self.events.pop_front() {
+            return Poll::Ready(e);
+        }
+        if let Some(e) = self.poll_read_frames(cx) {
+            return Poll::Ready(e);
+        }
+        match self.events.pop_front() {
+            Some(e) => Poll::Ready(e),
+            None => Poll::Pending,
+        }
+    }
+
+    fn close(&mut self, _now: Instant) {
+        self.shut(Closed::Local);
+    }
+}
+
+impl SenderTransport for TcpSender {
+    fn write_credit(&self) -> usize {
+        if self.closed {
+            0
+        } else {
+            MAX_QUEUED_RECORDS.saturating_sub(self.data_queued)
+        }
+    }
+
+    fn post_writes(
+        &mut self,
+        _now: Instant,
+        transfer: TransferRef,
+        access: &Arc<[u8]>,
+        writes: &[PageWrite],
+    ) {
+        let key = AccessKey::from_descriptor(access);
+        for w in writes {
+            match key {
+                Some(key) if !self.closed && w.src_page < self.pool.capacity_pages() => {
+                    let header = DataHeader {
+                        transfer,
+                        key,
+                        ordinal: w.ordinal,
+                        dst_page: w.dst_page,
+                        len: self.record_len,
+                    };
+                    self.out.push_back(Out::Data {
+                        header: header.encode(),
+                        transfer,
+                        src_page: w.src_page,
+                    });
+                    self.data_queued += 1;
+                }
+                // A descriptor that is not a TCP scope key (SPEC §9.1: exactly 4 bytes), a
+                // source page out of range, or a closed connection: refused before sending.
+                _ => self.complete(transfer, false),
+            }
+        }
+    }
+}
+
+/// Appends `part` to `slices`, less the `skip` bytes already written.
+fn push_part<'a>(slices: &mut Vec<IoSlice<'a>>, skip: &mut usize, part: &'a [u8]) {
+    if *skip >= part.len() {
+        *skip -= part.len();
+    } else {
+        slices.push(IoSlice::new(&part[*skip..]));
+        *skip = 0;
+    }
+}
