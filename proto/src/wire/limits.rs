@@ -1,5 +1,5 @@
-//! The wire format's constants: header fields, size limits, the COMMIT size check, and
-//! the "no index" value (SPEC.md §2).
+//! The wire format's constants: header fields, size limits, the sizes of a sealed frame's
+//! authentication trailer, the COMMIT size check, and the "no index" value (SPEC.md §2).
 
 /// The four magic bytes that open every frame.
 pub const MAGIC: [u8; 4] = *b"KVWR";
@@ -28,6 +28,12 @@ pub const MAX_PAGES: usize = 65_536;
 pub const MAX_ACCESS: usize = 4096;
 /// Most per-page digests a commit may carry (further bounded by `MAX_PAYLOAD`).
 pub const MAX_PAGE_DIGESTS: usize = 1 << 17;
+/// Bytes of a tag (a full HMAC-SHA256 output).
+pub const TAG_LEN: usize = 32;
+/// Bytes of a sealed frame's sequence number.
+pub const SEQ_LEN: usize = 8;
+/// Bytes authentication adds to the payload of a sealed (post-hello) frame.
+pub const SEALED_OVERHEAD: usize = SEQ_LEN + TAG_LEN;
 /// Whether a COMMIT for `buffers` buffers and `pages` pages, with or without per-page
 /// digests, fits in one frame. Reservations that fail this are refused before anything is
 /// sent: their COMMIT could never be encoded.
@@ -43,8 +49,7 @@ pub fn commit_fits(buffers: usize, pages: usize, page_digests: bool) -> bool {
     // can be served does not depend on whether the connection is authenticated.
     buffers <= MAX_BUFFERS
         && per_page <= MAX_PAGE_DIGESTS
-        && fixed + buffers * 16 + per_page * 8 + crate::auth::SEALED_OVERHEAD
-            <= MAX_PAYLOAD as usize
+        && fixed + buffers * 16 + per_page * 8 + SEALED_OVERHEAD <= MAX_PAYLOAD as usize
 }
 
 /// Value of `Nack::buffer` / `Nack::page` when no buffer or page is named.

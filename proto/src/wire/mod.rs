@@ -6,7 +6,7 @@ mod digest;
 mod error;
 pub(crate) mod frame;
 mod layout;
-mod limits;
+pub(crate) mod limits;
 
 pub use codes::{DigestAlgorithm, ErrorCode, FrameType, Role};
 pub use digest::{Digest128, TransferDigests};
