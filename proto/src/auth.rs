@@ -34,12 +34,9 @@ type HmacSha256 = Hmac<Sha256>;
 pub const AUTH_FLAG: u16 = 0x8000;
 /// Bytes of a nonce carried in an authenticated HELLO or HELLO_ACK.
 pub const NONCE_LEN: usize = 32;
-/// Bytes of a tag (a full HMAC-SHA256 output).
-pub const TAG_LEN: usize = 32;
-/// Bytes of a sealed frame's sequence number.
-pub const SEQ_LEN: usize = 8;
-/// Bytes authentication adds to the payload of a sealed (post-hello) frame.
-pub const SEALED_OVERHEAD: usize = SEQ_LEN + TAG_LEN;
+// The sealed-frame trailer sizes live with the other wire limits, since the frame codec
+// needs them too (`commit_fits`); they keep their paths here.
+pub use crate::wire::limits::{SEALED_OVERHEAD, SEQ_LEN, TAG_LEN};
 /// Bytes authentication adds to the payload of a HELLO or HELLO_ACK.
 pub const HELLO_OVERHEAD: usize = NONCE_LEN + TAG_LEN;
 /// Shortest pre-shared key accepted (128 bits).

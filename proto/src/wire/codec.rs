@@ -3,7 +3,7 @@
 //! The reader never panics: every read checks the remaining length and reports the field
 //! it was reading when the input ran out.
 
-use super::frame::DecodeError;
+use super::error::DecodeError;
 
 /// Reads little-endian fields from a byte slice.
 pub(crate) struct Reader<'a> {

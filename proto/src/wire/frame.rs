@@ -12,59 +12,13 @@
 //! 12+N   4    crc32         CRC-32 (IEEE) of bytes 0 .. 12+N
 //! ```
 
-use core::fmt;
-
 use super::codec::{Reader, Writer};
+use super::error::{DecodeError, EncodeError};
+use super::limits::{
+    HEADER_LEN, MAGIC, MAX_ACCESS, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS, MAX_FINGERPRINT,
+    MAX_PAGES, MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, TRAILER_LEN, VERSION,
+};
 use super::{Digest128, DigestAlgorithm, ErrorCode, FrameType, KvLayout, Role};
-
-/// The four magic bytes that open every frame.
-pub const MAGIC: [u8; 4] = *b"KVWR";
-/// The protocol version this crate speaks. There is no fallback: any other version is refused.
-pub const VERSION: u16 = 1;
-/// Bytes before the payload.
-pub const HEADER_LEN: usize = 12;
-/// Bytes after the payload (the CRC).
-pub const TRAILER_LEN: usize = 4;
-/// Largest payload accepted or produced.
-pub const MAX_PAYLOAD: u32 = 1 << 20;
-/// Most buffers a layout may declare.
-pub const MAX_BUFFERS: usize = 4096;
-/// Longest model/TP fingerprint.
-pub const MAX_FINGERPRINT: usize = 255;
-/// Most digest algorithms a hello may list.
-pub const MAX_DIGEST_ALGORITHMS: usize = 16;
-/// Longest opaque transport-parameter blob in a hello.
-pub const MAX_TRANSPORT_PARAMS: usize = 4096;
-/// Longest human-readable detail string; longer details are cut at a character boundary
-/// when encoded.
-pub const MAX_DETAIL: usize = 1024;
-/// Most pages one reservation may name.
-pub const MAX_PAGES: usize = 65_536;
-/// Longest opaque access descriptor in a reservation (e.g. RDMA rkeys and addresses).
-pub const MAX_ACCESS: usize = 4096;
-/// Most per-page digests a commit may carry (further bounded by `MAX_PAYLOAD`).
-pub const MAX_PAGE_DIGESTS: usize = 1 << 17;
-/// Whether a COMMIT for `buffers` buffers and `pages` pages, with or without per-page
-/// digests, fits in one frame. Reservations that fail this are refused before anything is
-/// sent: their COMMIT could never be encoded.
-pub fn commit_fits(buffers: usize, pages: usize, page_digests: bool) -> bool {
-    // transfer ref 16, tokens 4, pages 4, bytes 8, digest 1, count 2, count 4.
-    let fixed = 16 + 4 + 4 + 8 + 1 + 2 + 4;
-    let per_page = if page_digests {
-        buffers.saturating_mul(pages)
-    } else {
-        0
-    };
-    // The COMMIT must also fit when sealed (SPEC.md §3.11), so that whether a reservation
-    // can be served does not depend on whether the connection is authenticated.
-    buffers <= MAX_BUFFERS
-        && per_page <= MAX_PAGE_DIGESTS
-        && fixed + buffers * 16 + per_page * 8 + crate::auth::SEALED_OVERHEAD
-            <= MAX_PAYLOAD as usize
-}
-
-/// Value of `Nack::buffer` / `Nack::page` when no buffer or page is named.
-pub const NONE_INDEX: u32 = u32::MAX;
 
 /// The body of HELLO and HELLO_ACK: who a node is and what it can exchange.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -157,9 +111,9 @@ pub struct Nack {
     pub transfer: TransferRef,
     /// Why.
     pub code: ErrorCode,
-    /// The first bad buffer, or [`NONE_INDEX`].
+    /// The first bad buffer, or [`NONE_INDEX`](super::NONE_INDEX).
     pub buffer: u32,
-    /// The first bad page ordinal within that buffer, or [`NONE_INDEX`].
+    /// The first bad page ordinal within that buffer, or [`NONE_INDEX`](super::NONE_INDEX).
     pub page: u32,
     /// Details for humans.
     pub detail: String,
@@ -205,146 +159,6 @@ pub enum Frame {
     /// Abort acknowledged.
     AbortAck(TransferRef),
 }
-
-/// Why a byte string is not a frame.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum DecodeError {
-    /// More bytes are needed; at least `needed` bytes in all. Not an error on a stream.
-    Incomplete {
-        /// Total bytes needed before decoding can proceed.
-        needed: usize,
-    },
-    /// The first four bytes are not [`MAGIC`].
-    BadMagic([u8; 4]),
-    /// A version other than [`VERSION`].
-    UnsupportedVersion(u16),
-    /// The payload length exceeds [`MAX_PAYLOAD`].
-    PayloadTooLarge {
-        /// Declared length.
-        len: u32,
-    },
-    /// The CRC does not match.
-    BadCrc {
-        /// CRC carried by the frame.
-        carried: u32,
-        /// CRC computed over the bytes received.
-        computed: u32,
-    },
-    /// A frame type this version does not define.
-    UnknownFrameType(FrameType),
-    /// The payload ended inside a field.
-    Truncated {
-        /// The field being read.
-        field: &'static str,
-    },
-    /// Bytes remain after the last field of the payload.
-    TrailingBytes {
-        /// How many.
-        extra: usize,
-    },
-    /// A count exceeds its limit.
-    TooMany {
-        /// The field.
-        field: &'static str,
-        /// The count carried.
-        count: u64,
-        /// The limit.
-        max: u64,
-    },
-    /// A string is not UTF-8.
-    InvalidUtf8 {
-        /// The field.
-        field: &'static str,
-    },
-    /// A field holds a value its type forbids (e.g. a flag that is neither 0 nor 1).
-    InvalidValue {
-        /// The field.
-        field: &'static str,
-        /// The value carried.
-        value: u64,
-    },
-}
-
-impl fmt::Display for DecodeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Incomplete { needed } => write!(f, "incomplete frame: {needed} bytes needed"),
-            Self::BadMagic(m) => write!(f, "bad magic {m:02x?}"),
-            Self::UnsupportedVersion(v) => {
-                write!(
-                    f,
-                    "unsupported protocol version {v} (this node speaks {VERSION})"
-                )
-            }
-            Self::PayloadTooLarge { len } => {
-                write!(
-                    f,
-                    "payload of {len} bytes exceeds the {MAX_PAYLOAD}-byte limit"
-                )
-            }
-            Self::BadCrc { carried, computed } => {
-                write!(
-                    f,
-                    "frame CRC mismatch: carried {carried:#010x}, computed {computed:#010x}"
-                )
-            }
-            Self::UnknownFrameType(t) => write!(f, "unknown frame type {t}"),
-            Self::Truncated { field } => write!(f, "payload truncated in field `{field}`"),
-            Self::TrailingBytes { extra } => {
-                write!(f, "{extra} bytes after the last payload field")
-            }
-            Self::TooMany { field, count, max } => {
-                write!(f, "`{field}` count {count} exceeds the limit {max}")
-            }
-            Self::InvalidUtf8 { field } => write!(f, "`{field}` is not UTF-8"),
-            Self::InvalidValue { field, value } => {
-                write!(f, "`{field}` holds invalid value {value}")
-            }
-        }
-    }
-}
-
-impl std::error::Error for DecodeError {}
-
-/// Why a frame cannot be encoded.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum EncodeError {
-    /// A field or the payload exceeds its limit.
-    TooLarge {
-        /// The field.
-        field: &'static str,
-        /// Its size.
-        len: usize,
-        /// The limit.
-        max: usize,
-    },
-    /// An authenticated channel cannot send this frame in its state (for example a frame
-    /// after HELLO before the connection keys exist, or a second HELLO).
-    AuthState {
-        /// The frame's type.
-        frame_type: FrameType,
-    },
-}
-
-impl fmt::Display for EncodeError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::TooLarge { field, len, max } => {
-                write!(f, "`{field}` is {len}, over the limit {max}")
-            }
-            Self::AuthState { frame_type } => {
-                write!(
-                    f,
-                    "{frame_type} cannot be sealed in this authentication state"
-                )
-            }
-        }
-    }
-}
-
-impl std::error::Error for EncodeError {}
 
 fn check_len(field: &'static str, len: usize, max: usize) -> Result<(), EncodeError> {
     if len > max {

@@ -3,15 +3,18 @@
 mod codec;
 mod codes;
 mod digest;
+mod error;
 pub(crate) mod frame;
 mod layout;
+pub(crate) mod limits;
 
 pub use codes::{DigestAlgorithm, ErrorCode, FrameType, Role};
 pub use digest::{Digest128, TransferDigests};
-pub use frame::{
-    commit_fits, Abort, Commit, DecodeError, EncodeError, Frame, Hello, HelloReject, Nack, Reject,
-    Reserve, TransferRef, HEADER_LEN, MAGIC, MAX_ACCESS, MAX_BUFFERS, MAX_DETAIL,
-    MAX_DIGEST_ALGORITHMS, MAX_FINGERPRINT, MAX_PAGES, MAX_PAGE_DIGESTS, MAX_PAYLOAD,
-    MAX_TRANSPORT_PARAMS, NONE_INDEX, TRAILER_LEN, VERSION,
-};
+pub use error::{DecodeError, EncodeError};
+pub use frame::{Abort, Commit, Frame, Hello, HelloReject, Nack, Reject, Reserve, TransferRef};
 pub use layout::KvLayout;
+pub use limits::{
+    commit_fits, HEADER_LEN, MAGIC, MAX_ACCESS, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS,
+    MAX_FINGERPRINT, MAX_PAGES, MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, NONE_INDEX,
+    TRAILER_LEN, VERSION,
+};

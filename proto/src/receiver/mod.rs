@@ -1,0 +1,420 @@
+//! The receiver (decode side): reserves pages, fences, verifies, delivers (SPEC.md §5.2).
+//!
+//! ```text
+//!  reserve() ──RESERVE──▶ AwaitingCommit ──COMMIT ok──▶ FencingForVerify ──fenced──▶ Verifying
+//!                              │                                                      │
+//!      REJECT / ABORT / timeout / local abort / peer lost                 digests match│mismatch
+//!                              ▼                                                      ▼
+//!                        Failing ──fenced (and digests done)──▶ Release ──▶ [AwaitingAbortAck]   Delivered | Release+NACK
+//! ```
+//!
+//! Pages are released only after the transport has reported the fence complete, so no write
+//! for the transfer can land in them afterwards. Only a transfer whose digests, computed by
+//! the driver over the landed memory after the fence, match the commit is delivered.
+
+mod closed;
+mod state;
+mod transfer;
+mod types;
+mod verify;
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use crate::error::{FailureReason, Wait};
+use crate::handshake::Established;
+use crate::history::{Finished, History};
+use crate::scope::FrameError;
+use crate::timers::Timers;
+use crate::wire::{
+    commit_fits, DigestAlgorithm, ErrorCode, Frame, KvLayout, Nack, Reserve, TransferDigests,
+    TransferRef, MAX_ACCESS, MAX_PAGES, NONE_INDEX,
+};
+use state::{AfterFence, Awaiting, AwaitingCommit, Pending, State, Verifying};
+use transfer::{Next, Out, Spec, Transfer};
+use verify::compare_digests;
+
+pub use types::{
+    Delivery, ReceiverAction, ReceiverConfig, ReceiverEvent, ReceiverStats, ReservationRequest,
+    ReserveError,
+};
+
+/// The receiver side of one connection: all its transfers.
+#[derive(Clone, Debug)]
+pub struct ReceiverSession {
+    layout: KvLayout,
+    digests: Vec<DigestAlgorithm>,
+    config: ReceiverConfig,
+    nonce_counter: u64,
+    transfers: BTreeMap<u64, Transfer>,
+    history: History,
+    timers: Timers,
+    out: Out,
+    lost: bool,
+}
+
+/// SplitMix64's finaliser: a bijection on u64, so distinct counters give distinct nonces.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl ReceiverSession {
+    /// A session over an established connection on which this node is the receiver.
+    pub fn new(established: &Established, config: ReceiverConfig) -> Self {
+        let history = History::new(config.history);
+        Self {
+            layout: established.layout().clone(),
+            digests: established.digests.clone(),
+            nonce_counter: config.nonce_seed,
+            out: Out {
+                abort_ack_timeout: config.abort_ack_timeout,
+                ..Out::default()
+            },
+            config,
+            transfers: BTreeMap::new(),
+            history,
+            timers: Timers::default(),
+            lost: false,
+        }
+    }
+
+    fn fresh_nonce(&mut self) -> u64 {
+        loop {
+            self.nonce_counter = self.nonce_counter.wrapping_add(1);
+            let n = mix(self.nonce_counter);
+            if n != 0 {
+                return n;
+            }
+        }
+    }
+
+    /// Reserves pages for a transfer: queues RESERVE and arms the commit deadline.
+    /// Returns the reservation's transfer reference (with its fresh nonce).
+    pub fn reserve(
+        &mut self,
+        now: Instant,
+        req: ReservationRequest,
+    ) -> Result<TransferRef, ReserveError> {
+        if self.lost {
+            return Err(ReserveError::PeerLost);
+        }
+        if self.transfers.contains_key(&req.transfer_id) {
+            return Err(ReserveError::DuplicateTransfer(req.transfer_id));
+        }
+        if req.tokens == 0 {
+            return Err(ReserveError::NoTokens);
+        }
+        let expected = self.layout.pages_for_tokens(req.tokens).unwrap_or(0);
+        if req.pages.len() as u64 != u64::from(expected) {
+            return Err(ReserveError::PageCountMismatch {
+                pages: req.pages.len(),
+                expected: u64::from(expected),
+            });
+        }
+        if req.pages.len() > MAX_PAGES
+            || req.access.len() > MAX_ACCESS
+            || !commit_fits(self.layout.buffers(), req.pages.len(), req.page_digests)
+        {
+            return Err(ReserveError::TooLarge);
+        }
+        let mut sorted = req.pages.clone();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(ReserveError::DuplicatePage(w[0]));
+        }
+        let digest = req.digest.unwrap_or(self.digests[0]);
+        if !self.digests.contains(&digest) {
+            return Err(ReserveError::DigestNotAgreed(digest));
+        }
+        // A new reservation for an id seen before starts afresh (with a new nonce).
+        self.history.remove(req.transfer_id);
+        let transfer = TransferRef {
+            transfer_id: req.transfer_id,
+            nonce: self.fresh_nonce(),
+        };
+        let pages = req.pages.len() as u32;
+        let spec = Spec {
+            transfer,
+            tokens: req.tokens,
+            pages,
+            bytes: u64::from(pages) * self.layout.bytes_per_page_index(),
+            buffers: self.layout.buffers(),
+            digest,
+            page_digests: req.page_digests,
+        };
+        let deadline = now + req.timeout;
+        self.out.transmit.push_back(Frame::Reserve(Reserve {
+            transfer_id: transfer.transfer_id,
+            nonce: transfer.nonce,
+            tokens: req.tokens,
+            digest,
+            page_digests: req.page_digests,
+            deadline_ms: u32::try_from(req.timeout.as_millis()).unwrap_or(u32::MAX),
+            pages: req.pages,
+            access: req.access,
+        }));
+        self.timers.arm(deadline, transfer.transfer_id);
+        self.transfers.insert(
+            transfer.transfer_id,
+            Transfer {
+                spec,
+                state: State::AwaitingCommit(AwaitingCommit { deadline }),
+            },
+        );
+        Ok(transfer)
+    }
+
+    /// Aborts a transfer from the receiver side: fence first, then release, then ABORT.
+    /// Returns false if the transfer is not open or is already failing.
+    pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+        let Some(t) = self.transfers.remove(&transfer_id) else {
+            return false;
+        };
+        let (next, applied) = match t.state {
+            s @ (State::AwaitingCommit(_) | State::FencingForVerify(_) | State::Verifying(_)) => {
+                let reason = FailureReason::LocalAbort { code };
+                (
+                    self.out.fail(
+                        &t.spec,
+                        s.pending(),
+                        reason,
+                        AfterFence::SendAbort(code),
+                        now,
+                    ),
+                    true,
+                )
+            }
+            other => (Next::Stay(other), false),
+        };
+        self.settle(t.spec, next);
+        applied
+    }
+
+    fn settle(&mut self, spec: Spec, next: Next) {
+        match next {
+            Next::Stay(state) => {
+                if let Some(d) = state.deadline() {
+                    self.timers.arm(d, spec.transfer.transfer_id);
+                }
+                self.transfers
+                    .insert(spec.transfer.transfer_id, Transfer { spec, state });
+            }
+            Next::Done(failure) => {
+                if failure.is_none() {
+                    self.out.stats.delivered += 1;
+                }
+                self.history.insert(
+                    spec.transfer.transfer_id,
+                    Finished {
+                        nonce: spec.transfer.nonce,
+                        failure,
+                    },
+                );
+            }
+        }
+    }
+
+    /// Handles a frame from the peer. The error, if any, says how far its damage reaches;
+    /// on [`crate::Scope::Connection`] the driver must close the connection.
+    pub fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError> {
+        if self.lost {
+            self.out.stats.dropped_frames += 1;
+            return Err(FrameError::frame("frame after the connection was lost"));
+        }
+        let Some(tref) = frame.transfer() else {
+            return Err(FrameError::connection(format!(
+                "{} after the handshake",
+                frame.frame_type()
+            )));
+        };
+        if matches!(
+            frame,
+            Frame::Reserve(_) | Frame::Verified(_) | Frame::Nack(_)
+        ) {
+            return Err(FrameError::connection(format!(
+                "{} is sent only by receivers",
+                frame.frame_type()
+            )));
+        }
+        let Some(t) = self.transfers.remove(&tref.transfer_id) else {
+            return self.handle_closed_transfer(frame, tref);
+        };
+        let (next, spec, result) = t.on_frame(frame, now, &mut self.out);
+        self.settle(spec, next);
+        result
+    }
+
+    /// The transport reports the fence of a transfer complete.
+    pub fn handle_fenced(&mut self, now: Instant, transfer: TransferRef) {
+        let Some(t) = self.take_current(transfer) else {
+            return;
+        };
+        let next = match t.state {
+            State::FencingForVerify(f) => {
+                self.out.actions.push_back(ReceiverAction::ComputeDigests {
+                    transfer,
+                    algorithm: t.spec.digest,
+                    page_digests: !f.commit.page_digests.is_empty(),
+                });
+                Next::Stay(State::Verifying(Verifying { commit: f.commit }))
+            }
+            State::Failing(f) if f.awaiting == Awaiting::Fence => {
+                self.out.after_fence(&t.spec, f.reason, f.after, now)
+            }
+            other => Next::Stay(other),
+        };
+        self.settle(t.spec, next);
+    }
+
+    /// The driver hands back the digests of the landed memory, computed after the fence.
+    pub fn handle_digests(&mut self, now: Instant, transfer: TransferRef, landed: TransferDigests) {
+        let Some(t) = self.take_current(transfer) else {
+            return;
+        };
+        let next = match t.state {
+            State::Verifying(v) => match compare_digests(&t.spec, &v.commit, &landed) {
+                Ok(()) => {
+                    self.out
+                        .events
+                        .push_back(ReceiverEvent::Delivered(Delivery {
+                            transfer,
+                            tokens: t.spec.tokens,
+                            pages: t.spec.pages,
+                            bytes: t.spec.bytes,
+                        }));
+                    self.out.transmit.push_back(Frame::Verified(transfer));
+                    Next::Done(None)
+                }
+                Err(reason) => {
+                    let (buffer, page) = match &reason {
+                        FailureReason::DigestMismatch { buffer, page } => {
+                            (*buffer, page.unwrap_or(NONE_INDEX))
+                        }
+                        _ => (NONE_INDEX, NONE_INDEX),
+                    };
+                    self.out.transmit.push_back(Frame::Nack(Nack {
+                        transfer,
+                        code: reason.code(),
+                        buffer,
+                        page,
+                        detail: reason.to_string(),
+                    }));
+                    self.out
+                        .fail(&t.spec, Pending::Nothing, reason, AfterFence::Nothing, now)
+                }
+            },
+            // Failed while the digests were computed: they no longer read the pages.
+            State::Failing(f) if f.awaiting == Awaiting::Digests => {
+                self.out.after_fence(&t.spec, f.reason, f.after, now)
+            }
+            other => Next::Stay(other),
+        };
+        self.settle(t.spec, next);
+    }
+
+    fn take_current(&mut self, transfer: TransferRef) -> Option<Transfer> {
+        match self.transfers.get(&transfer.transfer_id) {
+            Some(t) if t.spec.transfer.nonce == transfer.nonce => {
+                self.transfers.remove(&transfer.transfer_id)
+            }
+            _ => None,
+        }
+    }
+
+    /// Handles the passage of time: expired waits fail their transfers.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let transfers = &self.transfers;
+        let expired = self.timers.expired(now, |id| {
+            transfers.get(&id).and_then(|t| t.state.deadline())
+        });
+        for id in expired {
+            let Some(t) = self.transfers.remove(&id) else {
+                continue;
+            };
+            let next = match t.state {
+                s @ State::AwaitingCommit(_) => self.out.fail(
+                    &t.spec,
+                    s.pending(),
+                    FailureReason::Timeout {
+                        waiting_for: Wait::Commit,
+                    },
+                    AfterFence::SendAbort(ErrorCode::TIMEOUT),
+                    now,
+                ),
+                // The peer never acknowledged our abort; pages were released long ago.
+                State::AwaitingAbortAck(_) => {
+                    Next::Done(Some((ErrorCode::TIMEOUT, "abort unacknowledged".into())))
+                }
+                other => Next::Stay(other),
+            };
+            self.settle(t.spec, next);
+        }
+    }
+
+    /// The connection is gone: every open transfer fails with [`FailureReason::PeerLost`],
+    /// fencing first where writes could still land. No frames are sent.
+    pub fn handle_peer_lost(&mut self, now: Instant) {
+        self.lost = true;
+        self.out.transmit.clear();
+        let open = std::mem::take(&mut self.transfers);
+        for (_, t) in open {
+            let next = match t.state {
+                State::AwaitingAbortAck(_) => {
+                    Next::Done(Some((ErrorCode::SHUTDOWN, "peer lost".into())))
+                }
+                State::Failing(mut f) => {
+                    f.after = AfterFence::Nothing;
+                    Next::Stay(State::Failing(f))
+                }
+                s => self.out.fail(
+                    &t.spec,
+                    s.pending(),
+                    FailureReason::PeerLost,
+                    AfterFence::Nothing,
+                    now,
+                ),
+            };
+            self.settle(t.spec, next);
+        }
+        self.out.transmit.clear();
+    }
+
+    /// The next frame to send.
+    pub fn poll_transmit(&mut self) -> Option<Frame> {
+        self.out.transmit.pop_front()
+    }
+
+    /// The next effect for the driver.
+    pub fn poll_action(&mut self) -> Option<ReceiverAction> {
+        self.out.actions.pop_front()
+    }
+
+    /// The next event for the engine.
+    pub fn poll_event(&mut self) -> Option<ReceiverEvent> {
+        self.out.events.pop_front()
+    }
+
+    /// When [`ReceiverSession::handle_timeout`] must next be called.
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        let transfers = &self.transfers;
+        self.timers
+            .next(|id| transfers.get(&id).and_then(|t| t.state.deadline()))
+    }
+
+    /// Open transfers (not yet delivered, failed, or acknowledged).
+    pub fn open_transfers(&self) -> usize {
+        self.transfers.len()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ReceiverStats {
+        self.out.stats
+    }
+
+    /// The session's configuration.
+    pub fn config(&self) -> &ReceiverConfig {
+        &self.config
+    }
+}

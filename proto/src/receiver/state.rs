@@ -1,0 +1,104 @@
+//! The states of one receiver transfer, one type per state, and what a failing transfer
+//! still waits for before its pages may be released.
+
+use std::time::Instant;
+
+use crate::error::FailureReason;
+use crate::wire::{Commit, ErrorCode};
+
+#[derive(Clone, Debug)]
+pub(super) struct AwaitingCommit {
+    pub(super) deadline: Instant,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct FencingForVerify {
+    pub(super) commit: Commit,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Verifying {
+    pub(super) commit: Commit,
+}
+
+/// What follows the fence of a failed transfer.
+#[derive(Clone, Debug)]
+pub(super) enum AfterFence {
+    /// Send ABORT with this code and wait for ABORT_ACK.
+    SendAbort(ErrorCode),
+    /// Send ABORT_ACK (the peer aborted).
+    SendAbortAck,
+    /// Nothing to send (rejected, or the peer is gone).
+    Nothing,
+}
+
+/// The local effect a failing transfer waits for before its pages may be released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Awaiting {
+    /// The fence: a write for the transfer could still land.
+    Fence,
+    /// A digest computation over the pages, still reading them.
+    Digests,
+}
+
+/// What a transition into failure must still wait for, given the state it leaves.
+pub(super) enum Pending {
+    /// Writes may land and no fence was requested: request one.
+    NoFenceYet,
+    /// Already waiting on this effect.
+    InFlight(Awaiting),
+    /// Fenced, nothing reads the pages: release now.
+    Nothing,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Failing {
+    pub(super) reason: FailureReason,
+    pub(super) after: AfterFence,
+    pub(super) awaiting: Awaiting,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct AwaitingAbortAck {
+    pub(super) deadline: Instant,
+}
+
+#[derive(Clone, Debug)]
+pub(super) enum State {
+    AwaitingCommit(AwaitingCommit),
+    FencingForVerify(FencingForVerify),
+    Verifying(Verifying),
+    Failing(Failing),
+    AwaitingAbortAck(AwaitingAbortAck),
+}
+
+impl State {
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            Self::AwaitingCommit(_) => "AwaitingCommit",
+            Self::FencingForVerify(_) => "FencingForVerify",
+            Self::Verifying(_) => "Verifying",
+            Self::Failing(_) => "Failing",
+            Self::AwaitingAbortAck(_) => "AwaitingAbortAck",
+        }
+    }
+
+    pub(super) fn deadline(&self) -> Option<Instant> {
+        match self {
+            Self::AwaitingCommit(s) => Some(s.deadline),
+            Self::AwaitingAbortAck(s) => Some(s.deadline),
+            _ => None,
+        }
+    }
+
+    /// What a failure from this state must wait for before releasing pages.
+    pub(super) fn pending(&self) -> Pending {
+        match self {
+            Self::AwaitingCommit(_) => Pending::NoFenceYet,
+            Self::FencingForVerify(_) => Pending::InFlight(Awaiting::Fence),
+            Self::Verifying(_) => Pending::InFlight(Awaiting::Digests),
+            Self::Failing(f) => Pending::InFlight(f.awaiting),
+            Self::AwaitingAbortAck(_) => Pending::Nothing,
+        }
+    }
+}

@@ -1,0 +1,398 @@
+//! The sender (prefill side): answers reservations, posts writes, commits (SPEC.md §5.3).
+//!
+//! ```text
+//!  submit(Admitted) ─▶ AwaitingReservation ──RESERVE ok──▶ Writing ──all written + digests──▶ AwaitingVerdict
+//!        │ RESERVE mismatch: REJECT                  │ write failed / ABORT / timeout / abort()     │ VERIFIED | NACK | ABORT
+//!        ▼                                           ▼                                              ▼
+//!   failed (source released)              Draining (cancel unposted, wait for posted) ─▶ ABORT | ABORT_ACK ─▶ done
+//!  retire(Rejected) ─▶ any RESERVE for it gets REJECT with the original error; nothing else happens.
+//! ```
+//!
+//! Source pages are released only once every posted write has completed or failed, since a
+//! transport may still be reading them.
+
+mod closed;
+mod state;
+mod transfer;
+mod types;
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use crate::admission::{Admitted, Rejected};
+use crate::error::{FailureReason, Wait};
+use crate::handshake::Established;
+use crate::history::{Finished, History};
+use crate::scope::FrameError;
+use crate::timers::Timers;
+use crate::wire::{DigestAlgorithm, ErrorCode, Frame, Reserve, TransferDigests, TransferRef};
+use state::{AfterDrain, AwaitingReservation, DigestJob, State};
+use transfer::{Ctx, Next, Out, Transfer};
+
+pub use types::{
+    PageWrite, SenderAction, SenderConfig, SenderEvent, SenderStats, SubmitError, WriteOutcome,
+};
+
+/// The sender side of one connection: all its transfers.
+#[derive(Clone, Debug)]
+pub struct SenderSession {
+    digests: Vec<DigestAlgorithm>,
+    bytes_per_page_index: u64,
+    buffers: usize,
+    config: SenderConfig,
+    transfers: BTreeMap<u64, Transfer>,
+    /// Reservations naming no known request, held briefly (the request may be on its way).
+    parked: BTreeMap<u64, (Reserve, Instant)>,
+    history: History,
+    timers: Timers,
+    out: Out,
+    lost: bool,
+}
+
+impl SenderSession {
+    /// A session over an established connection on which this node is the sender.
+    pub fn new(established: &Established, config: SenderConfig) -> Self {
+        Self {
+            digests: established.digests.clone(),
+            bytes_per_page_index: established.layout().bytes_per_page_index(),
+            buffers: established.layout().buffers(),
+            history: History::new(config.history),
+            config,
+            transfers: BTreeMap::new(),
+            parked: BTreeMap::new(),
+            timers: Timers::default(),
+            out: Out::default(),
+            lost: false,
+        }
+    }
+
+    fn ctx(&mut self, now: Instant) -> Ctx<'_> {
+        Ctx {
+            out: &mut self.out,
+            config: &self.config,
+            digests: &self.digests,
+            bytes_per_page_index: self.bytes_per_page_index,
+            buffers: self.buffers,
+            now,
+        }
+    }
+
+    fn settle(&mut self, t: Transfer, next: Next) {
+        let id = t.transfer.transfer_id;
+        match next {
+            Next::Stay(state) => {
+                if let Some(d) = state.deadline() {
+                    self.timers.arm(d, id);
+                }
+                self.transfers.insert(id, Transfer { state, ..t });
+            }
+            Next::Done(failure) => self.history.insert(
+                id,
+                Finished {
+                    nonce: t.transfer.nonce,
+                    failure,
+                },
+            ),
+        }
+    }
+
+    /// Submits an admitted request whose KV pages are in `source` (sender pool page indices,
+    /// in token order). It waits for the receiver's reservation.
+    pub fn submit(
+        &mut self,
+        now: Instant,
+        admitted: Admitted,
+        source: Vec<u32>,
+    ) -> Result<(), SubmitError> {
+        if self.lost {
+            return Err(SubmitError::PeerLost(admitted));
+        }
+        let id = admitted.transfer_id();
+        if self.transfers.contains_key(&id) {
+            return Err(SubmitError::DuplicateTransfer(admitted));
+        }
+        if source.len() as u64 != u64::from(admitted.pages()) {
+            return Err(SubmitError::SourcePageCount {
+                given: source.len(),
+                admitted,
+            });
+        }
+        self.history.remove(id);
+        let deadline = now + self.config.reservation_timeout;
+        let t = Transfer {
+            admitted,
+            source,
+            transfer: TransferRef {
+                transfer_id: id,
+                nonce: 0,
+            },
+            state: State::AwaitingReservation(AwaitingReservation { deadline }),
+        };
+        self.settle(
+            t,
+            Next::Stay(State::AwaitingReservation(AwaitingReservation { deadline })),
+        );
+        if let Some((r, _)) = self.parked.remove(&id) {
+            // Cannot fail with a connection-scope error: it is a RESERVE for an open transfer.
+            let _ = self.handle_frame(now, Frame::Reserve(r));
+        }
+        Ok(())
+    }
+
+    /// Retires a rejected request: any reservation for it (already parked or still to come)
+    /// is answered with REJECT carrying the original error. Nothing is allocated or sent
+    /// otherwise.
+    pub fn retire(&mut self, rejected: Rejected) {
+        let id = rejected.transfer_id;
+        let code = rejected.error.code();
+        let detail = rejected.error.to_string();
+        self.history.insert(
+            id,
+            Finished {
+                nonce: 0,
+                failure: Some((code, detail.clone())),
+            },
+        );
+        if let Some((r, _)) = self.parked.remove(&id) {
+            self.reject_reservation(&r, code, detail);
+        }
+    }
+
+    /// Aborts a transfer from the sender side: stop posting, drain, then ABORT with the
+    /// count of completed pages. Returns false if the transfer is not open or already ending.
+    pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+        let Some(mut t) = self.transfers.remove(&transfer_id) else {
+            return false;
+        };
+        let state = t.take_state(now);
+        let reason = FailureReason::LocalAbort { code };
+        let mut cx = self.ctx(now);
+        let (next, applied) = match state {
+            State::AwaitingReservation(_) => (Next::Done(Some(cx.failed(&t, reason))), true),
+            State::Writing(w) => (cx.drain(&t, w, reason, AfterDrain::SendAbort(code)), true),
+            State::AwaitingVerdict(_) => (
+                cx.abandon_committed(&t, reason, AfterDrain::SendAbort(code)),
+                true,
+            ),
+            other => (Next::Stay(other), false),
+        };
+        self.settle(t, next);
+        applied
+    }
+
+    /// Handles a frame from the peer. The error, if any, says how far its damage reaches;
+    /// on [`crate::Scope::Connection`] the driver must close the connection.
+    pub fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError> {
+        if self.lost {
+            self.out.stats.dropped_frames += 1;
+            return Err(FrameError::frame("frame after the connection was lost"));
+        }
+        let Some(tref) = frame.transfer() else {
+            return Err(FrameError::connection(format!(
+                "{} after the handshake",
+                frame.frame_type()
+            )));
+        };
+        if matches!(frame, Frame::Commit(_) | Frame::Reject(_)) {
+            return Err(FrameError::connection(format!(
+                "{} is sent only by senders",
+                frame.frame_type()
+            )));
+        }
+        let Some(t) = self.transfers.remove(&tref.transfer_id) else {
+            return self.handle_closed_transfer(now, frame, tref);
+        };
+        let mut cx = self.ctx(now);
+        let (next, t, result) = t.on_frame(frame, &mut cx);
+        self.settle(t, next);
+        result
+    }
+
+    /// The transport reports how `pages` page writes of a transfer ended.
+    pub fn handle_write_outcome(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        outcome: WriteOutcome,
+        pages: u32,
+    ) {
+        let Some(mut t) = self.take_current(transfer) else {
+            return;
+        };
+        let state = t.take_state(now);
+        let mut cx = self.ctx(now);
+        let next = match (state, outcome) {
+            (State::Writing(mut w), WriteOutcome::Completed) => {
+                w.completed = w.completed.saturating_add(pages).min(t.admitted.pages());
+                cx.maybe_commit(&t, w)
+            }
+            (State::Writing(w), WriteOutcome::Failed | WriteOutcome::Cancelled) => {
+                let after = AfterDrain::SendAbort(ErrorCode::WRITE_FAILED);
+                let d = cx.drain(&t, w, FailureReason::WriteFailed, after);
+                match d {
+                    Next::Stay(State::Draining(mut d)) => {
+                        d.accounted = d.accounted.saturating_add(pages);
+                        cx.finish_drain(&t, d)
+                    }
+                    other => other,
+                }
+            }
+            (State::Draining(mut d), outcome) => {
+                if outcome == WriteOutcome::Completed {
+                    d.completed = d.completed.saturating_add(pages);
+                }
+                d.accounted = d.accounted.saturating_add(pages);
+                cx.finish_drain(&t, d)
+            }
+            (other, _) => Next::Stay(other),
+        };
+        self.settle(t, next);
+    }
+
+    /// The driver hands back the source digests.
+    pub fn handle_digests(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        digests: TransferDigests,
+    ) {
+        let Some(mut t) = self.take_current(transfer) else {
+            return;
+        };
+        let state = t.take_state(now);
+        let mut cx = self.ctx(now);
+        let next = match state {
+            State::Writing(mut w) => {
+                w.digests = Some(digests);
+                cx.maybe_commit(&t, w)
+            }
+            // Abandoned while the digests were computed: they no longer read the source.
+            State::Draining(mut d) => {
+                d.digest_job = DigestJob::Returned;
+                cx.finish_drain(&t, d)
+            }
+            other => Next::Stay(other),
+        };
+        self.settle(t, next);
+    }
+
+    fn take_current(&mut self, transfer: TransferRef) -> Option<Transfer> {
+        match self.transfers.get(&transfer.transfer_id) {
+            Some(t) if t.transfer.nonce == transfer.nonce => {
+                self.transfers.remove(&transfer.transfer_id)
+            }
+            _ => None,
+        }
+    }
+
+    /// Handles the passage of time.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let (transfers, parked) = (&self.transfers, &self.parked);
+        let expired = self.timers.expired(now, |id| {
+            transfers
+                .get(&id)
+                .and_then(|t| t.state.deadline())
+                .or_else(|| parked.get(&id).map(|p| p.1))
+        });
+        for id in expired {
+            if let Some((r, _)) = self.parked.remove(&id) {
+                self.reject_reservation(
+                    &r,
+                    ErrorCode::UNKNOWN_REQUEST,
+                    "no such request on this sender".into(),
+                );
+                continue;
+            }
+            let Some(mut t) = self.transfers.remove(&id) else {
+                continue;
+            };
+            let state = t.take_state(now);
+            let mut cx = self.ctx(now);
+            let timeout = |waiting_for| FailureReason::Timeout { waiting_for };
+            let next = match state {
+                State::AwaitingReservation(_) => {
+                    Next::Done(Some(cx.failed(&t, timeout(Wait::Reservation))))
+                }
+                State::Writing(w) => cx.drain(
+                    &t,
+                    w,
+                    timeout(Wait::Writes),
+                    AfterDrain::SendAbort(ErrorCode::TIMEOUT),
+                ),
+                State::AwaitingVerdict(_) => cx.abandon_committed(
+                    &t,
+                    timeout(Wait::Verdict),
+                    AfterDrain::SendAbort(ErrorCode::TIMEOUT),
+                ),
+                // The peer never answered our ABORT: report why we abandoned the transfer.
+                State::AwaitingAbortAck(s) => Next::Done(Some(cx.report_failure(&t, s.reason))),
+                other => Next::Stay(other),
+            };
+            self.settle(t, next);
+        }
+    }
+
+    /// The connection is gone: stop every transfer; each fails with
+    /// [`FailureReason::PeerLost`] once its posted writes are drained.
+    pub fn handle_peer_lost(&mut self, now: Instant) {
+        self.lost = true;
+        self.parked.clear();
+        let open = std::mem::take(&mut self.transfers);
+        for (_, mut t) in open {
+            let state = t.take_state(now);
+            let mut cx = self.ctx(now);
+            let next = match state {
+                State::Writing(w) => cx.drain(&t, w, FailureReason::PeerLost, AfterDrain::Nothing),
+                State::Draining(mut d) => {
+                    d.after = AfterDrain::Nothing;
+                    Next::Stay(State::Draining(d))
+                }
+                State::AwaitingAbortAck(s) => Next::Done(Some(cx.report_failure(&t, s.reason))),
+                State::AwaitingReservation(_) | State::AwaitingVerdict(_) => {
+                    Next::Done(Some(cx.failed(&t, FailureReason::PeerLost)))
+                }
+            };
+            self.settle(t, next);
+        }
+        self.out.transmit.clear();
+    }
+
+    /// The next frame to send.
+    pub fn poll_transmit(&mut self) -> Option<Frame> {
+        if self.lost {
+            self.out.transmit.clear();
+        }
+        self.out.transmit.pop_front()
+    }
+
+    /// The next effect for the driver.
+    pub fn poll_action(&mut self) -> Option<SenderAction> {
+        self.out.actions.pop_front()
+    }
+
+    /// The next event for the engine.
+    pub fn poll_event(&mut self) -> Option<SenderEvent> {
+        self.out.events.pop_front()
+    }
+
+    /// When [`SenderSession::handle_timeout`] must next be called.
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        let (transfers, parked) = (&self.transfers, &self.parked);
+        self.timers.next(|id| {
+            transfers
+                .get(&id)
+                .and_then(|t| t.state.deadline())
+                .or_else(|| parked.get(&id).map(|p| p.1))
+        })
+    }
+
+    /// Open transfers.
+    pub fn open_transfers(&self) -> usize {
+        self.transfers.len()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SenderStats {
+        self.out.stats
+    }
+}

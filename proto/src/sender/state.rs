@@ -1,0 +1,88 @@
+//! The states of one sender transfer, one type per state, and what the drain of an
+//! abandoned transfer still waits for.
+
+use std::time::Instant;
+
+use crate::error::FailureReason;
+use crate::wire::{DigestAlgorithm, ErrorCode, TransferDigests};
+
+#[derive(Clone, Debug)]
+pub(super) struct AwaitingReservation {
+    pub(super) deadline: Instant,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Writing {
+    pub(super) deadline: Instant,
+    pub(super) digest: DigestAlgorithm,
+    pub(super) completed: u32,
+    pub(super) digests: Option<TransferDigests>,
+}
+
+/// What follows the drain of an abandoned transfer.
+#[derive(Clone, Debug)]
+pub(super) enum AfterDrain {
+    SendAbort(ErrorCode),
+    SendAbortAck,
+    Nothing,
+}
+
+/// Whether the source digest computation still reads the source pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum DigestJob {
+    Running,
+    Returned,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Draining {
+    pub(super) completed: u32,
+    pub(super) accounted: u32,
+    pub(super) digest_job: DigestJob,
+    pub(super) reason: FailureReason,
+    pub(super) after: AfterDrain,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct AwaitingVerdict {
+    pub(super) deadline: Instant,
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct AwaitingAbortAck {
+    pub(super) deadline: Instant,
+    /// Why the transfer was abandoned; reported when the abort resolves, unless the receiver
+    /// answers VERIFIED (it had delivered before our ABORT arrived).
+    pub(super) reason: FailureReason,
+}
+
+#[derive(Clone, Debug)]
+pub(super) enum State {
+    AwaitingReservation(AwaitingReservation),
+    Writing(Writing),
+    Draining(Draining),
+    AwaitingVerdict(AwaitingVerdict),
+    AwaitingAbortAck(AwaitingAbortAck),
+}
+
+impl State {
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            Self::AwaitingReservation(_) => "AwaitingReservation",
+            Self::Writing(_) => "Writing",
+            Self::Draining(_) => "Draining",
+            Self::AwaitingVerdict(_) => "AwaitingVerdict",
+            Self::AwaitingAbortAck(_) => "AwaitingAbortAck",
+        }
+    }
+
+    pub(super) fn deadline(&self) -> Option<Instant> {
+        match self {
+            Self::AwaitingReservation(s) => Some(s.deadline),
+            Self::Writing(s) => Some(s.deadline),
+            Self::AwaitingVerdict(s) => Some(s.deadline),
+            Self::AwaitingAbortAck(s) => Some(s.deadline),
+            Self::Draining(_) => None,
+        }
+    }
+}

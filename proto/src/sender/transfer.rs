@@ -1,0 +1,438 @@
+//! One sender transfer and its transitions: the frames it accepts in each state, and the
+//! helpers that drain, commit, release the source and report the outcome.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::state::{
+    AfterDrain, AwaitingAbortAck, AwaitingReservation, AwaitingVerdict, DigestJob, Draining, State,
+    Writing,
+};
+use super::{PageWrite, SenderAction, SenderConfig, SenderEvent, SenderStats};
+use crate::admission::Admitted;
+use crate::error::{unexpected, FailureReason};
+use crate::scope::FrameError;
+use crate::wire::{
+    Abort, Commit, DigestAlgorithm, ErrorCode, Frame, FrameType, Reject, Reserve, TransferRef,
+    NONE_INDEX,
+};
+
+#[derive(Debug)]
+pub(super) struct Transfer {
+    pub(super) admitted: Admitted,
+    pub(super) source: Vec<u32>,
+    /// Nonce 0 until a reservation is accepted.
+    pub(super) transfer: TransferRef,
+    pub(super) state: State,
+}
+
+impl Clone for Transfer {
+    fn clone(&self) -> Self {
+        Self {
+            admitted: self.admitted.duplicate(),
+            source: self.source.clone(),
+            transfer: self.transfer,
+            state: self.state.clone(),
+        }
+    }
+}
+
+pub(super) enum Next {
+    Stay(State),
+    Done(Option<(ErrorCode, String)>),
+}
+
+#[derive(Clone, Debug, Default)]
+pub(super) struct Out {
+    pub(super) transmit: VecDeque<Frame>,
+    pub(super) actions: VecDeque<SenderAction>,
+    pub(super) events: VecDeque<SenderEvent>,
+    pub(super) stats: SenderStats,
+}
+
+pub(super) struct Ctx<'a> {
+    pub(super) out: &'a mut Out,
+    pub(super) config: &'a SenderConfig,
+    pub(super) digests: &'a [DigestAlgorithm],
+    pub(super) bytes_per_page_index: u64,
+    pub(super) buffers: usize,
+    pub(super) now: Instant,
+}
+
+impl Ctx<'_> {
+    /// The transfer is over with a failure: release the source (nothing reads it any more)
+    /// and report the failure.
+    pub(super) fn failed(&mut self, t: &Transfer, reason: FailureReason) -> (ErrorCode, String) {
+        self.release_source(t);
+        self.report_failure(t, reason)
+    }
+
+    /// No transport or digest job reads the source any more: it may be reused.
+    fn release_source(&mut self, t: &Transfer) {
+        self.out
+            .actions
+            .push_back(SenderAction::ReleaseSource(t.transfer.transfer_id));
+    }
+
+    /// Tells the engine the transfer failed.
+    pub(super) fn report_failure(
+        &mut self,
+        t: &Transfer,
+        reason: FailureReason,
+    ) -> (ErrorCode, String) {
+        let r = (reason.code(), reason.to_string());
+        self.out.stats.failed += 1;
+        self.out.events.push_back(SenderEvent::Failed {
+            transfer: t.transfer,
+            reason,
+        });
+        r
+    }
+
+    /// Tells the engine the receiver verified the transfer.
+    fn report_verified(&mut self, t: &Transfer) {
+        self.out.stats.verified += 1;
+        self.out.events.push_back(SenderEvent::Verified(t.transfer));
+    }
+
+    /// Abandons a transfer that may have writes posted and a digest job running: cancel
+    /// unposted writes, then wait for the posted ones and for the digest job.
+    pub(super) fn drain(
+        &mut self,
+        t: &Transfer,
+        w: Writing,
+        reason: FailureReason,
+        after: AfterDrain,
+    ) -> Next {
+        self.out
+            .actions
+            .push_back(SenderAction::CancelWrites(t.transfer));
+        let d = Draining {
+            completed: w.completed,
+            accounted: w.completed,
+            digest_job: if w.digests.is_some() {
+                DigestJob::Returned
+            } else {
+                DigestJob::Running
+            },
+            reason,
+            after,
+        };
+        self.finish_drain(t, d)
+    }
+
+    /// Abandons a committed transfer: every write completed and the digests returned, so
+    /// nothing reads the source any more.
+    pub(super) fn abandon_committed(
+        &mut self,
+        t: &Transfer,
+        reason: FailureReason,
+        after: AfterDrain,
+    ) -> Next {
+        let pages = t.admitted.pages();
+        let d = Draining {
+            completed: pages,
+            accounted: pages,
+            digest_job: DigestJob::Returned,
+            reason,
+            after,
+        };
+        self.finish_drain(t, d)
+    }
+
+    /// If every write is accounted for and no digest job reads the source, finish the
+    /// abandoned transfer (only now may the source pages be released).
+    pub(super) fn finish_drain(&mut self, t: &Transfer, d: Draining) -> Next {
+        if d.accounted < t.admitted.pages() || d.digest_job == DigestJob::Running {
+            return Next::Stay(State::Draining(d));
+        }
+        match d.after {
+            AfterDrain::SendAbort(code) => {
+                // The source is free now; the outcome waits for the abort to resolve: the
+                // receiver may answer VERIFIED if it had already delivered (SPEC §5.3.3).
+                self.release_source(t);
+                self.out.transmit.push_back(Frame::Abort(Abort {
+                    transfer: t.transfer,
+                    code,
+                    completed_pages: d.completed,
+                    detail: d.reason.to_string(),
+                }));
+                Next::Stay(State::AwaitingAbortAck(AwaitingAbortAck {
+                    deadline: self.now + self.config.abort_ack_timeout,
+                    reason: d.reason,
+                }))
+            }
+            AfterDrain::SendAbortAck => {
+                let done = self.failed(t, d.reason);
+                self.out.transmit.push_back(Frame::AbortAck(t.transfer));
+                Next::Done(Some(done))
+            }
+            AfterDrain::Nothing => Next::Done(Some(self.failed(t, d.reason))),
+        }
+    }
+
+    /// Checks a reservation against the admitted request.
+    fn check_reservation(&self, t: &Transfer, r: &Reserve) -> Result<(), (ErrorCode, String)> {
+        if r.nonce == 0 {
+            return Err((ErrorCode::BAD_RESERVATION, "nonce 0 is reserved".into()));
+        }
+        if r.tokens != t.admitted.tokens() {
+            return Err((
+                ErrorCode::TOKEN_COUNT_MISMATCH,
+                format!(
+                    "reservation for {} tokens, request has {}",
+                    r.tokens,
+                    t.admitted.tokens()
+                ),
+            ));
+        }
+        if r.pages.len() as u64 != u64::from(t.admitted.pages()) {
+            return Err((
+                ErrorCode::PAGE_COUNT_MISMATCH,
+                format!(
+                    "reservation of {} pages, request needs {}",
+                    r.pages.len(),
+                    t.admitted.pages()
+                ),
+            ));
+        }
+        if !self.digests.contains(&r.digest) {
+            return Err((
+                ErrorCode::DIGEST_UNSUPPORTED,
+                format!("digest {} not agreed", r.digest),
+            ));
+        }
+        if !crate::wire::commit_fits(self.buffers, r.pages.len(), r.page_digests) {
+            return Err((
+                ErrorCode::BAD_RESERVATION,
+                format!(
+                    "a COMMIT with per-page digests for {} pages would exceed the frame limit",
+                    r.pages.len()
+                ),
+            ));
+        }
+        let mut sorted = r.pages.clone();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err((
+                ErrorCode::BAD_RESERVATION,
+                format!("page {} reserved twice", w[0]),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Commits if every write completed and the digests are ready.
+    pub(super) fn maybe_commit(&mut self, t: &Transfer, w: Writing) -> Next {
+        if w.completed < t.admitted.pages() || w.digests.is_none() {
+            return Next::Stay(State::Writing(w));
+        }
+        let digest = w.digest;
+        let digests = w.digests.unwrap_or_default();
+        let pages = t.admitted.pages();
+        self.out.transmit.push_back(Frame::Commit(Commit {
+            transfer: t.transfer,
+            tokens: t.admitted.tokens(),
+            pages,
+            bytes: u64::from(pages) * self.bytes_per_page_index,
+            digest,
+            buffer_digests: digests.buffers,
+            page_digests: digests.pages,
+        }));
+        Next::Stay(State::AwaitingVerdict(AwaitingVerdict {
+            deadline: self.now + self.config.verdict_timeout,
+        }))
+    }
+}
+
+const SENDER_ACCEPTS: &[FrameType] = &[
+    FrameType::RESERVE,
+    FrameType::VERIFIED,
+    FrameType::NACK,
+    FrameType::ABORT,
+    FrameType::ABORT_ACK,
+];
+
+impl Transfer {
+    /// Takes the state out for a consuming transition. Every caller hands the transfer to
+    /// `settle` afterwards with the next state (or ends it), so the placeholder left here is
+    /// never observed.
+    pub(super) fn take_state(&mut self, now: Instant) -> State {
+        std::mem::replace(
+            &mut self.state,
+            State::AwaitingReservation(AwaitingReservation { deadline: now }),
+        )
+    }
+
+    pub(super) fn on_frame(
+        mut self,
+        frame: Frame,
+        cx: &mut Ctx<'_>,
+    ) -> (Next, Self, Result<(), FrameError>) {
+        let name = self.state.name();
+        let current = self.transfer.nonce;
+        let matches = |t: TransferRef| t.nonce == current || (t.nonce == 0 && current == 0);
+        let state = self.take_state(cx.now);
+        let (next, result) = match (state, frame) {
+            (State::AwaitingReservation(_), Frame::Reserve(r)) => {
+                let reply = |code, detail| {
+                    Frame::Reject(Reject {
+                        transfer: TransferRef {
+                            transfer_id: r.transfer_id,
+                            nonce: r.nonce,
+                        },
+                        code,
+                        detail,
+                    })
+                };
+                match cx.check_reservation(&self, &r) {
+                    Err((code, detail)) => {
+                        cx.out.stats.rejected_reservations += 1;
+                        cx.out.transmit.push_back(reply(code, detail.clone()));
+                        self.transfer.nonce = r.nonce;
+                        let done = cx.failed(
+                            &self,
+                            FailureReason::ReservationRefused {
+                                code,
+                                detail: detail.clone(),
+                            },
+                        );
+                        (Next::Done(Some(done)), Err(FrameError::transfer(detail)))
+                    }
+                    Ok(()) => {
+                        self.transfer.nonce = r.nonce;
+                        let writes = self
+                            .source
+                            .iter()
+                            .zip(&r.pages)
+                            .enumerate()
+                            .map(|(i, (&src_page, &dst_page))| PageWrite {
+                                ordinal: i as u32,
+                                src_page,
+                                dst_page,
+                            })
+                            .collect();
+                        cx.out.actions.push_back(SenderAction::ComputeDigests {
+                            transfer: self.transfer,
+                            algorithm: r.digest,
+                            page_digests: r.page_digests,
+                        });
+                        cx.out.actions.push_back(SenderAction::PostWrites {
+                            transfer: self.transfer,
+                            writes,
+                            access: r.access,
+                        });
+                        let deadline = cx.now + Duration::from_millis(u64::from(r.deadline_ms));
+                        let w = Writing {
+                            deadline,
+                            digest: r.digest,
+                            completed: 0,
+                            digests: None,
+                        };
+                        (Next::Stay(State::Writing(w)), Ok(()))
+                    }
+                }
+            }
+            (state, Frame::Reserve(r)) if r.nonce == current => {
+                // The same reservation again (a duplicated frame): idempotent.
+                cx.out.stats.dropped_frames += 1;
+                (
+                    Next::Stay(state),
+                    Err(FrameError::frame("duplicate RESERVE")),
+                )
+            }
+            (state, Frame::Reserve(r)) => {
+                // A second reservation while one is being served: refuse the newcomer.
+                cx.out.stats.rejected_reservations += 1;
+                cx.out.transmit.push_back(Frame::Reject(Reject {
+                    transfer: TransferRef {
+                        transfer_id: r.transfer_id,
+                        nonce: r.nonce,
+                    },
+                    code: ErrorCode::DUPLICATE_TRANSFER,
+                    detail: format!("transfer already reserved (state {name})"),
+                }));
+                (
+                    Next::Stay(state),
+                    Err(FrameError::frame("second RESERVE for an open transfer")),
+                )
+            }
+            (State::AwaitingVerdict(_), Frame::Verified(t)) if matches(t) => {
+                cx.release_source(&self);
+                cx.report_verified(&self);
+                (Next::Done(None), Ok(()))
+            }
+            (State::AwaitingVerdict(_), Frame::Nack(n)) if matches(n.transfer) => {
+                let opt = |v| (v != NONE_INDEX).then_some(v);
+                let reason = FailureReason::Nacked {
+                    code: n.code,
+                    buffer: opt(n.buffer),
+                    page: opt(n.page),
+                };
+                (Next::Done(Some(cx.failed(&self, reason))), Ok(()))
+            }
+            (State::Writing(w), Frame::Nack(n)) if matches(n.transfer) => {
+                let reason = FailureReason::Nacked {
+                    code: n.code,
+                    buffer: None,
+                    page: None,
+                };
+                (cx.drain(&self, w, reason, AfterDrain::Nothing), Ok(()))
+            }
+            (State::AwaitingAbortAck(s), Frame::AbortAck(t)) if matches(t) => {
+                (Next::Done(Some(cx.report_failure(&self, s.reason))), Ok(()))
+            }
+            (State::AwaitingAbortAck(s), Frame::Abort(a)) if matches(a.transfer) => {
+                // Crossed aborts: the peer's ABORT also ends our wait.
+                cx.out.transmit.push_back(Frame::AbortAck(self.transfer));
+                (Next::Done(Some(cx.report_failure(&self, s.reason))), Ok(()))
+            }
+            (State::AwaitingAbortAck(_), Frame::Verified(t)) if matches(t) => {
+                // The receiver had verified and delivered before our ABORT: both sides agree.
+                cx.report_verified(&self);
+                (Next::Done(None), Ok(()))
+            }
+            (state, Frame::Abort(a)) if matches(a.transfer) || a.transfer.nonce == current => {
+                let reason = FailureReason::PeerAbort {
+                    code: a.code,
+                    completed_pages: a.completed_pages,
+                };
+                let next = match state {
+                    State::Writing(w) => cx.drain(&self, w, reason, AfterDrain::SendAbortAck),
+                    State::Draining(mut d) => {
+                        // Already stopping: acknowledge once drained instead of aborting.
+                        d.after = AfterDrain::SendAbortAck;
+                        Next::Stay(State::Draining(d))
+                    }
+                    _ => {
+                        cx.out.transmit.push_back(Frame::AbortAck(self.transfer));
+                        Next::Done(Some(cx.failed(&self, reason)))
+                    }
+                };
+                (next, Ok(()))
+            }
+            (state @ State::Writing(_), frame @ Frame::Verified(t)) if matches(t) => {
+                let e = unexpected(&frame, name, SENDER_ACCEPTS).to_string();
+                (
+                    Next::Stay(state),
+                    Err(FrameError::connection(format!(
+                        "VERIFIED before COMMIT: {e}"
+                    ))),
+                )
+            }
+            (state, frame) => {
+                cx.out.stats.dropped_frames += 1;
+                let e = if frame.transfer().is_some_and(|t| !matches(t)) {
+                    format!(
+                        "{} for another reservation (stale nonce)",
+                        frame.frame_type()
+                    )
+                } else {
+                    unexpected(&frame, name, SENDER_ACCEPTS).to_string()
+                };
+                (Next::Stay(state), Err(FrameError::frame(e)))
+            }
+        };
+        (next, self, result)
+    }
+}
