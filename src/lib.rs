@@ -6,7 +6,6 @@
 
 pub use kvwire_proto as proto;
 
-pub mod bench;
 pub mod checksum;
 pub mod config;
 pub mod driver;

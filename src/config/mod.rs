@@ -10,7 +10,7 @@ pub mod auth;
 pub mod file;
 mod node;
 
-pub use node::{random_bytes, Auth, NodeConfig};
+pub use node::{random_bytes, Auth, NodeConfig, TransportConfig};
 
 use std::fmt;
 

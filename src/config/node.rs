@@ -47,9 +47,49 @@ pub struct NodeConfig {
     pub digest_offload_bytes: u64,
     /// Peer authentication: a pre-shared key both ends must hold, or explicitly off.
     pub auth: Auth,
-    /// RDMA: RC queue pairs per connection (both ends must agree; transfers take them in
-    /// turn). Ignored by TCP.
-    pub rdma_queue_pairs: u16,
+    /// The transport every connection of this node uses.
+    pub transport: TransportConfig,
+}
+
+/// Which transport a node's connections use. Both ends of a connection must use the same.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransportConfig {
+    /// One TCP connection carries frames and page bytes (the embedded default).
+    #[default]
+    Tcp,
+    /// RDMA RC queue pairs (cargo feature `rdma`): one-sided WRITEs for the page bytes, SENDs
+    /// for the frames, memory windows as the fence; a TCP connection carries the handshake
+    /// and then watches the peer's liveness.
+    Rdma {
+        /// The RDMA device (e.g. `mlx5_0`, `rxe0`); `None` for the first one.
+        device: Option<String>,
+        /// RC queue pairs per connection (both ends must agree; transfers take them in turn).
+        queue_pairs: u16,
+        /// Poll completion queues in a loop instead of sleeping on the completion channel
+        /// (lower latency, one core busy per connection).
+        busy_poll: bool,
+    },
+}
+
+impl TransportConfig {
+    /// RDMA on `device` (or the first device) with one queue pair, waiting on the completion
+    /// channel.
+    pub fn rdma(device: Option<&str>) -> Self {
+        Self::Rdma {
+            device: device.map(str::to_owned),
+            queue_pairs: 1,
+            busy_poll: false,
+        }
+    }
+
+    /// The transport's name, as `kvwire bench` and logs print it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Rdma { .. } => "rdma",
+        }
+    }
 }
 
 /// Whether a node authenticates its peers (SPEC.md §3.11, §4.8). Its `Debug` form never
@@ -137,7 +177,7 @@ impl NodeConfig {
             metrics: None,
             digest_offload_bytes: 8 << 20,
             auth: Auth::ephemeral(),
-            rdma_queue_pairs: 1,
+            transport: TransportConfig::Tcp,
         }
     }
 

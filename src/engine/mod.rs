@@ -35,17 +35,19 @@
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(()) }).unwrap();
 //! ```
 
+mod open;
 mod receiver;
 mod sender;
 
 pub use crate::config::{random_bytes, Auth, NodeConfig};
 
 use kvwire_proto::admission::AdmissionError;
-use kvwire_proto::auth::{AuthError, Opener, Sealer};
+use kvwire_proto::auth::AuthError;
 use kvwire_proto::handshake::HandshakeError;
 use kvwire_proto::wire::Role;
 use kvwire_proto::FailureReason;
 
+pub use open::loopback;
 pub use receiver::{ReceiverConn, ReceiverConnStats, Verified};
 pub use sender::{SenderConn, SenderConnStats};
 
@@ -72,6 +74,10 @@ pub enum EngineError {
     /// The peer sent bytes that are not a frame during the handshake.
     #[error("handshake stream: {0}")]
     Stream(String),
+    /// The transport could not be set up (e.g. no RDMA device, a registration refused, the
+    /// peer's queue pairs unusable, or a transport this build does not include).
+    #[error("transport: {0}")]
+    Transport(String),
 }
 
 impl From<crate::transport::ConnectError> for EngineError {
@@ -135,27 +141,6 @@ impl TransferError {
     }
 }
 
-/// Opens a connection on `stream`: no Nagle delay, the handshake as `role` (client or
-/// server), and the connection's pool over `memory`.
-pub(crate) async fn open(
-    stream: tokio::net::TcpStream,
-    config: &NodeConfig,
-    client: bool,
-    role: Role,
-    memory: crate::memory::KvMemory,
-) -> Result<Opened, EngineError> {
-    let (stream, est, channel) = handshake(stream, config, client, role, Vec::new()).await?;
-    let pool = crate::memory::PagePool::with_memory(config.pool.clone(), memory, config.scrub)?;
-    let (sealer, opener) = channel.split();
-    Ok(Opened {
-        stream,
-        est,
-        pool: std::sync::Arc::new(pool),
-        sealer,
-        opener,
-    })
-}
-
 /// The handshake on a fresh stream as `role` (client or server), with this node's hello
 /// carrying `transport_params`; returns the established session parameters and the
 /// connection's authentication channel.
@@ -195,17 +180,6 @@ pub(crate) async fn handshake(
     )
     .await?;
     Ok((stream, est, channel))
-}
-
-/// A connection after its handshake.
-pub(crate) struct Opened {
-    pub(crate) stream: tokio::net::TcpStream,
-    pub(crate) est: kvwire_proto::handshake::Established,
-    pub(crate) pool: std::sync::Arc<crate::memory::PagePool>,
-    /// Seals the frames this node sends.
-    pub(crate) sealer: Sealer,
-    /// Opens the frames the peer sends.
-    pub(crate) opener: Opener,
 }
 
 /// The failure an engine reports for a transfer the protocol failed: an authentication

@@ -8,16 +8,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvwire_proto::wire::{ErrorCode, Hello, Role, TransferRef};
+use kvwire_proto::wire::{ErrorCode, Hello, TransferRef};
 use kvwire_proto::FailureReason;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{open, transfer_error, EngineError, NodeConfig, TransferError};
+use super::{transfer_error, EngineError, NodeConfig, TransferError};
 use crate::driver::{DigestExecution, ReceiveOutcome, ReceiverDriver, ReserveParams, VerifiedKv};
 use crate::memory::{KvMemory, PagePool, PageRef, PoolError};
 use crate::metrics::{Connection, Metrics};
-use crate::transport::tcp::TcpReceiver;
 use crate::transport::ReceiverTransport;
 
 enum Cmd {
@@ -172,8 +171,8 @@ impl ReceiverConn {
         Self::start_with_memory(stream, config, client, memory).await
     }
 
-    /// Runs the handshake on `stream` and starts the connection's task over KV memory the
-    /// caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
+    /// Runs the handshake on `stream` (over the transport `config.transport` names) and
+    /// starts the connection's task over KV memory the caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
     /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
     pub async fn start_with_memory(
         stream: TcpStream,
@@ -181,9 +180,7 @@ impl ReceiverConn {
         client: bool,
         memory: KvMemory,
     ) -> Result<Self, EngineError> {
-        let o = open(stream, config, client, Role::RECEIVER, memory).await?;
-        let transport = TcpReceiver::new(o.stream, o.sealer, o.opener, o.pool.clone());
-        Self::run(o.est, o.pool, transport, config)
+        super::open::receiver(stream, config, client, memory).await
     }
 
     /// Starts the connection's task: the receiver driver over `transport`.

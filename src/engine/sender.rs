@@ -8,16 +8,15 @@ use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::{AdmissionError, Admitted, Request};
 use kvwire_proto::sender::SenderEvent;
-use kvwire_proto::wire::{ErrorCode, Hello, Role};
+use kvwire_proto::wire::{ErrorCode, Hello};
 use kvwire_proto::FailureReason;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{open, transfer_error, EngineError, NodeConfig, TransferError};
+use super::{transfer_error, EngineError, NodeConfig, TransferError};
 use crate::driver::{DigestExecution, SenderDriver};
 use crate::memory::KvMemory;
 use crate::metrics::Metrics;
-use crate::transport::tcp::TcpSender;
 use crate::transport::SenderTransport;
 
 type Fill = Box<dyn FnMut(u32, usize, &mut [u8]) + Send>;
@@ -101,8 +100,8 @@ impl SenderConn {
         Self::start_with_memory(stream, config, client, memory).await
     }
 
-    /// Runs the handshake on `stream` and starts the connection's task over KV memory the
-    /// caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
+    /// Runs the handshake on `stream` (over the transport `config.transport` names) and
+    /// starts the connection's task over KV memory the caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
     /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
     pub async fn start_with_memory(
         stream: TcpStream,
@@ -110,9 +109,7 @@ impl SenderConn {
         client: bool,
         memory: KvMemory,
     ) -> Result<Self, EngineError> {
-        let o = open(stream, config, client, Role::SENDER, memory).await?;
-        let transport = TcpSender::new(o.stream, o.sealer, o.opener, o.pool.clone());
-        Self::run(o.est, o.pool, transport, config)
+        super::open::sender(stream, config, client, memory).await
     }
 
     /// Starts the connection's task: the sender driver over `transport`.

@@ -82,6 +82,12 @@ pub enum Fault {
         /// The page ordinal.
         ordinal: u32,
     },
+    /// A short transfer from a buggy sender: it writes only the first `pages` pages (the
+    /// rest are reported complete but never sent) and commits counts for those pages alone.
+    ShortTransfer {
+        /// Pages written and committed.
+        pages: u32,
+    },
     /// Every write is reported complete when posted but sent only after the COMMIT: a
     /// notification that overtakes its data.
     CommitBeforeData,
@@ -485,6 +491,22 @@ impl<T: SenderTransport> SenderTransport for FaultySender<T> {
                 return;
             }
             let ord = w.ordinal;
+            if let Some(Fault::ShortTransfer { pages }) = plan
+                .rules
+                .iter()
+                .find(|r| r.applies(id) && matches!(r.fault, Fault::ShortTransfer { .. }))
+                .map(|r| r.fault.clone())
+            {
+                if ord >= pages {
+                    // Not written; reported complete anyway.
+                    self.0.events.push_back(TransportEvent::WritesDone {
+                        transfer,
+                        pages: 1,
+                        ok: true,
+                    });
+                    continue;
+                }
+            }
             let fault = plan.take(id, |f| match f {
                 Fault::DropWrite { ordinal }
                 | Fault::CorruptByte { ordinal, .. }
@@ -605,6 +627,10 @@ impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {
         self.0.inner.abandon_scope(transfer_id);
     }
 
+    fn open_scopes(&self) -> usize {
+        self.0.inner.open_scopes()
+    }
+
     fn fence(&mut self, transfer: TransferRef) -> Fence {
         self.0.inner.fence(transfer)
     }
@@ -620,6 +646,22 @@ fn send_frame<T: Transport>(
 ) {
     if s.crashed {
         return;
+    }
+    if let Frame::Commit(c) = frame {
+        let short = s.plan().take(c.transfer.transfer_id, |f| {
+            matches!(f, Fault::ShortTransfer { .. })
+        });
+        if let Some(Fault::ShortTransfer { pages }) = short {
+            // Counts for what the buggy sender wrote: `pages` pages of the same size.
+            let mut c = c.clone();
+            let tokens_per_page = c.tokens.div_ceil(c.pages.max(1));
+            let bytes_per_page = c.bytes / u64::from(c.pages.max(1));
+            c.tokens = tokens_per_page * pages;
+            c.bytes = bytes_per_page * u64::from(pages);
+            c.pages = pages;
+            let f = Frame::Commit(c);
+            return send_frame(s, now, &f, after);
+        }
     }
     let ty = frame.frame_type();
     let Some(id) = frame.transfer().map(|t| t.transfer_id) else {

@@ -17,10 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use kvwire_proto::handshake::{Established, Handshake};
+use kvwire_proto::handshake::Established;
 use kvwire_proto::receiver::ReceiverConfig;
 use kvwire_proto::sender::{SenderConfig, SenderEvent};
-use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, Hello, Role};
+use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Hello, Role};
 use kvwire_proto::FailureReason;
 
 use super::faults::{FaultPlan, FaultRule, FaultyReceiver, FaultySender, Request, Side};
@@ -147,31 +147,7 @@ pub fn handshake(
     client_hello: Hello,
     server_hello: Hello,
 ) -> Result<(Established, Established), String> {
-    let timeout = Duration::from_secs(5);
-    let mut client = Handshake::client(now, client_hello, timeout);
-    let mut server = Handshake::server(now, server_hello, timeout);
-    let mut outcomes = (None, None);
-    for _ in 0..8 {
-        fn pass(from: &mut Handshake, to: &mut Handshake) -> Result<(), String> {
-            while let Some(f) = from.poll_transmit() {
-                let bytes = f.to_bytes().map_err(|e| e.to_string())?;
-                let (frame, _) = Frame::decode(&bytes).map_err(|e| e.to_string())?;
-                to.handle_frame(frame);
-            }
-            Ok(())
-        }
-        pass(&mut client, &mut server)?;
-        pass(&mut server, &mut client)?;
-        outcomes.0 = outcomes.0.or_else(|| client.poll_outcome());
-        outcomes.1 = outcomes.1.or_else(|| server.poll_outcome());
-        if let (Some(c), Some(s)) = &outcomes {
-            return match (c, s) {
-                (Ok(c), Ok(s)) => Ok((c.clone(), s.clone())),
-                (c, s) => Err(format!("client {c:?}, server {s:?}")),
-            };
-        }
-    }
-    Err("handshake did not finish".into())
+    kvwire_proto::handshake::in_memory(now, client_hello, server_hello).map_err(|e| e.to_string())
 }
 
 const MAX_STEPS: usize = 1_000_000;
@@ -224,11 +200,6 @@ impl Pair {
     /// Whether nothing is in flight on the wire.
     pub fn wire_idle(&self) -> bool {
         self.sender.transport().inner().is_idle()
-    }
-
-    /// Access scopes the receiver's transport has open.
-    pub fn open_scopes(&self) -> usize {
-        self.receiver.transport().inner().open_scopes()
     }
 }
 
@@ -297,6 +268,11 @@ impl<S: SenderTransport, R: ReceiverTransport> Pair<S, R> {
         self.landings.as_ref().map_or_else(Vec::new, |l| {
             l.lock().unwrap_or_else(|p| p.into_inner()).illegal.clone()
         })
+    }
+
+    /// Access scopes the receiver's transport has open.
+    pub fn open_scopes(&self) -> usize {
+        self.receiver.transport().open_scopes()
     }
 
     /// Writes the sender's fault injector holds back for `transfer_id`.
@@ -478,27 +454,38 @@ impl<S: SenderTransport, R: ReceiverTransport> Pair<S, R> {
             let wake = self.next_deadline().map_or(end, |d| d.min(end));
             let sleep = tokio::time::sleep_until(tokio::time::Instant::from_std(wake));
             tokio::pin!(sleep);
-            let progressed = poll_fn(|cx| {
+            // Settled once nothing more happens at once; after progress the next deadline
+            // may have moved (recompute it); otherwise wait for a wake-up or the deadline.
+            enum Next {
+                Settled,
+                Progress,
+                Deadline,
+            }
+            let next = poll_fn(|cx| {
                 self.now = Instant::now();
                 let mut any = false;
                 while self.poll_round(cx) {
                     any = true;
                 }
+                if self.settled() {
+                    return Poll::Ready(Next::Settled);
+                }
                 if any {
-                    return Poll::Ready(true);
+                    return Poll::Ready(Next::Progress);
                 }
                 match sleep.as_mut().poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(false),
+                    Poll::Ready(()) => Poll::Ready(Next::Deadline),
                     Poll::Pending => Poll::Pending,
                 }
             })
             .await;
-            if !progressed {
-                self.now = Instant::now();
-                self.handle_timeouts();
-            }
-            if self.settled() && !progressed {
-                return true;
+            match next {
+                Next::Settled => return true,
+                Next::Progress => {}
+                Next::Deadline => {
+                    self.now = Instant::now();
+                    self.handle_timeouts();
+                }
             }
         }
     }

@@ -175,6 +175,9 @@ pub trait ReceiverTransport: Transport {
     /// The reservation was not made after all: close its scope (no peer ever saw it).
     fn abandon_scope(&mut self, transfer_id: u64);
 
+    /// Access scopes open now (reserved and not fenced), for diagnostics and invariants.
+    fn open_scopes(&self) -> usize;
+
     /// Closes `transfer`'s scope: the fence. After [`Fence::Done`], or once
     /// [`TransportEvent::Fenced`] is reported, no write for it can land any more.
     fn fence(&mut self, transfer: TransferRef) -> Fence;

@@ -10,15 +10,20 @@ use kvwire::driver::ReserveParams;
 use kvwire::proto::admission::{AdmissionError, Request};
 use kvwire::proto::wire::TransferRef;
 use kvwire::testkit::{kv_pattern, Pair};
+use kvwire::transport::{ReceiverTransport, SenderTransport};
 
 /// The receiver reserves for `tokens` (commit deadline 2 s).
-pub fn reserve(pair: &mut Pair, id: u64, tokens: u32) -> TransferRef {
+pub fn reserve<S: SenderTransport, R: ReceiverTransport>(
+    pair: &mut Pair<S, R>,
+    id: u64,
+    tokens: u32,
+) -> TransferRef {
     try_reserve(pair, id, tokens).expect("reserve")
 }
 
 /// As [`reserve`], returning the refusal (e.g. after the connection was lost).
-pub fn try_reserve(
-    pair: &mut Pair,
+pub fn try_reserve<S: SenderTransport, R: ReceiverTransport>(
+    pair: &mut Pair<S, R>,
     id: u64,
     tokens: u32,
 ) -> Result<TransferRef, kvwire::driver::ReceiveError> {
@@ -36,13 +41,17 @@ pub fn try_reserve(
 }
 
 /// The sender admits `tokens` and, if admitted, fills and submits its pages.
-pub fn send(pair: &mut Pair, id: u64, tokens: u64) -> Result<(), AdmissionError> {
+pub fn send<S: SenderTransport, R: ReceiverTransport>(
+    pair: &mut Pair<S, R>,
+    id: u64,
+    tokens: u64,
+) -> Result<(), AdmissionError> {
     try_send(pair, id, tokens).map(|r| r.expect("submit"))
 }
 
 /// As [`send`], also returning a refused start (e.g. after the connection was lost).
-pub fn try_send(
-    pair: &mut Pair,
+pub fn try_send<S: SenderTransport, R: ReceiverTransport>(
+    pair: &mut Pair<S, R>,
     id: u64,
     tokens: u64,
 ) -> Result<Result<(), kvwire::driver::StartError>, AdmissionError> {
@@ -60,7 +69,11 @@ pub fn try_send(
 }
 
 /// Both sides start transfer `id` of `tokens` tokens.
-pub fn transfer(pair: &mut Pair, id: u64, tokens: u32) {
+pub fn transfer<S: SenderTransport, R: ReceiverTransport>(
+    pair: &mut Pair<S, R>,
+    id: u64,
+    tokens: u32,
+) {
     send(pair, id, u64::from(tokens)).expect("admitted");
     reserve(pair, id, tokens);
 }
@@ -70,7 +83,7 @@ pub fn transfer(pair: &mut Pair, id: u64, tokens: u32) {
 /// 2. every page is back in its pool (for the sides that did not crash);
 /// 3. no write landed in a page not leased to its transfer;
 /// 4. no open transfers, no open access scopes, no release before fence.
-pub fn assert_invariants(pair: &Pair) {
+pub fn assert_invariants<S: SenderTransport, R: ReceiverTransport>(pair: &Pair<S, R>) {
     assert!(
         pair.wrong_content.is_empty(),
         "verified transfers with wrong bytes: {:?}",

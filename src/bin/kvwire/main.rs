@@ -5,10 +5,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod bench;
 mod doctor;
 
+use bench::{BenchSpec, BenchTransport, Verify};
 use clap::{Parser, Subcommand, ValueEnum};
-use kvwire::bench::{self, BenchSpec, Verify};
 use kvwire::config::file::ConfigFile;
 
 #[derive(Parser)]
@@ -59,14 +60,16 @@ enum VerifyArg {
 enum TransportArg {
     Tcp,
     Rdma,
+    Loopback,
 }
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// Transport: tcp (the embedded default) or rdma (RC queue pairs on --device; needs a
-    /// build with `--features rdma` and an RDMA device, e.g. SoftRoCE's rxe0). Either runs
-    /// both roles in this process, or one role with --listen/--connect (for rdma, TCP only
-    /// carries the handshake and then watches the peer's liveness).
+    /// Transport: tcp (the embedded default), rdma (RC queue pairs on --device; needs a
+    /// build with `--features rdma` and an RDMA device, e.g. SoftRoCE's rxe0), or loopback
+    /// (both roles in this process over the in-process wire). tcp and rdma run both roles in
+    /// this process, or one role with --listen/--connect (for rdma, TCP only carries the
+    /// handshake and then watches the peer's liveness). One loop runs all three.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportArg,
     /// With --transport rdma: the RDMA device (default: the first one).
@@ -76,6 +79,10 @@ struct BenchArgs {
     /// transfers take them in turn.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     queue_pairs: u16,
+    /// With --transport rdma: poll completion queues in a loop instead of sleeping on the
+    /// completion channel.
+    #[arg(long)]
+    busy_poll: bool,
     /// Two-process mode, decode side: listen here and receive.
     #[arg(long, conflicts_with = "connect")]
     listen: Option<SocketAddr>,
@@ -295,8 +302,20 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         metrics: Some(kvwire::metrics::Metrics::new()),
         on_transfer: None,
         auth,
-        queue_pairs: a.queue_pairs,
+        transport: match a.transport {
+            TransportArg::Tcp => BenchTransport::Tcp,
+            TransportArg::Loopback => BenchTransport::Loopback,
+            TransportArg::Rdma => BenchTransport::Rdma {
+                device: a.device.clone(),
+                queue_pairs: a.queue_pairs,
+                busy_poll: a.busy_poll,
+            },
+        },
     };
+    if a.transport == TransportArg::Loopback && two_process {
+        eprintln!("kvwire bench: --transport loopback runs both roles in this process; it takes no --listen/--connect");
+        return ExitCode::from(2);
+    }
     // A progress bar only when a person watches (stderr is a terminal), never in pipes or CI.
     let mut spec = spec;
     let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
@@ -312,9 +331,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     });
     if let Some(bar) = &bar {
         let b = bar.clone();
-        spec.on_transfer = Some(kvwire::bench::OnTransfer(std::sync::Arc::new(move || {
-            b.inc(1)
-        })));
+        spec.on_transfer = Some(bench::OnTransfer(std::sync::Arc::new(move || b.inc(1))));
     }
     if spec.verify == Verify::None {
         eprintln!("kvwire bench: --verify none: transfers are NOT verified; this mode only measures the integrity tax");
@@ -333,16 +350,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         Some(b) => b.println(format!("kvwire bench: {msg}")),
         None => eprintln!("kvwire bench: {msg}"),
     };
-    let result = if a.transport == TransportArg::Rdma {
-        run_rdma(
-            &spec,
-            a.device.as_deref(),
-            a.listen,
-            a.connect,
-            a.connections,
-            progress,
-        )
-    } else {
+    let result = {
         runtime.block_on(async {
             if let (Some(addr), Some(m)) = (a.metrics_addr, spec.metrics.clone()) {
                 match tokio::net::TcpListener::bind(addr).await {
@@ -393,35 +401,4 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
-}
-
-#[cfg(feature = "rdma")]
-fn run_rdma(
-    spec: &BenchSpec,
-    device: Option<&str>,
-    listen: Option<SocketAddr>,
-    connect: Option<SocketAddr>,
-    connections: u32,
-    progress: impl FnMut(&str),
-) -> Result<bench::Report, String> {
-    match (listen, connect) {
-        (Some(addr), _) => bench::rdma::run_rdma_listen(spec, device, addr, connections, progress),
-        (_, Some(addr)) => bench::rdma::run_rdma_connect(spec, device, addr, progress),
-        _ => bench::rdma::run_rdma(spec, device, progress),
-    }
-}
-
-#[cfg(not(feature = "rdma"))]
-fn run_rdma(
-    _spec: &BenchSpec,
-    _device: Option<&str>,
-    _listen: Option<SocketAddr>,
-    _connect: Option<SocketAddr>,
-    _connections: u32,
-    _progress: impl FnMut(&str),
-) -> Result<bench::Report, String> {
-    Err(
-        "this kvwire was built without RDMA; rebuild with `cargo build --release --features rdma`"
-            .into(),
-    )
 }

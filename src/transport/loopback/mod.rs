@@ -378,6 +378,10 @@ impl ReceiverTransport for LoopbackReceiver {
         self.scopes.close(transfer_id);
     }
 
+    fn open_scopes(&self) -> usize {
+        self.scopes.open_scopes()
+    }
+
     fn fence(&mut self, transfer: TransferRef) -> Fence {
         self.scopes.close(transfer.transfer_id);
         Fence::Done

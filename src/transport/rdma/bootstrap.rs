@@ -1,29 +1,29 @@
 //! Two processes over RDMA: the TCP bootstrap (SPEC.md §9.2).
 //!
-//! The prefill side connects over TCP and both sides run the ordinary handshake (with
-//! authentication when configured); each HELLO's transport parameters carry its queue pair
-//! ([`QpParams`]: QPN, PSN, GID, MTU), so the queue pairs are connected only to a peer that
-//! completed the handshake. After it every control frame is a SEND on the queue pair, sealed
-//! with the connection's channel. The TCP connection stays open as the liveness channel
-//! ([`Liveness`]): when the peer's process dies, its kernel closes the socket, and the
-//! survivor fences and frees everything of that connection at once instead of waiting for
-//! timeouts.
+//! The two nodes meet over TCP and run the ordinary handshake (with authentication when
+//! configured); each HELLO's transport parameters carry its queue pairs ([`QpParams`]: QPN,
+//! PSN, GID, MTU), so the queue pairs are connected only to a peer that completed the
+//! handshake. After it every control frame is a SEND on a queue pair, sealed with that lane
+//! of the connection's channel. The TCP connection stays open as the liveness channel: when
+//! the peer's process dies its kernel closes the socket, and the survivor fences and frees
+//! everything of that connection at once instead of waiting for timeouts.
+//!
+//! The engine runs the handshake itself between [`prepare`] and
+//! [`Prepared::into_sender`] / [`Prepared::into_receiver`].
 
-use std::io::Read;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::Duration;
 
 use kvwire_proto::auth::AuthChannel;
-use kvwire_proto::handshake::{Established, Handshake};
+use kvwire_proto::handshake::Established;
 use kvwire_proto::wire::Role;
 use tokio::net::TcpStream;
 
-use super::driver::{
-    sender_queue_depth, DriverError, RdmaReceiver, RdmaSender, RECEIVER_QUEUE_DEPTH,
-};
+use super::lanes::Lanes;
+use super::receiver::{RdmaReceiver, RECEIVER_QUEUE_DEPTH};
+use super::sender::{sender_queue_depth, RdmaSender};
 use super::verbs::{QpParams, RcLink, RdmaDevice, RdmaError};
-use crate::engine::{EngineError, NodeConfig};
-use crate::memory::{PagePool, PoolError};
+use crate::memory::PagePool;
 
 /// Transport-parameter kind of an RDMA RC queue pair in HELLO.
 pub const PARAMS_RDMA_RC: u16 = 1;
@@ -32,18 +32,12 @@ pub const PARAMS_RDMA_RC: u16 = 1;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BootstrapError {
-    /// The TCP connection or the handshake failed.
-    #[error(transparent)]
-    Engine(#[from] EngineError),
+    /// The bootstrap connection failed.
+    #[error("bootstrap connection: {0}")]
+    Io(#[from] std::io::Error),
     /// A verbs call failed.
     #[error(transparent)]
     Rdma(#[from] RdmaError),
-    /// The driver refused to start.
-    #[error(transparent)]
-    Driver(#[from] DriverError),
-    /// The pool could not be built.
-    #[error(transparent)]
-    Pool(#[from] PoolError),
     /// The peer's HELLO carries no (valid) RDMA queue pair parameters.
     #[error("the peer's HELLO carries no RDMA RC queue pair parameters ({0})")]
     NoRdmaParams(&'static str),
@@ -84,74 +78,156 @@ pub fn decode_params(b: &[u8]) -> Result<Vec<QpParams>, BootstrapError> {
         .collect()
 }
 
-/// The bootstrap TCP connection, kept open after the handshake to learn that the peer died.
-#[derive(Debug)]
-pub struct Liveness {
-    stream: std::net::TcpStream,
+/// The queue pairs of a connection being set up: made before the handshake (their parameters
+/// travel in HELLO), connected after it.
+pub struct Prepared {
+    lanes: Lanes,
+    dev: Arc<RdmaDevice>,
 }
 
-impl Liveness {
-    fn new(stream: TcpStream) -> Result<Self, BootstrapError> {
-        let stream = stream.into_std().map_err(EngineError::from)?;
-        stream.set_nonblocking(true).map_err(EngineError::from)?;
-        Ok(Self { stream })
-    }
-
-    /// Whether the peer closed the connection (or its process died). Never blocks. Nothing
-    /// is sent on it after the ready byte, so any byte is a protocol violation and counts as
-    /// the peer being gone too.
-    pub fn peer_gone(&mut self) -> bool {
-        let mut b = [0u8; 16];
-        match self.stream.read(&mut b) {
-            Ok(0) => true,
-            Ok(_) => {
-                tracing::error!("bytes on the RDMA bootstrap connection after the handshake");
-                true
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => false,
-            Err(_) => true,
-        }
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared")
+            .field("lanes", &self.lanes.lanes.len())
+            .finish_non_exhaustive()
     }
 }
 
-async fn handshake(
-    mut stream: TcpStream,
-    config: &NodeConfig,
+/// Before the handshake: `queue_pairs` RC queue pairs (in INIT) on `dev` for the `role` end
+/// of a connection (a sender's sized for `window` pages of `buffers` buffers in flight), and
+/// the HELLO transport parameters that describe them. Their completions go to a completion
+/// channel registered with the current tokio runtime, unless `busy_poll`.
+pub fn prepare(
+    dev: &Arc<RdmaDevice>,
     role: Role,
-    links: &[RcLink],
-) -> Result<(Established, AuthChannel, TcpStream), BootstrapError> {
-    stream.set_nodelay(true).map_err(EngineError::from)?;
-    let client = role == Role::SENDER;
-    let mut hello = config.hello(role);
-    let params: Vec<QpParams> = links.iter().map(RcLink::params).collect();
-    hello.transport_params = encode_params(&params);
-    let now = Instant::now();
-    let mut hs = if client {
-        Handshake::client(now, hello, config.handshake_timeout)
+    queue_pairs: u16,
+    window: u32,
+    buffers: usize,
+    busy_poll: bool,
+) -> Result<(Prepared, Vec<u8>), BootstrapError> {
+    let depth = if role == Role::SENDER {
+        sender_queue_depth(window, buffers)
     } else {
-        Handshake::server(now, hello, config.handshake_timeout)
+        RECEIVER_QUEUE_DEPTH
     };
-    let mut channel = config.auth.channel(client).map_err(EngineError::from)?;
-    if channel.is_authenticated() {
-        hs = hs.with_confirmation();
+    let events = if busy_poll {
+        None
+    } else {
+        Some(dev.event_channel()?)
+    };
+    let links = (0..queue_pairs.max(1))
+        .map(|_| RcLink::new(dev, depth, events.as_ref()))
+        .collect::<Result<Vec<_>, _>>()?;
+    let lanes = Lanes::new(links, events);
+    let params = encode_params(&lanes.params());
+    Ok((
+        Prepared {
+            lanes,
+            dev: dev.clone(),
+        },
+        params,
+    ))
+}
+
+impl Prepared {
+    /// After the handshake: connects each queue pair to the peer's (from the peer's HELLO
+    /// transport parameters), authenticates each lane with the connection's `channel`, and
+    /// passes the readiness barrier on `stream`, which then stays open as the liveness
+    /// channel.
+    async fn connect(
+        mut self,
+        peer_params: &[u8],
+        channel: AuthChannel,
+        mut stream: TcpStream,
+        timeout: Duration,
+    ) -> Result<(Lanes, Arc<RdmaDevice>), BootstrapError> {
+        let peer = decode_params(peer_params)?;
+        self.lanes.connect(&peer)?;
+        self.lanes.set_auth(channel);
+        ready(&mut stream, timeout).await?;
+        self.lanes.watch(stream);
+        Ok((self.lanes, self.dev))
     }
-    let est = crate::transport::stream::handshake(
-        &mut stream,
-        hs,
-        &mut channel,
-        config.handshake_timeout,
-    )
-    .await
-    .map_err(EngineError::from)?;
-    Ok((est, channel, stream))
+
+    /// Finishes the prefill end, writing out of `pool` (registered on the device here).
+    pub async fn into_sender(
+        self,
+        est: &Established,
+        channel: AuthChannel,
+        stream: TcpStream,
+        pool: &Arc<PagePool>,
+        window: u32,
+        timeout: Duration,
+    ) -> Result<RdmaSender, BootstrapError> {
+        let reg = self.dev.register(pool.memory())?;
+        let page_bytes = pool.geometry().buffer_page_bytes.clone();
+        let (lanes, _) = self
+            .connect(&est.peer.transport_params, channel, stream, timeout)
+            .await?;
+        Ok(RdmaSender::new(lanes, reg, page_bytes, window))
+    }
+
+    /// Finishes the decode end, landing in `pool` (registered on the device here).
+    pub async fn into_receiver(
+        self,
+        est: &Established,
+        channel: AuthChannel,
+        stream: TcpStream,
+        pool: &Arc<PagePool>,
+        timeout: Duration,
+    ) -> Result<RdmaReceiver, BootstrapError> {
+        let reg = self.dev.register(pool.memory())?;
+        let page_bytes = pool.geometry().buffer_page_bytes.clone();
+        let (lanes, dev) = self
+            .connect(&est.peer.transport_params, channel, stream, timeout)
+            .await?;
+        Ok(RdmaReceiver::new(lanes, dev, reg, page_bytes))
+    }
+}
+
+/// Both ends of one connection in this process, on one device (what `ib_write_bw` does with
+/// a server and a client on one host): the sender writes from `source` into `dest` over
+/// `queue_pairs` queue pairs connected to each other directly, with no bootstrap connection
+/// (so no liveness channel). Frames are unauthenticated (nothing leaves the host). Needs a
+/// tokio runtime unless `busy_poll`.
+pub fn in_process(
+    dev: &Arc<RdmaDevice>,
+    source: &Arc<PagePool>,
+    dest: &Arc<PagePool>,
+    queue_pairs: u16,
+    window: u32,
+    busy_poll: bool,
+) -> Result<(RdmaSender, RdmaReceiver), BootstrapError> {
+    let buffers = source.buffers();
+    let (s, _) = prepare(dev, Role::SENDER, queue_pairs, window, buffers, busy_poll)?;
+    let (r, _) = prepare(dev, Role::RECEIVER, queue_pairs, window, buffers, busy_poll)?;
+    let (mut s_lanes, mut r_lanes) = (s.lanes, r.lanes);
+    let (sp, rp) = (s_lanes.params(), r_lanes.params());
+    s_lanes.connect(&rp)?;
+    r_lanes.connect(&sp)?;
+    let s_reg = dev.register(source.memory())?;
+    let r_reg = dev.register(dest.memory())?;
+    Ok((
+        RdmaSender::new(
+            s_lanes,
+            s_reg,
+            source.geometry().buffer_page_bytes.clone(),
+            window,
+        ),
+        RdmaReceiver::new(
+            r_lanes,
+            dev.clone(),
+            r_reg,
+            dest.geometry().buffer_page_bytes.clone(),
+        ),
+    ))
 }
 
 /// The readiness barrier: this side's queue pairs are connected (RTR, RTS); say so with one
 /// byte `R` and wait for the peer's. Without it a SEND can reach a peer queue pair that is
 /// not yet ready to receive, and the sender's queue pair fails after its retries (seen on rxe
 /// when one side registers its memory more slowly than the other).
-async fn ready(mut stream: TcpStream, config: &NodeConfig) -> Result<TcpStream, BootstrapError> {
+async fn ready(stream: &mut TcpStream, timeout: Duration) -> Result<(), BootstrapError> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let barrier = async {
         stream.write_all(&[READY]).await?;
@@ -160,80 +236,22 @@ async fn ready(mut stream: TcpStream, config: &NodeConfig) -> Result<TcpStream, 
         stream.read_exact(&mut b).await?;
         Ok::<u8, std::io::Error>(b[0])
     };
-    match tokio::time::timeout(config.handshake_timeout, barrier).await {
-        Ok(Ok(READY)) => Ok(stream),
+    match tokio::time::timeout(timeout, barrier).await {
+        Ok(Ok(READY)) => Ok(()),
         Ok(Ok(_)) => Err(BootstrapError::NoRdmaParams(
             "the peer sent something else than READY",
         )),
-        Ok(Err(e)) => Err(EngineError::from(e).into()),
-        Err(_) => Err(EngineError::from(std::io::Error::new(
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Err(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             "the peer's queue pairs did not become ready",
-        ))
+        )
         .into()),
     }
 }
 
 /// The readiness byte (SPEC.md §9.2).
 pub const READY: u8 = b'R';
-
-/// The prefill side: handshake on `stream` (connected to the decode side), then its
-/// `config.rdma_queue_pairs` queue pairs connected to the peer's.
-pub async fn sender(
-    stream: TcpStream,
-    dev: &Arc<RdmaDevice>,
-    config: &NodeConfig,
-) -> Result<(RdmaSender, Liveness), BootstrapError> {
-    let depth = sender_queue_depth(config.window, config.pool.buffers());
-    let links = (0..config.rdma_queue_pairs.max(1))
-        .map(|_| RcLink::new(dev, depth))
-        .collect::<Result<Vec<_>, _>>()?;
-    let (est, channel, stream) = handshake(stream, config, Role::SENDER, &links).await?;
-    let peer = decode_params(&est.peer.transport_params)?;
-    let pool = PagePool::new(config.pool.clone(), config.scrub)?;
-    let mut s = RdmaSender::with_links(
-        links,
-        dev,
-        &est,
-        pool,
-        &config.engine,
-        config.sender.clone(),
-        config.window,
-    )?;
-    s.connect(&peer)?;
-    s.set_auth(channel);
-    s.endpoint().set_digest_mode(config.digest_mode);
-    let stream = ready(stream, config).await?;
-    Ok((s, Liveness::new(stream)?))
-}
-
-/// The decode side: handshake on an accepted `stream`, then its `config.rdma_queue_pairs`
-/// queue pairs connected to the peer's.
-pub async fn receiver(
-    stream: TcpStream,
-    dev: &Arc<RdmaDevice>,
-    config: &NodeConfig,
-) -> Result<(RdmaReceiver, Liveness), BootstrapError> {
-    let links = (0..config.rdma_queue_pairs.max(1))
-        .map(|_| RcLink::new(dev, RECEIVER_QUEUE_DEPTH))
-        .collect::<Result<Vec<_>, _>>()?;
-    let (est, channel, stream) = handshake(stream, config, Role::RECEIVER, &links).await?;
-    let peer = decode_params(&est.peer.transport_params)?;
-    let pool = PagePool::new(config.pool.clone(), config.scrub)?;
-    let mut r = RdmaReceiver::with_links(
-        links,
-        Arc::clone(dev),
-        &est,
-        pool,
-        &config.engine,
-        config.receiver.clone(),
-    )?;
-    r.connect(&peer)?;
-    r.set_auth(channel);
-    r.endpoint().set_digest_mode(config.digest_mode);
-    let stream = ready(stream, config).await?;
-    Ok((r, Liveness::new(stream)?))
-}
 
 #[cfg(test)]
 mod tests {

@@ -1,39 +1,61 @@
 //! The RDMA transport over verbs (feature `rdma`, through `sideway`).
 //!
 //! [`descriptor`] (always built) encodes the access descriptor a reservation carries over
-//! RDMA; the rest needs the `rdma` feature: [`verbs`] wraps the device, registration, memory
-//! windows and RC queue pairs, and [`driver`] runs the protocol's endpoints over them.
+//! RDMA. The rest needs the `rdma` feature: [`verbs`] wraps the device, registration, memory
+//! windows, RC queue pairs and their completion channel; [`RdmaSender`] and [`RdmaReceiver`]
+//! are the two ends of a connection, implementing the transport seam
+//! ([`SenderTransport`](crate::transport::SenderTransport),
+//! [`ReceiverTransport`](crate::transport::ReceiverTransport)); [`bootstrap`] sets them up
+//! between two processes over a TCP connection.
+//!
+//! A connection has one or more RC queue pairs ("lanes", SPEC.md §9.2). Everything of one
+//! transfer travels on its lane: the receiver's memory-window binds, then its RESERVE (a
+//! SEND); the sender's WRITEs, then its COMMIT (a SEND), so RC ordering puts the commit after
+//! the data it describes and the reservation after the windows it names. Reservations take
+//! the lanes in turn.
+//!
+//! **Data path.** Page writes are RDMA WRITEs (one per page and buffer) from the sender's
+//! registered pages into the receiver's, batched behind one doorbell per lane per round,
+//! unsignaled except for the last of every [`SIGNAL_EVERY`] pages and of each round (RC
+//! completes in order, so that completion covers the others). Completions are waited for on
+//! the connection's completion channel, registered with tokio (`AsyncFd`): the driver's task
+//! sleeps until the NIC has something, instead of spinning (a busy-poll mode exists).
+//!
+//! **Scope and fence.** The receiver binds one type-2 [`MemoryWindow`] per run of consecutive
+//! reserved pages and per buffer, and RESERVE carries their rkeys. The fence invalidates them;
+//! only when every invalidation has completed is the fence reported. A write with an
+//! invalidated rkey fails at the NIC (a remote access error) and lands nowhere. Devices
+//! without memory windows fall back to the region's rkeys, with a warning and a counter.
+//!
+//! **Failure.** A failed work request or a frame that cannot be opened breaks the link: every
+//! queue pair is reset at once (after which none of its work requests touches memory), every
+//! window deallocated (the fence of every open reservation), every outstanding write
+//! reported failed, and the connection ends with
+//! [`Closed::LinkFailed`](crate::transport::Closed::LinkFailed); its transfers fail with a
+//! retryable reason.
 //!
 //! Ownership encodes teardown order: a [`RegisteredMemory`] holds its memory regions, each of
 //! which holds the protection domain, which holds the device context; an [`RcLink`] holds its
 //! queue pair and completion queue. Dropping in any order is safe.
-//!
-//! Data path: page writes are RDMA WRITEs from the sender's registered pages into the
-//! receiver's, posted in batches behind one doorbell, unsignaled except for the last write of
-//! each page (RC completes in order, so that completion covers the page). Control frames are
-//! SENDs on the **same** queue pair, so a COMMIT posted after a transfer's writes is delivered
-//! after they have landed (RC ordering). The receiver keeps RECVs posted.
-//!
-//! Fencing: the receiver binds type-2 [`MemoryWindow`]s over a reservation's pages (on its own
-//! queue pair) and hands their rkeys to the sender; [`RcLink::invalidate`] is the fence. Once
-//! the invalidation completes, a write with that rkey fails at the NIC with a remote access
-//! error and lands nowhere (on rxe the sender's queue pair then goes to the error state).
-//! [`RcLink::recover`] rebuilds a queue pair after such an error; windows bound before the
-//! reset must be replaced by freshly allocated ones (rxe refuses to rebind them).
-//!
-//! Not yet here: several QPs per peer, and a tokio driver (the drivers here are synchronous
-//! and polled).
 
 #[cfg(feature = "rdma")]
 pub mod bootstrap;
 pub mod descriptor;
 #[cfg(feature = "rdma")]
-pub mod driver;
+mod lanes;
+#[cfg(feature = "rdma")]
+mod receiver;
+#[cfg(feature = "rdma")]
+mod sender;
 #[cfg(feature = "rdma")]
 pub mod verbs;
 
 #[cfg(feature = "rdma")]
+pub use receiver::{RdmaReceiver, RdmaReceiverStats, RECEIVER_QUEUE_DEPTH};
+#[cfg(feature = "rdma")]
+pub use sender::{sender_queue_depth, RdmaSender, RdmaSenderStats, SIGNAL_EVERY};
+#[cfg(feature = "rdma")]
 pub use verbs::{
-    MemoryWindow, QpParams, RcLink, RdmaDevice, RdmaError, RdmaEvent, RdmaWrite, RegisteredMemory,
-    SLOT,
+    EventChannel, MemoryWindow, QpParams, RcLink, RdmaDevice, RdmaError, RdmaEvent, RdmaWrite,
+    RegisteredMemory, SLOT,
 };

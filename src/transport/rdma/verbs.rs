@@ -5,7 +5,12 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
-use sideway::ibverbs::completion::{BasicCompletionQueue, GenericCompletionQueue};
+use std::os::fd::{AsRawFd, RawFd};
+use std::task::{Context, Poll};
+
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue, GenericCompletionQueue,
+};
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, Mtu};
 use sideway::ibverbs::memory_region::MemoryRegion;
@@ -15,6 +20,7 @@ use sideway::ibverbs::queue_pair::{
     SendOperationFlags, SetScatterGatherEntry, WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
+use tokio::io::unix::AsyncFd;
 
 use crate::memory::KvMemory;
 
@@ -235,6 +241,11 @@ pub struct MemoryWindow {
     _pd: Arc<ProtectionDomain>,
 }
 
+// SAFETY: an `ibv_mw` is a handle libibverbs lets any thread use (its verbs are thread-safe);
+// the window is owned by one value, which may move to another thread (the connection's task
+// can be moved between tokio workers); it is never shared.
+unsafe impl Send for MemoryWindow {}
+
 impl Drop for MemoryWindow {
     fn drop(&mut self) {
         // SAFETY: allocated by ibv_alloc_mw and freed once, before its PD (held by `_pd`).
@@ -292,6 +303,94 @@ fn path_mtu(local: u32, peer: u32) -> Option<Mtu> {
         4096 => Mtu::Mtu4096,
         _ => return None,
     })
+}
+
+/// The completion channel of one connection's queue pairs, registered with tokio: a driver
+/// waits on its file descriptor instead of spinning (`AsyncFd`), after arming each queue
+/// pair's completion queue ([`RcLink::arm`]).
+pub struct EventChannel {
+    // Declared first: deregistered from the reactor before the channel is destroyed (the
+    // completion queues hold the channel too, so it outlives them).
+    fd: AsyncFd<ChannelFd>,
+    channel: Arc<CompletionChannel>,
+}
+
+/// The raw descriptor of a completion channel, for tokio's reactor.
+struct ChannelFd(RawFd);
+
+impl AsRawFd for ChannelFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+impl std::fmt::Debug for EventChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventChannel")
+            .field("fd", &self.fd.get_ref().0)
+            .finish()
+    }
+}
+
+impl EventChannel {
+    /// A non-blocking completion channel on `dev`, registered with the current tokio runtime.
+    pub fn new(dev: &RdmaDevice) -> Result<Self, RdmaError> {
+        let channel = CompletionChannel::new(&dev.ctx).map_err(verbs("ibv_create_comp_channel"))?;
+        channel
+            .set_nonblocking(true)
+            .map_err(verbs("fcntl(O_NONBLOCK)"))?;
+        let fd = AsyncFd::new(ChannelFd(channel.as_raw_fd())).map_err(verbs("AsyncFd::new"))?;
+        Ok(Self { fd, channel })
+    }
+
+    /// Waits until the channel has events, takes and acknowledges them all. `Ready` means
+    /// some completion queue has completions to poll (and must be armed again).
+    pub fn poll_events(&self, cx: &mut Context<'_>) -> Poll<Result<(), RdmaError>> {
+        loop {
+            let mut guard = match self.fd.poll_read_ready(cx) {
+                Poll::Ready(Ok(g)) => g,
+                Poll::Ready(Err(e)) => {
+                    return Poll::Ready(Err(RdmaError::Verbs {
+                        call: "poll_read_ready",
+                        detail: e.to_string(),
+                    }))
+                }
+                Poll::Pending => return Poll::Pending,
+            };
+            let mut any = false;
+            loop {
+                let mut cq: *mut rdma_mummy_sys::ibv_cq = std::ptr::null_mut();
+                let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+                // SAFETY: the channel is live (held by self); the fd is non-blocking, so this
+                // returns -1 (EAGAIN) when no event is queued instead of blocking.
+                let rc = unsafe {
+                    rdma_mummy_sys::ibv_get_cq_event(
+                        self.channel.comp_channel().as_ptr(),
+                        &mut cq,
+                        &mut ctx,
+                    )
+                };
+                if rc != 0 || cq.is_null() {
+                    break;
+                }
+                any = true;
+                // SAFETY: `cq` is the live CQ the event belongs to (our CQs outlive the
+                // channel's events: every event is acknowledged here, before any CQ drops).
+                unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
+            }
+            if any {
+                return Poll::Ready(Ok(()));
+            }
+            guard.clear_ready();
+        }
+    }
+}
+
+impl RdmaDevice {
+    /// A completion channel for one connection's queue pairs.
+    pub fn event_channel(&self) -> Result<EventChannel, RdmaError> {
+        EventChannel::new(self)
+    }
 }
 
 /// What a peer needs to connect its queue pair to ours (carried in HELLO's transport
@@ -404,11 +503,18 @@ pub struct RcLink {
 }
 
 impl RcLink {
-    /// A queue pair in INIT with its receives posted.
-    pub fn new(dev: &RdmaDevice, max_send: u32) -> Result<Self, RdmaError> {
-        let cq = dev
-            .ctx
-            .create_cq_builder()
+    /// A queue pair in INIT with its receives posted. With `events`, its completion queue
+    /// reports to that channel (see [`RcLink::arm`]); without, it can only be busy-polled.
+    pub fn new(
+        dev: &RdmaDevice,
+        max_send: u32,
+        events: Option<&EventChannel>,
+    ) -> Result<Self, RdmaError> {
+        let mut builder = dev.ctx.create_cq_builder();
+        if let Some(ch) = events {
+            builder.setup_comp_channel(&ch.channel, 0);
+        }
+        let cq = builder
             .setup_cqe(max_send + 2 * RECV_SLOTS as u32 + SEND_SLOTS as u32)
             // A basic CQ (ibv_poll_cq), not an extended one: the rxe provider in rdma-core 44
             // advances the CQ consumer index twice when ibv_next_poll finds the queue empty and
@@ -475,6 +581,21 @@ impl RcLink {
         // SAFETY: the slot lies in the registered `slots` buffer, which outlives the QP.
         unsafe { h.setup_sge(self.slots_mr.lkey(), addr, SLOT as u32) };
         g.post().map_err(verbs("ibv_post_recv"))
+    }
+
+    /// Asks for one event on the completion channel at the next completion: call when a
+    /// poll found nothing, then poll once more (a completion that raced the request is
+    /// there), then wait for the channel.
+    pub fn arm(&self) -> Result<(), RdmaError> {
+        // SAFETY: the CQ is live while `self.cq` is; ibv_req_notify_cq only sets its arm bit.
+        let rc = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr().cast(), 0) };
+        if rc != 0 {
+            return Err(RdmaError::Verbs {
+                call: "ibv_req_notify_cq",
+                detail: std::io::Error::from_raw_os_error(rc).to_string(),
+            });
+        }
+        Ok(())
     }
 
     /// This side's connection parameters.

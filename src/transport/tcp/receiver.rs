@@ -195,6 +195,10 @@ impl ReceiverTransport for TcpReceiver {
         self.scopes.close(transfer_id);
     }
 
+    fn open_scopes(&self) -> usize {
+        self.scopes.open_scopes()
+    }
+
     fn fence(&mut self, transfer: TransferRef) -> Fence {
         // The reader checks the scope before every read into a page: once it is closed, the
         // rest of any record for this transfer goes to scratch.

@@ -1,5 +1,6 @@
-//! `kvwire bench`: verified transfer throughput over TCP, against a raw TCP baseline measured
-//! in the same run.
+//! `kvwire bench`: verified transfer throughput over any transport (TCP, RDMA, in-process
+//! loopback), through the public engine API, one loop for all; over TCP against a raw TCP
+//! baseline measured in the same run.
 //!
 //! Each case (one page size) gets its own connection, since the page geometry is part of
 //! the layout the handshake pins. Source pools are filled once with a body pattern; each
@@ -7,9 +8,6 @@
 //! the sender does no per-byte work per transfer and the receiver can still check every byte
 //! (`--check-bytes`). Every transfer is verified by digest unless `--verify none` is asked
 //! for, which exists only to measure the integrity tax and says so.
-
-#[cfg(feature = "rdma")]
-pub mod rdma;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -23,11 +21,40 @@ use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::checksum::DigestMode;
-use crate::config::EngineConfig;
-use crate::driver::ReserveParams;
-use crate::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
-use crate::memory::PoolGeometry;
+use kvwire::checksum::DigestMode;
+use kvwire::config::{EngineConfig, TransportConfig};
+use kvwire::driver::ReserveParams;
+use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
+use kvwire::memory::PoolGeometry;
+
+/// The transport a bench runs over.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchTransport {
+    /// TCP (the embedded default).
+    Tcp,
+    /// RDMA RC queue pairs.
+    Rdma {
+        /// The device (default: the first one).
+        device: Option<String>,
+        /// Queue pairs per connection.
+        queue_pairs: u16,
+        /// Busy-poll the completion queues.
+        busy_poll: bool,
+    },
+    /// The in-process loopback wire.
+    Loopback,
+}
+
+impl BenchTransport {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Rdma { .. } => "rdma",
+            Self::Loopback => "loopback",
+        }
+    }
+}
 
 /// How transfers are verified.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -64,19 +91,19 @@ pub struct BenchSpec {
     pub digest_offload_bytes: u64,
     /// Where every connection of the run counts transfers, fences and pages.
     #[serde(skip)]
-    pub metrics: Option<Arc<crate::metrics::Metrics>>,
+    pub metrics: Option<Arc<kvwire::metrics::Metrics>>,
     /// Called after every transfer ends (e.g. to advance a progress bar).
     #[serde(skip)]
     pub on_transfer: Option<OnTransfer>,
     /// Peer authentication of every connection (reported as "psk (key id ...)" or "off",
     /// never the key). In one process, an ephemeral key serves both ends.
     #[serde(serialize_with = "serialize_auth")]
-    pub auth: crate::engine::Auth,
-    /// RDMA: RC queue pairs per connection.
-    pub queue_pairs: u16,
+    pub auth: kvwire::engine::Auth,
+    /// The transport.
+    pub transport: BenchTransport,
 }
 
-fn serialize_auth<S: serde::Serializer>(a: &crate::engine::Auth, s: S) -> Result<S::Ok, S::Error> {
+fn serialize_auth<S: serde::Serializer>(a: &kvwire::engine::Auth, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&a.describe())
 }
 
@@ -104,8 +131,8 @@ impl Default for BenchSpec {
             digest_offload_bytes: 8 << 20,
             metrics: None,
             on_transfer: None,
-            auth: crate::engine::Auth::ephemeral(),
-            queue_pairs: 1,
+            auth: kvwire::engine::Auth::ephemeral(),
+            transport: BenchTransport::Tcp,
         }
     }
 }
@@ -157,7 +184,7 @@ pub struct Report {
     /// The spec.
     pub spec: BenchSpec,
     /// The transport.
-    pub transport: &'static str,
+    pub transport: String,
     /// The cases.
     pub cases: Vec<CaseResult>,
     /// The run's counters, in the Prometheus text format (when metrics were on).
@@ -203,7 +230,26 @@ impl BenchSpec {
         c.metrics = self.metrics.clone();
         c.digest_offload_bytes = self.digest_offload_bytes;
         c.auth = self.auth.clone();
-        c.rdma_queue_pairs = self.queue_pairs.max(1);
+        c.transport = match &self.transport {
+            BenchTransport::Tcp | BenchTransport::Loopback => TransportConfig::Tcp,
+            BenchTransport::Rdma {
+                device,
+                queue_pairs,
+                busy_poll,
+            } => {
+                let mut t = TransportConfig::rdma(device.as_deref());
+                if let TransportConfig::Rdma {
+                    queue_pairs: q,
+                    busy_poll: b,
+                    ..
+                } = &mut t
+                {
+                    *q = (*queue_pairs).max(1);
+                    *b = *busy_poll;
+                }
+                t
+            }
+        };
         c
     }
 
@@ -447,33 +493,47 @@ pub async fn run_in_process(
             human_bytes(u64::from(page))
         ));
         let config = spec.node_config(page);
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .map_err(|e| e.to_string())?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
-        let cfg = config.clone();
-        let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
-        let sender = SenderConn::connect(addr, &config)
-            .await
-            .map_err(|e| e.to_string())?;
-        let receiver = accept
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
+        let (sender, receiver) = if spec.transport == BenchTransport::Loopback {
+            kvwire::engine::loopback(&config).map_err(|e| e.to_string())?
+        } else {
+            let listener = TcpListener::bind("127.0.0.1:0")
+                .await
+                .map_err(|e| e.to_string())?;
+            let addr = listener.local_addr().map_err(|e| e.to_string())?;
+            let cfg = config.clone();
+            let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
+            let sender = SenderConn::connect(addr, &config)
+                .await
+                .map_err(|e| e.to_string())?;
+            let receiver = accept
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            (sender, receiver)
+        };
         let case = run_case_pair(spec, page, &sender, &receiver).await;
         let case = with_pool_state(case, &receiver).await;
         drop((sender, receiver));
-        let raw = raw_tcp_baseline(
-            case.bytes.max(1),
-            (u64::from(page) * u64::from(spec.buffers)) as usize,
-        )
-        .await
-        .ok();
+        // The raw baseline is a TCP program: it compares with the TCP transport only (RDMA
+        // is compared with ib_write_bw by scripts/rdma-bench.sh).
+        let raw = if spec.transport == BenchTransport::Tcp {
+            raw_tcp_baseline(
+                case.bytes.max(1),
+                (u64::from(page) * u64::from(spec.buffers)) as usize,
+            )
+            .await
+            .ok()
+        } else {
+            None
+        };
         cases.push(with_baseline(case, raw));
     }
     Ok(Report {
         spec: spec.clone(),
-        transport: "tcp-loopback",
+        transport: match spec.transport {
+            BenchTransport::Tcp => "tcp-loopback".into(),
+            ref t => t.name().into(),
+        },
         metrics: spec.metrics.as_ref().map(|m| m.encode()),
         cases,
     })
@@ -502,7 +562,7 @@ pub async fn run_listen(
         for &page in &spec.page_sizes {
             let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
             let total = spec.transfers(page) * spec.transfer_bytes(page);
-            let raw_gbps = if raw {
+            let raw_gbps = if raw && spec.transport == BenchTransport::Tcp {
                 let (mut s, _) = listener.accept().await.map_err(|e| e.to_string())?;
                 let start = Instant::now();
                 raw_read(&mut s, total, record)
@@ -518,8 +578,9 @@ pub async fn run_listen(
                 .map_err(|e| e.to_string())?;
             let size = human_bytes(u64::from(page));
             progress(&format!(
-                "case {size}: connected to node {}",
-                receiver.peer().node_id
+                "case {size}: connected to node {} over {}",
+                receiver.peer().node_id,
+                spec.transport.name()
             ));
             let case = run_receiver_side(spec, page, &receiver).await;
             progress(&format!(
@@ -534,7 +595,7 @@ pub async fn run_listen(
     }
     Ok(Report {
         spec: spec.clone(),
-        transport: "tcp",
+        transport: spec.transport.name().into(),
         metrics: spec.metrics.as_ref().map(|m| m.encode()),
         cases,
     })
@@ -551,7 +612,7 @@ pub async fn run_connect(
     for &page in &spec.page_sizes {
         let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
         let total = spec.transfers(page) * spec.transfer_bytes(page);
-        let raw_gbps = if raw {
+        let raw_gbps = if raw && spec.transport == BenchTransport::Tcp {
             let mut s = connect_retry(addr).await?;
             let start = Instant::now();
             raw_write(&mut s, total, record)
@@ -566,13 +627,17 @@ pub async fn run_connect(
         let sender = SenderConn::start(stream, &config, true)
             .await
             .map_err(|e| e.to_string())?;
-        progress(&format!("case {}: connected", human_bytes(u64::from(page))));
+        progress(&format!(
+            "case {}: connected over {}",
+            human_bytes(u64::from(page)),
+            spec.transport.name()
+        ));
         let case = run_sender_side(spec, page, &sender).await;
         cases.push(with_baseline(case, raw_gbps));
     }
     Ok(Report {
         spec: spec.clone(),
-        transport: "tcp",
+        transport: spec.transport.name().into(),
         metrics: spec.metrics.as_ref().map(|m| m.encode()),
         cases,
     })

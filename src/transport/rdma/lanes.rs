@@ -1,0 +1,244 @@
+//! Lanes: the queue pairs of one connection, each with its frames' outbox and its lane of
+//! the connection's authentication channel (SPEC.md §3.11.1), and what both ends do with
+//! them: poll their completions, wait on the completion channel, watch the bootstrap
+//! connection, reset them all when one fails.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use kvwire_proto::auth::{AuthChannel, OpenError, Opener, Sealer};
+use kvwire_proto::wire::Frame;
+use tokio::io::{AsyncRead, ReadBuf};
+use tokio::net::TcpStream;
+
+use super::verbs::{EventChannel, QpParams, RcLink, RdmaError, RdmaEvent};
+use crate::transport::Closed;
+
+/// One queue pair of a connection and what travels on it.
+pub(crate) struct Lane {
+    pub(crate) link: RcLink,
+    outbox: VecDeque<Vec<u8>>,
+    sealer: Option<Sealer>,
+    opener: Option<Opener>,
+    /// Send-queue work requests posted and not yet retired by a completion.
+    pub(crate) wrs_in_flight: u32,
+}
+
+impl Lane {
+    pub(crate) fn new(link: RcLink) -> Self {
+        Self {
+            link,
+            outbox: VecDeque::new(),
+            sealer: None,
+            opener: None,
+            wrs_in_flight: 0,
+        }
+    }
+
+    /// Seals (authenticates, when the connection is) and queues a frame for a SEND.
+    pub(crate) fn queue(&mut self, frame: &Frame) {
+        let r = match &mut self.sealer {
+            Some(s) => s.seal_to_vec(frame),
+            None => frame.to_bytes(),
+        };
+        match r {
+            Ok(b) => self.outbox.push_back(b),
+            Err(e) => tracing::error!(error = %e, "frame could not be encoded; dropped"),
+        }
+    }
+
+    /// Opens (checks the tag of, when authenticated) and decodes a received SEND; on failure,
+    /// why the connection must close.
+    pub(crate) fn open(&mut self, bytes: &[u8]) -> Result<Frame, Closed> {
+        let r = match &mut self.opener {
+            Some(o) => o.open(bytes),
+            None => Frame::decode(bytes).map_err(OpenError::Decode),
+        };
+        match r {
+            Ok((f, _)) => Ok(f),
+            Err(OpenError::Auth(e)) => Err(Closed::Unauthentic(e)),
+            Err(e) => Err(Closed::Malformed(e.to_string())),
+        }
+    }
+
+    /// Posts queued frames while send slots are free.
+    pub(crate) fn flush(&mut self) -> Result<(), RdmaError> {
+        while let Some(f) = self.outbox.front() {
+            match self.link.post_frame(f) {
+                Ok(()) => {
+                    self.outbox.pop_front();
+                }
+                Err(RdmaError::SendSlotsBusy) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The queue pairs of one connection, how the driver waits for them, and the bootstrap
+/// connection kept as the liveness channel.
+pub(crate) struct Lanes {
+    pub(crate) lanes: Vec<Lane>,
+    /// The completion channel all lanes report to; `None`: busy polling.
+    events: Option<EventChannel>,
+    /// Whether every lane's completion queue has been armed since the last event.
+    armed: bool,
+    liveness: Option<TcpStream>,
+    scratch: Vec<RdmaEvent>,
+}
+
+impl Lanes {
+    pub(crate) fn new(links: Vec<RcLink>, events: Option<EventChannel>) -> Self {
+        Self {
+            lanes: links.into_iter().map(Lane::new).collect(),
+            events,
+            armed: false,
+            liveness: None,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Keeps the bootstrap connection: its end is the peer's end.
+    pub(crate) fn watch(&mut self, stream: TcpStream) {
+        self.liveness = Some(stream);
+    }
+
+    /// Authenticates the frames of each lane with its lane of the connection's channel.
+    pub(crate) fn set_auth(&mut self, channel: AuthChannel) {
+        let n = self.lanes.len() as u16;
+        for (lane, c) in self.lanes.iter_mut().zip(channel.lanes(n)) {
+            let (s, o) = c.split();
+            lane.sealer = Some(s);
+            lane.opener = Some(o);
+        }
+    }
+
+    /// This side's queue pair parameters, lane 0 first.
+    pub(crate) fn params(&self) -> Vec<QpParams> {
+        self.lanes.iter().map(|l| l.link.params()).collect()
+    }
+
+    /// Connects lane `i` to the peer's lane `i` (the counts must match).
+    pub(crate) fn connect(&mut self, peer: &[QpParams]) -> Result<(), RdmaError> {
+        if peer.len() != self.lanes.len() {
+            return Err(RdmaError::Lanes {
+                local: self.lanes.len(),
+                peer: peer.len(),
+            });
+        }
+        for (l, p) in self.lanes.iter_mut().zip(peer) {
+            l.link.connect(p)?;
+        }
+        Ok(())
+    }
+
+    /// Resets every lane's queue pair: after this none of their work requests touches
+    /// memory any more. Queued frames are dropped.
+    pub(crate) fn reset(&mut self) {
+        for l in &mut self.lanes {
+            if let Err(e) = l.link.recover() {
+                tracing::error!(error = %e, "queue pair reset failed");
+            }
+            l.outbox.clear();
+            l.wrs_in_flight = 0;
+        }
+        self.liveness = None;
+    }
+
+    /// Posts every lane's queued frames.
+    pub(crate) fn flush_frames(&mut self) -> Result<(), RdmaError> {
+        for l in &mut self.lanes {
+            l.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Takes the completions of every lane, `f(lane, event)` for each. Returns whether there
+    /// were any.
+    pub(crate) fn poll_completions(
+        &mut self,
+        mut f: impl FnMut(&mut Lane, usize, RdmaEvent),
+    ) -> Result<bool, RdmaError> {
+        let mut any = false;
+        for i in 0..self.lanes.len() {
+            self.scratch.clear();
+            self.lanes[i].link.poll(&mut self.scratch)?;
+            any |= !self.scratch.is_empty();
+            for e in self.scratch.drain(..) {
+                f(&mut self.lanes[i], i, e);
+            }
+        }
+        if any {
+            self.armed = false;
+        }
+        Ok(any)
+    }
+
+    /// After a poll found nothing: whether the completion queues may have completions again
+    /// (`Ready`: poll them), having armed them and registered `cx` with the completion
+    /// channel. Busy polling wakes the task at once.
+    pub(crate) fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), RdmaError>> {
+        let Some(ch) = &self.events else {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        };
+        if !self.armed {
+            for l in &self.lanes {
+                l.link.arm()?;
+            }
+            self.armed = true;
+            // A completion that came before the arm raised no event: poll once more.
+            return Poll::Ready(Ok(()));
+        }
+        match ch.poll_events(cx) {
+            Poll::Ready(Ok(())) => {
+                self.armed = false;
+                Poll::Ready(Ok(()))
+            }
+            other => other,
+        }
+    }
+
+    /// Whether the peer closed the bootstrap connection (or its process died). Never blocks.
+    /// Nothing is sent on it after the ready byte, so any byte counts as the peer being gone
+    /// too (a protocol violation).
+    pub(crate) fn poll_peer_gone(&mut self, cx: &mut Context<'_>) -> Option<Closed> {
+        let stream = self.liveness.as_mut()?;
+        let mut b = [0u8; 16];
+        let mut buf = ReadBuf::new(&mut b);
+        match Pin::new(stream).poll_read(cx, &mut buf) {
+            Poll::Pending => None,
+            Poll::Ready(Ok(())) if buf.filled().is_empty() => {
+                Some(Closed::PeerGone("the bootstrap connection closed".into()))
+            }
+            Poll::Ready(Ok(())) => Some(Closed::Malformed(
+                "bytes on the RDMA bootstrap connection after the handshake".into(),
+            )),
+            Poll::Ready(Err(e)) => Some(Closed::PeerGone(e.to_string())),
+        }
+    }
+}
+
+/// Remembers which lane each live transfer uses (bounded: the oldest entries go first).
+#[derive(Default)]
+pub(crate) struct LaneMap(BTreeMap<u64, usize>);
+
+impl LaneMap {
+    pub(crate) fn set(&mut self, transfer_id: u64, lane: usize) {
+        if self.0.len() >= 65_536 {
+            self.0.pop_first();
+        }
+        self.0.insert(transfer_id, lane);
+    }
+
+    pub(crate) fn get(&self, transfer_id: u64) -> usize {
+        self.0.get(&transfer_id).copied().unwrap_or(0)
+    }
+
+    /// The lane of a frame: its transfer's, or lane 0 for a frame of no live transfer.
+    pub(crate) fn of(&self, f: &Frame) -> usize {
+        f.transfer().map_or(0, |t| self.get(t.transfer_id))
+    }
+}

@@ -1,0 +1,376 @@
+//! The decode end of an RDMA connection: memory windows bound per reservation (the access
+//! scope) and invalidated as the fence, frames as SENDs.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use kvwire_proto::wire::{Frame, TransferRef, MAX_ACCESS};
+
+use super::descriptor::{encoded_len, page_runs, AccessDescriptor, AccessKind, AccessRun};
+use super::lanes::{LaneMap, Lanes};
+use super::verbs::{MemoryWindow, RdmaDevice, RdmaEvent, RegisteredMemory};
+use crate::transport::{Closed, Fence, ReceiverTransport, ScopeError, Transport, TransportEvent};
+
+/// Send-queue depth of each of a receiver's queue pairs (binds, invalidations, frames).
+pub const RECEIVER_QUEUE_DEPTH: u32 = 4096;
+
+/// Marks bind work requests, whose completions need no action.
+const TAG_BIND: u64 = 1 << 40;
+
+/// Counters of an RDMA receiver.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RdmaReceiverStats {
+    /// Memory windows bound.
+    pub binds: u64,
+    /// Memory windows invalidated (fences at the NIC).
+    pub invalidations: u64,
+    /// Reservations scoped by the region's rkeys because the device has no memory windows.
+    pub region_fallbacks: u64,
+    /// Total time from posting a transfer's invalidations to the last completing.
+    pub fence_time: Duration,
+    /// Times the link broke.
+    pub link_failures: u64,
+}
+
+/// A fence in progress: the invalidations not yet completed.
+struct Fencing {
+    transfer: TransferRef,
+    remaining: usize,
+    windows: Vec<MemoryWindow>,
+    since: Instant,
+}
+
+/// The decode end of an RDMA connection: one or more RC queue pairs (lanes) over the
+/// registered destination memory.
+pub struct RdmaReceiver {
+    lanes: Lanes,
+    lane_of: LaneMap,
+    next_lane: usize,
+    dev: Arc<RdmaDevice>,
+    reg: RegisteredMemory,
+    page_bytes: Vec<u32>,
+    kind: AccessKind,
+    /// Windows of open scopes, per transfer id.
+    bound: BTreeMap<u64, Vec<MemoryWindow>>,
+    fencing: BTreeMap<u64, Fencing>,
+    /// Invalidation work request → transfer id.
+    fence_wrs: BTreeMap<u64, u64>,
+    next_wr: u64,
+    events: VecDeque<TransportEvent>,
+    closed: bool,
+    stats: RdmaReceiverStats,
+}
+
+impl std::fmt::Debug for RdmaReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaReceiver")
+            .field("lanes", &self.lanes.lanes.len())
+            .field("kind", &self.kind)
+            .field("closed", &self.closed)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RdmaReceiver {
+    /// The decode end over connected `lanes` (each made with [`RECEIVER_QUEUE_DEPTH`]),
+    /// landing in `reg` (the destination pool's memory registered on `dev`). Checks for
+    /// memory windows, falling back to the region's rkeys with a loud warning.
+    pub(crate) fn new(
+        lanes: Lanes,
+        dev: Arc<RdmaDevice>,
+        reg: RegisteredMemory,
+        page_bytes: Vec<u32>,
+    ) -> Self {
+        let kind = match dev.alloc_window() {
+            Ok(w) => {
+                drop(w);
+                AccessKind::WINDOWS
+            }
+            Err(e) => {
+                tracing::warn!(device = %dev.name, error = %e,
+                    "NO MEMORY WINDOWS: reservations use the region's rkeys; a late write after a fence can still land (the protocol's fence holds, the NIC's does not)");
+                AccessKind::REGION
+            }
+        };
+        Self {
+            lanes,
+            lane_of: LaneMap::default(),
+            next_lane: 0,
+            dev,
+            reg,
+            page_bytes,
+            kind,
+            bound: BTreeMap::new(),
+            fencing: BTreeMap::new(),
+            fence_wrs: BTreeMap::new(),
+            next_wr: 1,
+            events: VecDeque::new(),
+            closed: false,
+            stats: RdmaReceiverStats::default(),
+        }
+    }
+
+    /// How access is scoped on this device.
+    pub fn access_kind(&self) -> AccessKind {
+        self.kind
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> RdmaReceiverStats {
+        self.stats
+    }
+
+    /// Binds one window per run of `pages` and per buffer on `lane`; the descriptor.
+    fn bind(
+        &mut self,
+        lane: usize,
+        pages: &[u32],
+        windows: &mut Vec<MemoryWindow>,
+    ) -> Result<Vec<u8>, String> {
+        let runs = page_runs(pages);
+        let b = self.page_bytes.len();
+        if encoded_len(b, runs.len()) > MAX_ACCESS {
+            return Err(format!(
+                "{} runs of pages do not fit one access descriptor",
+                runs.len()
+            ));
+        }
+        let base = (0..b).map(|i| self.reg.addr(i, 0)).collect();
+        let mut out = Vec::with_capacity(runs.len());
+        for (first, n) in runs {
+            let mut rkeys = Vec::with_capacity(b);
+            for (i, &bytes) in self.page_bytes.iter().enumerate() {
+                if self.kind == AccessKind::REGION {
+                    rkeys.push(self.reg.rkey(i));
+                    continue;
+                }
+                let mut w = self.dev.alloc_window().map_err(|e| e.to_string())?;
+                let id = TAG_BIND | self.next_wr;
+                self.next_wr += 1;
+                let rkey = self.lanes.lanes[lane]
+                    .link
+                    .bind_window(
+                        &mut w,
+                        &self.reg,
+                        i,
+                        u64::from(first) * u64::from(bytes),
+                        u64::from(n) * u64::from(bytes),
+                        id,
+                    )
+                    .map_err(|e| e.to_string())?;
+                self.stats.binds += 1;
+                rkeys.push(rkey);
+                windows.push(w);
+            }
+            out.push(AccessRun {
+                first_page: first,
+                pages: n,
+                rkeys,
+            });
+        }
+        AccessDescriptor {
+            kind: self.kind,
+            base,
+            runs: out,
+        }
+        .encode()
+        .map_err(|e| e.to_string())
+    }
+
+    /// A queue pair failed (or the peer is gone): every lane is reset (no remote access
+    /// through them after this) and every window deallocated (the fence of every open
+    /// reservation); fences in progress complete, then the end of the connection.
+    fn fail(&mut self, why: Closed) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        if matches!(why, Closed::LinkFailed(_)) {
+            self.stats.link_failures += 1;
+        }
+        self.lanes.reset();
+        // Deallocating a window invalidates it: no write through it can land any more.
+        self.bound.clear();
+        self.fence_wrs.clear();
+        for (_, f) in std::mem::take(&mut self.fencing) {
+            drop(f.windows);
+            self.events.push_back(TransportEvent::Fenced(f.transfer));
+        }
+        self.events.push_back(TransportEvent::Closed(why));
+    }
+}
+
+impl Transport for RdmaReceiver {
+    fn send_frame(&mut self, _now: Instant, frame: &Frame) {
+        if self.closed {
+            return;
+        }
+        let lane = self.lane_of.of(frame);
+        self.lanes.lanes[lane].queue(frame);
+    }
+
+    fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {
+        loop {
+            if let Some(e) = self.events.pop_front() {
+                return Poll::Ready(e);
+            }
+            if self.closed {
+                return Poll::Pending;
+            }
+            if let Err(e) = self.lanes.flush_frames() {
+                self.fail(Closed::LinkFailed(e.to_string()));
+                continue;
+            }
+            let mut broken: Option<Closed> = None;
+            let mut fenced: Vec<u64> = Vec::new();
+            let mut frames: Vec<Frame> = Vec::new();
+            let fence_wrs = &mut self.fence_wrs;
+            let polled = self.lanes.poll_completions(|lane, i, e| match e {
+                RdmaEvent::Frame(bytes) => match lane.open(&bytes) {
+                    Ok(f) => frames.push(f),
+                    Err(why) => {
+                        broken.get_or_insert(why);
+                    }
+                },
+                RdmaEvent::LocalDone { wr_id, ok } => {
+                    if !ok {
+                        broken.get_or_insert(Closed::LinkFailed(format!(
+                            "a memory window bind or invalidation on lane {i} failed"
+                        )));
+                        return;
+                    }
+                    if let Some(tid) = fence_wrs.remove(&wr_id) {
+                        fenced.push(tid);
+                    }
+                }
+                RdmaEvent::SendFailed(status) => {
+                    broken.get_or_insert(Closed::LinkFailed(format!(
+                        "a SEND on lane {i} failed with status {status}"
+                    )));
+                }
+                RdmaEvent::WriteDone { .. } => {}
+            });
+            let polled = match polled {
+                Ok(p) => p,
+                Err(e) => {
+                    self.fail(Closed::LinkFailed(e.to_string()));
+                    continue;
+                }
+            };
+            for tid in fenced {
+                let done = self.fencing.get_mut(&tid).is_some_and(|f| {
+                    f.remaining -= 1;
+                    f.remaining == 0
+                });
+                if done {
+                    if let Some(f) = self.fencing.remove(&tid) {
+                        self.stats.fence_time += now.saturating_duration_since(f.since);
+                        // Deallocated, not reused: rxe refuses to rebind an invalidated type-2
+                        // window (seen on rdma-core 44 / Linux 6.1).
+                        drop(f.windows);
+                        self.events.push_back(TransportEvent::Fenced(f.transfer));
+                    }
+                }
+            }
+            self.events
+                .extend(frames.into_iter().map(TransportEvent::Frame));
+            if let Some(why) = broken {
+                self.fail(why);
+                continue;
+            }
+            if let Some(why) = self.lanes.poll_peer_gone(cx) {
+                self.fail(why);
+                continue;
+            }
+            if polled || !self.events.is_empty() {
+                continue;
+            }
+            match self.lanes.poll_wait(cx) {
+                Poll::Ready(Ok(())) => continue,
+                Poll::Ready(Err(e)) => self.fail(Closed::LinkFailed(e.to_string())),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    fn close(&mut self, _now: Instant) {
+        self.fail(Closed::Local);
+    }
+}
+
+impl ReceiverTransport for RdmaReceiver {
+    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError> {
+        if self.closed {
+            return Err(ScopeError("the link is down".into()));
+        }
+        let lane = self.next_lane % self.lanes.lanes.len();
+        let mut windows = Vec::new();
+        // On failure the windows bound so far are dropped: deallocating invalidates them, and
+        // no peer ever saw their rkeys.
+        let access = self.bind(lane, pages, &mut windows).map_err(ScopeError)?;
+        if self.kind == AccessKind::REGION {
+            self.stats.region_fallbacks += 1;
+        }
+        self.next_lane = self.next_lane.wrapping_add(1);
+        self.lane_of.set(transfer_id, lane);
+        self.bound.insert(transfer_id, windows);
+        Ok(access)
+    }
+
+    fn bind_scope(&mut self, _transfer: TransferRef) {}
+
+    fn abandon_scope(&mut self, transfer_id: u64) {
+        self.bound.remove(&transfer_id);
+    }
+
+    fn open_scopes(&self) -> usize {
+        self.bound.len()
+    }
+
+    fn fence(&mut self, transfer: TransferRef) -> Fence {
+        let windows = self.bound.remove(&transfer.transfer_id).unwrap_or_default();
+        if windows.is_empty() || self.closed {
+            // Region rkeys (no windows: only the protocol's fence), or a link already reset
+            // with every window deallocated.
+            return Fence::Done;
+        }
+        let lane = self.lane_of.get(transfer.transfer_id);
+        let mut posted = 0;
+        for w in &windows {
+            let id = self.next_wr;
+            self.next_wr += 1;
+            match self.lanes.lanes[lane].link.invalidate(w.rkey, id) {
+                Ok(()) => {
+                    self.fence_wrs.insert(id, transfer.transfer_id);
+                    posted += 1;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, lane, "invalidate could not be posted");
+                    break;
+                }
+            }
+        }
+        self.stats.invalidations += posted as u64;
+        let all = posted == windows.len();
+        self.fencing.insert(
+            transfer.transfer_id,
+            Fencing {
+                transfer,
+                remaining: posted,
+                windows,
+                since: Instant::now(),
+            },
+        );
+        if !all {
+            // A fence that cannot be posted: tear the link down (SPEC §8.2), which fences.
+            self.fail(Closed::LinkFailed(
+                "an invalidation could not be posted".into(),
+            ));
+        }
+        Fence::Pending
+    }
+}

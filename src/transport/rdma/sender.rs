@@ -1,0 +1,452 @@
+//! The prefill end of an RDMA connection: page writes as RDMA WRITEs out of the registered
+//! source memory, frames as SENDs, on the lane of each transfer.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use kvwire_proto::sender::PageWrite;
+use kvwire_proto::wire::{Frame, TransferRef};
+
+use super::descriptor::AccessDescriptor;
+use super::lanes::{LaneMap, Lanes};
+use super::verbs::{RdmaError, RdmaEvent, RdmaWrite, RegisteredMemory};
+use crate::transport::{Closed, SenderTransport, Transport, TransportEvent};
+
+/// Pages per signaled write: the last write of every `SIGNAL_EVERY`th page (and of every
+/// posting round) asks for a completion; RC completes in order, so it covers the others.
+pub const SIGNAL_EVERY: u32 = 16;
+
+/// Send-queue work requests a sender needs per queue pair for `window` pages of `buffers`
+/// buffers per transfer in flight (the `max_send` of each of its queue pairs).
+pub fn sender_queue_depth(window: u32, buffers: usize) -> u32 {
+    (4 * window.max(1) * buffers as u32).clamp(64, 4096)
+}
+
+/// Counters of an RDMA sender.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RdmaSenderStats {
+    /// Work requests (one per page and buffer) posted.
+    pub writes_posted: u64,
+    /// Signaled writes among them.
+    pub signaled: u64,
+    /// Doorbells (post calls).
+    pub doorbells: u64,
+    /// Page writes refused before posting: the destination is outside the reservation's
+    /// access descriptor, or the descriptor is malformed.
+    pub writes_refused: u64,
+    /// Times the link broke.
+    pub link_failures: u64,
+}
+
+/// A transfer's access descriptor as received (compared by pointer) and as decoded (`Err`
+/// if it was refused).
+type CachedDescriptor = (TransferRef, Arc<[u8]>, Result<Arc<AccessDescriptor>, ()>);
+
+/// A signaled write: the completion that retires `wrs` work requests and `pages` pages.
+struct Signaled {
+    transfer: TransferRef,
+    pages: u32,
+    wrs: u32,
+}
+
+/// The prefill end of an RDMA connection: one or more RC queue pairs (lanes).
+pub struct RdmaSender {
+    lanes: Lanes,
+    lane_of: LaneMap,
+    reg: RegisteredMemory,
+    page_bytes: Vec<u32>,
+    max_wrs: u32,
+    /// Writes not yet posted, per lane, with the group of pages the next signal covers.
+    batches: Vec<Vec<RdmaWrite>>,
+    groups: Vec<Option<(TransferRef, u32)>>,
+    inflight: BTreeMap<u64, Signaled>,
+    next_wr: u64,
+    descriptors: VecDeque<CachedDescriptor>,
+    events: VecDeque<TransportEvent>,
+    closed: bool,
+    stats: RdmaSenderStats,
+}
+
+impl std::fmt::Debug for RdmaSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaSender")
+            .field("lanes", &self.lanes.lanes.len())
+            .field("closed", &self.closed)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RdmaSender {
+    /// The prefill end over connected `lanes` (each made with [`sender_queue_depth`]`(window,
+    /// buffers)`), writing out of `reg` (the source pool's memory registered on the device).
+    pub(crate) fn new(
+        lanes: Lanes,
+        reg: RegisteredMemory,
+        page_bytes: Vec<u32>,
+        window: u32,
+    ) -> Self {
+        let n = lanes.lanes.len();
+        Self {
+            lanes,
+            lane_of: LaneMap::default(),
+            reg,
+            max_wrs: sender_queue_depth(window, page_bytes.len()),
+            page_bytes,
+            batches: vec![Vec::new(); n],
+            groups: vec![None; n],
+            inflight: BTreeMap::new(),
+            next_wr: 1,
+            descriptors: VecDeque::new(),
+            events: VecDeque::new(),
+            closed: false,
+            stats: RdmaSenderStats::default(),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> RdmaSenderStats {
+        self.stats
+    }
+
+    fn descriptor(
+        &mut self,
+        transfer: TransferRef,
+        access: &Arc<[u8]>,
+    ) -> Result<Arc<AccessDescriptor>, ()> {
+        if let Some((_, _, d)) = self
+            .descriptors
+            .iter()
+            .rev() // the transfer being written is almost always among the newest
+            .find(|(t, a, _)| *t == transfer && Arc::ptr_eq(a, access))
+        {
+            return d.clone();
+        }
+        let d = AccessDescriptor::decode(access, self.page_bytes.len())
+            .map(Arc::new)
+            .map_err(|e| {
+                tracing::error!(transfer_id = transfer.transfer_id, error = %e, "access descriptor refused");
+            });
+        if self.descriptors.len() == 256 {
+            self.descriptors.pop_front();
+        }
+        self.descriptors
+            .push_back((transfer, access.clone(), d.clone()));
+        d
+    }
+
+    /// Reports `pages` page writes of `transfer` ended, merged with the previous report of the
+    /// same transfer.
+    fn done(&mut self, transfer: TransferRef, pages: u32, ok: bool) {
+        if pages == 0 {
+            return;
+        }
+        if let Some(TransportEvent::WritesDone {
+            transfer: t,
+            pages: p,
+            ok: o,
+        }) = self.events.back_mut()
+        {
+            if *t == transfer && *o == ok {
+                *p += pages;
+                return;
+            }
+        }
+        self.events.push_back(TransportEvent::WritesDone {
+            transfer,
+            pages,
+            ok,
+        });
+    }
+
+    /// Marks the last write of `lane`'s batch signaled, covering the pages of its group.
+    fn signal(&mut self, lane: usize) {
+        let Some((transfer, pages)) = self.groups[lane].take() else {
+            return;
+        };
+        let batch = &mut self.batches[lane];
+        let unsignaled_before = batch
+            .iter()
+            .rev()
+            .skip(1)
+            .take_while(|w| !w.signaled)
+            .count() as u32;
+        let Some(last) = batch.last_mut() else {
+            return;
+        };
+        let id = self.next_wr;
+        self.next_wr += 1;
+        last.wr_id = id;
+        last.signaled = true;
+        self.stats.signaled += 1;
+        self.inflight.insert(
+            id,
+            Signaled {
+                transfer,
+                pages,
+                wrs: unsignaled_before + 1,
+            },
+        );
+    }
+
+    /// Posts every lane's batch behind one doorbell each.
+    fn post_batches(&mut self) -> Result<(), RdmaError> {
+        for lane in 0..self.batches.len() {
+            self.signal(lane);
+            if self.batches[lane].is_empty() {
+                continue;
+            }
+            let batch = std::mem::take(&mut self.batches[lane]);
+            self.lanes.lanes[lane].link.post_writes(&batch)?;
+            self.stats.doorbells += 1;
+            self.stats.writes_posted += batch.len() as u64;
+            self.lanes.lanes[lane].wrs_in_flight += batch.len() as u32;
+            self.batches[lane] = batch;
+            self.batches[lane].clear();
+        }
+        Ok(())
+    }
+
+    /// A queue pair failed (or the peer is gone): every lane is reset first, so none of their
+    /// writes can still read the source pages; then every write not completed is reported
+    /// failed, then the end of the connection.
+    fn fail(&mut self, why: Closed) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        if matches!(why, Closed::LinkFailed(_)) {
+            self.stats.link_failures += 1;
+        }
+        self.lanes.reset();
+        for (_, s) in std::mem::take(&mut self.inflight) {
+            self.done(s.transfer, s.pages, false);
+        }
+        // Writes batched but never posted: their groups were not signaled yet.
+        for lane in 0..self.batches.len() {
+            self.batches[lane].clear();
+            if let Some((t, pages)) = self.groups[lane].take() {
+                self.done(t, pages, false);
+            }
+        }
+        self.events.push_back(TransportEvent::Closed(why));
+    }
+
+    /// Test-only fault: posts one more write of source page 0 into the first destination
+    /// page of `transfer`'s access descriptor, on its lane, whatever state the transfer is in
+    /// (a sender that keeps writing after the receiver fenced). Returns that page, or `None`
+    /// if no descriptor of `transfer` is known. Its completion is not reported as a page.
+    #[doc(hidden)]
+    pub fn inject_late_write(&mut self, transfer: TransferRef) -> Result<Option<u32>, RdmaError> {
+        let Some(d) = self
+            .descriptors
+            .iter()
+            .find(|(t, _, _)| *t == transfer)
+            .and_then(|(_, _, d)| d.clone().ok())
+        else {
+            return Ok(None);
+        };
+        let Some(page) = d.runs.first().map(|r| r.first_page) else {
+            return Ok(None);
+        };
+        let Ok((rkey, addr)) = d.locate(page, 0, self.page_bytes[0]) else {
+            return Ok(None);
+        };
+        let lane = self.lane_of.get(transfer.transfer_id);
+        let id = self.next_wr;
+        self.next_wr += 1;
+        self.inflight.insert(
+            id,
+            Signaled {
+                transfer,
+                pages: 0,
+                wrs: 1,
+            },
+        );
+        self.lanes.lanes[lane].wrs_in_flight += 1;
+        self.lanes.lanes[lane].link.post_writes(&[RdmaWrite {
+            wr_id: id,
+            local: (self.reg.lkey(0), self.reg.addr(0, 0), self.page_bytes[0]),
+            remote: (rkey, addr),
+            signaled: true,
+        }])?;
+        Ok(Some(page))
+    }
+}
+
+impl Transport for RdmaSender {
+    fn send_frame(&mut self, _now: Instant, frame: &Frame) {
+        if self.closed {
+            return;
+        }
+        let lane = self.lane_of.of(frame);
+        self.lanes.lanes[lane].queue(frame);
+    }
+
+    fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
+        loop {
+            if let Some(e) = self.events.pop_front() {
+                return Poll::Ready(e);
+            }
+            if self.closed {
+                return Poll::Pending;
+            }
+            // Writes first, then frames, so a COMMIT queued with them follows them.
+            if let Err(e) = self.post_batches().and_then(|()| self.lanes.flush_frames()) {
+                self.fail(Closed::LinkFailed(e.to_string()));
+                continue;
+            }
+            let mut broken: Option<Closed> = None;
+            let mut completed: Vec<(TransferRef, u32, bool)> = Vec::new();
+            let mut frames: Vec<Frame> = Vec::new();
+            let (inflight, lane_of) = (&mut self.inflight, &mut self.lane_of);
+            let polled = self.lanes.poll_completions(|lane, i, e| match e {
+                RdmaEvent::WriteDone { wr_id, ok } => {
+                    let Some(s) = inflight.remove(&wr_id) else {
+                        return;
+                    };
+                    lane.wrs_in_flight = lane.wrs_in_flight.saturating_sub(s.wrs);
+                    completed.push((s.transfer, s.pages, ok));
+                    if !ok && broken.is_none() {
+                        broken = Some(Closed::LinkFailed(format!(
+                            "a write on lane {i} completed in error (e.g. a remote access error after the receiver's fence)"
+                        )));
+                    }
+                }
+                RdmaEvent::Frame(bytes) => match lane.open(&bytes) {
+                    Ok(f) => {
+                        if let Frame::Reserve(r) = &f {
+                            // The transfer's writes and COMMIT go back on this lane.
+                            lane_of.set(r.transfer_id, i);
+                        }
+                        frames.push(f);
+                    }
+                    Err(why) => {
+                        broken.get_or_insert(why);
+                    }
+                },
+                RdmaEvent::SendFailed(status) => {
+                    broken.get_or_insert(Closed::LinkFailed(format!(
+                        "a SEND on lane {i} failed with status {status}"
+                    )));
+                }
+                RdmaEvent::LocalDone { .. } => {}
+            });
+            let polled = match polled {
+                Ok(p) => p,
+                Err(e) => {
+                    self.fail(Closed::LinkFailed(e.to_string()));
+                    continue;
+                }
+            };
+            for (t, pages, ok) in completed {
+                self.done(t, pages, ok);
+            }
+            self.events
+                .extend(frames.into_iter().map(TransportEvent::Frame));
+            if let Some(why) = broken {
+                self.fail(why);
+                continue;
+            }
+            if let Some(why) = self.lanes.poll_peer_gone(cx) {
+                self.fail(why);
+                continue;
+            }
+            if polled || !self.events.is_empty() {
+                continue;
+            }
+            match self.lanes.poll_wait(cx) {
+                Poll::Ready(Ok(())) => continue,
+                Poll::Ready(Err(e)) => self.fail(Closed::LinkFailed(e.to_string())),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    fn close(&mut self, _now: Instant) {
+        self.fail(Closed::Local);
+    }
+}
+
+impl SenderTransport for RdmaSender {
+    fn write_credit(&self) -> usize {
+        if self.closed {
+            return 0;
+        }
+        let buffers = self.page_bytes.len().max(1) as u32;
+        self.lanes
+            .lanes
+            .iter()
+            .zip(&self.batches)
+            .map(|(l, b)| {
+                (self
+                    .max_wrs
+                    .saturating_sub(l.wrs_in_flight + b.len() as u32)
+                    / buffers) as usize
+            })
+            .min()
+            .unwrap_or(0)
+    }
+
+    fn post_writes(
+        &mut self,
+        _now: Instant,
+        transfer: TransferRef,
+        access: &Arc<[u8]>,
+        writes: &[PageWrite],
+    ) {
+        if self.closed {
+            self.done(transfer, writes.len() as u32, false);
+            return;
+        }
+        let Ok(d) = self.descriptor(transfer, access) else {
+            self.stats.writes_refused += writes.len() as u64;
+            self.done(transfer, writes.len() as u32, false);
+            return;
+        };
+        let lane = self.lane_of.get(transfer.transfer_id);
+        for w in writes {
+            // Close the lane's previous transfer group with a signaled write.
+            if self.groups[lane].is_some_and(|(t, _)| t != transfer) {
+                self.signal(lane);
+            }
+            // One WRITE per buffer, straight into the batch (no allocation per page); a page
+            // outside the descriptor takes its buffers back out and is refused.
+            let mark = self.batches[lane].len();
+            let mut refused = false;
+            for (b, &bytes) in self.page_bytes.iter().enumerate() {
+                match d.locate(w.dst_page, b, bytes) {
+                    Ok((rkey, addr)) => self.batches[lane].push(RdmaWrite {
+                        wr_id: 0,
+                        local: (
+                            self.reg.lkey(b),
+                            self.reg.addr(b, u64::from(w.src_page) * u64::from(bytes)),
+                            bytes,
+                        ),
+                        remote: (rkey, addr),
+                        signaled: false,
+                    }),
+                    Err(e) => {
+                        tracing::error!(transfer_id = transfer.transfer_id, error = %e, "write refused");
+                        self.batches[lane].truncate(mark);
+                        refused = true;
+                        break;
+                    }
+                }
+            }
+            if refused {
+                self.stats.writes_refused += 1;
+                self.done(transfer, 1, false);
+                continue;
+            }
+            let k = self.groups[lane].map_or(0, |(_, k)| k) + 1;
+            self.groups[lane] = Some((transfer, k));
+            if k == SIGNAL_EVERY {
+                self.signal(lane);
+            }
+        }
+    }
+}
