@@ -220,9 +220,10 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
     // The prefill pool (64 pages, 1024 tokens) is smaller than its context length. The
     // operator overrode the start-up check, so admission is the last line of defence.
     cfg.sender_pool.pages = PREFILL_POOL_PAGES as u32;
-    cfg.sender_engine = EngineConfig {
-        max_context_tokens: 4096,
-        allow_undersized_pool: true,
+    cfg.sender_engine = {
+        let mut c = EngineConfig::new(4096);
+        c.allow_undersized_pool = true;
+        c
     };
     cfg.receiver_pool.pages = DECODE_POOL_PAGES as u32;
     cfg.receiver_engine = EngineConfig::new(4096);

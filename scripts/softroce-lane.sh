@@ -15,9 +15,10 @@ if ((${#need[@]})); then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 cargo clippy --quiet -p kvwire --features rdma --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --features rdma
 # Unit tests of the RDMA code that need no device (queue-pair and transport parameters, MTU).
 cargo test --quiet -p kvwire --features rdma --lib -- transport::rdma
-cargo build --quiet --features rdma --bin kvwire
+cargo build --quiet --features rdma --bin kvwire --example quickstart
 # The RDMA bench is measured with the optimized binary.
 cargo build --quiet --release --features rdma --bin kvwire
 out=target/softroce-bench
@@ -33,6 +34,11 @@ echo '== kvwire doctor --require-rdma'
 target/debug/kvwire doctor --require-rdma
 echo '== RDMA tests (KVWIRE_REQUIRE_RDMA=1)'
 $tests --test-threads 1
+echo '== the README quickstart over RDMA, two processes'
+export KVWIRE_PSK=\$(target/debug/kvwire gen-psk)
+target/debug/examples/quickstart --listen 127.0.0.1:7411 --rdma rxe0 &
+target/debug/examples/quickstart --connect 127.0.0.1:7411 --rdma rxe0
+wait \$!
 echo '== kvwire bench --transport rdma beside ib_write_bw (same VM run, same sizes and bytes)'
 bash scripts/rdma-bench.sh $out"
 python3 scripts/rdma-ratio.py "$out"

@@ -1,6 +1,50 @@
-//! kvwire: a KV-cache transfer engine for disaggregated LLM inference.
+//! kvwire: a KV-cache transfer engine for disaggregated LLM inference, with an integrity
+//! protocol (`proto/SPEC.md`): a decode engine reserves pages, a prefill engine writes its
+//! KV pages into them over TCP, RDMA or an in-process loopback, and the decode side hands
+//! out only transfers whose digests, computed over the memory that actually landed after a
+//! fence, match the sender's.
 //!
-//! See the crate README and `proto/SPEC.md`.
+//! What an integrator uses is re-exported here: open connections with a [`NodeConfig`]
+//! ([`ReceiverConn`] on the decode side, [`SenderConn`] on the prefill side), reserve with
+//! [`ReserveParams`], admit a [`Request`], and get a [`Verified`] handle (read in place) or a
+//! typed [`TransferError`].
+//!
+//! ```
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! use std::time::Duration;
+//! use kvwire::{Auth, NodeConfig, PoolGeometry, ReceiverConn, Request, ReserveParams, SenderConn};
+//!
+//! // Both nodes: the same KV layout (2 buffers of 4 KiB pages, 16 tokens per page), a pool
+//! // that holds the advertised context, and the same pre-shared key.
+//! let pool = PoolGeometry { tokens_per_page: 16, buffer_page_bytes: vec![4096, 4096], pages: 256 };
+//! let config = NodeConfig::builder(pool, 4096)
+//!     .fingerprint("example-model/tp0")
+//!     .auth(Auth::ephemeral())
+//!     .build()?;
+//!
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! let addr = listener.local_addr()?;
+//! let cfg = config.clone();
+//! let decode = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
+//! let prefill = SenderConn::connect(addr, &config).await?;
+//! let decode = decode.await??;
+//!
+//! // Decode: reserve pages for request 7 (100 tokens) and wait for verified KV.
+//! let verified = decode.reserve(ReserveParams::new(7, 100, Duration::from_secs(5)));
+//! // Prefill: admit the request (a typed rejection otherwise), fill its pages, send.
+//! let admitted = prefill.admit(Request { transfer_id: 7, tokens: 100 }).await?;
+//! prefill.send(admitted, |ordinal, buffer, page| page.fill((ordinal + buffer as u32) as u8)).await?;
+//! let kv = verified.await?;
+//! assert_eq!(kv.page(0, 1)?[0], 1); // read in place, no copy
+//! kv.release()?; // the pages are back in the pool when this returns
+//! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(()) }).unwrap();
+//! ```
+//!
+//! The layers, bottom up (each imports only those below it): [`proto`] (wire format and
+//! sans-IO sessions), [`memory`] (registered KV memory, the page pool, access scopes) and
+//! [`checksum`], [`transport`] (the seam, and the loopback, TCP and RDMA transports),
+//! [`driver`] (one driver per role over any transport), [`engine`] (the async API);
+//! [`config`] describes a node.
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -13,8 +57,17 @@ pub mod engine;
 pub mod host;
 pub mod memory;
 pub mod metrics;
-pub mod receiver;
-pub mod sender;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod transport;
+
+pub use config::{Auth, ConfigError, EngineConfig, NodeConfig, NodeConfigBuilder, TransportConfig};
+pub use driver::{ReceiveError, ReserveParams, StartError};
+pub use engine::{
+    loopback, EngineError, ReceiverConn, ReceiverConnStats, SenderConn, SenderConnStats,
+    TransferError, Verified,
+};
+pub use memory::{KvMemory, PagePool, PoolError, PoolGeometry, Scrub};
+pub use proto::admission::{AdmissionError, Admitted, Request};
+pub use proto::wire::{DigestAlgorithm, ErrorCode, TransferRef};
+pub use proto::FailureReason;

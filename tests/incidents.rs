@@ -40,9 +40,10 @@ fn placeholder_prompt_longer_than_pool_is_rejected_at_admission() {
     let mut cfg = PairConfig::small();
     // The sender's pool (1024 tokens) is smaller than its context length; the operator
     // overrode the start-up check (a loud warning), so admission is the last line.
-    cfg.sender_engine = EngineConfig {
-        max_context_tokens: 4096,
-        allow_undersized_pool: true,
+    cfg.sender_engine = {
+        let mut c = EngineConfig::new(4096);
+        c.allow_undersized_pool = true;
+        c
     };
     cfg.receiver_pool.pages = 256;
     cfg.receiver_engine = EngineConfig::new(4096);

@@ -798,9 +798,10 @@ fn sized_pool(pages: u32, tokens_per_page: u32) -> PagePool {
 #[test]
 fn pool_smaller_than_context_refuses_to_start() {
     let p = sized_pool(500, 16); // 8000 tokens
-    let config = EngineConfig {
-        max_context_tokens: 32768,
-        allow_undersized_pool: false,
+    let config = {
+        let mut c = EngineConfig::new(32768);
+        c.allow_undersized_pool = false;
+        c
     };
     let err = config.validate(&p).unwrap_err();
     assert!(matches!(
@@ -820,9 +821,10 @@ fn pool_smaller_than_context_refuses_to_start() {
 #[test]
 fn undersized_pool_override_gives_warning() {
     let p = sized_pool(500, 16);
-    let config = EngineConfig {
-        max_context_tokens: 32768,
-        allow_undersized_pool: true,
+    let config = {
+        let mut c = EngineConfig::new(32768);
+        c.allow_undersized_pool = true;
+        c
     };
     assert_eq!(
         config.validate(&p),
@@ -837,15 +839,14 @@ fn undersized_pool_override_gives_warning() {
 fn exact_equal_capacity_passes() {
     let p = sized_pool(2048, 16);
     for allow_undersized_pool in [false, true] {
-        let config = EngineConfig {
-            max_context_tokens: 32768,
-            allow_undersized_pool,
-        };
+        let mut config = EngineConfig::new(32768);
+        config.allow_undersized_pool = allow_undersized_pool;
         assert_eq!(config.validate(&p), Ok(vec![]));
     }
-    let one_more = EngineConfig {
-        max_context_tokens: 32769,
-        allow_undersized_pool: false,
+    let one_more = {
+        let mut c = EngineConfig::new(32769);
+        c.allow_undersized_pool = false;
+        c
     };
     assert!(one_more.validate(&p).is_err());
 }
@@ -853,9 +854,10 @@ fn exact_equal_capacity_passes() {
 #[test]
 fn zero_context_refuses_to_start() {
     let p = sized_pool(1, 1);
-    let config = EngineConfig {
-        max_context_tokens: 0,
-        allow_undersized_pool: true,
+    let config = {
+        let mut c = EngineConfig::new(0);
+        c.allow_undersized_pool = true;
+        c
     };
     assert_eq!(config.validate(&p), Err(ConfigError::ZeroContext));
 }

@@ -317,17 +317,6 @@ pub enum DigestMode {
     UnverifiedBenchmarkOnly,
 }
 
-/// Where a driver computes digests.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum DigestExecution {
-    /// At once, inside the endpoint (deterministic; what the Pair harness uses).
-    #[default]
-    Inline,
-    /// Handed to the driver as [`DigestJob`]s, to run where it likes (the tokio drivers run
-    /// large ones on the blocking pool, so the connection keeps receiving meanwhile).
-    Deferred,
-}
-
 /// The fixed digests [`DigestMode::UnverifiedBenchmarkOnly`] reports instead of computing.
 pub fn placeholder_digests(buffers: usize, pages: usize, per_page: bool) -> TransferDigests {
     TransferDigests {
@@ -406,49 +395,5 @@ impl DigestJob {
             self.page_digests,
             |b, o| self.pages.page(o, b),
         )
-    }
-}
-
-/// How an endpoint computes its digests: the mode, where jobs run, and the jobs waiting for
-/// a driver that runs them itself ([`DigestExecution::Deferred`]).
-#[derive(Debug, Default)]
-pub struct DigestRunner {
-    /// Verify, or placeholder digests for the integrity-tax benchmark.
-    pub mode: DigestMode,
-    /// Inline, or deferred to the driver.
-    pub execution: DigestExecution,
-    jobs: std::collections::VecDeque<DigestJob>,
-}
-
-impl DigestRunner {
-    /// Starts the digests of `transfer` over `view` (its pages, pinned): runs them now and
-    /// returns the result (inline), or queues a job and returns `None` (deferred). `Err(())`
-    /// means no digest can be made (no view, or an unsupported algorithm).
-    pub fn start(
-        &mut self,
-        transfer: kvwire_proto::wire::TransferRef,
-        algorithm: DigestAlgorithm,
-        page_digests: bool,
-        view: Result<crate::memory::SharedPages, crate::memory::PoolError>,
-    ) -> Option<Result<TransferDigests, ()>> {
-        let Ok(view) = view else { return Some(Err(())) };
-        let job = DigestJob::new(transfer, algorithm, page_digests, self.mode, view);
-        match self.execution {
-            DigestExecution::Inline => {
-                let result = job.run().map_err(|_| ());
-                // Dropping the job unpins the pages before the result is acted on.
-                drop(job);
-                Some(result)
-            }
-            DigestExecution::Deferred => {
-                self.jobs.push_back(job);
-                None
-            }
-        }
-    }
-
-    /// The next queued job.
-    pub fn poll_job(&mut self) -> Option<DigestJob> {
-        self.jobs.pop_front()
     }
 }

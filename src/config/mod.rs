@@ -10,7 +10,7 @@ pub mod auth;
 pub mod file;
 mod node;
 
-pub use node::{random_bytes, Auth, NodeConfig, TransportConfig};
+pub use node::{random_bytes, Auth, NodeConfig, NodeConfigBuilder, TransportConfig};
 
 use std::fmt;
 
@@ -18,6 +18,7 @@ use crate::memory::PagePool;
 
 /// The engine-level settings the pool must be able to honour.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EngineConfig {
     /// The longest context (prompt plus generated tokens) the engine advertises.
     pub max_context_tokens: u64,
@@ -48,6 +49,9 @@ pub enum ConfigError {
         /// Tokens per page, as built.
         tokens_per_page: u32,
     },
+    /// The configuration is inconsistent in another way (named).
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
     /// The maximum context length is zero: no request could ever be served.
     #[error(
         "the configured maximum context length is 0 tokens; no request could ever be served. \

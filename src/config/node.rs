@@ -13,8 +13,10 @@ use crate::checksum::DigestMode;
 use crate::memory::{PoolGeometry, Scrub};
 use crate::metrics::Metrics;
 
-/// Everything a node needs to open connections.
+/// Everything a node needs to open connections. Build one with [`NodeConfig::builder`] (which
+/// checks it), or start from [`NodeConfig::example`] and set fields.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct NodeConfig {
     /// This node's id (for logs).
     pub node_id: u64,
@@ -181,6 +183,21 @@ impl NodeConfig {
         }
     }
 
+    /// A builder for a node whose KV pool has `pool`'s geometry and whose engine advertises
+    /// contexts of up to `max_context_tokens` tokens. Everything else starts at the defaults
+    /// of [`NodeConfig::example`], with authentication *required*: set a key with
+    /// [`NodeConfigBuilder::auth`] (or turn it off explicitly).
+    pub fn builder(pool: PoolGeometry, max_context_tokens: u64) -> NodeConfigBuilder {
+        let mut c = Self::example();
+        c.pool = pool;
+        c.engine = EngineConfig::new(max_context_tokens);
+        c.fingerprint = Vec::new();
+        NodeConfigBuilder {
+            config: c,
+            auth_set: false,
+        }
+    }
+
     /// This node's hello body for a connection in `role` (no transport parameters).
     pub fn hello(&self, role: Role) -> Hello {
         Hello {
@@ -190,5 +207,120 @@ impl NodeConfig {
             digests: self.digests.clone(),
             transport_params: Vec::new(),
         }
+    }
+}
+
+/// Builds a [`NodeConfig`], checking it as a whole ([`NodeConfigBuilder::build`]).
+#[derive(Debug)]
+#[must_use = "a builder does nothing until built"]
+pub struct NodeConfigBuilder {
+    config: NodeConfig,
+    auth_set: bool,
+}
+
+impl NodeConfigBuilder {
+    /// This node's id (for logs and the peer's accounting).
+    pub fn node_id(mut self, id: u64) -> Self {
+        self.config.node_id = id;
+        self
+    }
+
+    /// The model / tensor-parallel fingerprint peers must match exactly (at most 255 bytes).
+    pub fn fingerprint(mut self, fingerprint: impl Into<Vec<u8>>) -> Self {
+        self.config.fingerprint = fingerprint.into();
+        self
+    }
+
+    /// Peer authentication: a pre-shared key, or [`Auth::Off`].
+    pub fn auth(mut self, auth: Auth) -> Self {
+        self.config.auth = auth;
+        self.auth_set = true;
+        self
+    }
+
+    /// The transport (TCP by default).
+    pub fn transport(mut self, transport: TransportConfig) -> Self {
+        self.config.transport = transport;
+        self
+    }
+
+    /// Digest algorithms offered, preferred first.
+    pub fn digests(mut self, digests: Vec<DigestAlgorithm>) -> Self {
+        self.config.digests = digests;
+        self
+    }
+
+    /// What the pool writes over a page's bytes when it is released.
+    pub fn scrub(mut self, scrub: Scrub) -> Self {
+        self.config.scrub = scrub;
+        self
+    }
+
+    /// Page writes in flight per transfer on the sender.
+    pub fn window(mut self, pages: u32) -> Self {
+        self.config.window = pages.max(1);
+        self
+    }
+
+    /// How long a handshake may take.
+    pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
+        self.config.handshake_timeout = timeout;
+        self
+    }
+
+    /// The sender sessions' timeouts and history.
+    pub fn sender(mut self, sender: SenderConfig) -> Self {
+        self.config.sender = sender;
+        self
+    }
+
+    /// The receiver sessions' settings.
+    pub fn receiver(mut self, receiver: ReceiverConfig) -> Self {
+        self.config.receiver = receiver;
+        self
+    }
+
+    /// Where the node's connections count transfers, fences and pages.
+    pub fn metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.config.metrics = Some(metrics);
+        self
+    }
+
+    /// Start even though the pool cannot hold one maximum-length context (with a loud
+    /// warning); such requests are then rejected at admission. Never set this to paper over a
+    /// sizing mistake.
+    pub fn allow_undersized_pool(mut self) -> Self {
+        self.config.engine.allow_undersized_pool = true;
+        self
+    }
+
+    /// Checks the configuration and returns it: the pool's geometry is valid, it holds the
+    /// advertised context length (the check the incident lacked), the fingerprint fits the
+    /// wire, at least one digest algorithm is offered, and authentication was decided.
+    pub fn build(self) -> Result<NodeConfig, super::ConfigError> {
+        use super::ConfigError;
+        let c = self.config;
+        c.pool
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        c.engine.validate_geometry(&c.pool)?;
+        if c.fingerprint.len() > usize::from(u8::MAX) {
+            return Err(ConfigError::Invalid(format!(
+                "the fingerprint is {} bytes; at most 255 travel in HELLO",
+                c.fingerprint.len()
+            )));
+        }
+        if c.digests.is_empty() {
+            return Err(ConfigError::Invalid(
+                "no digest algorithm offered (verification cannot be turned off)".into(),
+            ));
+        }
+        if !self.auth_set {
+            return Err(ConfigError::Invalid(
+                "authentication not decided: set .auth(Auth::Psk(key)) (or Auth::Off explicitly)"
+                    .into(),
+            ));
+        }
+        Ok(c)
     }
 }

@@ -41,6 +41,20 @@ pub struct ReserveParams {
     pub page_digests: bool,
 }
 
+impl ReserveParams {
+    /// A reservation of `tokens` tokens for `transfer_id`, committed within `timeout`, with
+    /// the first agreed digest algorithm and buffer digests only.
+    pub fn new(transfer_id: u64, tokens: u32, timeout: Duration) -> Self {
+        Self {
+            transfer_id,
+            tokens,
+            timeout,
+            digest: None,
+            page_digests: false,
+        }
+    }
+}
+
 /// Why a reservation could not be made.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]

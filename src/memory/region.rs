@@ -157,7 +157,7 @@ impl KvMemory {
     /// # Safety
     ///
     /// Each pointer must be valid for reads and writes of its length, the regions must not
-    /// overlap, and for as long as the returned `KvMemory` (or any [`SharedPages`] made from
+    /// overlap, and for as long as the returned `KvMemory` (or any [`SharedPages`](super::SharedPages) made from
     /// it) lives, nothing else may access that memory.
     pub unsafe fn from_raw_parts(
         geometry: &PoolGeometry,

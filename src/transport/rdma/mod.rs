@@ -1,11 +1,11 @@
 //! The RDMA transport over verbs (feature `rdma`, through `sideway`).
 //!
 //! [`descriptor`] (always built) encodes the access descriptor a reservation carries over
-//! RDMA. The rest needs the `rdma` feature: [`verbs`] wraps the device, registration, memory
-//! windows, RC queue pairs and their completion channel; [`RdmaSender`] and [`RdmaReceiver`]
+//! RDMA. The rest needs the `rdma` feature (and is documented with it): `verbs` wraps the device, registration, memory
+//! windows, RC queue pairs and their completion channel; `RdmaSender` and `RdmaReceiver`
 //! are the two ends of a connection, implementing the transport seam
 //! ([`SenderTransport`](crate::transport::SenderTransport),
-//! [`ReceiverTransport`](crate::transport::ReceiverTransport)); [`bootstrap`] sets them up
+//! [`ReceiverTransport`](crate::transport::ReceiverTransport)); `bootstrap` sets them up
 //! between two processes over a TCP connection.
 //!
 //! A connection has one or more RC queue pairs ("lanes", SPEC.md §9.2). Everything of one
@@ -16,12 +16,12 @@
 //!
 //! **Data path.** Page writes are RDMA WRITEs (one per page and buffer) from the sender's
 //! registered pages into the receiver's, batched behind one doorbell per lane per round,
-//! unsignaled except for the last of every [`SIGNAL_EVERY`] pages and of each round (RC
+//! unsignaled except for the last of every `SIGNAL_EVERY` pages and of each round (RC
 //! completes in order, so that completion covers the others). Completions are waited for on
 //! the connection's completion channel, registered with tokio (`AsyncFd`): the driver's task
 //! sleeps until the NIC has something, instead of spinning (a busy-poll mode exists).
 //!
-//! **Scope and fence.** The receiver binds one type-2 [`MemoryWindow`] per run of consecutive
+//! **Scope and fence.** The receiver binds one type-2 `MemoryWindow` per run of consecutive
 //! reserved pages and per buffer, and RESERVE carries their rkeys. The fence invalidates them;
 //! only when every invalidation has completed is the fence reported. A write with an
 //! invalidated rkey fails at the NIC (a remote access error) and lands nowhere. Devices
@@ -34,8 +34,8 @@
 //! [`Closed::LinkFailed`](crate::transport::Closed::LinkFailed); its transfers fail with a
 //! retryable reason.
 //!
-//! Ownership encodes teardown order: a [`RegisteredMemory`] holds its memory regions, each of
-//! which holds the protection domain, which holds the device context; an [`RcLink`] holds its
+//! Ownership encodes teardown order: a `RegisteredMemory` holds its memory regions, each of
+//! which holds the protection domain, which holds the device context; an `RcLink` holds its
 //! queue pair and completion queue. Dropping in any order is safe.
 
 #[cfg(feature = "rdma")]
