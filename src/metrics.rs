@@ -64,41 +64,20 @@ impl Metrics {
             pages_quarantined: Family::default(),
             registry: Registry::default(),
         };
-        registry.register(
-            "transfers",
-            "Transfers by role and outcome",
-            m.transfers.clone(),
-        );
-        registry.register(
-            "verified_bytes",
-            "Payload bytes of verified transfers",
-            m.bytes_verified.clone(),
-        );
-        registry.register(
-            "rejected_at_admission",
-            "Requests rejected at admission",
-            m.rejected_at_admission.clone(),
-        );
-        registry.register(
-            "aborts",
-            "Aborts requested by the local engine",
-            m.aborts.clone(),
-        );
-        registry.register(
-            "fences",
-            "Fences carried out by receivers",
-            m.fences.clone(),
-        );
-        registry.register(
-            "pages_free",
-            "Free pages per connection pool",
-            m.pages_free.clone(),
-        );
-        registry.register(
-            "pages_quarantined",
-            "Quarantined pages per connection pool",
-            m.pages_quarantined.clone(),
-        );
+        macro_rules! register {
+            ($($name:literal, $help:literal, $field:ident;)*) => {
+                $(registry.register($name, $help, m.$field.clone());)*
+            };
+        }
+        register! {
+            "transfers", "Transfers by role and outcome", transfers;
+            "verified_bytes", "Payload bytes of verified transfers", bytes_verified;
+            "rejected_at_admission", "Requests rejected at admission", rejected_at_admission;
+            "aborts", "Aborts requested by the local engine", aborts;
+            "fences", "Fences carried out by receivers", fences;
+            "pages_free", "Free pages per connection pool", pages_free;
+            "pages_quarantined", "Quarantined pages per connection pool", pages_quarantined;
+        }
         Arc::new(Self { registry, ..m })
     }
 

@@ -286,9 +286,7 @@ fn compare(actual: &str, name: &str) {
     // deadlines (`label: receiver X, sender Y | receiver X, sender Z`); every one is safe.
     let allows = |e: &str, a: &str| {
         let (label, outcomes) = e.split_once(": ").unwrap_or((e, ""));
-        outcomes
-            .split(" | ")
-            .any(|o| a == format!("{label}: {o}"))
+        outcomes.split(" | ").any(|o| a == format!("{label}: {o}"))
     };
     let diff: Vec<String> = expected
         .lines()

@@ -20,7 +20,7 @@ use kvwire::proto::{CountField, FailureReason};
 use kvwire::testkit::{handshake, Pair, PairConfig, PairError};
 use kvwire::testkit::{Fault, FaultRule};
 use kvwire::transport::loopback::{self, LoopbackReceiver, LoopbackSender};
-use kvwire::transport::{Transport, TransportEvent};
+use kvwire::transport::{ReceiverTransport, Transport, TransportEvent};
 
 /// The receiver's page bytes for every page of the pool, to prove nothing changed.
 fn snapshot(pool: &PagePool) -> Vec<Vec<u8>> {

@@ -13,11 +13,35 @@
 //!
 //! [`PagePool`]: crate::memory::PagePool
 
+mod core;
 mod digest;
 mod receiver;
 mod sender;
 
 pub use digest::DigestExecution;
+
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use crate::transport::Closed;
+
+/// What every driver does, whatever its role: what its connection's task (or a harness)
+/// calls to run it.
+pub trait Driver {
+    /// Waits for the next input (a transport event, or a digest job finished elsewhere) and
+    /// handles it; `Ready` when something was handled.
+    fn poll_input(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<()>;
+    /// When [`Driver::handle_timeout`] must next be called.
+    fn poll_timeout(&mut self) -> Option<Instant>;
+    /// Handles the passage of time.
+    fn handle_timeout(&mut self, now: Instant);
+    /// Closes the connection from this side; open transfers fail safely as it ends.
+    fn close(&mut self, now: Instant);
+    /// Transfers still open.
+    fn open_transfers(&self) -> usize;
+    /// Why the connection closed, once it has.
+    fn closed(&self) -> Option<&Closed>;
+}
 pub use receiver::{
     ReceiveError, ReceiveOutcome, ReceiverDriver, ReceiverDriverStats, ReserveParams, VerifiedKv,
 };

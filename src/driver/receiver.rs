@@ -17,10 +17,11 @@ use kvwire_proto::receiver::{
     ReceiverAction, ReceiverConfig, ReceiverEvent, ReceiverSession, ReservationRequest,
     ReserveError,
 };
-use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, TransferDigests, TransferRef};
-use kvwire_proto::{FailureReason, FrameError, Scope};
+use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, TransferRef};
+use kvwire_proto::FailureReason;
 
-use super::digest::{DigestExecution, Digests};
+use super::core::{driver_common, impl_driver, Core};
+use super::digest::DigestExecution;
 use crate::checksum::DigestMode;
 use crate::config::{ConfigError, EngineConfig};
 use crate::memory::{PageLease, PagePool, PageRef, PoolError};
@@ -157,9 +158,7 @@ enum FenceWaiter {
 /// of destination pages.
 #[derive(Debug)]
 pub struct ReceiverDriver<T> {
-    session: ReceiverSession,
-    transport: T,
-    pool: Arc<PagePool>,
+    core: Core<ReceiverSession, T>,
     /// Leases of every open transfer (and their current reservation).
     leases: BTreeMap<u64, (TransferRef, Vec<PageLease>)>,
     /// Transfers whose access scope is open (reserved, not fenced yet).
@@ -167,8 +166,6 @@ pub struct ReceiverDriver<T> {
     /// Transfers whose fence was started and has not completed, and who waits for it.
     fencing: BTreeMap<u64, (TransferRef, FenceWaiter)>,
     outcomes: VecDeque<ReceiveOutcome>,
-    digests: Digests,
-    closed: Option<Closed>,
     stats: ReceiverDriverStats,
 }
 
@@ -186,40 +183,27 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         engine.validate(&pool)?;
         crate::config::check_layout(&pool, established.layout())?;
         Ok(Self {
-            session: ReceiverSession::new(established, config),
-            transport,
-            pool,
+            core: Core::new(ReceiverSession::new(established, config), transport, pool),
             leases: BTreeMap::new(),
             open: BTreeSet::new(),
             fencing: BTreeMap::new(),
             outcomes: VecDeque::new(),
-            digests: Digests::new(DigestMode::Verify, DigestExecution::Inline),
-            closed: None,
             stats: ReceiverDriverStats::default(),
         })
     }
 
-    /// Sets the digest mode. [`DigestMode::UnverifiedBenchmarkOnly`] delivers unverified
-    /// data and exists only to measure the integrity tax.
-    pub fn set_digest_mode(&mut self, mode: DigestMode) {
-        self.digests.mode = mode;
-    }
-
-    /// Sets where digests are computed (inline by default).
-    pub fn set_digest_execution(&mut self, execution: DigestExecution) {
-        self.digests.execution = execution;
-    }
+    driver_common!();
 
     /// Leases pages, has the transport open an access scope over exactly them, and sends
     /// RESERVE.
     pub fn reserve(&mut self, now: Instant, p: ReserveParams) -> Result<TransferRef, ReceiveError> {
-        if self.closed.is_some() {
+        if self.core.closed.is_some() {
             return Err(ReserveError::PeerLost.into());
         }
-        let tpp = self.pool.geometry().tokens_per_page.max(1);
-        let leases = self.pool.allocate(p.tokens.div_ceil(tpp))?;
+        let tpp = self.core.pool.geometry().tokens_per_page.max(1);
+        let leases = self.core.pool.allocate(p.tokens.div_ceil(tpp))?;
         let pages: Vec<u32> = leases.iter().map(PageLease::page).collect();
-        let access = match self.transport.open_scope(p.transfer_id, &pages) {
+        let access = match self.core.transport.open_scope(p.transfer_id, &pages) {
             Ok(a) => a,
             Err(e) => {
                 self.release_leases(p.transfer_id, leases);
@@ -235,9 +219,9 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             timeout: p.timeout,
             access,
         };
-        match self.session.reserve(now, req) {
+        match self.core.session.reserve(now, req) {
             Ok(transfer) => {
-                self.transport.bind_scope(transfer);
+                self.core.transport.bind_scope(transfer);
                 self.open.insert(p.transfer_id);
                 self.leases.insert(p.transfer_id, (transfer, leases));
                 self.process(now);
@@ -246,7 +230,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             Err(e) => {
                 // A duplicate id must not close the open transfer's scope.
                 if !matches!(e, ReserveError::DuplicateTransfer(_)) {
-                    self.transport.abandon_scope(p.transfer_id);
+                    self.core.transport.abandon_scope(p.transfer_id);
                 }
                 self.release_leases(p.transfer_id, leases);
                 Err(e.into())
@@ -256,7 +240,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
 
     fn release_leases(&mut self, transfer_id: u64, leases: Vec<PageLease>) {
         for l in leases {
-            if let Err(e) = self.pool.release(l) {
+            if let Err(e) = self.core.pool.release(l) {
                 tracing::error!(transfer_id, error = %e, "page release refused");
             }
         }
@@ -264,107 +248,48 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
 
     /// Aborts a transfer: fence, release, then ABORT.
     pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
-        let r = self.session.abort(now, transfer_id, code);
+        let r = self.core.session.abort(now, transfer_id, code);
         self.process(now);
         r
-    }
-
-    /// Handles the passage of time.
-    pub fn handle_timeout(&mut self, now: Instant) {
-        self.session.handle_timeout(now);
-        self.process(now);
-    }
-
-    /// When [`ReceiverDriver::handle_timeout`] must next be called.
-    pub fn poll_timeout(&mut self) -> Option<Instant> {
-        let session = self.session.poll_timeout();
-        let transport = self.transport.poll_timeout();
-        session.into_iter().chain(transport).min()
-    }
-
-    /// Closes the connection from this side: every open transfer is fenced, released and
-    /// failed as the transport reports its end.
-    pub fn close(&mut self, now: Instant) {
-        self.transport.close(now);
     }
 
     /// Gives verified pages back to the pool.
     pub fn release(&mut self, kv: VerifiedKv) -> Result<(), PoolError> {
         let mut first = Ok(());
         for l in kv.leases {
-            if let Err(e) = self.pool.release(l) {
+            if let Err(e) = self.core.pool.release(l) {
                 first = first.and(Err(e));
             }
         }
         first
     }
 
-    /// Waits for the next input (a transport event or a digest job finished elsewhere) and
-    /// handles it. `Ready` when something was handled.
-    pub fn poll_input(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<()> {
-        if let Poll::Ready((t, r)) = self.digests.poll_done(cx) {
-            self.finish_digests(now, t, r.map_err(|_| ()));
-            self.process(now);
-            return Poll::Ready(());
-        }
-        match self.transport.poll_event(cx, now) {
-            Poll::Ready(ev) => {
-                self.handle_event(now, ev);
-                Poll::Ready(())
-            }
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
     /// Handles one transport event.
     pub fn handle_event(&mut self, now: Instant, event: TransportEvent) {
+        let Some(event) = self.core.handle_common(now, event) else {
+            self.process(now);
+            return;
+        };
         match event {
-            TransportEvent::Frame(frame) => {
-                if let Err(e) = self.session.handle_frame(now, frame) {
-                    self.frame_error(now, e);
-                }
-            }
             TransportEvent::Landed { .. } => self.stats.pages_landed += 1,
             TransportEvent::Fenced(t) => match self.fencing.get(&t.transfer_id) {
                 Some(&(f, waiter)) if f == t => {
                     self.fencing.remove(&t.transfer_id);
                     match waiter {
-                        FenceWaiter::Session => self.session.handle_fenced(now, t),
+                        FenceWaiter::Session => self.core.session.handle_fenced(now, t),
                         FenceWaiter::Release => self.release_transfer(t),
                     }
                 }
                 _ => {}
             },
-            TransportEvent::Closed(why) => {
-                if self.closed.is_none() {
-                    self.closed = Some(why);
-                    self.session.handle_peer_lost(now);
-                }
-            }
-            TransportEvent::WritesDone { .. } => {
-                tracing::debug!("sender-side transport event at a receiver; ignored");
-            }
+            _ => tracing::debug!("sender-side transport event at a receiver; ignored"),
         }
         self.process(now);
-    }
-
-    fn frame_error(&mut self, now: Instant, e: FrameError) {
-        if e.scope == Scope::Connection {
-            tracing::warn!(error = %e, "protocol error on the connection: closing it");
-            self.transport.close(now);
-        } else {
-            tracing::debug!(error = %e, "frame dropped");
-        }
     }
 
     /// The next finished transfer.
     pub fn poll_outcome(&mut self) -> Option<ReceiveOutcome> {
         self.outcomes.pop_front()
-    }
-
-    /// Why the connection closed, once it has.
-    pub fn closed(&self) -> Option<&Closed> {
-        self.closed.as_ref()
     }
 
     /// Whether `page` is currently leased to `transfer` (by this driver, for an open
@@ -375,7 +300,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             .filter(|(t, _)| *t == transfer)
             .is_some_and(|(_, ls)| {
                 ls.iter()
-                    .any(|l| l.page() == page && self.pool.holds(l.page(), l.generation()))
+                    .any(|l| l.page() == page && self.core.pool.holds(l.page(), l.generation()))
             })
     }
 
@@ -391,15 +316,15 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
     fn process(&mut self, now: Instant) {
         loop {
             let mut moved = false;
-            while let Some(action) = self.session.poll_action() {
+            while let Some(action) = self.core.session.poll_action() {
                 moved = true;
                 self.act(now, action);
             }
-            while let Some(frame) = self.session.poll_transmit() {
+            while let Some(frame) = self.core.session.poll_transmit() {
                 moved = true;
-                self.transport.send_frame(now, &frame);
+                self.core.transport.send_frame(now, &frame);
             }
-            while let Some(event) = self.session.poll_event() {
+            while let Some(event) = self.core.session.poll_event() {
                 moved = true;
                 self.deliver(event);
             }
@@ -436,7 +361,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 let n = self.leases_of(t).map_or(0, |leases| {
                     leases
                         .iter()
-                        .filter(|l| self.pool.quarantine(l).is_ok())
+                        .filter(|l| self.core.pool.quarantine(l).is_ok())
                         .count()
                 });
                 self.stats.pages_quarantined += n as u64;
@@ -444,8 +369,8 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             ReceiverAction::Fence(t) => {
                 self.stats.fences += 1;
                 self.open.remove(&t.transfer_id);
-                match self.transport.fence(t) {
-                    Fence::Done => self.session.handle_fenced(now, t),
+                match self.core.transport.fence(t) {
+                    Fence::Done => self.core.session.handle_fenced(now, t),
                     Fence::Pending => {
                         self.fencing
                             .insert(t.transfer_id, (t, FenceWaiter::Session));
@@ -460,13 +385,11 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 let Some(leases) = self.leases_of(transfer) else {
                     return;
                 };
-                // Digests of the memory that actually landed, after the fence. The view pins
-                // the pages until the job is dropped.
+                // Digests of the memory that actually landed, after the fence; the pages are
+                // pinned (never written or released) until the digest job is done.
                 let pages = leases.iter().map(PageLease::page).collect();
-                let view = self.pool.share_pages(pages);
-                if let Some(result) = self.digests.start(transfer, algorithm, page_digests, view) {
-                    self.finish_digests(now, transfer, result);
-                }
+                self.core
+                    .start_digests(now, transfer, algorithm, page_digests, pages);
             }
             ReceiverAction::Release(t) => {
                 // The session releases only after the fence completed. Should it ever ask
@@ -478,7 +401,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                         transfer_id = t.transfer_id,
                         "release requested before the fence completed; fencing first"
                     );
-                    if unfenced && self.transport.fence(t) == Fence::Done {
+                    if unfenced && self.core.transport.fence(t) == Fence::Done {
                         self.release_transfer(t);
                     } else {
                         self.fencing
@@ -503,43 +426,14 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         }
     }
 
-    fn finish_digests(
-        &mut self,
-        now: Instant,
-        transfer: TransferRef,
-        result: Result<TransferDigests, ()>,
-    ) {
-        match result {
-            Ok(d) => self.session.handle_digests(now, transfer, d),
-            Err(()) => {
-                // No digest can be made: abort, then report the digest job as ended so the
-                // session may release the pages it was waiting on.
-                self.session
-                    .abort(now, transfer.transfer_id, ErrorCode::DIGEST_UNSUPPORTED);
-                self.session
-                    .handle_digests(now, transfer, TransferDigests::default());
-            }
-        }
-    }
-
     /// The destination page pool.
     pub fn pool(&self) -> &Arc<PagePool> {
-        &self.pool
+        &self.core.pool
     }
 
     /// The protocol session.
     pub fn session(&self) -> &ReceiverSession {
-        &self.session
-    }
-
-    /// The transport.
-    pub fn transport(&self) -> &T {
-        &self.transport
-    }
-
-    /// The transport, mutably (harnesses reach their fault injectors through it).
-    pub fn transport_mut(&mut self) -> &mut T {
-        &mut self.transport
+        &self.core.session
     }
 
     /// Counters.
@@ -547,3 +441,5 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         self.stats
     }
 }
+
+impl_driver!(ReceiverDriver, ReceiverTransport);

@@ -16,10 +16,10 @@ use kvwire_proto::handshake::Established;
 use kvwire_proto::sender::{
     PageWrite, SenderAction, SenderConfig, SenderEvent, SenderSession, SubmitError, WriteOutcome,
 };
-use kvwire_proto::wire::{ErrorCode, TransferDigests, TransferRef};
-use kvwire_proto::{FrameError, Scope};
+use kvwire_proto::wire::{ErrorCode, TransferRef};
 
-use super::digest::{DigestExecution, Digests};
+use super::core::{driver_common, impl_driver, Core};
+use super::digest::DigestExecution;
 use crate::checksum::DigestMode;
 use crate::config::{ConfigError, EngineConfig};
 use crate::memory::{PageLease, PagePool, PageState, PoolError};
@@ -69,16 +69,12 @@ struct Posting {
 /// source pages.
 #[derive(Debug)]
 pub struct SenderDriver<T> {
-    session: SenderSession,
-    transport: T,
-    pool: Arc<PagePool>,
+    core: Core<SenderSession, T>,
     admission: AdmissionPolicy,
     window: u32,
     sources: BTreeMap<u64, Vec<PageLease>>,
     postings: BTreeMap<u64, Posting>,
     batch: Vec<PageWrite>,
-    digests: Digests,
-    closed: Option<Closed>,
     stats: SenderDriverStats,
 }
 
@@ -103,30 +99,17 @@ impl<T: SenderTransport> SenderDriver<T> {
             max_context_tokens: engine.max_context_tokens,
         };
         Ok(Self {
-            session: SenderSession::new(established, config),
-            transport,
-            pool,
+            core: Core::new(SenderSession::new(established, config), transport, pool),
             admission,
             window: window.max(1),
             sources: BTreeMap::new(),
             postings: BTreeMap::new(),
             batch: Vec::new(),
-            digests: Digests::new(DigestMode::Verify, DigestExecution::Inline),
-            closed: None,
             stats: SenderDriverStats::default(),
         })
     }
 
-    /// Sets the digest mode. [`DigestMode::UnverifiedBenchmarkOnly`] delivers unverified
-    /// data and exists only to measure the integrity tax.
-    pub fn set_digest_mode(&mut self, mode: DigestMode) {
-        self.digests.mode = mode;
-    }
-
-    /// Sets where digests are computed (inline by default).
-    pub fn set_digest_execution(&mut self, execution: DigestExecution) {
-        self.digests.execution = execution;
-    }
+    driver_common!();
 
     /// Admits a request, or rejects it with its original error. A rejected request is
     /// retired at once: a reservation for it gets REJECT carrying that error, and nothing
@@ -135,7 +118,7 @@ impl<T: SenderTransport> SenderDriver<T> {
         let r = self.admission.admit(req).map_err(|rejected| {
             self.stats.rejected_at_admission += 1;
             let error = rejected.error.clone();
-            self.session.retire(rejected);
+            self.core.session.retire(rejected);
             error
         });
         self.process(now);
@@ -150,20 +133,20 @@ impl<T: SenderTransport> SenderDriver<T> {
         admitted: Admitted,
         mut fill: impl FnMut(u32, usize, &mut [u8]),
     ) -> Result<(), StartError> {
-        let leases = match self.pool.allocate(admitted.pages()) {
+        let leases = match self.core.pool.allocate(admitted.pages()) {
             Ok(l) => l,
             Err(source) => return Err(StartError::OutOfPages { admitted, source }),
         };
         for (ordinal, lease) in (0u32..).zip(&leases) {
-            for b in 0..self.pool.buffers() {
-                if let Ok(mut page) = self.pool.page_mut(lease, b) {
+            for b in 0..self.core.pool.buffers() {
+                if let Ok(mut page) = self.core.pool.page_mut(lease, b) {
                     fill(ordinal, b, &mut page);
                 }
             }
         }
         let id = admitted.transfer_id();
         let pages = leases.iter().map(PageLease::page).collect();
-        match self.session.submit(now, admitted, pages) {
+        match self.core.session.submit(now, admitted, pages) {
             Ok(()) => {
                 self.sources.insert(id, leases);
                 self.process(now);
@@ -172,7 +155,7 @@ impl<T: SenderTransport> SenderDriver<T> {
             Err(e) => {
                 for l in leases {
                     // Fresh leases of this pool: release cannot fail.
-                    let _ = self.pool.release(l);
+                    let _ = self.core.pool.release(l);
                 }
                 Err(StartError::Session(e))
             }
@@ -181,56 +164,18 @@ impl<T: SenderTransport> SenderDriver<T> {
 
     /// Aborts a transfer: stop posting, drain, then ABORT.
     pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
-        let r = self.session.abort(now, transfer_id, code);
+        let r = self.core.session.abort(now, transfer_id, code);
         self.process(now);
         r
     }
 
-    /// Handles the passage of time.
-    pub fn handle_timeout(&mut self, now: Instant) {
-        self.session.handle_timeout(now);
-        self.process(now);
-    }
-
-    /// When [`SenderDriver::handle_timeout`] must next be called (the session's deadlines and
-    /// the transport's own wake-up, whichever is first).
-    pub fn poll_timeout(&mut self) -> Option<Instant> {
-        let session = self.session.poll_timeout();
-        let transport = self.transport.poll_timeout();
-        session.into_iter().chain(transport).min()
-    }
-
-    /// Closes the connection from this side: every open transfer fails safely (drained,
-    /// source pages released) as the transport reports the end of its writes.
-    pub fn close(&mut self, now: Instant) {
-        self.transport.close(now);
-    }
-
-    /// Waits for the next input (a transport event or a digest job finished elsewhere) and
-    /// handles it. `Ready` when something was handled.
-    pub fn poll_input(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<()> {
-        if let Poll::Ready((t, r)) = self.digests.poll_done(cx) {
-            self.finish_digests(now, t, r.map_err(|_| ()));
-            self.process(now);
-            return Poll::Ready(());
-        }
-        match self.transport.poll_event(cx, now) {
-            Poll::Ready(ev) => {
-                self.handle_event(now, ev);
-                Poll::Ready(())
-            }
-            Poll::Pending => Poll::Pending,
-        }
-    }
-
     /// Handles one transport event.
     pub fn handle_event(&mut self, now: Instant, event: TransportEvent) {
+        let Some(event) = self.core.handle_common(now, event) else {
+            self.process(now);
+            return;
+        };
         match event {
-            TransportEvent::Frame(frame) => {
-                if let Err(e) = self.session.handle_frame(now, frame) {
-                    self.frame_error(now, e);
-                }
-            }
             TransportEvent::WritesDone {
                 transfer,
                 pages,
@@ -247,39 +192,18 @@ impl<T: SenderTransport> SenderDriver<T> {
                 } else {
                     WriteOutcome::Failed
                 };
-                self.session
+                self.core
+                    .session
                     .handle_write_outcome(now, transfer, outcome, pages);
             }
-            TransportEvent::Closed(why) => {
-                if self.closed.is_none() {
-                    self.closed = Some(why);
-                    self.session.handle_peer_lost(now);
-                }
-            }
-            TransportEvent::Landed { .. } | TransportEvent::Fenced(_) => {
-                tracing::debug!("receiver-side transport event at a sender; ignored");
-            }
+            _ => tracing::debug!("receiver-side transport event at a sender; ignored"),
         }
         self.process(now);
     }
 
-    fn frame_error(&mut self, now: Instant, e: FrameError) {
-        if e.scope == Scope::Connection {
-            tracing::warn!(error = %e, "protocol error on the connection: closing it");
-            self.transport.close(now);
-        } else {
-            tracing::debug!(error = %e, "frame dropped");
-        }
-    }
-
     /// The next event for the engine: a transfer verified by the receiver, or failed.
     pub fn poll_event(&mut self) -> Option<SenderEvent> {
-        self.session.poll_event()
-    }
-
-    /// Why the connection closed, once it has.
-    pub fn closed(&self) -> Option<&Closed> {
-        self.closed.as_ref()
+        self.core.session.poll_event()
     }
 
     /// Carries out every queued session effect, posts what the windows allow, and moves
@@ -287,14 +211,14 @@ impl<T: SenderTransport> SenderDriver<T> {
     fn process(&mut self, now: Instant) {
         loop {
             let mut moved = false;
-            while let Some(action) = self.session.poll_action() {
+            while let Some(action) = self.core.session.poll_action() {
                 moved = true;
                 self.act(now, action);
             }
             moved |= self.post(now);
-            while let Some(frame) = self.session.poll_transmit() {
+            while let Some(frame) = self.core.session.poll_transmit() {
                 moved = true;
-                self.transport.send_frame(now, &frame);
+                self.core.transport.send_frame(now, &frame);
             }
             if !moved {
                 return;
@@ -305,7 +229,7 @@ impl<T: SenderTransport> SenderDriver<T> {
     /// Posts pending writes, transfer by transfer, within each transfer's window and the
     /// transport's credit. Returns whether anything was posted.
     fn post(&mut self, now: Instant) -> bool {
-        let mut credit = self.transport.write_credit();
+        let mut credit = self.core.transport.write_credit();
         let mut posted = false;
         for p in self.postings.values_mut() {
             if credit == 0 {
@@ -322,7 +246,8 @@ impl<T: SenderTransport> SenderDriver<T> {
             p.outstanding += n as u32;
             credit -= n;
             self.stats.writes_posted += n as u64;
-            self.transport
+            self.core
+                .transport
                 .post_writes(now, p.transfer, &p.access, &self.batch);
             posted = true;
         }
@@ -339,12 +264,10 @@ impl<T: SenderTransport> SenderDriver<T> {
                 let Some(leases) = self.sources.get(&transfer.transfer_id) else {
                     return;
                 };
-                // The view pins the source pages until the job is dropped.
+                // Pinned (never written or released) until the digest job is done.
                 let pages = leases.iter().map(PageLease::page).collect();
-                let view = self.pool.share_pages(pages);
-                if let Some(result) = self.digests.start(transfer, algorithm, page_digests, view) {
-                    self.finish_digests(now, transfer, result);
-                }
+                self.core
+                    .start_digests(now, transfer, algorithm, page_digests, pages);
             }
             SenderAction::PostWrites {
                 transfer,
@@ -372,14 +295,18 @@ impl<T: SenderTransport> SenderDriver<T> {
                 };
                 self.stats.writes_cancelled += u64::from(n);
                 if n > 0 {
-                    self.session
-                        .handle_write_outcome(now, transfer, WriteOutcome::Cancelled, n);
+                    self.core.session.handle_write_outcome(
+                        now,
+                        transfer,
+                        WriteOutcome::Cancelled,
+                        n,
+                    );
                 }
             }
             SenderAction::ReleaseSource(id) => {
                 self.postings.remove(&id);
                 for lease in self.sources.remove(&id).unwrap_or_default() {
-                    if let Err(e) = self.pool.release(lease) {
+                    if let Err(e) = self.core.pool.release(lease) {
                         tracing::error!(transfer_id = id, error = %e, "source page release refused");
                     }
                 }
@@ -387,34 +314,15 @@ impl<T: SenderTransport> SenderDriver<T> {
         }
     }
 
-    fn finish_digests(
-        &mut self,
-        now: Instant,
-        transfer: TransferRef,
-        result: Result<TransferDigests, ()>,
-    ) {
-        match result {
-            Ok(d) => self.session.handle_digests(now, transfer, d),
-            Err(()) => {
-                // No digest can be made: abort, then report the digest job as ended so the
-                // session may release the pages it was waiting on.
-                self.session
-                    .abort(now, transfer.transfer_id, ErrorCode::DIGEST_UNSUPPORTED);
-                self.session
-                    .handle_digests(now, transfer, TransferDigests::default());
-            }
-        }
-    }
-
     /// Writes into every *free* source page (for example to initialise KV memory);
     /// `f(page, buffer, bytes)`. Pages leased to a transfer are not touched.
     pub fn fill_free_pages(&mut self, mut f: impl FnMut(u32, usize, &mut [u8])) {
-        for p in 0..self.pool.capacity_pages() {
-            if self.pool.state(p) != Some(PageState::Free) {
+        for p in 0..self.core.pool.capacity_pages() {
+            if self.core.pool.state(p) != Some(PageState::Free) {
                 continue;
             }
-            for b in 0..self.pool.buffers() {
-                if let Some(mut page) = self.pool.raw_page_mut(p, b) {
+            for b in 0..self.core.pool.buffers() {
+                if let Some(mut page) = self.core.pool.raw_page_mut(p, b) {
                     f(p, b, &mut page);
                 }
             }
@@ -423,22 +331,12 @@ impl<T: SenderTransport> SenderDriver<T> {
 
     /// The source page pool.
     pub fn pool(&self) -> &Arc<PagePool> {
-        &self.pool
+        &self.core.pool
     }
 
     /// The protocol session.
     pub fn session(&self) -> &SenderSession {
-        &self.session
-    }
-
-    /// The transport.
-    pub fn transport(&self) -> &T {
-        &self.transport
-    }
-
-    /// The transport, mutably (harnesses reach their fault injectors through it).
-    pub fn transport_mut(&mut self) -> &mut T {
-        &mut self.transport
+        &self.core.session
     }
 
     /// Counters.
@@ -446,3 +344,5 @@ impl<T: SenderTransport> SenderDriver<T> {
         self.stats
     }
 }
+
+impl_driver!(SenderDriver, SenderTransport);

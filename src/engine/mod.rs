@@ -195,3 +195,64 @@ pub(crate) fn transfer_error(
         _ => TransferError::Failed(reason),
     }
 }
+
+/// A connection's task: a driver, and the engine's side of it (who waits for what).
+pub(crate) trait ConnectionTask {
+    /// A command from the engine's handles.
+    type Command;
+    /// The driver.
+    type Driver: crate::driver::Driver;
+    /// The driver.
+    fn driver(&mut self) -> &mut Self::Driver;
+    /// Hands finished transfers to whoever waits for them (and publishes metrics).
+    fn report(&mut self);
+    /// Carries out a command.
+    fn command(&mut self, command: Self::Command);
+}
+
+/// Runs a connection's task until every engine handle is gone and nothing is open: waits for
+/// the driver's next input, an engine command, or the driver's deadline, whichever first.
+pub(crate) async fn run_task<T: ConnectionTask>(
+    mut task: T,
+    mut commands: tokio::sync::mpsc::UnboundedReceiver<T::Command>,
+) {
+    use crate::driver::Driver;
+    use std::time::Instant;
+    let far = std::time::Duration::from_secs(3600);
+    let mut engine_open = true;
+    loop {
+        task.report();
+        // Checked before waiting: once every engine handle is gone and nothing is open,
+        // nothing more can happen on this connection (its pool lives on in the verified
+        // handles the engine still holds).
+        if !engine_open && task.driver().open_transfers() == 0 {
+            return;
+        }
+        let wake = task
+            .driver()
+            .poll_timeout()
+            .map(tokio::time::Instant::from_std)
+            .unwrap_or_else(|| tokio::time::Instant::now() + far);
+        enum Wake<C> {
+            Input,
+            Command(Option<C>),
+            Deadline,
+        }
+        let woke = tokio::select! {
+            _ = std::future::poll_fn(|cx| task.driver().poll_input(cx, Instant::now())) => Wake::Input,
+            c = commands.recv(), if engine_open => Wake::Command(c),
+            _ = tokio::time::sleep_until(wake) => Wake::Deadline,
+        };
+        match woke {
+            Wake::Input => {}
+            Wake::Command(Some(c)) => task.command(c),
+            Wake::Command(None) => {
+                // Every engine handle is gone: close the connection; open transfers fail
+                // safely (fenced and released, or drained) as it ends.
+                engine_open = false;
+                task.driver().close(Instant::now());
+            }
+            Wake::Deadline => task.driver().handle_timeout(Instant::now()),
+        }
+    }
+}

@@ -153,3 +153,52 @@ pub fn loopback(config: &NodeConfig) -> Result<(SenderConn, ReceiverConn), Engin
     let sender = SenderConn::run(server, source, s, config)?;
     Ok((sender, receiver))
 }
+
+/// The ways to open one end of a connection, alike for both roles: `$open` is
+/// [`sender`] or [`receiver`] of this module.
+macro_rules! constructors {
+    ($open:path) => {
+        /// Connects to the peer and runs the handshake as the client.
+        pub async fn connect(
+            addr: impl ToSocketAddrs,
+            config: &NodeConfig,
+        ) -> Result<Self, EngineError> {
+            let stream = TcpStream::connect(addr).await?;
+            Self::start(stream, config, true).await
+        }
+
+        /// Accepts one connection on `listener` and runs the handshake as the server.
+        pub async fn accept(
+            listener: &TcpListener,
+            config: &NodeConfig,
+        ) -> Result<Self, EngineError> {
+            let (stream, _) = listener.accept().await?;
+            Self::start(stream, config, false).await
+        }
+
+        /// Runs the handshake on `stream` and starts the connection's task, over a pool the
+        /// engine allocates.
+        pub async fn start(
+            stream: TcpStream,
+            config: &NodeConfig,
+            client: bool,
+        ) -> Result<Self, EngineError> {
+            let memory = KvMemory::allocate(&config.pool)?;
+            Self::start_with_memory(stream, config, client, memory).await
+        }
+
+        /// Runs the handshake on `stream` (over the transport `config.transport` names) and
+        /// starts the connection's task over KV memory the caller registered
+        /// ([`KvMemory::from_buffers`], or the engine's own memory with
+        /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
+        pub async fn start_with_memory(
+            stream: TcpStream,
+            config: &NodeConfig,
+            client: bool,
+            memory: KvMemory,
+        ) -> Result<Self, EngineError> {
+            $open(stream, config, client, memory).await
+        }
+    };
+}
+pub(crate) use constructors;

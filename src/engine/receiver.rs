@@ -3,17 +3,16 @@
 //! connection's transport.
 
 use std::collections::HashMap;
-use std::future::poll_fn;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvwire_proto::wire::{ErrorCode, Hello, TransferRef};
 use kvwire_proto::FailureReason;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{transfer_error, EngineError, NodeConfig, TransferError};
+use super::{transfer_error, ConnectionTask, EngineError, NodeConfig, TransferError};
 use crate::driver::{DigestExecution, ReceiveOutcome, ReceiverDriver, ReserveParams, VerifiedKv};
 use crate::memory::{KvMemory, PagePool, PageRef, PoolError};
 use crate::metrics::{Connection, Metrics};
@@ -145,43 +144,7 @@ pub struct ReceiverConn {
 }
 
 impl ReceiverConn {
-    /// Accepts one connection on `listener` and runs the handshake as the server.
-    pub async fn accept(listener: &TcpListener, config: &NodeConfig) -> Result<Self, EngineError> {
-        let (stream, _) = listener.accept().await?;
-        Self::start(stream, config, false).await
-    }
-
-    /// Connects to a sender and runs the handshake as the client.
-    pub async fn connect(
-        addr: impl ToSocketAddrs,
-        config: &NodeConfig,
-    ) -> Result<Self, EngineError> {
-        let stream = TcpStream::connect(addr).await?;
-        Self::start(stream, config, true).await
-    }
-
-    /// Runs the handshake on `stream` and starts the connection's task, over a pool the
-    /// engine allocates.
-    pub async fn start(
-        stream: TcpStream,
-        config: &NodeConfig,
-        client: bool,
-    ) -> Result<Self, EngineError> {
-        let memory = KvMemory::allocate(&config.pool)?;
-        Self::start_with_memory(stream, config, client, memory).await
-    }
-
-    /// Runs the handshake on `stream` (over the transport `config.transport` names) and
-    /// starts the connection's task over KV memory the caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
-    /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
-    pub async fn start_with_memory(
-        stream: TcpStream,
-        config: &NodeConfig,
-        client: bool,
-        memory: KvMemory,
-    ) -> Result<Self, EngineError> {
-        super::open::receiver(stream, config, client, memory).await
-    }
+    super::open::constructors!(super::open::receiver);
 
     /// Starts the connection's task: the receiver driver over `transport`.
     pub(crate) fn run<T: ReceiverTransport + 'static>(
@@ -207,7 +170,7 @@ impl ReceiverConn {
             waiting: HashMap::new(),
             stats: ReceiverConnStats::default(),
         };
-        tokio::spawn(task.run(cmd_rx));
+        tokio::spawn(super::run_task(task, cmd_rx));
         Ok(Self {
             cmd,
             peer: est.peer,
@@ -278,42 +241,8 @@ struct Task<T> {
 }
 
 impl<T: ReceiverTransport> Task<T> {
-    async fn run(mut self, mut cmds: mpsc::UnboundedReceiver<Cmd>) {
-        let mut engine_open = true;
-        let far = Duration::from_secs(3600);
-        loop {
-            self.report();
-            self.publish();
-            // Checked before waiting: once every engine handle is gone and nothing is open,
-            // nothing more can happen on this connection (its pool lives on in the verified
-            // handles the engine still holds).
-            if !engine_open && self.driver.session().open_transfers() == 0 {
-                return;
-            }
-            let wake = self
-                .driver
-                .poll_timeout()
-                .map(tokio::time::Instant::from_std)
-                .unwrap_or_else(|| tokio::time::Instant::now() + far);
-            let driver = &mut self.driver;
-            tokio::select! {
-                _ = poll_fn(|cx| driver.poll_input(cx, Instant::now())) => {}
-                c = cmds.recv(), if engine_open => match c {
-                    Some(c) => self.command(c),
-                    None => {
-                        // Every engine handle is gone: fail what is open (fence, release) and
-                        // stop listening to the engine.
-                        engine_open = false;
-                        self.driver.close(Instant::now());
-                    }
-                },
-                _ = tokio::time::sleep_until(wake) => self.driver.handle_timeout(Instant::now()),
-            }
-        }
-    }
-
     /// Hands finished transfers to the engine.
-    fn report(&mut self) {
+    fn hand_over(&mut self) {
         while let Some(outcome) = self.driver.poll_outcome() {
             match outcome {
                 ReceiveOutcome::Verified(kv) => {
@@ -359,7 +288,7 @@ impl<T: ReceiverTransport> Task<T> {
         }
     }
 
-    fn command(&mut self, cmd: Cmd) {
+    fn execute(&mut self, cmd: Cmd) {
         let now = Instant::now();
         match cmd {
             Cmd::Reserve { params, reply } => {
@@ -422,5 +351,23 @@ impl<T: ReceiverTransport> Task<T> {
         let fences = self.driver.stats().fences;
         m.fences.inc_by(fences - self.fences_reported);
         self.fences_reported = fences;
+    }
+}
+
+impl<T: ReceiverTransport> ConnectionTask for Task<T> {
+    type Command = Cmd;
+    type Driver = ReceiverDriver<T>;
+
+    fn driver(&mut self) -> &mut ReceiverDriver<T> {
+        &mut self.driver
+    }
+
+    fn report(&mut self) {
+        self.hand_over();
+        self.publish();
+    }
+
+    fn command(&mut self, command: Cmd) {
+        self.execute(command);
     }
 }

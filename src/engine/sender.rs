@@ -2,9 +2,8 @@
 //! which runs the sender driver over the connection's transport.
 
 use std::collections::HashMap;
-use std::future::poll_fn;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvwire_proto::admission::{AdmissionError, Admitted, Request};
 use kvwire_proto::sender::SenderEvent;
@@ -13,7 +12,7 @@ use kvwire_proto::FailureReason;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{transfer_error, EngineError, NodeConfig, TransferError};
+use super::{transfer_error, ConnectionTask, EngineError, NodeConfig, TransferError};
 use crate::driver::{DigestExecution, SenderDriver};
 use crate::memory::KvMemory;
 use crate::metrics::Metrics;
@@ -74,43 +73,7 @@ pub struct SenderConn {
 }
 
 impl SenderConn {
-    /// Connects to a receiver and runs the handshake as the client.
-    pub async fn connect(
-        addr: impl ToSocketAddrs,
-        config: &NodeConfig,
-    ) -> Result<Self, EngineError> {
-        let stream = TcpStream::connect(addr).await?;
-        Self::start(stream, config, true).await
-    }
-
-    /// Accepts one connection on `listener` and runs the handshake as the server.
-    pub async fn accept(listener: &TcpListener, config: &NodeConfig) -> Result<Self, EngineError> {
-        let (stream, _) = listener.accept().await?;
-        Self::start(stream, config, false).await
-    }
-
-    /// Runs the handshake on `stream` and starts the connection's task, over a pool the
-    /// engine allocates.
-    pub async fn start(
-        stream: TcpStream,
-        config: &NodeConfig,
-        client: bool,
-    ) -> Result<Self, EngineError> {
-        let memory = KvMemory::allocate(&config.pool)?;
-        Self::start_with_memory(stream, config, client, memory).await
-    }
-
-    /// Runs the handshake on `stream` (over the transport `config.transport` names) and
-    /// starts the connection's task over KV memory the caller registered ([`KvMemory::from_buffers`], or the engine's own memory with
-    /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
-    pub async fn start_with_memory(
-        stream: TcpStream,
-        config: &NodeConfig,
-        client: bool,
-        memory: KvMemory,
-    ) -> Result<Self, EngineError> {
-        super::open::sender(stream, config, client, memory).await
-    }
+    super::open::constructors!(super::open::sender);
 
     /// Starts the connection's task: the sender driver over `transport`.
     pub(crate) fn run<T: SenderTransport + 'static>(
@@ -140,7 +103,7 @@ impl SenderConn {
             waiting: HashMap::new(),
             stats: SenderConnStats::default(),
         };
-        tokio::spawn(task.run(cmd_rx));
+        tokio::spawn(super::run_task(task, cmd_rx));
         Ok(Self {
             cmd,
             peer: est.peer,
@@ -229,41 +192,8 @@ struct Task<T> {
 }
 
 impl<T: SenderTransport> Task<T> {
-    async fn run(mut self, mut cmds: mpsc::UnboundedReceiver<Cmd>) {
-        let mut engine_open = true;
-        let far = Duration::from_secs(3600);
-        loop {
-            self.report();
-            if !engine_open
-                && self.driver.closed().is_some()
-                && self.driver.session().open_transfers() == 0
-            {
-                return;
-            }
-            let wake = self
-                .driver
-                .poll_timeout()
-                .map(tokio::time::Instant::from_std)
-                .unwrap_or_else(|| tokio::time::Instant::now() + far);
-            let driver = &mut self.driver;
-            tokio::select! {
-                _ = poll_fn(|cx| driver.poll_input(cx, Instant::now())) => {}
-                c = cmds.recv(), if engine_open => match c {
-                    Some(c) => self.command(c),
-                    None => {
-                        // Every engine handle is gone: close the connection; open transfers
-                        // fail safely (drained, source pages released) as it ends.
-                        engine_open = false;
-                        self.driver.close(Instant::now());
-                    }
-                },
-                _ = tokio::time::sleep_until(wake) => self.driver.handle_timeout(Instant::now()),
-            }
-        }
-    }
-
     /// Hands finished transfers to the engine.
-    fn report(&mut self) {
+    fn hand_over(&mut self) {
         while let Some(event) = self.driver.poll_event() {
             let (id, result) = match event {
                 SenderEvent::Verified(t) => {
@@ -298,7 +228,7 @@ impl<T: SenderTransport> Task<T> {
         }
     }
 
-    fn command(&mut self, cmd: Cmd) {
+    fn execute(&mut self, cmd: Cmd) {
         let now = Instant::now();
         match cmd {
             Cmd::Admit { req, reply } => {
@@ -361,5 +291,22 @@ impl<T: SenderTransport> Task<T> {
                 let _ = reply.send(s);
             }
         }
+    }
+}
+
+impl<T: SenderTransport> ConnectionTask for Task<T> {
+    type Command = Cmd;
+    type Driver = SenderDriver<T>;
+
+    fn driver(&mut self) -> &mut SenderDriver<T> {
+        &mut self.driver
+    }
+
+    fn report(&mut self) {
+        self.hand_over();
+    }
+
+    fn command(&mut self, command: Cmd) {
+        self.execute(command);
     }
 }

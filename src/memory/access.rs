@@ -86,6 +86,33 @@ impl PageLocks {
     }
 }
 
+/// What both guards do alike: give the bytes, unlock when dropped, never print the bytes.
+macro_rules! guard {
+    ($guard:ident, $unlock:ident) => {
+        impl Deref for $guard<'_> {
+            type Target = [u8];
+            fn deref(&self) -> &[u8] {
+                self.bytes
+            }
+        }
+
+        impl Drop for $guard<'_> {
+            fn drop(&mut self) {
+                self.locks.$unlock(self.page);
+            }
+        }
+
+        impl fmt::Debug for $guard<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_struct(stringify!($guard))
+                    .field("page", &self.page)
+                    .field("len", &self.bytes.len())
+                    .finish()
+            }
+        }
+    };
+}
+
 /// Read access to one page of one buffer: the bytes, locked against writers while it lives.
 pub struct PageRef<'a> {
     bytes: &'a [u8],
@@ -112,27 +139,7 @@ impl<'a> PageRef<'a> {
     }
 }
 
-impl Deref for PageRef<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.bytes
-    }
-}
-
-impl Drop for PageRef<'_> {
-    fn drop(&mut self) {
-        self.locks.unlock_read(self.page);
-    }
-}
-
-impl fmt::Debug for PageRef<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PageRef")
-            .field("page", &self.page)
-            .field("len", &self.bytes.len())
-            .finish()
-    }
-}
+guard!(PageRef, unlock_read);
 
 impl PartialEq for PageRef<'_> {
     fn eq(&self, other: &Self) -> bool {
@@ -183,31 +190,11 @@ impl<'a> PageMut<'a> {
     }
 }
 
-impl Deref for PageMut<'_> {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.bytes
-    }
-}
+guard!(PageMut, unlock_write);
 
 impl DerefMut for PageMut<'_> {
     fn deref_mut(&mut self) -> &mut [u8] {
         self.bytes
-    }
-}
-
-impl Drop for PageMut<'_> {
-    fn drop(&mut self) {
-        self.locks.unlock_write(self.page);
-    }
-}
-
-impl fmt::Debug for PageMut<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PageMut")
-            .field("page", &self.page)
-            .field("len", &self.bytes.len())
-            .finish()
     }
 }
 

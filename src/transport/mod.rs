@@ -182,3 +182,41 @@ pub trait ReceiverTransport: Transport {
     /// [`TransportEvent::Fenced`] is reported, no write for it can land any more.
     fn fence(&mut self, transfer: TransferRef) -> Fence;
 }
+
+/// A receiver transport whose access scopes and fence are a [`ScopeTable`] it checks before
+/// every landing (loopback, TCP): implementing this makes it a [`ReceiverTransport`], whose
+/// fence completes at once (closing the scope turns every later byte of the transfer away).
+pub trait TableScoped: Transport {
+    /// The table.
+    fn scopes(&self) -> &ScopeTable;
+
+    /// The table, mutably.
+    fn scopes_mut(&mut self) -> &mut ScopeTable;
+
+    /// Called with a reservation's pages just before its scope opens.
+    fn scope_opening(&mut self, _pages: &[u32]) {}
+}
+
+impl<T: TableScoped> ReceiverTransport for T {
+    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError> {
+        self.scope_opening(pages);
+        Ok(self.scopes_mut().open(transfer_id, pages).to_descriptor())
+    }
+
+    fn bind_scope(&mut self, transfer: TransferRef) {
+        self.scopes_mut().bind(transfer);
+    }
+
+    fn abandon_scope(&mut self, transfer_id: u64) {
+        self.scopes_mut().close(transfer_id);
+    }
+
+    fn open_scopes(&self) -> usize {
+        self.scopes().open_scopes()
+    }
+
+    fn fence(&mut self, transfer: TransferRef) -> Fence {
+        self.scopes_mut().close(transfer.transfer_id);
+        Fence::Done
+    }
+}

@@ -29,9 +29,7 @@ use kvwire_proto::wire::{Frame, TransferRef};
 
 pub use self::wire::WireStats;
 use self::wire::{Direction, Packet, Wire, WriteOp};
-use super::{
-    Closed, Fence, ReceiverTransport, ScopeError, SenderTransport, Transport, TransportEvent,
-};
+use super::{Closed, SenderTransport, TableScoped, Transport, TransportEvent};
 use crate::memory::{AccessKey, PagePool, PageState, ScopeTable};
 
 /// The two ends of one loopback connection: the sender writes from `source` into `dest`.
@@ -246,11 +244,6 @@ impl LoopbackReceiver {
         self.landings.clone()
     }
 
-    /// Open access scopes.
-    pub fn open_scopes(&self) -> usize {
-        self.scopes.open_scopes()
-    }
-
     /// Lands one write: checks its scope (a fenced or foreign key is refused, nothing is
     /// written), copies the page of every buffer, and records a landing in a page no longer
     /// leased under the generation its scope was opened with.
@@ -360,30 +353,21 @@ impl Transport for LoopbackReceiver {
     }
 }
 
-impl ReceiverTransport for LoopbackReceiver {
-    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError> {
+impl TableScoped for LoopbackReceiver {
+    fn scopes(&self) -> &ScopeTable {
+        &self.scopes
+    }
+
+    fn scopes_mut(&mut self) -> &mut ScopeTable {
+        &mut self.scopes
+    }
+
+    fn scope_opening(&mut self, pages: &[u32]) {
+        // Remember each page's lease generation: a landing under another is illegal.
         for &p in pages {
             if let Some(PageState::Leased { generation }) = self.dest.state(p) {
                 self.generations.insert(p, generation);
             }
         }
-        Ok(self.scopes.open(transfer_id, pages).to_descriptor())
-    }
-
-    fn bind_scope(&mut self, transfer: TransferRef) {
-        self.scopes.bind(transfer);
-    }
-
-    fn abandon_scope(&mut self, transfer_id: u64) {
-        self.scopes.close(transfer_id);
-    }
-
-    fn open_scopes(&self) -> usize {
-        self.scopes.open_scopes()
-    }
-
-    fn fence(&mut self, transfer: TransferRef) -> Fence {
-        self.scopes.close(transfer.transfer_id);
-        Fence::Done
     }
 }

@@ -221,6 +221,70 @@ impl Lanes {
     }
 }
 
+/// What a lane reports to its end of the connection, after the work both ends do alike
+/// (opening frames, noticing a failed SEND).
+pub(crate) enum LaneEvent {
+    /// A control frame, opened.
+    Frame(Frame),
+    /// A signaled write completed.
+    WriteDone { wr_id: u64, ok: bool },
+    /// A memory-window bind or invalidation completed.
+    LocalDone { wr_id: u64, ok: bool },
+}
+
+impl Lanes {
+    /// One pass over the lanes: posts queued frames, takes every completion (`on(lane, i,
+    /// event)` for each; an event that breaks the link returns why), watches the bootstrap
+    /// connection, and waits on the completion channel when nothing happened. `Ready(Ok)`:
+    /// something happened (poll again); `Ready(Err(why))`: the connection must end;
+    /// `Pending`: nothing, the waker registered.
+    pub(crate) fn poll_pass(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut on: impl FnMut(&mut Lane, usize, LaneEvent) -> Option<Closed>,
+    ) -> Poll<Result<(), Closed>> {
+        if let Err(e) = self.flush_frames() {
+            return Poll::Ready(Err(Closed::LinkFailed(e.to_string())));
+        }
+        let mut broken: Option<Closed> = None;
+        let polled = self.poll_completions(|lane, i, e| {
+            let why = match e {
+                RdmaEvent::Frame(bytes) => match lane.open(&bytes) {
+                    Ok(f) => on(lane, i, LaneEvent::Frame(f)),
+                    Err(why) => Some(why),
+                },
+                RdmaEvent::SendFailed(status) => Some(Closed::LinkFailed(format!(
+                    "a SEND on lane {i} failed with status {status}"
+                ))),
+                RdmaEvent::WriteDone { wr_id, ok } => {
+                    on(lane, i, LaneEvent::WriteDone { wr_id, ok })
+                }
+                RdmaEvent::LocalDone { wr_id, ok } => {
+                    on(lane, i, LaneEvent::LocalDone { wr_id, ok })
+                }
+            };
+            if let Some(why) = why {
+                broken.get_or_insert(why);
+            }
+        });
+        let polled = match polled {
+            Ok(p) => p,
+            Err(e) => return Poll::Ready(Err(Closed::LinkFailed(e.to_string()))),
+        };
+        if let Some(why) = broken.or_else(|| self.poll_peer_gone(cx)) {
+            return Poll::Ready(Err(why));
+        }
+        if polled {
+            return Poll::Ready(Ok(()));
+        }
+        match self.poll_wait(cx) {
+            Poll::Ready(Ok(())) => Poll::Ready(Ok(())),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(Closed::LinkFailed(e.to_string()))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
 /// Remembers which lane each live transfer uses (bounded: the oldest entries go first).
 #[derive(Default)]
 pub(crate) struct LaneMap(BTreeMap<u64, usize>);

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use kvwire_proto::wire::{Frame, TransferRef, MAX_ACCESS};
 
 use super::descriptor::{encoded_len, page_runs, AccessDescriptor, AccessKind, AccessRun};
-use super::lanes::{LaneMap, Lanes};
-use super::verbs::{MemoryWindow, RdmaDevice, RdmaEvent, RegisteredMemory};
+use super::lanes::{LaneEvent, LaneMap, Lanes};
+use super::verbs::{MemoryWindow, RdmaDevice, RegisteredMemory};
 use crate::transport::{Closed, Fence, ReceiverTransport, ScopeError, Transport, TransportEvent};
 
 /// Send-queue depth of each of a receiver's queue pairs (binds, invalidations, frames).
@@ -221,46 +221,26 @@ impl Transport for RdmaReceiver {
             if self.closed {
                 return Poll::Pending;
             }
-            if let Err(e) = self.lanes.flush_frames() {
-                self.fail(Closed::LinkFailed(e.to_string()));
-                continue;
-            }
-            let mut broken: Option<Closed> = None;
             let mut fenced: Vec<u64> = Vec::new();
             let mut frames: Vec<Frame> = Vec::new();
             let fence_wrs = &mut self.fence_wrs;
-            let polled = self.lanes.poll_completions(|lane, i, e| match e {
-                RdmaEvent::Frame(bytes) => match lane.open(&bytes) {
-                    Ok(f) => frames.push(f),
-                    Err(why) => {
-                        broken.get_or_insert(why);
-                    }
-                },
-                RdmaEvent::LocalDone { wr_id, ok } => {
-                    if !ok {
-                        broken.get_or_insert(Closed::LinkFailed(format!(
-                            "a memory window bind or invalidation on lane {i} failed"
-                        )));
-                        return;
-                    }
+            let pass = self.lanes.poll_pass(cx, |_, i, e| match e {
+                LaneEvent::Frame(f) => {
+                    frames.push(f);
+                    None
+                }
+                LaneEvent::LocalDone { ok: false, .. } => Some(Closed::LinkFailed(format!(
+                    "a memory window bind or invalidation on lane {i} failed"
+                ))),
+                LaneEvent::LocalDone { wr_id, ok: true } => {
+                    // An invalidation of a fence (binds need nothing).
                     if let Some(tid) = fence_wrs.remove(&wr_id) {
                         fenced.push(tid);
                     }
+                    None
                 }
-                RdmaEvent::SendFailed(status) => {
-                    broken.get_or_insert(Closed::LinkFailed(format!(
-                        "a SEND on lane {i} failed with status {status}"
-                    )));
-                }
-                RdmaEvent::WriteDone { .. } => {}
+                LaneEvent::WriteDone { .. } => None,
             });
-            let polled = match polled {
-                Ok(p) => p,
-                Err(e) => {
-                    self.fail(Closed::LinkFailed(e.to_string()));
-                    continue;
-                }
-            };
             for tid in fenced {
                 let done = self.fencing.get_mut(&tid).is_some_and(|f| {
                     f.remaining -= 1;
@@ -278,20 +258,9 @@ impl Transport for RdmaReceiver {
             }
             self.events
                 .extend(frames.into_iter().map(TransportEvent::Frame));
-            if let Some(why) = broken {
-                self.fail(why);
-                continue;
-            }
-            if let Some(why) = self.lanes.poll_peer_gone(cx) {
-                self.fail(why);
-                continue;
-            }
-            if polled || !self.events.is_empty() {
-                continue;
-            }
-            match self.lanes.poll_wait(cx) {
-                Poll::Ready(Ok(())) => continue,
-                Poll::Ready(Err(e)) => self.fail(Closed::LinkFailed(e.to_string())),
+            match pass {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(why)) => self.fail(why),
                 Poll::Pending => return Poll::Pending,
             }
         }

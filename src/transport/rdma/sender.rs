@@ -10,8 +10,8 @@ use kvwire_proto::sender::PageWrite;
 use kvwire_proto::wire::{Frame, TransferRef};
 
 use super::descriptor::AccessDescriptor;
-use super::lanes::{LaneMap, Lanes};
-use super::verbs::{RdmaError, RdmaEvent, RdmaWrite, RegisteredMemory};
+use super::lanes::{LaneEvent, LaneMap, Lanes};
+use super::verbs::{RdmaError, RdmaWrite, RegisteredMemory};
 use crate::transport::{Closed, SenderTransport, Transport, TransportEvent};
 
 /// Pages per signaled write: the last write of every `SIGNAL_EVERY`th page (and of every
@@ -295,72 +295,42 @@ impl Transport for RdmaSender {
                 return Poll::Pending;
             }
             // Writes first, then frames, so a COMMIT queued with them follows them.
-            if let Err(e) = self.post_batches().and_then(|()| self.lanes.flush_frames()) {
+            if let Err(e) = self.post_batches() {
                 self.fail(Closed::LinkFailed(e.to_string()));
                 continue;
             }
-            let mut broken: Option<Closed> = None;
             let mut completed: Vec<(TransferRef, u32, bool)> = Vec::new();
             let mut frames: Vec<Frame> = Vec::new();
             let (inflight, lane_of) = (&mut self.inflight, &mut self.lane_of);
-            let polled = self.lanes.poll_completions(|lane, i, e| match e {
-                RdmaEvent::WriteDone { wr_id, ok } => {
-                    let Some(s) = inflight.remove(&wr_id) else {
-                        return;
-                    };
+            let pass = self.lanes.poll_pass(cx, |lane, i, e| match e {
+                LaneEvent::WriteDone { wr_id, ok } => {
+                    let s = inflight.remove(&wr_id)?;
                     lane.wrs_in_flight = lane.wrs_in_flight.saturating_sub(s.wrs);
                     completed.push((s.transfer, s.pages, ok));
-                    if !ok && broken.is_none() {
-                        broken = Some(Closed::LinkFailed(format!(
+                    (!ok).then(|| {
+                        Closed::LinkFailed(format!(
                             "a write on lane {i} completed in error (e.g. a remote access error after the receiver's fence)"
-                        )));
-                    }
+                        ))
+                    })
                 }
-                RdmaEvent::Frame(bytes) => match lane.open(&bytes) {
-                    Ok(f) => {
-                        if let Frame::Reserve(r) = &f {
-                            // The transfer's writes and COMMIT go back on this lane.
-                            lane_of.set(r.transfer_id, i);
-                        }
-                        frames.push(f);
+                LaneEvent::Frame(f) => {
+                    if let Frame::Reserve(r) = &f {
+                        // The transfer's writes and COMMIT go back on this lane.
+                        lane_of.set(r.transfer_id, i);
                     }
-                    Err(why) => {
-                        broken.get_or_insert(why);
-                    }
-                },
-                RdmaEvent::SendFailed(status) => {
-                    broken.get_or_insert(Closed::LinkFailed(format!(
-                        "a SEND on lane {i} failed with status {status}"
-                    )));
+                    frames.push(f);
+                    None
                 }
-                RdmaEvent::LocalDone { .. } => {}
+                LaneEvent::LocalDone { .. } => None,
             });
-            let polled = match polled {
-                Ok(p) => p,
-                Err(e) => {
-                    self.fail(Closed::LinkFailed(e.to_string()));
-                    continue;
-                }
-            };
             for (t, pages, ok) in completed {
                 self.done(t, pages, ok);
             }
             self.events
                 .extend(frames.into_iter().map(TransportEvent::Frame));
-            if let Some(why) = broken {
-                self.fail(why);
-                continue;
-            }
-            if let Some(why) = self.lanes.poll_peer_gone(cx) {
-                self.fail(why);
-                continue;
-            }
-            if polled || !self.events.is_empty() {
-                continue;
-            }
-            match self.lanes.poll_wait(cx) {
-                Poll::Ready(Ok(())) => continue,
-                Poll::Ready(Err(e)) => self.fail(Closed::LinkFailed(e.to_string())),
+            match pass {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(why)) => self.fail(why),
                 Poll::Pending => return Poll::Pending,
             }
         }

@@ -8,13 +8,13 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use kvwire_proto::auth::{Opener, Sealer};
-use kvwire_proto::wire::{Frame, TransferRef};
+use kvwire_proto::wire::Frame;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::records::{Record, StreamError, StreamReader, StreamStats};
 use crate::memory::{PagePool, ScopeTable};
-use crate::transport::{Closed, Fence, ReceiverTransport, ScopeError, Transport, TransportEvent};
+use crate::transport::{Closed, TableScoped, Transport, TransportEvent};
 
 /// The decode end of a TCP connection (after the handshake).
 #[derive(Debug)]
@@ -53,11 +53,6 @@ impl TcpReceiver {
     /// What the stream carried.
     pub fn stats(&self) -> StreamStats {
         self.reader.stats
-    }
-
-    /// Open access scopes.
-    pub fn open_scopes(&self) -> usize {
-        self.scopes.open_scopes()
     }
 
     fn shut(&mut self, why: Closed) {
@@ -182,27 +177,14 @@ impl Transport for TcpReceiver {
     }
 }
 
-impl ReceiverTransport for TcpReceiver {
-    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError> {
-        Ok(self.scopes.open(transfer_id, pages).to_descriptor())
+/// The reader checks the scope before every read into a page: once it is closed, the rest
+/// of any record for that transfer goes to scratch (the fence).
+impl TableScoped for TcpReceiver {
+    fn scopes(&self) -> &ScopeTable {
+        &self.scopes
     }
 
-    fn bind_scope(&mut self, transfer: TransferRef) {
-        self.scopes.bind(transfer);
-    }
-
-    fn abandon_scope(&mut self, transfer_id: u64) {
-        self.scopes.close(transfer_id);
-    }
-
-    fn open_scopes(&self) -> usize {
-        self.scopes.open_scopes()
-    }
-
-    fn fence(&mut self, transfer: TransferRef) -> Fence {
-        // The reader checks the scope before every read into a page: once it is closed, the
-        // rest of any record for this transfer goes to scratch.
-        self.scopes.close(transfer.transfer_id);
-        Fence::Done
+    fn scopes_mut(&mut self) -> &mut ScopeTable {
+        &mut self.scopes
     }
 }

@@ -1,0 +1,254 @@
+//! What the drivers of both roles share: the session, the transport, the pool, where digests
+//! run, and why the connection closed; and the handling of the inputs both roles get in the
+//! same way (frames, the connection's end, finished digest jobs).
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use kvwire_proto::receiver::ReceiverSession;
+use kvwire_proto::sender::SenderSession;
+use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, TransferDigests, TransferRef};
+use kvwire_proto::{FrameError, Scope};
+
+use super::digest::{DigestExecution, Digests};
+use crate::checksum::DigestMode;
+use crate::memory::PagePool;
+use crate::transport::{Closed, Transport, TransportEvent};
+
+/// The session calls both drivers make alike.
+pub(crate) trait Session {
+    fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool;
+    fn handle_digests(&mut self, now: Instant, transfer: TransferRef, digests: TransferDigests);
+    fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError>;
+    fn handle_peer_lost(&mut self, now: Instant);
+    fn poll_timeout(&mut self) -> Option<Instant>;
+}
+
+macro_rules! session {
+    ($t:ty) => {
+        impl Session for $t {
+            fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+                <$t>::abort(self, now, transfer_id, code)
+            }
+            fn handle_digests(&mut self, now: Instant, t: TransferRef, d: TransferDigests) {
+                <$t>::handle_digests(self, now, t, d)
+            }
+            fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError> {
+                <$t>::handle_frame(self, now, frame)
+            }
+            fn handle_peer_lost(&mut self, now: Instant) {
+                <$t>::handle_peer_lost(self, now)
+            }
+            fn poll_timeout(&mut self) -> Option<Instant> {
+                <$t>::poll_timeout(self)
+            }
+        }
+    };
+}
+session!(SenderSession);
+session!(ReceiverSession);
+
+/// The parts of a driver both roles have.
+#[derive(Debug)]
+pub(crate) struct Core<S, T> {
+    pub(crate) session: S,
+    pub(crate) transport: T,
+    pub(crate) pool: Arc<PagePool>,
+    pub(crate) digests: Digests,
+    pub(crate) closed: Option<Closed>,
+}
+
+impl<S: Session, T: Transport> Core<S, T> {
+    pub(crate) fn new(session: S, transport: T, pool: Arc<PagePool>) -> Self {
+        Self {
+            session,
+            transport,
+            pool,
+            digests: Digests::new(DigestMode::Verify, DigestExecution::Inline),
+            closed: None,
+        }
+    }
+
+    /// The session's next deadline or the transport's own wake-up, whichever is first.
+    pub(crate) fn poll_timeout(&mut self) -> Option<Instant> {
+        let session = self.session.poll_timeout();
+        let transport = self.transport.poll_timeout();
+        session.into_iter().chain(transport).min()
+    }
+
+    /// Waits for the next input. A digest job finished elsewhere is handled here
+    /// (`Ready(None)`); a transport event is handled here if both roles handle it alike, else
+    /// returned.
+    pub(crate) fn poll_input(
+        &mut self,
+        cx: &mut Context<'_>,
+        now: Instant,
+    ) -> Poll<Option<TransportEvent>> {
+        if let Poll::Ready((t, r)) = self.digests.poll_done(cx) {
+            self.finish_digests(now, t, r.map_err(|_| ()));
+            return Poll::Ready(None);
+        }
+        self.transport
+            .poll_event(cx, now)
+            .map(|ev| self.handle_common(now, ev))
+    }
+
+    /// Handles a frame or the connection's end; returns any other event.
+    pub(crate) fn handle_common(
+        &mut self,
+        now: Instant,
+        event: TransportEvent,
+    ) -> Option<TransportEvent> {
+        match event {
+            TransportEvent::Frame(frame) => {
+                if let Err(e) = self.session.handle_frame(now, frame) {
+                    if e.scope == Scope::Connection {
+                        tracing::warn!(error = %e, "protocol error on the connection: closing it");
+                        self.transport.close(now);
+                    } else {
+                        tracing::debug!(error = %e, "frame dropped");
+                    }
+                }
+                None
+            }
+            TransportEvent::Closed(why) => {
+                if self.closed.is_none() {
+                    self.closed = Some(why);
+                    self.session.handle_peer_lost(now);
+                }
+                None
+            }
+            other => Some(other),
+        }
+    }
+
+    /// Starts the digests of `transfer` over `pages` (in transfer order; pinned while the
+    /// job runs), and hands the result to the session when it is ready now.
+    pub(crate) fn start_digests(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        algorithm: DigestAlgorithm,
+        page_digests: bool,
+        pages: Vec<u32>,
+    ) {
+        let view = self.pool.share_pages(pages);
+        if let Some(result) = self.digests.start(transfer, algorithm, page_digests, view) {
+            self.finish_digests(now, transfer, result);
+        }
+    }
+
+    pub(crate) fn finish_digests(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        result: Result<TransferDigests, ()>,
+    ) {
+        match result {
+            Ok(d) => self.session.handle_digests(now, transfer, d),
+            Err(()) => {
+                // No digest can be made: abort, then report the digest job as ended so the
+                // session may release the pages it was waiting on.
+                self.session
+                    .abort(now, transfer.transfer_id, ErrorCode::DIGEST_UNSUPPORTED);
+                self.session
+                    .handle_digests(now, transfer, TransferDigests::default());
+            }
+        }
+    }
+}
+
+/// The methods both drivers have alike (in `impl<T: ...Transport> XDriver<T>` blocks with a
+/// `core: Core<_, T>` field and a `process(now)` method).
+macro_rules! driver_common {
+    () => {
+        /// Sets the digest mode. [`DigestMode::UnverifiedBenchmarkOnly`] delivers unverified
+        /// data and exists only to measure the integrity tax.
+        pub fn set_digest_mode(&mut self, mode: DigestMode) {
+            self.core.digests.mode = mode;
+        }
+
+        /// Sets where digests are computed (inline by default).
+        pub fn set_digest_execution(&mut self, execution: DigestExecution) {
+            self.core.digests.execution = execution;
+        }
+
+        /// Handles the passage of time.
+        pub fn handle_timeout(&mut self, now: Instant) {
+            self.core.session.handle_timeout(now);
+            self.process(now);
+        }
+
+        /// When `handle_timeout` must next be called (the session's deadlines and the
+        /// transport's own wake-up, whichever is first).
+        pub fn poll_timeout(&mut self) -> Option<Instant> {
+            self.core.poll_timeout()
+        }
+
+        /// Closes the connection from this side: every open transfer fails safely (fenced
+        /// and released, or drained) as the transport reports its end.
+        pub fn close(&mut self, now: Instant) {
+            self.core.transport.close(now);
+        }
+
+        /// Waits for the next input (a transport event or a digest job finished elsewhere)
+        /// and handles it. `Ready` when something was handled.
+        pub fn poll_input(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<()> {
+            match self.core.poll_input(cx, now) {
+                Poll::Ready(Some(ev)) => {
+                    self.handle_event(now, ev);
+                    Poll::Ready(())
+                }
+                Poll::Ready(None) => {
+                    self.process(now);
+                    Poll::Ready(())
+                }
+                Poll::Pending => Poll::Pending,
+            }
+        }
+
+        /// Why the connection closed, once it has.
+        pub fn closed(&self) -> Option<&Closed> {
+            self.core.closed.as_ref()
+        }
+
+        /// The transport.
+        pub fn transport(&self) -> &T {
+            &self.core.transport
+        }
+
+        /// The transport, mutably (harnesses reach their fault injectors through it).
+        pub fn transport_mut(&mut self) -> &mut T {
+            &mut self.core.transport
+        }
+    };
+}
+pub(crate) use driver_common;
+
+/// Implements [`Driver`](super::Driver) for a driver type with the `driver_common` methods.
+macro_rules! impl_driver {
+    ($driver:ident, $transport:ident) => {
+        impl<T: $transport> super::Driver for $driver<T> {
+            fn poll_input(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<()> {
+                $driver::poll_input(self, cx, now)
+            }
+            fn poll_timeout(&mut self) -> Option<Instant> {
+                $driver::poll_timeout(self)
+            }
+            fn handle_timeout(&mut self, now: Instant) {
+                $driver::handle_timeout(self, now)
+            }
+            fn close(&mut self, now: Instant) {
+                $driver::close(self, now)
+            }
+            fn open_transfers(&self) -> usize {
+                self.core.session.open_transfers()
+            }
+            fn closed(&self) -> Option<&Closed> {
+                $driver::closed(self)
+            }
+        }
+    };
+}
+pub(crate) use impl_driver;
