@@ -20,9 +20,10 @@ use kvwire_proto::wire::Role;
 use tokio::net::TcpStream;
 
 use super::lanes::Lanes;
+use super::link::{QpParams, RcLink};
 use super::receiver::{RdmaReceiver, RECEIVER_QUEUE_DEPTH};
 use super::sender::{sender_queue_depth, RdmaSender};
-use super::verbs::{QpParams, RcLink, RdmaDevice, RdmaError};
+use super::verbs::{RdmaDevice, RdmaError};
 use crate::memory::PagePool;
 
 /// Transport-parameter kind of an RDMA RC queue pair in HELLO.

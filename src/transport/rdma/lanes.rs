@@ -12,7 +12,9 @@ use kvwire_proto::wire::Frame;
 use tokio::io::{AsyncRead, ReadBuf};
 use tokio::net::TcpStream;
 
-use super::verbs::{EventChannel, QpParams, RcLink, RdmaError, RdmaEvent};
+use super::events::EventChannel;
+use super::link::{QpParams, RcLink, RdmaEvent};
+use super::verbs::RdmaError;
 use crate::transport::Closed;
 
 /// One queue pair of a connection and what travels on it.

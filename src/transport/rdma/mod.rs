@@ -42,7 +42,11 @@
 pub mod bootstrap;
 pub mod descriptor;
 #[cfg(feature = "rdma")]
+mod events;
+#[cfg(feature = "rdma")]
 mod lanes;
+#[cfg(feature = "rdma")]
+mod link;
 #[cfg(feature = "rdma")]
 mod receiver;
 #[cfg(feature = "rdma")]
@@ -51,11 +55,12 @@ mod sender;
 pub mod verbs;
 
 #[cfg(feature = "rdma")]
+pub use events::EventChannel;
+#[cfg(feature = "rdma")]
+pub use link::{QpParams, RcLink, RdmaEvent, RdmaWrite, SEND_SLOTS, SLOT};
+#[cfg(feature = "rdma")]
 pub use receiver::{RdmaReceiver, RdmaReceiverStats, RECEIVER_QUEUE_DEPTH};
 #[cfg(feature = "rdma")]
 pub use sender::{sender_queue_depth, RdmaSender, RdmaSenderStats, SIGNAL_EVERY};
 #[cfg(feature = "rdma")]
-pub use verbs::{
-    EventChannel, MemoryWindow, QpParams, RcLink, RdmaDevice, RdmaError, RdmaEvent, RdmaWrite,
-    RegisteredMemory, SLOT,
-};
+pub use verbs::{MemoryWindow, RdmaDevice, RdmaError, RegisteredMemory};

@@ -11,7 +11,8 @@ use kvwire_proto::wire::{Frame, TransferRef};
 
 use super::descriptor::AccessDescriptor;
 use super::lanes::{LaneEvent, LaneMap, Lanes};
-use super::verbs::{RdmaError, RdmaWrite, RegisteredMemory};
+use super::link::RdmaWrite;
+use super::verbs::{RdmaError, RegisteredMemory};
 use crate::transport::{Closed, SenderTransport, Transport, TransportEvent};
 
 /// Pages per signaled write: the last write of every `SIGNAL_EVERY`th page (and of every

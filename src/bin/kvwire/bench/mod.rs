@@ -9,6 +9,13 @@
 //! (`--check-bytes`). Every transfer is verified by digest unless `--verify none` is asked
 //! for, which exists only to measure the integrity tax and says so.
 
+mod raw;
+mod table;
+
+pub use raw::raw_tcp_baseline;
+use raw::{raw_read, raw_write};
+pub use table::{human_bytes, table};
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,7 +25,6 @@ use std::time::{Duration, Instant};
 use kvwire_proto::admission::Request;
 use kvwire_proto::wire::DigestAlgorithm;
 use serde::Serialize;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use kvwire::checksum::DigestMode;
@@ -434,45 +440,6 @@ async fn run_case_pair(
     .await
 }
 
-/// Raw TCP loopback: the same bytes, in records of one page index, copied into a page-sized
-/// buffer on arrival (what landing does), with no protocol at all.
-pub async fn raw_tcp_baseline(total: u64, record: usize) -> std::io::Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let reader = tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await?;
-        raw_read(&mut s, total, record).await
-    });
-    let mut s = TcpStream::connect(addr).await?;
-    s.set_nodelay(true)?;
-    let start = Instant::now();
-    raw_write(&mut s, total, record).await?;
-    reader.await.map_err(std::io::Error::other)??;
-    Ok(total as f64 / start.elapsed().as_secs_f64() / 1e9)
-}
-
-async fn raw_write(s: &mut TcpStream, total: u64, record: usize) -> std::io::Result<()> {
-    let buf = vec![0x5au8; record];
-    let mut left = total;
-    while left > 0 {
-        let n = (left as usize).min(record);
-        s.write_all(&buf[..n]).await?;
-        left -= n as u64;
-    }
-    s.flush().await
-}
-
-async fn raw_read(s: &mut TcpStream, total: u64, record: usize) -> std::io::Result<()> {
-    let mut buf = vec![0u8; record];
-    let mut left = total;
-    while left > 0 {
-        let n = (left as usize).min(record);
-        s.read_exact(&mut buf[..n]).await?;
-        left -= n as u64;
-    }
-    Ok(())
-}
-
 fn with_baseline(mut case: CaseResult, raw: Option<f64>) -> CaseResult {
     case.raw_gb_per_s = raw;
     case.ratio_to_raw = raw.filter(|r| *r > 0.0).map(|r| case.gb_per_s / r);
@@ -736,84 +703,4 @@ async fn run_sender_side(spec: &BenchSpec, page: u32, sender: &SenderConn) -> Ca
         .ok();
     let (s, tokens) = (sender.clone(), spec.tokens());
     run_side(spec, page, move |id| send_one(&s, tokens, id)).await
-}
-
-/// `65536` -> `64 KiB`.
-pub fn human_bytes(b: u64) -> String {
-    if b >= 1 << 20 && b % (1 << 20) == 0 {
-        format!("{} MiB", b >> 20)
-    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
-        format!("{} KiB", b >> 10)
-    } else {
-        format!("{b} B")
-    }
-}
-
-/// The perftest-style table.
-pub fn table(report: &Report) -> String {
-    let mut out = String::new();
-    let verify = match report.spec.verify {
-        Verify::Xxh3 => "verify: xxh3 digests over landed memory",
-        Verify::Crc32 => "verify: crc32 digests over landed memory",
-        Verify::None => {
-            "verify: NONE -- UNVERIFIED, only to measure the integrity tax; never use for data"
-        }
-    };
-    out += &format!(
-        "kvwire bench  transport: {}  {}\n",
-        report.transport, verify
-    );
-    out += &format!(
-        "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6}  failures\n",
-        "page",
-        "pages",
-        "bufs",
-        "transfers",
-        "conc",
-        "GB/s",
-        "xfer/s",
-        "p50 ms",
-        "p99 ms",
-        "verified",
-        "checked",
-        "raw GB/s",
-        "ratio"
-    );
-    for c in &report.cases {
-        let failures = if c.failures.is_empty() {
-            "-".to_string()
-        } else {
-            c.failures
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        out += &format!(
-            "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8.3} {:>9.1} {:>8.2} {:>8.2} {:>9} {:>8} {:>8} {:>6}  {}\n",
-            human_bytes(u64::from(c.page_bytes)),
-            c.pages,
-            c.buffers,
-            c.transfers,
-            c.concurrency,
-            c.gb_per_s,
-            c.transfers_per_s,
-            c.p50_ms,
-            c.p99_ms,
-            c.verified,
-            c.bytes_checked,
-            c.raw_gb_per_s.map_or("-".into(), |r| format!("{r:.3}")),
-            c.ratio_to_raw.map_or("-".into(), |r| format!("{r:.2}")),
-            failures
-        );
-    }
-    if let Some(m) = &report.metrics {
-        out += "counters:";
-        for line in m.lines().filter(|l| !l.starts_with('#')) {
-            out += "\n  ";
-            out += line;
-        }
-        out += "\n";
-    }
-    out
 }

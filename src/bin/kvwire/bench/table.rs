@@ -1,0 +1,83 @@
+//! The perftest-style table of a bench report.
+
+use super::{Report, Verify};
+
+/// `65536` -> `64 KiB`.
+pub fn human_bytes(b: u64) -> String {
+    if b >= 1 << 20 && b % (1 << 20) == 0 {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 && b % (1 << 10) == 0 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
+}
+
+/// The perftest-style table.
+pub fn table(report: &Report) -> String {
+    let mut out = String::new();
+    let verify = match report.spec.verify {
+        Verify::Xxh3 => "verify: xxh3 digests over landed memory",
+        Verify::Crc32 => "verify: crc32 digests over landed memory",
+        Verify::None => {
+            "verify: NONE -- UNVERIFIED, only to measure the integrity tax; never use for data"
+        }
+    };
+    out += &format!(
+        "kvwire bench  transport: {}  {}\n",
+        report.transport, verify
+    );
+    out += &format!(
+        "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6}  failures\n",
+        "page",
+        "pages",
+        "bufs",
+        "transfers",
+        "conc",
+        "GB/s",
+        "xfer/s",
+        "p50 ms",
+        "p99 ms",
+        "verified",
+        "checked",
+        "raw GB/s",
+        "ratio"
+    );
+    for c in &report.cases {
+        let failures = if c.failures.is_empty() {
+            "-".to_string()
+        } else {
+            c.failures
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        out += &format!(
+            "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8.3} {:>9.1} {:>8.2} {:>8.2} {:>9} {:>8} {:>8} {:>6}  {}\n",
+            human_bytes(u64::from(c.page_bytes)),
+            c.pages,
+            c.buffers,
+            c.transfers,
+            c.concurrency,
+            c.gb_per_s,
+            c.transfers_per_s,
+            c.p50_ms,
+            c.p99_ms,
+            c.verified,
+            c.bytes_checked,
+            c.raw_gb_per_s.map_or("-".into(), |r| format!("{r:.3}")),
+            c.ratio_to_raw.map_or("-".into(), |r| format!("{r:.2}")),
+            failures
+        );
+    }
+    if let Some(m) = &report.metrics {
+        out += "counters:";
+        for line in m.lines().filter(|l| !l.starts_with('#')) {
+            out += "\n  ";
+            out += line;
+        }
+        out += "\n";
+    }
+    out
+}
