@@ -68,7 +68,7 @@ fn bench_digest_transfer(c: &mut Criterion) {
         })
         .collect();
     let binding = DigestBinding {
-        transfer_id: 0x1234,
+        transfer_id: kvwire::TransferId(0x1234),
         nonce: 0x5678,
     };
 

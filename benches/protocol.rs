@@ -3,6 +3,7 @@
 //!
 //! Run: `cargo bench -p kvwire --bench protocol -- --quick`
 
+use kvwire::TransferId;
 use std::time::Duration;
 
 use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
@@ -14,14 +15,14 @@ use kvwire::testkit::{kv_pattern, Pair, PairConfig};
 
 fn frames() -> Vec<(&'static str, Frame)> {
     let t = TransferRef {
-        transfer_id: 7,
+        transfer_id: TransferId(7),
         nonce: 9,
     };
     vec![
         (
             "reserve_64_pages",
             Frame::Reserve(Reserve {
-                transfer_id: 7,
+                transfer_id: TransferId(7),
                 nonce: 9,
                 tokens: 1024,
                 digest: DigestAlgorithm::XXH3_64,
@@ -94,7 +95,7 @@ fn loopback(c: &mut Criterion) {
                     .reserve(
                         now,
                         ReserveParams {
-                            transfer_id: id,
+                            transfer_id: TransferId(id),
                             tokens: 128,
                             timeout: Duration::from_secs(5),
                             digest: None,
@@ -108,16 +109,18 @@ fn loopback(c: &mut Criterion) {
                     .admit(
                         now,
                         Request {
-                            transfer_id: id,
+                            transfer_id: TransferId(id),
                             tokens: 128,
                         },
                     )
                     .unwrap();
                 let this = id;
                 pair.sender
-                    .submit(now, admitted, |o, b, p| kv_pattern(this, o, b, p))
+                    .submit(now, admitted, |o, b, p| {
+                        kv_pattern(TransferId(this), o, b, p)
+                    })
                     .unwrap();
-                assert!(pair.drive_until(|p| p.verified.last() == Some(&this)));
+                assert!(pair.drive_until(|p| p.verified.last() == Some(&TransferId(this))));
             })
         });
         assert!(pair.wrong_content.is_empty());

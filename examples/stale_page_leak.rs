@@ -27,6 +27,7 @@
 //! cargo run --example stale_page_leak
 //! ```
 
+use kvwire::TransferId;
 use std::error::Error;
 use std::time::Duration;
 
@@ -179,7 +180,7 @@ fn naive() -> usize {
 
     // The placeholder's transfer: one token of KV into the first page, then "complete".
     let mut placeholder = vec![0; TOKEN_BYTES];
-    kv_pattern(TENANT_B_ID, 0, 0, &mut placeholder);
+    kv_pattern(TransferId(TENANT_B_ID), 0, 0, &mut placeholder);
     node.write(b_pages[0], 0, &placeholder);
     let written_for_b = placeholder.len();
     println!(
@@ -259,7 +260,7 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
     let err = match pair.sender.admit(
         now,
         Request {
-            transfer_id: TENANT_B_ID,
+            transfer_id: TransferId(TENANT_B_ID),
             tokens,
         },
     ) {
@@ -274,7 +275,7 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
     pair.receiver.reserve(
         now,
         ReserveParams {
-            transfer_id: TENANT_B_ID,
+            transfer_id: TransferId(TENANT_B_ID),
             tokens: TENANT_B_TOKENS as u32,
             timeout: Duration::from_secs(2),
             digest: None,
@@ -288,7 +289,7 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
     pair.drive();
 
     // What tenant B's decode engine got.
-    let failure = pair.receiver_failure(TENANT_B_ID).cloned();
+    let failure = pair.receiver_failure(TransferId(TENANT_B_ID)).cloned();
     let stats = pair.wire_stats();
     let pool = pair.receiver.pool();
     println!(
@@ -341,17 +342,17 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
     let admitted = pair.sender.admit(
         now,
         Request {
-            transfer_id: LEGIT_ID,
+            transfer_id: TransferId(LEGIT_ID),
             tokens: u64::from(LEGIT_TOKENS),
         },
     )?;
     pair.sender.submit(now, admitted, |ord, b, page| {
-        kv_pattern(LEGIT_ID, ord, b, page)
+        kv_pattern(TransferId(LEGIT_ID), ord, b, page)
     })?;
     pair.receiver.reserve(
         now,
         ReserveParams {
-            transfer_id: LEGIT_ID,
+            transfer_id: TransferId(LEGIT_ID),
             tokens: LEGIT_TOKENS,
             timeout: Duration::from_secs(2),
             digest: None,
@@ -370,10 +371,10 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
         pool.free_pages(),
         pool.capacity_pages()
     );
-    assert_eq!(pair.verified, vec![LEGIT_ID]);
+    assert_eq!(pair.verified, vec![TransferId(LEGIT_ID)]);
     assert!(pair.wrong_content.is_empty());
     assert!(pair.illegal_landings().is_empty());
-    assert!(pair.sender_verified(LEGIT_ID));
+    assert!(pair.sender_verified(TransferId(LEGIT_ID)));
     let legit_pages = u64::from(LEGIT_TOKENS).div_ceil(TOKENS_PER_PAGE as u64);
     assert_eq!(stats.bytes_landed, legit_pages * PAGE_BYTES as u64);
     assert_eq!(pool.free_pages(), pool.capacity_pages());

@@ -12,7 +12,7 @@
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
 //! use std::time::Duration;
-//! use kvwire::{Auth, NodeConfig, PoolGeometry, ReceiverConn, Request, ReserveParams, SenderConn};
+//! use kvwire::{Auth, NodeConfig, PoolGeometry, ReceiverConn, Request, ReserveParams, SenderConn, TransferId};
 //!
 //! // Both nodes: the same KV layout (2 buffers of 4 KiB pages, 16 tokens per page), a pool
 //! // that holds the advertised context, and the same pre-shared key.
@@ -30,9 +30,10 @@
 //! let decode = decode.await??;
 //!
 //! // Decode: reserve pages for request 7 (100 tokens) and wait for verified KV.
-//! let verified = decode.reserve(ReserveParams::new(7, 100, Duration::from_secs(5)));
+//! let id = TransferId(7);
+//! let verified = decode.reserve(ReserveParams::new(id, 100, Duration::from_secs(5)));
 //! // Prefill: admit the request (a typed rejection otherwise), fill its pages, send.
-//! let admitted = prefill.admit(Request { transfer_id: 7, tokens: 100 }).await?;
+//! let admitted = prefill.admit(Request { transfer_id: id, tokens: 100 }).await?;
 //! prefill.send(admitted, |ordinal, buffer, page| page.fill((ordinal + buffer as u32) as u8)).await?;
 //! let kv = verified.await?;
 //! assert_eq!(kv.page(0, 1)?[0], 1); // read in place, no copy
@@ -69,5 +70,5 @@ pub use engine::{
 };
 pub use memory::{KvMemory, PagePool, PoolError, PoolGeometry, Scrub};
 pub use proto::admission::{AdmissionError, Admitted, Request};
-pub use proto::wire::{DigestAlgorithm, ErrorCode, TransferRef};
+pub use proto::wire::{DigestAlgorithm, ErrorCode, TransferId, TransferRef};
 pub use proto::FailureReason;

@@ -3,6 +3,7 @@
 //! with its typed error, and the receiver's pool back to full afterwards. A man-in-the-middle
 //! proxy between the two engines edits the sender's control frames.
 
+use kvwire::TransferId;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -117,7 +118,7 @@ fn key(b: u8) -> Auth {
 
 fn params(id: u64) -> ReserveParams {
     ReserveParams {
-        transfer_id: id,
+        transfer_id: TransferId(id),
         tokens: 100,
         timeout: Duration::from_secs(5),
         digest: None,
@@ -128,11 +129,12 @@ fn params(id: u64) -> ReserveParams {
 async fn send(s: &SenderConn, id: u64) -> Result<(), TransferError> {
     let a = s
         .admit(Request {
-            transfer_id: id,
+            transfer_id: TransferId(id),
             tokens: 100,
         })
         .await?;
-    s.send(a, move |o, b, p| kv_pattern(id, o, b, p)).await
+    s.send(a, move |o, b, p| kv_pattern(TransferId(id), o, b, p))
+        .await
 }
 
 async fn assert_pool_full(r: &ReceiverConn) {
@@ -153,7 +155,7 @@ async fn authenticated_transfer_verifies_with_the_senders_bytes() {
         .page(0, 1)
         .map(|page| {
             let mut want = vec![0u8; page.len()];
-            kv_pattern(7, 0, 1, &mut want);
+            kv_pattern(TransferId(7), 0, 1, &mut want);
             *page == want[..]
         })
         .unwrap();

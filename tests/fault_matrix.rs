@@ -9,6 +9,7 @@
 
 mod common;
 
+use kvwire::TransferId;
 use std::time::Duration;
 
 use common::{assert_invariants, reserve, send, transfer};
@@ -64,17 +65,20 @@ impl Flow {
         match self {
             Flow::Clean => {}
             Flow::Nack => {
-                pair.fault(FaultRule::on(ID, Fault::DropWrite { ordinal: 1 }));
+                pair.fault(FaultRule::on(
+                    TransferId(ID),
+                    Fault::DropWrite { ordinal: 1 },
+                ));
             }
             Flow::ReceiverAbort => {
                 pair.fault(FaultRule::on(
-                    ID,
+                    TransferId(ID),
                     Fault::Abort(Side::Receiver, Step::FirstWrite),
                 ));
             }
             Flow::SenderAbort => {
                 pair.fault(FaultRule::on(
-                    ID,
+                    TransferId(ID),
                     Fault::Abort(Side::Sender, Step::FirstWrite),
                 ));
             }
@@ -190,7 +194,7 @@ fn config() -> PairConfig {
 fn run(flow: Flow, fault: Option<Fault>) -> (Pair, End, End) {
     let mut pair = Pair::new(config()).unwrap();
     if let Some(f) = fault {
-        pair.fault(FaultRule::on(ID, f));
+        pair.fault(FaultRule::on(TransferId(ID), f));
     }
     flow.setup(&mut pair);
     pair.drive();
@@ -220,7 +224,7 @@ async fn tcp_pair() -> Pair<TcpSender, TcpReceiver> {
 async fn run_tcp(flow: Flow, fault: Option<Fault>) -> Result<(End, End), String> {
     let mut pair = tcp_pair().await;
     if let Some(f) = &fault {
-        pair.fault(FaultRule::on(ID, f.clone()));
+        pair.fault(FaultRule::on(TransferId(ID), f.clone()));
     }
     pair.now = std::time::Instant::now();
     flow.setup(&mut pair);
@@ -241,12 +245,18 @@ fn ends<S: SenderTransport, R: ReceiverTransport>(pair: &Pair<S, R>) -> (End, En
     let r = if pair.crashed == Some(Side::Receiver) {
         End::Nothing
     } else {
-        end(pair.receiver_failure(ID), pair.verified.contains(&ID))
+        end(
+            pair.receiver_failure(TransferId(ID)),
+            pair.verified.contains(&TransferId(ID)),
+        )
     };
     let s = if pair.crashed == Some(Side::Sender) {
         End::Nothing
     } else {
-        end(pair.sender_failure(ID), pair.sender_verified(ID))
+        end(
+            pair.sender_failure(TransferId(ID)),
+            pair.sender_verified(TransferId(ID)),
+        )
     };
     (r, s)
 }

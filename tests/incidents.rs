@@ -3,6 +3,7 @@
 
 mod common;
 
+use kvwire::TransferId;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -65,7 +66,7 @@ fn placeholder_prompt_longer_than_pool_is_rejected_at_admission() {
     reserve(&mut pair, 42, 2000);
     pair.drive();
 
-    match pair.receiver_failure(42) {
+    match pair.receiver_failure(TransferId(42)) {
         Some(FailureReason::Rejected { code, detail }) => {
             assert_eq!(*code, ErrorCode::PROMPT_EXCEEDS_POOL);
             assert!(
@@ -104,12 +105,12 @@ fn placeholder_token_count_mismatch_is_refused_by_the_sender() {
     reserve(&mut pair, 5, 900);
     pair.drive();
     assert!(
-        matches!(pair.receiver_failure(5), Some(FailureReason::Rejected { code, .. }) if *code == ErrorCode::TOKEN_COUNT_MISMATCH),
+        matches!(pair.receiver_failure(TransferId(5)), Some(FailureReason::Rejected { code, .. }) if *code == ErrorCode::TOKEN_COUNT_MISMATCH),
         "{:?}",
         pair.receiver_failures
     );
     assert!(
-        matches!(pair.sender_failure(5), Some(FailureReason::ReservationRefused { code, .. }) if *code == ErrorCode::TOKEN_COUNT_MISMATCH)
+        matches!(pair.sender_failure(TransferId(5)), Some(FailureReason::ReservationRefused { code, .. }) if *code == ErrorCode::TOKEN_COUNT_MISMATCH)
     );
     assert_eq!(pair.wire_stats().writes_posted, 0);
     assert!(pair.verified.is_empty());
@@ -171,7 +172,7 @@ fn short_transfer_one_of_n_pages_fails_on_counts() {
         .reserve(
             now,
             ReserveParams {
-                transfer_id: 3,
+                transfer_id: TransferId(3),
                 tokens: 8 * 16,
                 timeout: Duration::from_secs(1),
                 digest: None,
@@ -230,20 +231,20 @@ fn short_transfer_one_of_n_pages_fails_on_counts() {
 fn stale_pages_counts_right_data_not_written_fails_on_digest() {
     let mut pair = Pair::new(PairConfig::small()).unwrap();
     for ordinal in 0..4 {
-        pair.fault(FaultRule::on(11, Fault::DropWrite { ordinal }));
+        pair.fault(FaultRule::on(TransferId(11), Fault::DropWrite { ordinal }));
     }
     transfer(&mut pair, 11, 64);
     pair.drive();
     assert!(pair.verified.is_empty(), "stale pages were delivered");
     assert_eq!(
-        pair.receiver_failure(11),
+        pair.receiver_failure(TransferId(11)),
         Some(&FailureReason::DigestMismatch {
             buffer: 0,
             page: Some(0)
         })
     );
     assert!(matches!(
-        pair.sender_failure(11),
+        pair.sender_failure(TransferId(11)),
         Some(FailureReason::Nacked { code, buffer: Some(0), page: Some(0) }) if *code == ErrorCode::DIGEST_MISMATCH
     ));
     assert_eq!(pair.wire_stats().bytes_landed, 0);
@@ -254,12 +255,15 @@ fn stale_pages_counts_right_data_not_written_fails_on_digest() {
 #[test]
 fn stale_pages_one_lost_page_is_named() {
     let mut pair = Pair::new(PairConfig::small()).unwrap();
-    pair.fault(FaultRule::on(12, Fault::DropWrite { ordinal: 5 }));
+    pair.fault(FaultRule::on(
+        TransferId(12),
+        Fault::DropWrite { ordinal: 5 },
+    ));
     transfer(&mut pair, 12, 160);
     pair.drive();
     assert!(pair.verified.is_empty());
     assert_eq!(
-        pair.receiver_failure(12),
+        pair.receiver_failure(TransferId(12)),
         Some(&FailureReason::DigestMismatch {
             buffer: 0,
             page: Some(5)
@@ -277,17 +281,19 @@ fn abort_while_writes_in_flight_fences_before_release() {
     let mut cfg = PairConfig::small();
     cfg.receiver_scrub = Scrub::Poison;
     let mut pair = Pair::new(cfg).unwrap();
-    pair.fault(FaultRule::on(21, Fault::LateWrites));
+    pair.fault(FaultRule::on(TransferId(21), Fault::LateWrites));
     transfer(&mut pair, 21, 128);
     assert!(
-        pair.drive_until(|p| p.held_writes(21) > 0),
+        pair.drive_until(|p| p.held_writes(TransferId(21)) > 0),
         "no write ever in flight"
     );
     let reserved = pair.receiver.pool().leased_pages();
     assert_eq!(reserved, 8);
 
     let now = pair.now;
-    assert!(pair.receiver.abort(now, 21, ErrorCode::CANCELLED));
+    assert!(pair
+        .receiver
+        .abort(now, TransferId(21), ErrorCode::CANCELLED));
     // The fence completed before the release: the scope is closed and nothing was released
     // while it was open.
     assert_eq!(pair.open_scopes(), 0);
@@ -311,11 +317,11 @@ fn abort_while_writes_in_flight_fences_before_release() {
         "released pages changed after the fence"
     );
     assert!(matches!(
-        pair.receiver_failure(21),
+        pair.receiver_failure(TransferId(21)),
         Some(FailureReason::LocalAbort { .. })
     ));
     assert!(matches!(
-        pair.sender_failure(21),
+        pair.sender_failure(TransferId(21)),
         Some(FailureReason::PeerAbort { .. })
     ));
     assert!(pair.verified.is_empty());
@@ -330,11 +336,13 @@ fn abort_midway_through_real_writes() {
     transfer(&mut pair, 22, 256);
     assert!(pair.drive_until(|p| p.wire_stats().writes_landed >= 2));
     let now = pair.now;
-    assert!(pair.receiver.abort(now, 22, ErrorCode::CANCELLED));
+    assert!(pair
+        .receiver
+        .abort(now, TransferId(22), ErrorCode::CANCELLED));
     pair.drive();
     assert!(pair.verified.is_empty());
     assert!(matches!(
-        pair.sender_failure(22),
+        pair.sender_failure(TransferId(22)),
         Some(FailureReason::PeerAbort { .. })
     ));
     assert_invariants(&pair);
@@ -368,7 +376,7 @@ fn zero_digest_is_missing_and_fails_closed() {
     let now = Instant::now();
     let (mut rx, _peer) = receiver_driver(now);
     let params = ReserveParams {
-        transfer_id: 4,
+        transfer_id: TransferId(4),
         tokens: 32,
         timeout: Duration::from_secs(1),
         digest: None,

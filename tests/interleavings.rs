@@ -6,6 +6,7 @@
 
 mod common;
 
+use kvwire::TransferId;
 use std::time::Duration;
 
 use common::{assert_invariants, try_reserve, try_send};
@@ -96,11 +97,11 @@ fn run(
     for (i, p) in plans.iter().enumerate() {
         let id = i as u64 + 1;
         if let Some(f) = &p.fault {
-            pair.fault(FaultRule::on(id, f.clone()));
+            pair.fault(FaultRule::on(TransferId(id), f.clone()));
         }
     }
     if let Some((id, f)) = connection_fault {
-        pair.fault(FaultRule::on(id, f));
+        pair.fault(FaultRule::on(TransferId(id), f));
     }
     let mut reserved = Vec::new();
     for (i, p) in plans.iter().enumerate() {
@@ -140,19 +141,23 @@ fn run(
         }
         let now = pair.now;
         match side {
-            Side::Sender => pair
-                .sender
-                .abort(now, id, kvwire::proto::wire::ErrorCode::CANCELLED),
-            Side::Receiver => {
-                pair.receiver
-                    .abort(now, id, kvwire::proto::wire::ErrorCode::CANCELLED)
-            }
+            Side::Sender => pair.sender.abort(
+                now,
+                TransferId(id),
+                kvwire::proto::wire::ErrorCode::CANCELLED,
+            ),
+            Side::Receiver => pair.receiver.abort(
+                now,
+                TransferId(id),
+                kvwire::proto::wire::ErrorCode::CANCELLED,
+            ),
         };
     }
     pair.drive();
     if pair.crashed != Some(Side::Receiver) {
         for id in reserved {
-            let ended = pair.verified.contains(&id) || pair.receiver_failure(id).is_some();
+            let ended = pair.verified.contains(&TransferId(id))
+                || pair.receiver_failure(TransferId(id)).is_some();
             assert!(ended, "transfer {id} never ended at the receiver");
         }
     }

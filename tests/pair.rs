@@ -4,14 +4,15 @@ mod common;
 
 use common::{assert_invariants, transfer};
 use kvwire::testkit::{Pair, PairConfig};
+use kvwire::TransferId;
 
 #[test]
 fn one_transfer_verifies_with_the_senders_bytes() {
     let mut pair = Pair::new(PairConfig::small()).unwrap();
     transfer(&mut pair, 7, 100);
     pair.drive();
-    assert_eq!(pair.verified, vec![7]);
-    assert!(pair.sender_verified(7));
+    assert_eq!(pair.verified, vec![TransferId(7)]);
+    assert!(pair.sender_verified(TransferId(7)));
     assert!(
         pair.receiver_failures.is_empty(),
         "{:?}",
@@ -30,7 +31,7 @@ fn many_concurrent_transfers_verify() {
     pair.drive();
     let mut v = pair.verified.clone();
     v.sort_unstable();
-    assert_eq!(v, (1..=12).collect::<Vec<_>>());
+    assert_eq!(v, (1..=12).map(TransferId).collect::<Vec<_>>());
     assert_invariants(&pair);
 }
 
@@ -47,7 +48,7 @@ fn reservation_before_request_is_parked_then_served() {
     pair.drive();
     assert_eq!(
         pair.verified,
-        vec![9],
+        vec![TransferId(9)],
         "receiver failures: {:?}",
         pair.receiver_failures
     );
@@ -62,11 +63,19 @@ fn duplicated_reserve_is_idempotent() {
     use kvwire::proto::wire::FrameType;
     use kvwire::testkit::{Fault, FaultRule};
     let mut pair = Pair::new(PairConfig::small()).unwrap();
-    pair.fault(FaultRule::on(31, Fault::DuplicateFrame(FrameType::RESERVE)));
+    pair.fault(FaultRule::on(
+        TransferId(31),
+        Fault::DuplicateFrame(FrameType::RESERVE),
+    ));
     transfer(&mut pair, 31, 64);
     pair.drive();
-    assert_eq!(pair.verified, vec![31], "{:?}", pair.receiver_failures);
-    assert!(pair.sender_verified(31));
+    assert_eq!(
+        pair.verified,
+        vec![TransferId(31)],
+        "{:?}",
+        pair.receiver_failures
+    );
+    assert!(pair.sender_verified(TransferId(31)));
     assert_eq!(pair.sender.session().stats().rejected_reservations, 0);
     assert_invariants(&pair);
 }
@@ -81,17 +90,17 @@ fn writes_posted_after_the_fence_are_refused_and_the_sender_drains() {
     use kvwire::testkit::{Fault, FaultRule};
     use std::time::Duration;
     let mut pair = Pair::new(PairConfig::small()).unwrap();
-    pair.fault(FaultRule::on(41, Fault::LateWrites));
+    pair.fault(FaultRule::on(TransferId(41), Fault::LateWrites));
     // The RESERVE arrives after the receiver's 2 s commit deadline: it has fenced already.
     pair.fault(FaultRule::on(
-        41,
+        TransferId(41),
         Fault::DelayFrame(FrameType::RESERVE, Duration::from_millis(2001)),
     ));
     transfer(&mut pair, 41, 16);
     pair.drive();
     assert!(pair.verified.is_empty());
     assert!(pair.wire_stats().writes_refused > 0);
-    assert!(pair.sender_failure(41).is_some());
+    assert!(pair.sender_failure(TransferId(41)).is_some());
     assert_invariants(&pair);
 }
 
@@ -104,17 +113,20 @@ fn a_lost_verified_ends_verified_on_both_sides() {
     use kvwire::proto::wire::FrameType;
     use kvwire::testkit::{Fault, FaultRule};
     let mut pair = Pair::new(PairConfig::small()).unwrap();
-    pair.fault(FaultRule::on(51, Fault::DropFrame(FrameType::VERIFIED)));
+    pair.fault(FaultRule::on(
+        TransferId(51),
+        Fault::DropFrame(FrameType::VERIFIED),
+    ));
     transfer(&mut pair, 51, 64);
     pair.drive();
-    assert_eq!(pair.verified, vec![51]);
+    assert_eq!(pair.verified, vec![TransferId(51)]);
     assert!(
-        pair.sender_verified(51),
+        pair.sender_verified(TransferId(51)),
         "sender disagrees: {:?}",
         pair.sender_events
     );
     assert!(
-        pair.sender_failure(51).is_none(),
+        pair.sender_failure(TransferId(51)).is_none(),
         "sender also reported a failure: {:?}",
         pair.sender_events
     );

@@ -268,6 +268,7 @@ mod driven {
     use kvwire::transport::rdma::descriptor::AccessKind;
     use kvwire::transport::rdma::{bootstrap, RdmaDevice, RdmaReceiver, RdmaSender};
     use kvwire::transport::Closed;
+    use kvwire::TransferId;
 
     type RdmaPair = Pair<RdmaSender, RdmaReceiver>;
 
@@ -337,7 +338,7 @@ mod driven {
         assert!(pair.drive_live(LIMIT).await, "did not settle");
         assert_eq!(pair.verified.len(), 5, "{:?}", pair.receiver_failures);
         for id in 1..=5 {
-            assert!(pair.sender_verified(id));
+            assert!(pair.sender_verified(TransferId(id)));
         }
         for l in holes {
             pair.receiver.pool().release(l).unwrap();
@@ -375,7 +376,7 @@ mod driven {
         assert!(pair.drive_live(LIMIT).await);
         assert!(pair.verified.is_empty());
         assert!(matches!(
-            pair.receiver_failure(5),
+            pair.receiver_failure(TransferId(5)),
             Some(FailureReason::Rejected { code, .. }) if *code == ErrorCode::PROMPT_EXCEEDS_CONTEXT
         ));
         assert_eq!(pair.sender.transport().inner().stats().writes_posted, 0);
@@ -390,11 +391,14 @@ mod driven {
         };
         let (_dev, mut pair) = pair(&d.name, 1);
         // A buggy sender: writes page 0 of 8 and commits counts for one page.
-        pair.fault(FaultRule::on(3, Fault::ShortTransfer { pages: 1 }));
+        pair.fault(FaultRule::on(
+            TransferId(3),
+            Fault::ShortTransfer { pages: 1 },
+        ));
         transfer(&mut pair, 3, 8 * 16);
         assert!(pair.drive_live(LIMIT).await);
         assert_eq!(
-            pair.receiver_failure(3),
+            pair.receiver_failure(TransferId(3)),
             Some(&FailureReason::CountMismatch {
                 field: CountField::Tokens,
                 expected: 128,
@@ -402,7 +406,7 @@ mod driven {
             })
         );
         assert!(matches!(
-            pair.sender_failure(3),
+            pair.sender_failure(TransferId(3)),
             Some(FailureReason::Nacked { code, .. }) if *code == ErrorCode::COUNT_MISMATCH
         ));
         assert_all_fenced(&pair);
@@ -416,12 +420,15 @@ mod driven {
         };
         let (_dev, mut pair) = pair(&d.name, 1);
         // A lying completion: page 2 is never written but reported complete.
-        pair.fault(FaultRule::on(4, Fault::DropWrite { ordinal: 2 }));
+        pair.fault(FaultRule::on(
+            TransferId(4),
+            Fault::DropWrite { ordinal: 2 },
+        ));
         transfer(&mut pair, 4, 6 * 16);
         assert!(pair.drive_live(LIMIT).await);
         assert!(pair.verified.is_empty(), "stale pages were delivered");
         assert_eq!(
-            pair.receiver_failure(4),
+            pair.receiver_failure(TransferId(4)),
             Some(&FailureReason::DigestMismatch {
                 buffer: 0,
                 page: Some(2)
@@ -440,13 +447,13 @@ mod driven {
         };
         let (dev, mut pair) = pair(&d.name, 1);
         pair.fault(FaultRule::on(
-            6,
+            TransferId(6),
             Fault::Abort(Side::Receiver, Step::FirstWrite),
         ));
         transfer(&mut pair, 6, 32 * 16);
         assert!(pair.drive_live(LIMIT).await);
         assert!(matches!(
-            pair.receiver_failure(6),
+            pair.receiver_failure(TransferId(6)),
             Some(FailureReason::LocalAbort { .. })
         ));
         assert!(pair.verified.is_empty());
@@ -465,7 +472,12 @@ mod driven {
         }
         transfer(&mut pair, 7, 64);
         assert!(pair.drive_live(LIMIT).await);
-        assert_eq!(pair.verified, vec![7], "{:?}", pair.receiver_failures);
+        assert_eq!(
+            pair.verified,
+            vec![TransferId(7)],
+            "{:?}",
+            pair.receiver_failures
+        );
         assert_invariants(&pair);
     }
 
@@ -479,7 +491,7 @@ mod driven {
         let (dev, mut pair) = pair(&d.name, 1);
         transfer(&mut pair, 7, 64);
         assert!(pair.drive_live(LIMIT).await);
-        assert_eq!(pair.verified, vec![7]);
+        assert_eq!(pair.verified, vec![TransferId(7)]);
         // The transfer is over: its windows are invalidated and its pages are free. A sender
         // that keeps writing with the old rkeys:
         let pool = pair.receiver.pool().clone();
@@ -487,7 +499,7 @@ mod driven {
             .map(|p| pool.raw_page(p, 0).unwrap().to_vec())
             .collect();
         let t = kvwire::proto::wire::TransferRef {
-            transfer_id: 7,
+            transfer_id: TransferId(7),
             nonce: pair
                 .sender_events
                 .iter()
@@ -528,7 +540,12 @@ mod driven {
         let mut pair = pair_over(&dev, &cfg, pools, 1);
         transfer(&mut pair, 8, 64);
         assert!(pair.drive_live(LIMIT).await);
-        assert_eq!(pair.verified, vec![8], "{:?}", pair.receiver_failures);
+        assert_eq!(
+            pair.verified,
+            vec![TransferId(8)],
+            "{:?}",
+            pair.receiver_failures
+        );
         assert_invariants(&pair);
     }
 
@@ -574,7 +591,7 @@ mod driven {
             cfg.sender.verdict_timeout = Duration::from_secs(5);
             let pools = cfg.pools().unwrap();
             let mut pair = pair_over(&dev, &cfg, pools, 1);
-            pair.fault(FaultRule::on(77, fault.clone()));
+            pair.fault(FaultRule::on(TransferId(77), fault.clone()));
             transfer(&mut pair, 77, 96);
             let settled = pair.drive_live(LIMIT).await;
             assert!(
@@ -586,7 +603,7 @@ mod driven {
                 pair.receiver.closed(),
                 pair.sender.closed()
             );
-            let verified = pair.verified.contains(&77);
+            let verified = pair.verified.contains(&TransferId(77));
             if let Some(delivers) = delivers {
                 assert_eq!(
                     verified, delivers,
@@ -595,10 +612,16 @@ mod driven {
                 );
             }
             if !verified && pair.crashed != Some(Side::Receiver) {
-                assert!(pair.receiver_failure(77).is_some(), "{fault:?}: no outcome");
+                assert!(
+                    pair.receiver_failure(TransferId(77)).is_some(),
+                    "{fault:?}: no outcome"
+                );
             }
             assert!(pair.wrong_content.is_empty(), "{fault:?}");
-            println!("{fault:?}: receiver {:?}", pair.receiver_failure(77));
+            println!(
+                "{fault:?}: receiver {:?}",
+                pair.receiver_failure(TransferId(77))
+            );
             assert_invariants(&pair);
         }
     }
@@ -616,6 +639,7 @@ mod engine {
     use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn};
     use kvwire::proto::admission::Request;
     use kvwire::testkit::kv_pattern;
+    use kvwire::TransferId;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_engine_api_moves_verified_kv_over_rdma() {
@@ -630,7 +654,7 @@ mod engine {
         let decode = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
         let prefill = SenderConn::connect(addr, &config).await.unwrap();
         let decode = decode.await.unwrap().unwrap();
-        for id in 1..=4u64 {
+        for id in (1..=4u64).map(TransferId) {
             let verified = decode.reserve(ReserveParams {
                 transfer_id: id,
                 tokens: 100,

@@ -16,6 +16,7 @@
 
 mod common;
 
+use kvwire::TransferId;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -142,7 +143,7 @@ fn loopback_round(rng: &mut Rng, first_id: u64, n: u64, tally: &mut Tally) {
     cfg.sender_engine.max_context_tokens = 1024;
     cfg.receiver_engine.max_context_tokens = 1024;
     let mut pair = Pair::new(cfg).unwrap();
-    let ids: Vec<u64> = (first_id..first_id + n).collect();
+    let ids: Vec<TransferId> = (first_id..first_id + n).map(TransferId).collect();
     for &id in &ids {
         if let Some(f) = random_fault(rng) {
             pair.fault(FaultRule::on(id, f));
@@ -158,7 +159,7 @@ fn loopback_round(rng: &mut Rng, first_id: u64, n: u64, tally: &mut Tally) {
         };
         pair.fault(FaultRule::on(victim, f));
     }
-    let mut started: Vec<(u64, bool)> = Vec::new(); // (id, reserved)
+    let mut started: Vec<(TransferId, bool)> = Vec::new(); // (id, reserved)
     for (i, &id) in ids.iter().enumerate() {
         let tokens = 1 + rng.below(199) as u32;
         let rejected = rng.chance(5);
@@ -258,7 +259,7 @@ async fn tcp_batch(rng: &mut Rng, first_id: u64, n: u64, config: &NodeConfig, ta
     let mut rx_tasks = Vec::new();
     let mut tx_tasks = Vec::new();
     for i in 0..n {
-        let id = first_id + i;
+        let id = TransferId(first_id + i);
         if cut == Some(i) {
             sender = None; // every handle gone: the engine closes the connection
         }

@@ -1,6 +1,7 @@
 //! The TCP transport and tokio drivers end to end on loopback: verified content, concurrency,
 //! early rejection, peer loss and timeouts, with the pools back to full afterwards.
 
+use kvwire::TransferId;
 use std::time::Duration;
 
 use kvwire::driver::ReserveParams;
@@ -22,7 +23,7 @@ async fn pair(config: &NodeConfig) -> (SenderConn, ReceiverConn) {
 
 fn params(id: u64, tokens: u32) -> ReserveParams {
     ReserveParams {
-        transfer_id: id,
+        transfer_id: TransferId(id),
         tokens,
         timeout: Duration::from_secs(5),
         digest: None,
@@ -33,12 +34,14 @@ fn params(id: u64, tokens: u32) -> ReserveParams {
 async fn send(s: &SenderConn, id: u64, tokens: u64) -> Result<(), TransferError> {
     let admitted = s
         .admit(Request {
-            transfer_id: id,
+            transfer_id: TransferId(id),
             tokens,
         })
         .await?;
-    s.send(admitted, move |ord, b, page| kv_pattern(id, ord, b, page))
-        .await
+    s.send(admitted, move |ord, b, page| {
+        kv_pattern(TransferId(id), ord, b, page)
+    })
+    .await
 }
 
 /// Waits until the receiver's pool is full again (releases travel on channels).
@@ -68,7 +71,7 @@ async fn concurrent_transfers_verify_with_the_senders_bytes() {
             let mut want = vec![0u8; 4096];
             let ok = (0..kv.pages()).all(|o| {
                 (0..kv.buffers()).all(|b| {
-                    kv_pattern(id, o as u32, b, &mut want);
+                    kv_pattern(TransferId(id), o as u32, b, &mut want);
                     *kv.page(o, b).unwrap() == want[..]
                 })
             });
@@ -218,7 +221,7 @@ async fn transfers_land_in_memory_the_engine_registered() {
     let kv = verified.await.unwrap();
     let first = kv.page(0, 1).unwrap().to_vec();
     let mut want = vec![0u8; first.len()];
-    kv_pattern(5, 0, 1, &mut want);
+    kv_pattern(TransferId(5), 0, 1, &mut want);
     assert_eq!(first, want);
     // A geometry that does not match the registered memory is refused at start.
     let wrong = KvMemory::allocate(&kvwire::memory::PoolGeometry {

@@ -6,12 +6,12 @@
 
 use std::time::Duration;
 
-use kvwire::{ReceiverConn, Request, ReserveParams, SenderConn, TransferError};
+use kvwire::{ReceiverConn, Request, ReserveParams, SenderConn, TransferError, TransferId};
 
 /// The KV bytes the prefill engine "computed" for page `ordinal` of `buffer` of request `id`.
-pub fn kv_bytes(id: u64, ordinal: u32, buffer: usize, page: &mut [u8]) {
+pub fn kv_bytes(id: TransferId, ordinal: u32, buffer: usize, page: &mut [u8]) {
     for (i, b) in page.iter_mut().enumerate() {
-        *b = (id as usize * 31 + ordinal as usize * 7 + buffer * 3 + i) as u8;
+        *b = (id.get() as usize * 31 + ordinal as usize * 7 + buffer * 3 + i) as u8;
     }
 }
 
@@ -23,7 +23,7 @@ pub async fn decode(
     tokens: u32,
 ) -> Result<u64, Box<dyn std::error::Error + Send + Sync>> {
     let mut checked = 0;
-    for id in 1..=requests {
+    for id in (1..=requests).map(TransferId) {
         let kv = conn
             .reserve(ReserveParams::new(id, tokens, Duration::from_secs(60)))
             .await?;
@@ -48,7 +48,7 @@ pub async fn decode(
 
 /// Prefill side: admits and sends the same `requests` transfers.
 pub async fn prefill(conn: &SenderConn, requests: u64, tokens: u32) -> Result<(), TransferError> {
-    for id in 1..=requests {
+    for id in (1..=requests).map(TransferId) {
         let admitted = conn
             .admit(Request {
                 transfer_id: id,

@@ -7,14 +7,16 @@
 //!
 //! ```compile_fail
 //! use kvwire_proto::admission::Admitted;
+//! use kvwire_proto::wire::TransferId;
 //! // There is no public constructor: the fields are private.
-//! let forged = Admitted { transfer_id: 1, tokens: 1, pages: 1 };
+//! let forged = Admitted { transfer_id: TransferId(1), tokens: 1, pages: 1 };
 //! ```
 //!
 //! A rejected request is retired with [`crate::sender::SenderSession::retire`]: a
 //! reservation that arrives for it is answered with REJECT carrying the original error, and
 //! no bootstrap, allocation or data follows.
 
+use crate::wire::TransferId;
 use core::fmt;
 
 use crate::wire::ErrorCode;
@@ -35,7 +37,7 @@ pub struct AdmissionPolicy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Request {
     /// The transfer id both engines know (the request id).
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// Prompt tokens whose KV pages will be transferred.
     pub tokens: u64,
 }
@@ -106,14 +108,14 @@ impl std::error::Error for AdmissionError {}
 /// A request that passed admission. Only [`AdmissionPolicy::admit`] makes one.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Admitted {
-    transfer_id: u64,
+    transfer_id: TransferId,
     tokens: u32,
     pages: u32,
 }
 
 impl Admitted {
     /// The transfer id.
-    pub fn transfer_id(&self) -> u64 {
+    pub fn transfer_id(&self) -> TransferId {
         self.transfer_id
     }
     /// Tokens.
@@ -142,7 +144,7 @@ impl Admitted {
 #[must_use = "a rejected request must be retired so a reservation for it is answered with its error"]
 pub struct Rejected {
     /// The transfer id.
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// Why.
     pub error: AdmissionError,
 }

@@ -1,6 +1,7 @@
 //! A bounded memory of finished transfers, so late and duplicate frames for them are
 //! recognised (SPEC.md §7.4) instead of being mistaken for unknown transfers.
 
+use crate::wire::TransferId;
 use std::collections::{HashMap, VecDeque};
 
 /// How a finished transfer ended, as remembered for late frames.
@@ -14,8 +15,8 @@ pub(crate) struct Finished {
 #[derive(Clone, Debug)]
 pub(crate) struct History {
     capacity: usize,
-    order: VecDeque<u64>,
-    entries: HashMap<u64, Finished>,
+    order: VecDeque<TransferId>,
+    entries: HashMap<TransferId, Finished>,
 }
 
 impl History {
@@ -27,7 +28,7 @@ impl History {
         }
     }
 
-    pub(crate) fn insert(&mut self, transfer_id: u64, finished: Finished) {
+    pub(crate) fn insert(&mut self, transfer_id: TransferId, finished: Finished) {
         if self.entries.insert(transfer_id, finished).is_none() {
             self.order.push_back(transfer_id);
             while self.order.len() > self.capacity {
@@ -38,11 +39,11 @@ impl History {
         }
     }
 
-    pub(crate) fn get(&self, transfer_id: u64) -> Option<&Finished> {
+    pub(crate) fn get(&self, transfer_id: TransferId) -> Option<&Finished> {
         self.entries.get(&transfer_id)
     }
 
-    pub(crate) fn remove(&mut self, transfer_id: u64) -> Option<Finished> {
+    pub(crate) fn remove(&mut self, transfer_id: TransferId) -> Option<Finished> {
         let f = self.entries.remove(&transfer_id)?;
         self.order.retain(|&t| t != transfer_id);
         Some(f)

@@ -1,5 +1,6 @@
 //! Deadlines of many transfers: a lazy min-heap, O(log n) per arm and per expiry.
 
+use crate::wire::TransferId;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::time::Instant;
@@ -8,16 +9,19 @@ use std::time::Instant;
 /// deadline equals it; stale entries are discarded when they reach the top.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Timers {
-    heap: BinaryHeap<Reverse<(Instant, u64)>>,
+    heap: BinaryHeap<Reverse<(Instant, TransferId)>>,
 }
 
 impl Timers {
-    pub(crate) fn arm(&mut self, at: Instant, transfer_id: u64) {
+    pub(crate) fn arm(&mut self, at: Instant, transfer_id: TransferId) {
         self.heap.push(Reverse((at, transfer_id)));
     }
 
     /// The earliest live deadline; `current(id)` returns a transfer's armed deadline.
-    pub(crate) fn next(&mut self, current: impl Fn(u64) -> Option<Instant>) -> Option<Instant> {
+    pub(crate) fn next(
+        &mut self,
+        current: impl Fn(TransferId) -> Option<Instant>,
+    ) -> Option<Instant> {
         while let Some(&Reverse((at, id))) = self.heap.peek() {
             if current(id) == Some(at) {
                 return Some(at);
@@ -31,8 +35,8 @@ impl Timers {
     pub(crate) fn expired(
         &mut self,
         now: Instant,
-        current: impl Fn(u64) -> Option<Instant>,
-    ) -> Vec<u64> {
+        current: impl Fn(TransferId) -> Option<Instant>,
+    ) -> Vec<TransferId> {
         let mut out = Vec::new();
         while let Some(&Reverse((at, id))) = self.heap.peek() {
             if at > now {

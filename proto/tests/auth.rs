@@ -3,6 +3,7 @@
 //! error: wrong key, no key, tampered HELLO, tampered / replayed / cross-connection /
 //! reflected frames, and a replayed handshake.
 
+use kvwire_proto::wire::TransferId;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -34,7 +35,7 @@ const NC: u8 = 0xc0;
 const NS: u8 = 0xa0;
 
 const REF: TransferRef = TransferRef {
-    transfer_id: 0x0102_0304_0506_0708,
+    transfer_id: TransferId(0x0102_0304_0506_0708),
     nonce: 0x1112_1314_1516_1718,
 };
 

@@ -4,6 +4,7 @@
 //! Decoder-level detail (field order, allocation bounds) is in `codec.rs`; this file checks
 //! what the sessions and drivers do with each class.
 
+use kvwire_proto::wire::TransferId;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::{AdmissionPolicy, Request};
@@ -54,7 +55,7 @@ fn receiver(now: Instant) -> (ReceiverSession, TransferRef) {
         .reserve(
             now,
             ReservationRequest {
-                transfer_id: 1,
+                transfer_id: TransferId(1),
                 tokens: 32,
                 pages: vec![3, 4],
                 digest: None,
@@ -78,7 +79,7 @@ fn sender(now: Instant) -> SenderSession {
     };
     let admitted = policy
         .admit(Request {
-            transfer_id: 1,
+            transfer_id: TransferId(1),
             tokens: 32,
         })
         .unwrap();
@@ -88,7 +89,7 @@ fn sender(now: Instant) -> SenderSession {
 
 fn reserve_frame(nonce: u64, pages: Vec<u32>) -> Frame {
     Frame::Reserve(Reserve {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce,
         tokens: 32,
         digest: DigestAlgorithm::XXH3_64,
@@ -157,7 +158,7 @@ fn decode_error_closes_the_connection(bytes: &[u8], want: DecodeError) {
     s.handle_peer_lost(now);
     assert_eq!(
         actions(|| s.poll_action()),
-        vec![SenderAction::ReleaseSource(1)]
+        vec![SenderAction::ReleaseSource(TransferId(1))]
     );
     assert!(matches!(
         s.poll_event(),
@@ -185,7 +186,7 @@ fn truncated_frame() {
     // On a stream a prefix is "read more"; a payload that ends inside a field (length and
     // CRC consistent) is an error that closes the connection.
     let full = encoded(&Frame::Verified(TransferRef {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 2,
     }));
     assert_eq!(
@@ -202,7 +203,7 @@ fn truncated_frame() {
 #[test]
 fn bad_crc() {
     let mut bytes = encoded(&Frame::AbortAck(TransferRef {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 2,
     }));
     bytes[14] ^= 0x40;
@@ -214,7 +215,7 @@ fn bad_crc() {
 #[test]
 fn unknown_frame_type() {
     let mut bytes = encoded(&Frame::Verified(TransferRef {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 2,
     }));
     bytes[6..8].copy_from_slice(&0x0017u16.to_le_bytes());
@@ -225,7 +226,7 @@ fn unknown_frame_type() {
 #[test]
 fn unsupported_version() {
     let mut bytes = encoded(&Frame::Verified(TransferRef {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 2,
     }));
     bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
@@ -237,7 +238,7 @@ fn unsupported_version() {
 #[test]
 fn oversize_length() {
     let mut bytes = encoded(&Frame::Verified(TransferRef {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 2,
     }));
     bytes[8..12].copy_from_slice(&(MAX_PAYLOAD + 1).to_le_bytes());
@@ -297,7 +298,7 @@ fn page_index_outside_the_pool() {
     s.handle_frame(now, reserve_frame(9, vec![u32::MAX, 7]))
         .unwrap();
     let t = TransferRef {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 9,
     };
     let a = actions(|| s.poll_action());
@@ -309,7 +310,7 @@ fn page_index_outside_the_pool() {
     s.handle_digests(now, t, Default::default());
     let a = actions(|| s.poll_action());
     assert!(a.contains(&SenderAction::CancelWrites(t)));
-    assert!(a.contains(&SenderAction::ReleaseSource(1)));
+    assert!(a.contains(&SenderAction::ReleaseSource(TransferId(1))));
     assert!(
         matches!(s.poll_transmit(), Some(Frame::Abort(a)) if a.code == ErrorCode::WRITE_FAILED)
     );
@@ -330,7 +331,7 @@ fn duplicate_pages_in_one_reservation() {
     );
     assert_eq!(
         actions(|| s.poll_action()),
-        vec![SenderAction::ReleaseSource(1)]
+        vec![SenderAction::ReleaseSource(TransferId(1))]
     );
     assert!(
         matches!(s.poll_event(), Some(SenderEvent::Failed { reason: FailureReason::ReservationRefused { code, .. }, .. }) if code == ErrorCode::BAD_RESERVATION)
@@ -339,7 +340,7 @@ fn duplicate_pages_in_one_reservation() {
     // The receiver refuses to send such a reservation at all.
     let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
     let req = ReservationRequest {
-        transfer_id: 2,
+        transfer_id: TransferId(2),
         tokens: 32,
         pages: vec![6, 6],
         digest: None,
@@ -367,7 +368,7 @@ fn reservation_larger_than_the_pool() {
     );
     assert_eq!(
         actions(|| s.poll_action()),
-        vec![SenderAction::ReleaseSource(1)]
+        vec![SenderAction::ReleaseSource(TransferId(1))]
     );
     assert_eq!(s.open_transfers(), 0);
     // A request larger than the sender's pool never gets that far: admission refuses it.
@@ -378,7 +379,7 @@ fn reservation_larger_than_the_pool() {
     };
     let rejected = policy
         .admit(Request {
-            transfer_id: 3,
+            transfer_id: TransferId(3),
             tokens: 48,
         })
         .unwrap_err();
@@ -387,7 +388,7 @@ fn reservation_larger_than_the_pool() {
     let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
     let n = MAX_PAGES as u32 + 1;
     let req = ReservationRequest {
-        transfer_id: 4,
+        transfer_id: TransferId(4),
         tokens: n * 16,
         pages: (0..n).collect(),
         digest: None,
@@ -403,7 +404,7 @@ fn commit_for_an_unknown_transfer() {
     let now = Instant::now();
     let (mut r, _) = receiver(now);
     let other = TransferRef {
-        transfer_id: 42,
+        transfer_id: TransferId(42),
         nonce: 7,
     };
     let e = r
@@ -424,7 +425,7 @@ fn commit_for_an_unknown_transfer() {
 fn commit_for_a_finished_transfer() {
     let now = Instant::now();
     let (mut r, t) = receiver(now);
-    assert!(r.abort(now, 1, ErrorCode::CANCELLED));
+    assert!(r.abort(now, TransferId(1), ErrorCode::CANCELLED));
     receiver_fails_safely(&mut r, now, t);
     assert!(matches!(r.poll_transmit(), Some(Frame::Abort(_))));
     r.handle_frame(now, Frame::AbortAck(t)).unwrap();
@@ -441,7 +442,7 @@ fn commit_for_another_nonce() {
     let now = Instant::now();
     let (mut r, t) = receiver(now);
     let stale = TransferRef {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: t.nonce ^ 1,
     };
     let e = r
@@ -465,7 +466,7 @@ fn commit_for_another_nonce() {
 fn abort_for_an_unknown_transfer() {
     let now = Instant::now();
     let unknown = TransferRef {
-        transfer_id: 42,
+        transfer_id: TransferId(42),
         nonce: 7,
     };
     let abort = Frame::Abort(Abort {

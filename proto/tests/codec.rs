@@ -2,6 +2,7 @@
 //! test per class of bad input, encoder limits, unknown codes, and the golden vectors in
 //! `proto/vectors/` (assembled independently of this crate's encoder).
 
+use kvwire_proto::wire::TransferId;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::path::{Path, PathBuf};
@@ -128,7 +129,7 @@ fn check_decode_invariants(bytes: &[u8]) -> Result<(), TestCaseError> {
 
 fn tref() -> TransferRef {
     TransferRef {
-        transfer_id: 0x0102_0304_0506_0708,
+        transfer_id: TransferId(0x0102_0304_0506_0708),
         nonce: 0x1112_1314_1516_1718,
     }
 }
@@ -149,7 +150,7 @@ fn sample_hello() -> Hello {
 
 fn sample_reserve() -> Reserve {
     Reserve {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 2,
         tokens: 3,
         digest: DigestAlgorithm::XXH3_64,
@@ -241,7 +242,10 @@ fn detail() -> impl Strategy<Value = String> {
 }
 
 fn transfer_ref() -> impl Strategy<Value = TransferRef> {
-    (any::<u64>(), any::<u64>()).prop_map(|(transfer_id, nonce)| TransferRef { transfer_id, nonce })
+    (any::<u64>(), any::<u64>()).prop_map(|(transfer_id, nonce)| TransferRef {
+        transfer_id: TransferId(transfer_id),
+        nonce,
+    })
 }
 
 fn bytes(max: usize) -> impl Strategy<Value = Vec<u8>> {
@@ -287,7 +291,7 @@ fn reserve() -> impl Strategy<Value = Reserve> {
         .prop_map(
             |(transfer_id, nonce, tokens, digest, page_digests, deadline_ms, pages, access)| {
                 Reserve {
-                    transfer_id,
+                    transfer_id: TransferId(transfer_id),
                     nonce,
                     tokens,
                     digest,
@@ -1242,7 +1246,7 @@ fn read_vector(name: &str) -> Vec<u8> {
 const TID: u64 = 0x0102_0304_0506_0708;
 const NONCE: u64 = 0x1112_1314_1516_1718;
 const GOLDEN_REF: TransferRef = TransferRef {
-    transfer_id: TID,
+    transfer_id: TransferId(TID),
     nonce: NONCE,
 };
 
@@ -1288,7 +1292,7 @@ fn golden_frames() -> Vec<(&'static str, Frame)> {
         (
             "reserve",
             Frame::Reserve(Reserve {
-                transfer_id: TID,
+                transfer_id: TransferId(TID),
                 nonce: NONCE,
                 tokens: 40,
                 digest: DigestAlgorithm::XXH3_64,

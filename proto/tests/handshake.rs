@@ -4,6 +4,7 @@
 //! Frames travel between the two machines through the real codec (encode, then decode), as
 //! a driver would move them.
 
+use kvwire_proto::wire::TransferId;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::handshake::{check_peer, version_reject, Established, Handshake, HandshakeError};
@@ -441,7 +442,7 @@ fn unexpected_frame_on_the_server() {
     let now = Instant::now();
     let mut server = Handshake::server(now, receiver(), TIMEOUT);
     server.handle_frame(wire(Frame::Reserve(Reserve {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 2,
         tokens: 16,
         digest: DigestAlgorithm::XXH3_64,
@@ -464,7 +465,7 @@ fn unexpected_frame_on_the_client() {
     for frame in [
         Frame::Hello(receiver()),
         Frame::Verified(TransferRef {
-            transfer_id: 1,
+            transfer_id: TransferId(1),
             nonce: 2,
         }),
     ] {

@@ -1,5 +1,6 @@
 //! Session-level regression tests for bugs found while writing SPEC.md.
 
+use kvwire_proto::wire::TransferId;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::{AdmissionPolicy, Request};
@@ -58,7 +59,7 @@ fn a_deadline_rearmed_by_dropped_frames_fires_once() {
     };
     let admitted = policy
         .admit(Request {
-            transfer_id: 1,
+            transfer_id: TransferId(1),
             tokens: 32,
         })
         .unwrap();
@@ -66,7 +67,7 @@ fn a_deadline_rearmed_by_dropped_frames_fires_once() {
     s.handle_frame(
         now,
         Frame::Reserve(Reserve {
-            transfer_id: 1,
+            transfer_id: TransferId(1),
             nonce: 9,
             tokens: 32,
             digest: DigestAlgorithm::XXH3_64,
@@ -78,7 +79,7 @@ fn a_deadline_rearmed_by_dropped_frames_fires_once() {
     )
     .unwrap();
     let t = TransferRef {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 9,
     };
     while s.poll_action().is_some() {}
@@ -95,7 +96,7 @@ fn a_deadline_rearmed_by_dropped_frames_fires_once() {
     // Stale frames for this transfer are dropped; each re-arms the same verdict deadline.
     for _ in 0..3 {
         let stale = TransferRef {
-            transfer_id: 1,
+            transfer_id: TransferId(1),
             nonce: 8,
         };
         assert!(s.handle_frame(now, Frame::Verified(stale)).is_err());
@@ -112,7 +113,7 @@ fn a_deadline_rearmed_by_dropped_frames_fires_once() {
     assert_eq!(s.open_transfers(), 0);
     assert!(!s
         .poll_action()
-        .is_some_and(|a| !matches!(a, SenderAction::ReleaseSource(1))));
+        .is_some_and(|a| !matches!(a, SenderAction::ReleaseSource(TransferId(1)))));
 }
 
 /// Regression (SPEC review Q6): a layout with zero buffers passed the handshake, and a
@@ -155,7 +156,7 @@ fn a_reservation_whose_commit_cannot_fit_is_refused() {
     let now = Instant::now();
     let mut r = ReceiverSession::new(&established(Role::RECEIVER, 64), ReceiverConfig::default());
     let req = |page_digests| ReservationRequest {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         tokens: 2048 * 16,
         pages: (0..2048).collect(),
         digest: None,
@@ -182,7 +183,7 @@ fn receiver_verifying(now: Instant) -> (ReceiverSession, TransferRef) {
         .reserve(
             now,
             ReservationRequest {
-                transfer_id: 1,
+                transfer_id: TransferId(1),
                 tokens: 32,
                 pages: vec![3, 4],
                 digest: None,
@@ -226,7 +227,7 @@ fn receiver_releases_only_after_the_digest_job_returns() {
         if lose_peer {
             r.handle_peer_lost(now);
         } else {
-            assert!(r.abort(now, 1, ErrorCode::CANCELLED));
+            assert!(r.abort(now, TransferId(1), ErrorCode::CANCELLED));
         }
         let actions = drain_actions(|| r.poll_action());
         assert_eq!(
@@ -257,7 +258,7 @@ fn sender_releases_source_only_after_the_digest_job_returns() {
     };
     let admitted = policy
         .admit(Request {
-            transfer_id: 1,
+            transfer_id: TransferId(1),
             tokens: 32,
         })
         .unwrap();
@@ -265,7 +266,7 @@ fn sender_releases_source_only_after_the_digest_job_returns() {
     s.handle_frame(
         now,
         Frame::Reserve(Reserve {
-            transfer_id: 1,
+            transfer_id: TransferId(1),
             nonce: 9,
             tokens: 32,
             digest: DigestAlgorithm::XXH3_64,
@@ -277,15 +278,15 @@ fn sender_releases_source_only_after_the_digest_job_returns() {
     )
     .unwrap();
     let t = TransferRef {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 9,
     };
     drain_actions(|| s.poll_action());
     s.handle_write_outcome(now, t, WriteOutcome::Completed, 2);
-    assert!(s.abort(now, 1, ErrorCode::CANCELLED));
+    assert!(s.abort(now, TransferId(1), ErrorCode::CANCELLED));
     let actions = drain_actions(|| s.poll_action());
     assert!(
-        !actions.contains(&SenderAction::ReleaseSource(1)),
+        !actions.contains(&SenderAction::ReleaseSource(TransferId(1))),
         "source released under a running digest: {actions:?}"
     );
     assert!(
@@ -293,6 +294,6 @@ fn sender_releases_source_only_after_the_digest_job_returns() {
         "ABORT sent before the drain finished"
     );
     s.handle_digests(now, t, TransferDigests::default());
-    assert!(drain_actions(|| s.poll_action()).contains(&SenderAction::ReleaseSource(1)));
+    assert!(drain_actions(|| s.poll_action()).contains(&SenderAction::ReleaseSource(TransferId(1))));
     assert!(matches!(s.poll_transmit(), Some(Frame::Abort(a)) if a.completed_pages == 2));
 }

@@ -39,6 +39,7 @@
 //! the digester. [`digest_transfer`] allocates only its two output vectors, once, with their
 //! final capacity.
 
+use kvwire_proto::wire::TransferId;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
 pub use kvwire_proto::wire::{Digest128, DigestAlgorithm, TransferDigests};
@@ -104,7 +105,7 @@ pub fn page_digest(alg: DigestAlgorithm, bytes: &[u8]) -> Result<u64, Unsupporte
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DigestBinding {
     /// The transfer id.
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// The nonce of the reservation (RESERVE) the pages were written into.
     pub nonce: u64,
 }
@@ -114,7 +115,7 @@ pub struct DigestBinding {
 /// ```
 /// use kvwire::checksum::{BufferDigester, DigestAlgorithm, DigestBinding};
 ///
-/// let binding = DigestBinding { transfer_id: 7, nonce: 42 };
+/// let binding = DigestBinding { transfer_id: kvwire::TransferId(7), nonce: 42 };
 /// let mut d = BufferDigester::new(DigestAlgorithm::XXH3_64, binding, 0).unwrap();
 /// let _page0 = d.update(&[1u8; 4096]);
 /// let _page1 = d.update(&[2u8; 4096]);
@@ -164,7 +165,7 @@ impl BufferDigester {
         let mut header = [0u8; 25];
         header[0..4].copy_from_slice(&BUFFER_DIGEST_DOMAIN);
         header[4] = alg.0;
-        header[5..13].copy_from_slice(&binding.transfer_id.to_le_bytes());
+        header[5..13].copy_from_slice(&binding.transfer_id.0.to_le_bytes());
         header[13..21].copy_from_slice(&binding.nonce.to_le_bytes());
         header[21..25].copy_from_slice(&buffer_index.to_le_bytes());
         let mut hasher = Xxh3Default::new();

@@ -12,7 +12,7 @@ use xxhash_rust::xxh3::{xxh3_128, Xxh3};
 const T: u64 = 0x0123_4567_89AB_CDEF;
 const N: u64 = 0xFEDC_BA98_7654_3210;
 const BIND: DigestBinding = DigestBinding {
-    transfer_id: T,
+    transfer_id: TransferId(T),
     nonce: N,
 };
 
@@ -48,7 +48,7 @@ fn reference_buffer_digest(
     let mut s = Vec::new();
     s.extend_from_slice(b"KVWD");
     s.push(alg.0);
-    s.extend_from_slice(&bind.transfer_id.to_le_bytes());
+    s.extend_from_slice(&bind.transfer_id.0.to_le_bytes());
     s.extend_from_slice(&bind.nonce.to_le_bytes());
     s.extend_from_slice(&b.to_le_bytes());
     for (i, p) in pages.iter().enumerate() {
@@ -273,7 +273,7 @@ fn golden_buffer_three_4k_pages() {
 #[test]
 fn golden_buffer_mixed_page_sizes() {
     let bind = DigestBinding {
-        transfer_id: 7,
+        transfer_id: TransferId(7),
         nonce: 42,
     };
     let pages: Vec<Vec<u8>> = [0usize, 1, 240, 241, 65536]
@@ -314,7 +314,7 @@ fn golden_buffer_mixed_page_sizes() {
 #[test]
 fn golden_digest_transfer() {
     let bind = DigestBinding {
-        transfer_id: 1,
+        transfer_id: TransferId(1),
         nonce: 2,
     };
     let pages: Vec<Vec<Vec<u8>>> = (0..2)
@@ -379,7 +379,7 @@ fn binding_transfer_id_nonce_and_buffer_index() {
     for &alg in supported_algorithms() {
         let base = digest_of(alg, BIND, 0, &pages);
         let other_transfer = DigestBinding {
-            transfer_id: T ^ 1,
+            transfer_id: TransferId(T ^ 1),
             ..BIND
         };
         let other_nonce = DigestBinding {
@@ -387,7 +387,7 @@ fn binding_transfer_id_nonce_and_buffer_index() {
             ..BIND
         };
         let swapped = DigestBinding {
-            transfer_id: N,
+            transfer_id: TransferId(N),
             nonce: T,
         };
         assert_ne!(
@@ -481,7 +481,7 @@ fn stale_digest_from_earlier_reservation_does_not_verify() {
     let first = digest_of(
         DigestAlgorithm::XXH3_64,
         DigestBinding {
-            transfer_id: 5,
+            transfer_id: TransferId(5),
             nonce: 1,
         },
         0,
@@ -490,7 +490,7 @@ fn stale_digest_from_earlier_reservation_does_not_verify() {
     let second = digest_of(
         DigestAlgorithm::XXH3_64,
         DigestBinding {
-            transfer_id: 5,
+            transfer_id: TransferId(5),
             nonce: 2,
         },
         0,
@@ -608,7 +608,7 @@ proptest! {
         ),
     ) {
         let alg = if alg_crc { DigestAlgorithm::CRC32 } else { DigestAlgorithm::XXH3_64 };
-        let bind = DigestBinding { transfer_id, nonce };
+        let bind = DigestBinding { transfer_id: TransferId(transfer_id), nonce };
         // digest_transfer needs a rectangular shape: pad every buffer to the longest.
         let pages = buffer_pages.iter().map(Vec::len).max().unwrap_or(0);
         let mut rect = buffer_pages.clone();

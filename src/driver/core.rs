@@ -2,6 +2,7 @@
 //! run, and why the connection closed; and the handling of the inputs both roles get in the
 //! same way (frames, the connection's end, finished digest jobs).
 
+use kvwire_proto::wire::TransferId;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -18,7 +19,7 @@ use crate::transport::{Closed, Transport, TransportEvent};
 
 /// The session calls both drivers make alike.
 pub(crate) trait Session {
-    fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool;
+    fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool;
     fn handle_digests(&mut self, now: Instant, transfer: TransferRef, digests: TransferDigests);
     fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError>;
     fn handle_peer_lost(&mut self, now: Instant);
@@ -28,7 +29,7 @@ pub(crate) trait Session {
 macro_rules! session {
     ($t:ty) => {
         impl Session for $t {
-            fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+            fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool {
                 <$t>::abort(self, now, transfer_id, code)
             }
             fn handle_digests(&mut self, now: Instant, t: TransferRef, d: TransferDigests) {

@@ -7,6 +7,7 @@
 //! releases them only after their fence. The engine receives a [`VerifiedKv`] only for a
 //! transfer whose digests matched.
 
+use kvwire_proto::wire::TransferId;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -31,7 +32,7 @@ use crate::transport::{Closed, Fence, ReceiverTransport, TransportEvent};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ReserveParams {
     /// The transfer id (the request id both engines know).
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// Tokens expected.
     pub tokens: u32,
     /// How long the sender has to commit.
@@ -45,7 +46,7 @@ pub struct ReserveParams {
 impl ReserveParams {
     /// A reservation of `tokens` tokens for `transfer_id`, committed within `timeout`, with
     /// the first agreed digest algorithm and buffer digests only.
-    pub fn new(transfer_id: u64, tokens: u32, timeout: Duration) -> Self {
+    pub fn new(transfer_id: TransferId, tokens: u32, timeout: Duration) -> Self {
         Self {
             transfer_id,
             tokens,
@@ -160,11 +161,11 @@ enum FenceWaiter {
 pub struct ReceiverDriver<T> {
     core: Core<ReceiverSession, T>,
     /// Leases of every open transfer (and their current reservation).
-    leases: BTreeMap<u64, (TransferRef, Vec<PageLease>)>,
+    leases: BTreeMap<TransferId, (TransferRef, Vec<PageLease>)>,
     /// Transfers whose access scope is open (reserved, not fenced yet).
-    open: BTreeSet<u64>,
+    open: BTreeSet<TransferId>,
     /// Transfers whose fence was started and has not completed, and who waits for it.
-    fencing: BTreeMap<u64, (TransferRef, FenceWaiter)>,
+    fencing: BTreeMap<TransferId, (TransferRef, FenceWaiter)>,
     outcomes: VecDeque<ReceiveOutcome>,
     stats: ReceiverDriverStats,
 }
@@ -238,16 +239,16 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         }
     }
 
-    fn release_leases(&mut self, transfer_id: u64, leases: Vec<PageLease>) {
+    fn release_leases(&mut self, transfer_id: TransferId, leases: Vec<PageLease>) {
         for l in leases {
             if let Err(e) = self.core.pool.release(l) {
-                tracing::error!(transfer_id, error = %e, "page release refused");
+                tracing::error!(transfer_id = transfer_id.0, error = %e, "page release refused");
             }
         }
     }
 
     /// Aborts a transfer: fence, release, then ABORT.
-    pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+    pub fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool {
         let r = self.core.session.abort(now, transfer_id, code);
         self.process(now);
         r
@@ -398,7 +399,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 if unfenced || self.fencing.contains_key(&t.transfer_id) {
                     self.stats.release_before_fence += 1;
                     tracing::error!(
-                        transfer_id = t.transfer_id,
+                        transfer_id = t.transfer_id.0,
                         "release requested before the fence completed; fencing first"
                     );
                     if unfenced && self.core.transport.fence(t) == Fence::Done {

@@ -6,6 +6,7 @@
 //! posting window so an abort can stop them, source pages released only after the drain),
 //! moves frames to the transport and feeds every transport event back into the session.
 
+use kvwire_proto::wire::TransferId;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -72,8 +73,8 @@ pub struct SenderDriver<T> {
     core: Core<SenderSession, T>,
     admission: AdmissionPolicy,
     window: u32,
-    sources: BTreeMap<u64, Vec<PageLease>>,
-    postings: BTreeMap<u64, Posting>,
+    sources: BTreeMap<TransferId, Vec<PageLease>>,
+    postings: BTreeMap<TransferId, Posting>,
     batch: Vec<PageWrite>,
     stats: SenderDriverStats,
 }
@@ -163,7 +164,7 @@ impl<T: SenderTransport> SenderDriver<T> {
     }
 
     /// Aborts a transfer: stop posting, drain, then ABORT.
-    pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+    pub fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool {
         let r = self.core.session.abort(now, transfer_id, code);
         self.process(now);
         r
@@ -307,7 +308,7 @@ impl<T: SenderTransport> SenderDriver<T> {
                 self.postings.remove(&id);
                 for lease in self.sources.remove(&id).unwrap_or_default() {
                     if let Err(e) = self.core.pool.release(lease) {
-                        tracing::error!(transfer_id = id, error = %e, "source page release refused");
+                        tracing::error!(transfer_id = id.0, error = %e, "source page release refused");
                     }
                 }
             }

@@ -11,6 +11,7 @@
 //! use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn};
 //! use kvwire::proto::admission::Request;
 //! use kvwire::driver::ReserveParams;
+//! use kvwire::TransferId;
 //!
 //! let config = NodeConfig::example();
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -23,11 +24,11 @@
 //! let decode = decode.await??;
 //!
 //! // Decode side: reserve pages for request 7 (100 tokens) and wait for verified KV.
-//! let params = ReserveParams { transfer_id: 7, tokens: 100, timeout: Duration::from_secs(5),
+//! let params = ReserveParams { transfer_id: TransferId(7), tokens: 100, timeout: Duration::from_secs(5),
 //!                              digest: None, page_digests: false };
 //! let verified = decode.reserve(params);
 //! // Prefill side: admit the request (a typed rejection otherwise), fill its pages, send.
-//! let admitted = prefill.admit(Request { transfer_id: 7, tokens: 100 }).await?;
+//! let admitted = prefill.admit(Request { transfer_id: TransferId(7), tokens: 100 }).await?;
 //! prefill.send(admitted, |ordinal, buffer, page| page.fill((ordinal + buffer as u32) as u8)).await?;
 //! let kv = verified.await?;
 //! assert_eq!(kv.page(0, 0)?[0], 0); // the pages, read in place

@@ -2,6 +2,7 @@
 //! their pages in place, and the connection's task, which runs the receiver driver over the
 //! connection's transport.
 
+use kvwire_proto::wire::TransferId;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -24,7 +25,7 @@ enum Cmd {
         reply: oneshot::Sender<Result<Verified, TransferError>>,
     },
     Abort {
-        transfer_id: u64,
+        transfer_id: TransferId,
         code: ErrorCode,
     },
     Stats {
@@ -131,7 +132,7 @@ impl Verified {
 impl Drop for Verified {
     fn drop(&mut self) {
         if let Err(e) = self.give_back() {
-            tracing::error!(transfer_id = self.transfer.transfer_id, error = %e, "release of verified pages refused");
+            tracing::error!(transfer_id = self.transfer.transfer_id.0, error = %e, "release of verified pages refused");
         }
     }
 }
@@ -197,7 +198,7 @@ impl ReceiverConn {
     }
 
     /// Aborts a transfer (fence, release, ABORT).
-    pub fn abort(&self, transfer_id: u64, code: ErrorCode) {
+    pub fn abort(&self, transfer_id: TransferId, code: ErrorCode) {
         let _ = self.cmd.send(Cmd::Abort { transfer_id, code });
     }
 
@@ -235,8 +236,8 @@ struct Task<T> {
     peer: u64,
     /// A tracing span per open transfer (transfer id, nonce, peer), entered whenever the
     /// task handles it, closed when it ends.
-    spans: HashMap<u64, tracing::Span>,
-    waiting: HashMap<u64, oneshot::Sender<Result<Verified, TransferError>>>,
+    spans: HashMap<TransferId, tracing::Span>,
+    waiting: HashMap<TransferId, oneshot::Sender<Result<Verified, TransferError>>>,
     stats: ReceiverConnStats,
 }
 
@@ -279,7 +280,7 @@ impl<T: ReceiverTransport> Task<T> {
                         .spans
                         .remove(&transfer.transfer_id)
                         .unwrap_or_else(tracing::Span::none);
-                    span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed"));
+                    span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id.0, peer = self.peer, %reason, "transfer failed"));
                     if let Some(reply) = self.waiting.remove(&transfer.transfer_id) {
                         let _ = reply.send(Err(transfer_error(reason, self.driver.closed())));
                     }
@@ -300,7 +301,7 @@ impl<T: ReceiverTransport> Task<T> {
                     Ok(t) => {
                         let span = tracing::info_span!(
                             "transfer",
-                            transfer_id = t.transfer_id,
+                            transfer_id = t.transfer_id.0,
                             nonce = t.nonce,
                             peer = self.peer,
                             role = "receiver"

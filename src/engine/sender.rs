@@ -1,6 +1,7 @@
 //! The prefill side of a connection: a handle for the engine, and the connection's task,
 //! which runs the sender driver over the connection's transport.
 
+use kvwire_proto::wire::TransferId;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -31,7 +32,7 @@ enum Cmd {
         reply: oneshot::Sender<Result<(), TransferError>>,
     },
     Abort {
-        transfer_id: u64,
+        transfer_id: TransferId,
         code: ErrorCode,
     },
     Stats {
@@ -150,7 +151,7 @@ impl SenderConn {
     }
 
     /// Aborts a transfer (stop posting, drain, ABORT).
-    pub fn abort(&self, transfer_id: u64, code: ErrorCode) {
+    pub fn abort(&self, transfer_id: TransferId, code: ErrorCode) {
         let _ = self.cmd.send(Cmd::Abort { transfer_id, code });
     }
 
@@ -184,10 +185,10 @@ impl SenderConn {
 struct Task<T> {
     driver: SenderDriver<T>,
     /// A tracing span per open transfer, entered whenever the task handles it.
-    spans: HashMap<u64, tracing::Span>,
+    spans: HashMap<TransferId, tracing::Span>,
     metrics: Option<Arc<Metrics>>,
     peer: u64,
-    waiting: HashMap<u64, oneshot::Sender<Result<(), TransferError>>>,
+    waiting: HashMap<TransferId, oneshot::Sender<Result<(), TransferError>>>,
     stats: SenderConnStats,
 }
 
@@ -215,7 +216,7 @@ impl<T: SenderTransport> Task<T> {
                         .spans
                         .remove(&transfer.transfer_id)
                         .unwrap_or_else(tracing::Span::none);
-                    span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id, peer = self.peer, %reason, "transfer failed"));
+                    span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id.0, peer = self.peer, %reason, "transfer failed"));
                     (
                         transfer.transfer_id,
                         Err(transfer_error(reason, self.driver.closed())),
@@ -238,7 +239,7 @@ impl<T: SenderTransport> Task<T> {
                     if let Some(m) = &self.metrics {
                         m.rejected_at_admission.inc();
                     }
-                    tracing::info!(transfer_id = req.transfer_id, peer = self.peer, error = %e, "request rejected at admission");
+                    tracing::info!(transfer_id = req.transfer_id.0, peer = self.peer, error = %e, "request rejected at admission");
                 }
                 let _ = reply.send(r);
             }
@@ -256,7 +257,7 @@ impl<T: SenderTransport> Task<T> {
                     Ok(()) => {
                         let span = tracing::info_span!(
                             "transfer",
-                            transfer_id = id,
+                            transfer_id = id.0,
                             peer = self.peer,
                             role = "sender"
                         );

@@ -5,6 +5,7 @@
 //! ([`ScopeTable::close`]) is the fence: once it returns, no write for that transfer can land.
 //! RDMA implements the same guarantee at the NIC with memory windows.
 
+use kvwire_proto::wire::TransferId;
 use std::collections::HashMap;
 
 use kvwire_proto::wire::TransferRef;
@@ -65,12 +66,12 @@ impl AccessScope {
 pub struct ScopeTable {
     next_key: u32,
     open: HashMap<AccessKey, AccessScope>,
-    by_transfer: HashMap<u64, AccessKey>,
+    by_transfer: HashMap<TransferId, AccessKey>,
 }
 
 impl ScopeTable {
     /// Opens a scope over `pages` for a transfer, returning its key.
-    pub fn open(&mut self, transfer_id: u64, pages: &[u32]) -> AccessKey {
+    pub fn open(&mut self, transfer_id: TransferId, pages: &[u32]) -> AccessKey {
         self.next_key = self.next_key.wrapping_add(1);
         let key = AccessKey(self.next_key);
         let mut sorted = pages.to_vec();
@@ -114,7 +115,7 @@ impl ScopeTable {
 
     /// Fences a transfer: after this returns, no write for it is accepted. Returns whether a
     /// scope was open.
-    pub fn close(&mut self, transfer_id: u64) -> bool {
+    pub fn close(&mut self, transfer_id: TransferId) -> bool {
         match self.by_transfer.remove(&transfer_id) {
             Some(key) => self.open.remove(&key).is_some(),
             None => false,

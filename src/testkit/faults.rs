@@ -20,6 +20,7 @@
 //! transports that report [`TransportEvent::Landed`] (loopback, TCP), not over RDMA's
 //! one-sided writes.
 
+use kvwire_proto::wire::TransferId;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
@@ -114,16 +115,16 @@ pub enum Fault {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FaultRule {
     /// The transfer it applies to; `None` for all.
-    pub transfer_id: Option<u64>,
+    pub transfer_id: Option<TransferId>,
     /// The fault.
     pub fault: Fault,
     /// Transfers it has fired for.
-    fired: Vec<u64>,
+    fired: Vec<TransferId>,
 }
 
 impl FaultRule {
     /// A rule for one transfer.
-    pub fn on(transfer_id: u64, fault: Fault) -> Self {
+    pub fn on(transfer_id: TransferId, fault: Fault) -> Self {
         Self {
             transfer_id: Some(transfer_id),
             fault,
@@ -140,7 +141,7 @@ impl FaultRule {
         }
     }
 
-    fn applies(&self, transfer_id: u64) -> bool {
+    fn applies(&self, transfer_id: TransferId) -> bool {
         self.transfer_id.is_none_or(|t| t == transfer_id) && !self.fired.contains(&transfer_id)
     }
 }
@@ -151,7 +152,7 @@ pub enum Request {
     /// The side crashed: it must do nothing more.
     Crash(Side),
     /// The side's engine aborts the transfer.
-    Abort(Side, u64),
+    Abort(Side, TransferId),
 }
 
 /// Damage to apply to a page once it has landed.
@@ -167,11 +168,11 @@ pub struct FaultPlan {
     rules: Vec<FaultRule>,
     requests: Vec<Request>,
     /// Damage for the receiving end to apply to (transfer id, ordinal) when it lands.
-    damage: Vec<(u64, u32, Damage)>,
+    damage: Vec<(TransferId, u32, Damage)>,
     /// Frames for the receiving end to treat as corrupted: (to side, type, transfer id).
-    corrupt: Vec<(Side, FrameType, u64)>,
+    corrupt: Vec<(Side, FrameType, TransferId)>,
     /// Frames for the receiving end to delay: (to side, type, transfer id, by).
-    delay: Vec<(Side, FrameType, u64, Duration)>,
+    delay: Vec<(Side, FrameType, TransferId, Duration)>,
     /// Whether any side has crashed.
     crashed: Option<Side>,
 }
@@ -193,7 +194,7 @@ impl FaultPlan {
     }
 
     /// Fires the first rule matching `pred` for `transfer_id`, returning its fault.
-    fn take(&mut self, transfer_id: u64, pred: impl Fn(&Fault) -> bool) -> Option<Fault> {
+    fn take(&mut self, transfer_id: TransferId, pred: impl Fn(&Fault) -> bool) -> Option<Fault> {
         let rule = self
             .rules
             .iter_mut()
@@ -203,7 +204,7 @@ impl FaultPlan {
     }
 
     /// Whether a rule matching `pred` applies to `transfer_id` (without firing it).
-    fn has(&self, transfer_id: u64, pred: impl Fn(&Fault) -> bool) -> bool {
+    fn has(&self, transfer_id: TransferId, pred: impl Fn(&Fault) -> bool) -> bool {
         self.rules
             .iter()
             .any(|r| r.applies(transfer_id) && pred(&r.fault))
@@ -211,7 +212,7 @@ impl FaultPlan {
 
     /// Fires every crash or abort trigger at `step` of `transfer_id`. Returns whether the
     /// `acting` side itself crashed (then it must not carry the step out).
-    fn triggers(&mut self, step: Step, transfer_id: u64, acting: Side) -> bool {
+    fn triggers(&mut self, step: Step, transfer_id: TransferId, acting: Side) -> bool {
         let hit = |f: &Fault| matches!(f, Fault::Crash(_, s) | Fault::Abort(_, s) if *s == step);
         let mut acting_crashed = false;
         while let Some(fault) = self.take(transfer_id, hit) {
@@ -257,7 +258,7 @@ struct Core<T> {
     held: Vec<(Hold, TransferRef, Arc<[u8]>, PageWrite)>,
     /// Hold events that already happened, per transfer id: a write posted afterwards has
     /// nothing left to wait for.
-    passed: Vec<(Hold, u64)>,
+    passed: Vec<(Hold, TransferId)>,
     /// Page completions already reported (a lying or early completion), to swallow when the
     /// real one comes.
     early: BTreeMap<TransferRef, u32>,
@@ -321,7 +322,7 @@ impl<T> FaultySender<T> {
     }
 
     /// Writes held back for `transfer_id`.
-    pub fn held_writes(&self, transfer_id: u64) -> usize {
+    pub fn held_writes(&self, transfer_id: TransferId) -> usize {
         self.0
             .held
             .iter()
@@ -376,7 +377,7 @@ impl<T> Core<T> {
 
 impl<T: SenderTransport> Core<T> {
     /// Posts the writes of `transfer_id` held for `hold`.
-    fn release(&mut self, now: Instant, hold: Hold, transfer_id: u64) {
+    fn release(&mut self, now: Instant, hold: Hold, transfer_id: TransferId) {
         self.passed.push((hold, transfer_id));
         let (go, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held)
             .into_iter()
@@ -615,7 +616,11 @@ impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
 }
 
 impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {
-    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError> {
+    fn open_scope(
+        &mut self,
+        transfer_id: TransferId,
+        pages: &[u32],
+    ) -> Result<Vec<u8>, ScopeError> {
         self.0.inner.open_scope(transfer_id, pages)
     }
 
@@ -623,7 +628,7 @@ impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {
         self.0.inner.bind_scope(transfer);
     }
 
-    fn abandon_scope(&mut self, transfer_id: u64) {
+    fn abandon_scope(&mut self, transfer_id: TransferId) {
         self.0.inner.abandon_scope(transfer_id);
     }
 

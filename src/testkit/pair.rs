@@ -12,6 +12,7 @@
 //! outcome on both sides, the content of every verified transfer, and (loopback) every write
 //! that landed where it must not.
 
+use kvwire_proto::wire::TransferId;
 use std::future::{poll_fn, Future};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
@@ -126,8 +127,9 @@ pub enum PairError {
 
 /// The deterministic KV content of page `ordinal`, buffer `buffer` of `transfer_id`: what
 /// the prefill engine "computed". Tests compare delivered bytes against it.
-pub fn kv_pattern(transfer_id: u64, ordinal: u32, buffer: usize, page: &mut [u8]) {
+pub fn kv_pattern(transfer_id: TransferId, ordinal: u32, buffer: usize, page: &mut [u8]) {
     let mut x = transfer_id
+        .0
         .wrapping_mul(0x9e37_79b9_7f4a_7c15)
         .wrapping_add(u64::from(ordinal) << 20)
         .wrapping_add(buffer as u64)
@@ -166,11 +168,11 @@ pub struct Pair<S = LoopbackSender, R = LoopbackReceiver> {
     /// Everything the sender's engine was told.
     pub sender_events: Vec<SenderEvent>,
     /// Transfers the receiver verified (their content was checked, then released).
-    pub verified: Vec<u64>,
+    pub verified: Vec<TransferId>,
     /// Verified transfers whose bytes differed from what the sender wrote (must be empty).
-    pub wrong_content: Vec<u64>,
+    pub wrong_content: Vec<TransferId>,
     /// Transfers the receiver failed, with the reason.
-    pub receiver_failures: Vec<(u64, FailureReason)>,
+    pub receiver_failures: Vec<(TransferId, FailureReason)>,
     /// The side that crashed, if any.
     pub crashed: Option<Side>,
     /// Whether the connection was torn down (a crash, or either side closed it).
@@ -276,7 +278,7 @@ impl<S: SenderTransport, R: ReceiverTransport> Pair<S, R> {
     }
 
     /// Writes the sender's fault injector holds back for `transfer_id`.
-    pub fn held_writes(&self, transfer_id: u64) -> usize {
+    pub fn held_writes(&self, transfer_id: TransferId) -> usize {
         self.sender.transport().held_writes(transfer_id)
     }
 
@@ -523,7 +525,7 @@ impl<S: SenderTransport, R: ReceiverTransport> Pair<S, R> {
     }
 
     /// The receiver's failure reason for a transfer, if it failed.
-    pub fn receiver_failure(&self, transfer_id: u64) -> Option<&FailureReason> {
+    pub fn receiver_failure(&self, transfer_id: TransferId) -> Option<&FailureReason> {
         self.receiver_failures
             .iter()
             .find(|(id, _)| *id == transfer_id)
@@ -531,7 +533,7 @@ impl<S: SenderTransport, R: ReceiverTransport> Pair<S, R> {
     }
 
     /// The sender's failure reason for a transfer, if it failed.
-    pub fn sender_failure(&self, transfer_id: u64) -> Option<&FailureReason> {
+    pub fn sender_failure(&self, transfer_id: TransferId) -> Option<&FailureReason> {
         self.sender_events.iter().find_map(|e| match e {
             SenderEvent::Failed { transfer, reason } if transfer.transfer_id == transfer_id => {
                 Some(reason)
@@ -541,7 +543,7 @@ impl<S: SenderTransport, R: ReceiverTransport> Pair<S, R> {
     }
 
     /// Whether the sender was told the receiver verified the transfer.
-    pub fn sender_verified(&self, transfer_id: u64) -> bool {
+    pub fn sender_verified(&self, transfer_id: TransferId) -> bool {
         self.sender_events
             .iter()
             .any(|e| matches!(e, SenderEvent::Verified(t) if t.transfer_id == transfer_id))

@@ -30,6 +30,7 @@ pub mod rdma;
 pub(crate) mod stream;
 pub mod tcp;
 
+use kvwire_proto::wire::TransferId;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -166,14 +167,15 @@ pub trait ReceiverTransport: Transport {
     /// Opens remote access to exactly `pages` (every buffer's slot of each) for a
     /// reservation of `transfer_id` about to be made, and returns the access descriptor
     /// RESERVE carries. On error nothing stays open.
-    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError>;
+    fn open_scope(&mut self, transfer_id: TransferId, pages: &[u32])
+        -> Result<Vec<u8>, ScopeError>;
 
     /// The reservation for the scope last opened for `transfer.transfer_id` was made with
     /// this nonce.
     fn bind_scope(&mut self, transfer: TransferRef);
 
     /// The reservation was not made after all: close its scope (no peer ever saw it).
-    fn abandon_scope(&mut self, transfer_id: u64);
+    fn abandon_scope(&mut self, transfer_id: TransferId);
 
     /// Access scopes open now (reserved and not fenced), for diagnostics and invariants.
     fn open_scopes(&self) -> usize;
@@ -198,7 +200,11 @@ pub trait TableScoped: Transport {
 }
 
 impl<T: TableScoped> ReceiverTransport for T {
-    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError> {
+    fn open_scope(
+        &mut self,
+        transfer_id: TransferId,
+        pages: &[u32],
+    ) -> Result<Vec<u8>, ScopeError> {
         self.scope_opening(pages);
         Ok(self.scopes_mut().open(transfer_id, pages).to_descriptor())
     }
@@ -207,7 +213,7 @@ impl<T: TableScoped> ReceiverTransport for T {
         self.scopes_mut().bind(transfer);
     }
 
-    fn abandon_scope(&mut self, transfer_id: u64) {
+    fn abandon_scope(&mut self, transfer_id: TransferId) {
         self.scopes_mut().close(transfer_id);
     }
 

@@ -4,6 +4,7 @@
 
 pub mod process;
 
+use kvwire::TransferId;
 use std::time::Duration;
 
 use kvwire::driver::ReserveParams;
@@ -15,18 +16,20 @@ use kvwire::transport::{ReceiverTransport, SenderTransport};
 /// The receiver reserves for `tokens` (commit deadline 2 s).
 pub fn reserve<S: SenderTransport, R: ReceiverTransport>(
     pair: &mut Pair<S, R>,
-    id: u64,
+    id: impl Into<TransferId>,
     tokens: u32,
 ) -> TransferRef {
+    let id: TransferId = id.into();
     try_reserve(pair, id, tokens).expect("reserve")
 }
 
 /// As [`reserve`], returning the refusal (e.g. after the connection was lost).
 pub fn try_reserve<S: SenderTransport, R: ReceiverTransport>(
     pair: &mut Pair<S, R>,
-    id: u64,
+    id: impl Into<TransferId>,
     tokens: u32,
 ) -> Result<TransferRef, kvwire::driver::ReceiveError> {
+    let id: TransferId = id.into();
     let now = pair.now;
     pair.receiver.reserve(
         now,
@@ -43,18 +46,20 @@ pub fn try_reserve<S: SenderTransport, R: ReceiverTransport>(
 /// The sender admits `tokens` and, if admitted, fills and submits its pages.
 pub fn send<S: SenderTransport, R: ReceiverTransport>(
     pair: &mut Pair<S, R>,
-    id: u64,
+    id: impl Into<TransferId>,
     tokens: u64,
 ) -> Result<(), AdmissionError> {
+    let id: TransferId = id.into();
     try_send(pair, id, tokens).map(|r| r.expect("submit"))
 }
 
 /// As [`send`], also returning a refused start (e.g. after the connection was lost).
 pub fn try_send<S: SenderTransport, R: ReceiverTransport>(
     pair: &mut Pair<S, R>,
-    id: u64,
+    id: impl Into<TransferId>,
     tokens: u64,
 ) -> Result<Result<(), kvwire::driver::StartError>, AdmissionError> {
+    let id: TransferId = id.into();
     let now = pair.now;
     let admitted = pair.sender.admit(
         now,
@@ -71,9 +76,10 @@ pub fn try_send<S: SenderTransport, R: ReceiverTransport>(
 /// Both sides start transfer `id` of `tokens` tokens.
 pub fn transfer<S: SenderTransport, R: ReceiverTransport>(
     pair: &mut Pair<S, R>,
-    id: u64,
+    id: impl Into<TransferId>,
     tokens: u32,
 ) {
+    let id: TransferId = id.into();
     send(pair, id, u64::from(tokens)).expect("admitted");
     reserve(pair, id, tokens);
 }

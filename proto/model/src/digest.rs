@@ -3,11 +3,11 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-use kvwire_proto::wire::{Digest128, DigestAlgorithm, TransferDigests, TransferRef};
+use kvwire_proto::wire::{Digest128, DigestAlgorithm, TransferDigests, TransferId, TransferRef};
 
 /// What a page slot holds: `None` for bytes no transfer wrote (stale or initial), else the
 /// (transfer id, ordinal) whose source page was copied into it.
-pub type Content = Option<(u64, u32)>;
+pub type Content = Option<(TransferId, u32)>;
 
 fn hash128(v: impl Hash) -> u128 {
     let mut lo = DefaultHasher::new();
@@ -52,6 +52,6 @@ pub fn digests(
 }
 
 /// What the sender's source pages of transfer `transfer_id` hold: ordinal `i` is `(id, i)`.
-pub fn source_contents(transfer_id: u64, pages: u32) -> Vec<Content> {
+pub fn source_contents(transfer_id: TransferId, pages: u32) -> Vec<Content> {
     (0..pages).map(|i| Some((transfer_id, i))).collect()
 }

@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kvwire_proto::receiver::{ReceiverAction, ReceiverEvent};
 use kvwire_proto::sender::{PageWrite, SenderAction, SenderEvent, WriteOutcome};
+use kvwire_proto::wire::TransferId;
 use kvwire_proto::wire::{Commit, DigestAlgorithm, TransferDigests, TransferRef};
 
 use crate::digest::{self, Content};
@@ -379,20 +380,20 @@ pub struct TxDriver {
     /// Digest jobs running: (reservation, algorithm, page digests).
     pub digest_jobs: Vec<(TransferRef, DigestAlgorithm, bool)>,
     /// Pages per submitted transfer id (current submission).
-    pub submitted: BTreeMap<u64, u32>,
+    pub submitted: BTreeMap<TransferId, u32>,
     /// Submissions whose source was released (transfer id -> count of releases).
-    pub released: BTreeMap<u64, u32>,
+    pub released: BTreeMap<TransferId, u32>,
     /// Submissions ended (transfer id -> count of outcomes), and the last outcome.
-    pub outcomes: BTreeMap<u64, (u32, TxOutcome)>,
+    pub outcomes: BTreeMap<TransferId, (u32, TxOutcome)>,
     /// Submissions made per transfer id.
-    pub submissions: BTreeMap<u64, u32>,
+    pub submissions: BTreeMap<TransferId, u32>,
     /// Transfers whose writes were cancelled.
     pub cancelled: BTreeSet<TransferRef>,
 }
 
 impl TxDriver {
     /// Records a submission of `pages` source pages.
-    pub fn submit(&mut self, transfer_id: u64, pages: u32) {
+    pub fn submit(&mut self, transfer_id: TransferId, pages: u32) {
         self.submitted.insert(transfer_id, pages);
         *self.submissions.entry(transfer_id).or_default() += 1;
     }

@@ -7,6 +7,7 @@
 //! end every pending effect is completed, time is driven far forward, and every transfer
 //! must have ended with its pages and source returned.
 
+use kvwire_proto::wire::TransferId;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::{AdmissionPolicy, Request};
@@ -59,8 +60,8 @@ impl Bytes<'_> {
         self.u8() & 1 == 1
     }
     /// A transfer id in 1..=4.
-    fn id(&mut self) -> u64 {
-        u64::from(self.u8() % 4) + 1
+    fn id(&mut self) -> TransferId {
+        TransferId(u64::from(self.u8() % 4) + 1)
     }
     fn code(&mut self) -> ErrorCode {
         const CODES: [ErrorCode; 6] = [
@@ -542,7 +543,7 @@ impl ReceiverRig {
                 let content = if b.bool() {
                     Some((t.transfer_id, ordinal))
                 } else {
-                    Some((99, u32::from(b.u8())))
+                    Some((TransferId(99), u32::from(b.u8())))
                 };
                 self.rx.land(t, ordinal, dst, content)?;
             }

@@ -5,6 +5,7 @@
 //! enabled action is quiescent: [`World::check_quiescent`] then checks that every transfer
 //! reached a terminal state and every page came back.
 
+use kvwire_proto::wire::TransferId;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -137,8 +138,8 @@ pub struct World {
     pub trace: Vec<Action>,
 }
 
-fn transfer_id(i: usize) -> u64 {
-    i as u64 + 1
+fn transfer_id(i: usize) -> TransferId {
+    TransferId(i as u64 + 1)
 }
 
 fn pages_for(tokens: u32) -> u32 {

@@ -18,6 +18,7 @@ mod transfer;
 mod types;
 mod verify;
 
+use crate::wire::TransferId;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -46,7 +47,7 @@ pub struct ReceiverSession {
     digests: Vec<DigestAlgorithm>,
     config: ReceiverConfig,
     nonce_counter: u64,
-    transfers: BTreeMap<u64, Transfer>,
+    transfers: BTreeMap<TransferId, Transfer>,
     history: History,
     timers: Timers,
     out: Out,
@@ -168,7 +169,7 @@ impl ReceiverSession {
 
     /// Aborts a transfer from the receiver side: fence first, then release, then ABORT.
     /// Returns false if the transfer is not open or is already failing.
-    pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+    pub fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool {
         let Some(t) = self.transfers.remove(&transfer_id) else {
             return false;
         };

@@ -1,6 +1,7 @@
 //! The receiver's public types: its configuration, what a reservation asks for and why it
 //! may be refused, the effects it asks of the driver, the events it reports, its counters.
 
+use crate::wire::TransferId;
 use std::time::Duration;
 
 use crate::error::FailureReason;
@@ -31,7 +32,7 @@ impl Default for ReceiverConfig {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReservationRequest {
     /// The transfer id (the request id both engines know).
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// Tokens expected.
     pub tokens: u32,
     /// Destination page indices, already leased by the driver, in transfer order.
@@ -51,7 +52,7 @@ pub struct ReservationRequest {
 #[non_exhaustive]
 pub enum ReserveError {
     /// A transfer with this id is open.
-    DuplicateTransfer(u64),
+    DuplicateTransfer(TransferId),
     /// The token count is zero.
     NoTokens,
     /// `pages.len()` differs from `ceil(tokens / tokens_per_page)`.

@@ -16,6 +16,7 @@ mod state;
 mod transfer;
 mod types;
 
+use crate::wire::TransferId;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -40,9 +41,9 @@ pub struct SenderSession {
     bytes_per_page_index: u64,
     buffers: usize,
     config: SenderConfig,
-    transfers: BTreeMap<u64, Transfer>,
+    transfers: BTreeMap<TransferId, Transfer>,
     /// Reservations naming no known request, held briefly (the request may be on its way).
-    parked: BTreeMap<u64, (Reserve, Instant)>,
+    parked: BTreeMap<TransferId, (Reserve, Instant)>,
     history: History,
     timers: Timers,
     out: Out,
@@ -160,7 +161,7 @@ impl SenderSession {
 
     /// Aborts a transfer from the sender side: stop posting, drain, then ABORT with the
     /// count of completed pages. Returns false if the transfer is not open or already ending.
-    pub fn abort(&mut self, now: Instant, transfer_id: u64, code: ErrorCode) -> bool {
+    pub fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool {
         let Some(mut t) = self.transfers.remove(&transfer_id) else {
             return false;
         };

@@ -1,6 +1,7 @@
 //! The sender's public types: its configuration, the effects it asks of the driver, the
 //! events it reports, and its counters.
 
+use crate::wire::TransferId;
 use std::time::Duration;
 
 use crate::admission::Admitted;
@@ -85,7 +86,7 @@ pub enum SenderAction {
     /// [`WriteOutcome::Cancelled`].
     CancelWrites(TransferRef),
     /// No transport still reads the transfer's source pages: they may be reused.
-    ReleaseSource(u64),
+    ReleaseSource(TransferId),
 }
 
 /// What happened to a transfer, for the engine.

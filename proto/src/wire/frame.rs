@@ -18,6 +18,7 @@ use super::limits::{
     HEADER_LEN, MAGIC, MAX_ACCESS, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS, MAX_FINGERPRINT,
     MAX_PAGES, MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, TRAILER_LEN, VERSION,
 };
+use super::TransferId;
 use super::{Digest128, DigestAlgorithm, ErrorCode, FrameType, KvLayout, Role};
 
 /// The body of HELLO and HELLO_ACK: who a node is and what it can exchange.
@@ -48,7 +49,7 @@ pub struct HelloReject {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TransferRef {
     /// The transfer id both engines agreed on (the request id).
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// The reservation's nonce; 0 where no reservation is known yet.
     pub nonce: u64,
 }
@@ -57,7 +58,7 @@ pub struct TransferRef {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reserve {
     /// The transfer id.
-    pub transfer_id: u64,
+    pub transfer_id: TransferId,
     /// A fresh, non-zero nonce for this reservation.
     pub nonce: u64,
     /// Tokens the receiver expects.
@@ -252,7 +253,7 @@ impl Frame {
             Self::Reserve(r) => {
                 check_len("pages", r.pages.len(), MAX_PAGES)?;
                 check_len("access", r.access.len(), MAX_ACCESS)?;
-                w.u64(r.transfer_id);
+                w.u64(r.transfer_id.0);
                 w.u64(r.nonce);
                 w.u32(r.tokens);
                 w.u8(r.digest.0);
@@ -375,7 +376,7 @@ pub(crate) fn decode_body(frame_type: FrameType, payload: &[u8]) -> Result<Frame
 }
 
 fn put_ref(w: &mut Writer<'_>, t: TransferRef) {
-    w.u64(t.transfer_id);
+    w.u64(t.transfer_id.0);
     w.u64(t.nonce);
 }
 
@@ -414,7 +415,7 @@ fn encode_hello(h: &Hello, w: &mut Writer<'_>) -> Result<(), EncodeError> {
 
 fn get_ref(r: &mut Reader<'_>) -> Result<TransferRef, DecodeError> {
     Ok(TransferRef {
-        transfer_id: r.u64("transfer_id")?,
+        transfer_id: TransferId(r.u64("transfer_id")?),
         nonce: r.u64("nonce")?,
     })
 }
@@ -462,7 +463,7 @@ fn decode_payload(t: FrameType, r: &mut Reader<'_>) -> Result<Frame, DecodeError
         }),
         FrameType::HELLO_CONFIRM => Frame::HelloConfirm,
         FrameType::RESERVE => {
-            let transfer_id = r.u64("transfer_id")?;
+            let transfer_id = TransferId(r.u64("transfer_id")?);
             let nonce = r.u64("nonce")?;
             let tokens = r.u32("tokens")?;
             let digest = DigestAlgorithm(r.u8("digest")?);

@@ -5,6 +5,7 @@ mod codes;
 mod digest;
 mod error;
 pub(crate) mod frame;
+mod ids;
 mod layout;
 pub(crate) mod limits;
 
@@ -12,6 +13,7 @@ pub use codes::{DigestAlgorithm, ErrorCode, FrameType, Role};
 pub use digest::{Digest128, TransferDigests};
 pub use error::{DecodeError, EncodeError};
 pub use frame::{Abort, Commit, Frame, Hello, HelloReject, Nack, Reject, Reserve, TransferRef};
+pub use ids::TransferId;
 pub use layout::KvLayout;
 pub use limits::{
     commit_fits, HEADER_LEN, MAGIC, MAX_ACCESS, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS,

@@ -3,6 +3,7 @@
 //! them: poll their completions, wait on the completion channel, watch the bootstrap
 //! connection, reset them all when one fails.
 
+use kvwire_proto::wire::TransferId;
 use std::collections::{BTreeMap, VecDeque};
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -289,17 +290,17 @@ impl Lanes {
 
 /// Remembers which lane each live transfer uses (bounded: the oldest entries go first).
 #[derive(Default)]
-pub(crate) struct LaneMap(BTreeMap<u64, usize>);
+pub(crate) struct LaneMap(BTreeMap<TransferId, usize>);
 
 impl LaneMap {
-    pub(crate) fn set(&mut self, transfer_id: u64, lane: usize) {
+    pub(crate) fn set(&mut self, transfer_id: TransferId, lane: usize) {
         if self.0.len() >= 65_536 {
             self.0.pop_first();
         }
         self.0.insert(transfer_id, lane);
     }
 
-    pub(crate) fn get(&self, transfer_id: u64) -> usize {
+    pub(crate) fn get(&self, transfer_id: TransferId) -> usize {
         self.0.get(&transfer_id).copied().unwrap_or(0)
     }
 

@@ -1,6 +1,7 @@
 //! The decode end of an RDMA connection: memory windows bound per reservation (the access
 //! scope) and invalidated as the fence, frames as SENDs.
 
+use kvwire_proto::wire::TransferId;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -54,10 +55,10 @@ pub struct RdmaReceiver {
     page_bytes: Vec<u32>,
     kind: AccessKind,
     /// Windows of open scopes, per transfer id.
-    bound: BTreeMap<u64, Vec<MemoryWindow>>,
-    fencing: BTreeMap<u64, Fencing>,
+    bound: BTreeMap<TransferId, Vec<MemoryWindow>>,
+    fencing: BTreeMap<TransferId, Fencing>,
     /// Invalidation work request → transfer id.
-    fence_wrs: BTreeMap<u64, u64>,
+    fence_wrs: BTreeMap<u64, TransferId>,
     next_wr: u64,
     events: VecDeque<TransportEvent>,
     closed: bool,
@@ -221,7 +222,7 @@ impl Transport for RdmaReceiver {
             if self.closed {
                 return Poll::Pending;
             }
-            let mut fenced: Vec<u64> = Vec::new();
+            let mut fenced: Vec<TransferId> = Vec::new();
             let mut frames: Vec<Frame> = Vec::new();
             let fence_wrs = &mut self.fence_wrs;
             let pass = self.lanes.poll_pass(cx, |_, i, e| match e {
@@ -272,7 +273,11 @@ impl Transport for RdmaReceiver {
 }
 
 impl ReceiverTransport for RdmaReceiver {
-    fn open_scope(&mut self, transfer_id: u64, pages: &[u32]) -> Result<Vec<u8>, ScopeError> {
+    fn open_scope(
+        &mut self,
+        transfer_id: TransferId,
+        pages: &[u32],
+    ) -> Result<Vec<u8>, ScopeError> {
         if self.closed {
             return Err(ScopeError("the link is down".into()));
         }
@@ -292,7 +297,7 @@ impl ReceiverTransport for RdmaReceiver {
 
     fn bind_scope(&mut self, _transfer: TransferRef) {}
 
-    fn abandon_scope(&mut self, transfer_id: u64) {
+    fn abandon_scope(&mut self, transfer_id: TransferId) {
         self.bound.remove(&transfer_id);
     }
 

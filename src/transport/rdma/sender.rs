@@ -129,7 +129,7 @@ impl RdmaSender {
         let d = AccessDescriptor::decode(access, self.page_bytes.len())
             .map(Arc::new)
             .map_err(|e| {
-                tracing::error!(transfer_id = transfer.transfer_id, error = %e, "access descriptor refused");
+                tracing::error!(transfer_id = transfer.transfer_id.0, error = %e, "access descriptor refused");
             });
         if self.descriptors.len() == 256 {
             self.descriptors.pop_front();
@@ -401,7 +401,7 @@ impl SenderTransport for RdmaSender {
                         signaled: false,
                     }),
                     Err(e) => {
-                        tracing::error!(transfer_id = transfer.transfer_id, error = %e, "write refused");
+                        tracing::error!(transfer_id = transfer.transfer_id.0, error = %e, "write refused");
                         self.batches[lane].truncate(mark);
                         refused = true;
                         break;

@@ -129,7 +129,7 @@ impl TcpReceiver {
                 }
                 Ok(Some(Record::Refused(h))) => {
                     tracing::debug!(
-                        transfer_id = h.transfer.transfer_id,
+                        transfer_id = h.transfer.transfer_id.0,
                         page = h.dst_page,
                         "write refused (fenced or out of scope)"
                     );

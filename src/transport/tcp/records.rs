@@ -2,6 +2,7 @@
 //! its receiving side.
 
 use kvwire_proto::auth::{AuthChannel, AuthError, OpenError, Opener};
+use kvwire_proto::wire::TransferId;
 use kvwire_proto::wire::{DecodeError, Frame, TransferRef, HEADER_LEN, MAGIC, TRAILER_LEN};
 
 use crate::memory::{AccessKey, PageMut, PagePool, ScopeTable};
@@ -31,7 +32,7 @@ impl DataHeader {
     pub fn encode(&self) -> [u8; DATA_HEADER_LEN] {
         let mut b = [0u8; DATA_HEADER_LEN];
         b[0..4].copy_from_slice(&DATA_MAGIC);
-        b[4..12].copy_from_slice(&self.transfer.transfer_id.to_le_bytes());
+        b[4..12].copy_from_slice(&self.transfer.transfer_id.0.to_le_bytes());
         b[12..20].copy_from_slice(&self.transfer.nonce.to_le_bytes());
         b[20..24].copy_from_slice(&self.key.0.to_le_bytes());
         b[24..28].copy_from_slice(&self.ordinal.to_le_bytes());
@@ -49,7 +50,7 @@ impl DataHeader {
         };
         Self {
             transfer: TransferRef {
-                transfer_id: u64_at(4),
+                transfer_id: TransferId(u64_at(4)),
                 nonce: u64_at(12),
             },
             key: AccessKey(u32_at(20)),

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::Request;
-use kvwire_proto::wire::DigestAlgorithm;
+use kvwire_proto::wire::{DigestAlgorithm, TransferId};
 use serde::Serialize;
 use tokio::net::{TcpListener, TcpStream};
 
@@ -360,7 +360,7 @@ fn receive_one(
     id: u64,
 ) -> impl std::future::Future<Output = Outcome> + Send + 'static {
     let verified = r.reserve(ReserveParams {
-        transfer_id: id,
+        transfer_id: TransferId(id),
         tokens: spec.tokens(),
         timeout: Duration::from_secs(30),
         digest: None,
@@ -396,7 +396,7 @@ fn send_one(
         let r = async {
             let admitted = s
                 .admit(Request {
-                    transfer_id: id,
+                    transfer_id: TransferId(id),
                     tokens: u64::from(tokens),
                 })
                 .await?;
