@@ -11,7 +11,7 @@ use super::verbs::{verbs, RdmaDevice, RdmaError};
 
 /// The completion channel of one connection's queue pairs, registered with tokio: a driver
 /// waits on its file descriptor instead of spinning (`AsyncFd`), after arming each queue
-/// pair's completion queue ([`RcLink::arm`]).
+/// pair's completion queue ([`RcLink::arm`](super::link::RcLink::arm)).
 pub struct EventChannel {
     // Declared first: deregistered from the reactor before the channel is destroyed (the
     // completion queues hold the channel too, so it outlives them).
