@@ -12,7 +12,7 @@
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
 //! use std::time::Duration;
-//! use kvwire::{Auth, NodeConfig, PoolGeometry, ReceiverConn, Request, ReserveParams, SenderConn, TransferId};
+//! use kvwire::{Auth, Node, NodeConfig, PoolGeometry, ReceiverConn, Request, ReserveParams, SenderConn, TransferId};
 //!
 //! // Both nodes: the same KV layout (2 buffers of 4 KiB pages, 16 tokens per page), a pool
 //! // that holds the advertised context, and the same pre-shared key.
@@ -22,11 +22,15 @@
 //!     .auth(Auth::ephemeral())
 //!     .build()?;
 //!
+//! // Each engine registers its KV memory once (here kvwire allocates it); every connection
+//! // of the node shares it.
+//! let decode_node = Node::new(config.clone())?;
+//! let prefill_node = Node::new(config)?;
+//!
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
 //! let addr = listener.local_addr()?;
-//! let cfg = config.clone();
-//! let decode = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
-//! let prefill = SenderConn::connect(addr, &config).await?;
+//! let decode = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode_node).await });
+//! let prefill = SenderConn::connect(addr, &prefill_node).await?;
 //! let decode = decode.await??;
 //!
 //! // Decode: reserve pages for request 7 (100 tokens) and wait for verified KV.
@@ -65,10 +69,10 @@ pub mod transport;
 pub use config::{Auth, ConfigError, EngineConfig, NodeConfig, NodeConfigBuilder, TransportConfig};
 pub use driver::{ReceiveError, ReserveParams, StartError};
 pub use engine::{
-    loopback, EngineError, ReceiverConn, ReceiverConnStats, SenderConn, SenderConnStats,
+    loopback, EngineError, Node, ReceiverConn, ReceiverConnStats, SenderConn, SenderConnStats,
     TransferError, Verified,
 };
-pub use memory::{KvMemory, PagePool, PoolError, PoolGeometry, Scrub};
+pub use memory::{Holder, KvMemory, PagePool, PoolError, PoolGeometry, Scrub};
 pub use proto::admission::{AdmissionError, Admitted, Request};
 pub use proto::wire::{DigestAlgorithm, ErrorCode, TransferId, TransferRef};
 pub use proto::FailureReason;

@@ -94,10 +94,11 @@ async fn connect(
 ) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let target = listener.local_addr().unwrap();
-    let cfg = rx.clone();
-    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
+    let decode = kvwire::Node::new(rx.clone()).unwrap();
+    let prefill = kvwire::Node::new(tx.clone()).unwrap();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
     let via = proxy(target, hook).await;
-    let s = SenderConn::connect(via, tx).await;
+    let s = SenderConn::connect(via, &prefill).await;
     (s, accept.await.unwrap())
 }
 

@@ -23,6 +23,7 @@ fn raw(lease: &PageLease) -> RawLease {
         pool_id: lease.pool_id(),
         page: lease.page(),
         generation: lease.generation(),
+        holder: lease.holder(),
     }
 }
 
@@ -450,6 +451,7 @@ fn forged_leases_are_refused() {
             pool_id: id,
             page,
             generation,
+            holder: Holder::Caller,
         })
     };
     assert_eq!(
@@ -480,7 +482,8 @@ fn forged_leases_are_refused() {
         p.release(PageLease::from_raw(RawLease {
             pool_id: 0,
             page: 0,
-            generation: 0
+            generation: 0,
+            holder: Holder::Caller,
         })),
         Err(PoolError::WrongPool { lease_pool: 0, .. })
     ));
@@ -723,6 +726,7 @@ proptest! {
                         pool_id: if foreign { other.id() } else { p.id() },
                         page,
                         generation,
+                        holder: Holder::Caller,
                     };
                     let Some(expected) = expected_error(&p, &model, r) else {
                         // A copy of a live lease: releasing it would be legitimate.
@@ -894,6 +898,7 @@ fn pages_pinned_by_a_shared_view_are_never_written_or_released() {
         pool_id: p.id(),
         page,
         generation,
+        holder: Holder::Caller,
     }))
     .unwrap();
     p.release(second).unwrap();
@@ -944,7 +949,10 @@ fn engine_chosen_pages_are_leased_exactly_and_never_twice() {
     // A page already leased (by anyone) is refused, and nothing of the request is leased.
     assert_eq!(
         p.lease_pages(&[1, 2]),
-        Err(PoolError::AlreadyLeased { page: 2 })
+        Err(PoolError::AlreadyLeased {
+            page: 2,
+            holders: vec![Holder::Caller]
+        })
     );
     assert_eq!(
         p.lease_pages(&[1, 1]),
@@ -966,4 +974,108 @@ fn engine_chosen_pages_are_leased_exactly_and_never_twice() {
     assert_eq!(counts(&p), (8, 0, 0));
     // Released pages can be chosen again.
     release_all(&p, p.lease_pages(&[2, 5]).unwrap());
+}
+
+/// The engine's source pages are read by outgoing transfers: several at once (the same prefix
+/// page sent to two peers), never while a reservation holds them, and free only when the last
+/// reader is done.
+#[test]
+fn source_pages_are_shared_by_readers_and_free_after_the_last() {
+    use kvwire::TransferId;
+    let p = pool(8, Scrub::Poison);
+    let (a, b) = (
+        Holder::Sending(TransferId(1)),
+        Holder::Sending(TransferId(2)),
+    );
+    let first = p.lease_for_reading(&[3, 4], a).unwrap();
+    let second = p.lease_for_reading(&[4, 5], b).unwrap();
+    assert_eq!(p.holders(3), vec![a]);
+    assert_eq!(p.holders(4), vec![a, b]);
+    assert_eq!(
+        p.state(4),
+        Some(PageState::Reading {
+            generation: 0,
+            readers: 2
+        })
+    );
+    assert_eq!(p.reading_pages(), 3);
+    // Readers read; nobody writes through a shared lease.
+    assert!(p.page(&first[1], 0).is_ok());
+    assert_eq!(
+        p.page_mut(&first[1], 0).unwrap_err(),
+        PoolError::SharedLease { page: 4 }
+    );
+    // A reservation cannot take a page being read, and says who reads it.
+    assert_eq!(
+        p.lease_pages_for(&[6, 4], Holder::Receiving(TransferId(9))),
+        Err(PoolError::AlreadyLeased {
+            page: 4,
+            holders: vec![a, b]
+        })
+    );
+    assert_eq!(
+        p.holders(6),
+        vec![],
+        "nothing of a refused request is leased"
+    );
+    // The engine may not free a page in flight.
+    assert_eq!(
+        p.check_engine_free(&[2, 4]),
+        Err(PoolError::HeldByKvwire {
+            page: 4,
+            holders: vec![a, b]
+        })
+    );
+    for l in first {
+        p.release(l).unwrap();
+    }
+    assert_eq!(p.holders(4), vec![b], "the other reader still holds page 4");
+    assert_eq!(p.holders(3), vec![]);
+    assert!(p.check_engine_free(&[3]).is_ok());
+    assert!(p.check_engine_free(&[4]).is_err());
+    for l in second {
+        p.release(l).unwrap();
+    }
+    assert_eq!(p.state(4), Some(PageState::Free));
+    assert_eq!(p.reading_pages(), 0);
+    assert_eq!(p.free_pages(), 8);
+    assert!(p.held_pages().is_empty());
+    // Released pages went through the scrub and a new generation.
+    assert_eq!(p.raw_page(4, 0).unwrap()[0], POISON_BYTE);
+    let again = p
+        .lease_pages_for(&[4], Holder::Receiving(TransferId(3)))
+        .unwrap();
+    assert_eq!(again[0].generation(), 1);
+    assert_eq!(
+        p.held_pages(),
+        vec![(4, vec![Holder::Receiving(TransferId(3))])]
+    );
+    // A page leased for a reservation cannot be read by a sender either.
+    assert!(matches!(
+        p.lease_for_reading(&[4], a),
+        Err(PoolError::AlreadyLeased { page: 4, .. })
+    ));
+    p.release(again.into_iter().next().unwrap()).unwrap();
+}
+
+/// A shared read lease cannot be quarantined (quarantine is the destination side's), and a
+/// reader that releases twice (a forged copy) is refused once the page is free.
+#[test]
+fn shared_leases_refuse_quarantine_and_double_release() {
+    use kvwire::TransferId;
+    let p = pool(2, Scrub::None);
+    let mut l = p
+        .lease_for_reading(&[1], Holder::Sending(TransferId(5)))
+        .unwrap();
+    let lease = l.pop().unwrap();
+    assert_eq!(
+        p.quarantine(&lease),
+        Err(PoolError::SharedLease { page: 1 })
+    );
+    let copy = raw(&lease);
+    p.release(lease).unwrap();
+    assert_eq!(
+        p.release(PageLease::from_raw(copy)),
+        Err(PoolError::NotLeased { page: 1 })
+    );
 }

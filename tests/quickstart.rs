@@ -21,12 +21,13 @@ async fn the_readme_integrator_code_moves_verified_kv_over_tcp() {
         .unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let cfg = config.clone();
+    let decode_node = kvwire::Node::new(config.clone()).unwrap();
+    let prefill_node = kvwire::Node::new(config).unwrap();
     let decode = tokio::spawn(async move {
-        let conn = ReceiverConn::accept(&listener, &cfg).await.unwrap();
+        let conn = ReceiverConn::accept(&listener, &decode_node).await.unwrap();
         integrator::decode(&conn, 8, 100).await.unwrap()
     });
-    let conn = SenderConn::connect(addr, &config).await.unwrap();
+    let conn = SenderConn::connect(addr, &prefill_node).await.unwrap();
     integrator::prefill(&conn, 8, 100).await.unwrap();
     // 8 requests x 7 pages x 2 buffers x 4 KiB, every byte compared.
     assert_eq!(decode.await.unwrap(), 8 * 7 * 2 * 4096);

@@ -636,11 +636,13 @@ mod engine {
 
     use kvwire::config::TransportConfig;
     use kvwire::driver::ReserveParams;
-    use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn};
+    use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn};
     use kvwire::proto::admission::Request;
     use kvwire::testkit::kv_pattern;
     use kvwire::TransferId;
 
+    /// Two connections one after the other over the same two nodes: the second reuses each
+    /// node's registration (the way a connection recovers after its link failed).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_engine_api_moves_verified_kv_over_rdma() {
         let Some(d) = super::device("the_engine_api_moves_verified_kv_over_rdma") else {
@@ -648,44 +650,51 @@ mod engine {
         };
         let mut config = NodeConfig::example();
         config.transport = TransportConfig::rdma(Some(&d.name));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let cfg = config.clone();
-        let decode = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
-        let prefill = SenderConn::connect(addr, &config).await.unwrap();
-        let decode = decode.await.unwrap().unwrap();
-        for id in (1..=4u64).map(TransferId) {
-            let verified = decode.reserve(ReserveParams {
-                transfer_id: id,
-                tokens: 100,
-                timeout: Duration::from_secs(60),
-                digest: None,
-                page_digests: false,
-            });
-            let admitted = prefill
-                .admit(Request {
+        let decode_node = Node::new(config.clone()).unwrap();
+        let prefill_node = Node::new(config).unwrap();
+        for round in 0..2u64 {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let node = decode_node.clone();
+            let decode = tokio::spawn(async move { ReceiverConn::accept(&listener, &node).await });
+            let prefill = SenderConn::connect(addr, &prefill_node).await.unwrap();
+            let decode = decode.await.unwrap().unwrap();
+            for id in (1..=3u64).map(|i| TransferId(round * 10 + i)) {
+                let verified = decode.reserve(ReserveParams {
                     transfer_id: id,
                     tokens: 100,
-                })
-                .await
-                .unwrap();
-            prefill
-                .send(admitted, move |o, b, page| kv_pattern(id, o, b, page))
-                .await
-                .unwrap();
-            let kv = verified.await.unwrap();
-            for o in 0..kv.pages() {
-                for b in 0..kv.buffers() {
-                    let got = kv.page(o, b).unwrap();
-                    let mut want = vec![0u8; got.len()];
-                    kv_pattern(id, o as u32, b, &mut want);
-                    assert!(*got == want[..], "transfer {id} page {o} buffer {b}");
+                    timeout: Duration::from_secs(60),
+                    digest: None,
+                    page_digests: false,
+                });
+                let admitted = prefill
+                    .admit(Request {
+                        transfer_id: id,
+                        tokens: 100,
+                    })
+                    .await
+                    .unwrap();
+                prefill
+                    .send(admitted, move |o, b, page| kv_pattern(id, o, b, page))
+                    .await
+                    .unwrap();
+                let kv = verified.await.unwrap();
+                for o in 0..kv.pages() {
+                    for b in 0..kv.buffers() {
+                        let got = kv.page(o, b).unwrap();
+                        let mut want = vec![0u8; got.len()];
+                        kv_pattern(id, o as u32, b, &mut want);
+                        assert!(*got == want[..], "transfer {id} page {o} buffer {b}");
+                    }
                 }
+                kv.release().unwrap();
             }
-            kv.release().unwrap();
+            let s = decode.stats().await.unwrap();
+            assert_eq!((s.verified, s.pages_free), (3, s.pages_total));
         }
-        let s = decode.stats().await.unwrap();
-        assert_eq!((s.verified, s.pages_free), (4, s.pages_total));
+        for node in [&decode_node, &prefill_node] {
+            assert!(node.pool().held_pages().is_empty());
+        }
     }
 }
 

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use common::{assert_invariants, try_reserve, try_send};
 use kvwire::driver::ReserveParams;
-use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
+use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::{ErrorCode, FrameType};
 use kvwire::testkit::{kv_pattern, Pair, PairConfig};
@@ -246,12 +246,13 @@ fn tcp_reason(e: &TransferError) -> String {
 }
 
 /// One TCP connection, `n` transfers, up to 8 in flight; returns when every transfer ended.
-async fn tcp_batch(rng: &mut Rng, first_id: u64, n: u64, config: &NodeConfig, tally: &mut Tally) {
+/// Every batch opens new connections over the same two nodes (one registration each).
+async fn tcp_batch(rng: &mut Rng, first_id: u64, n: u64, nodes: &(Node, Node), tally: &mut Tally) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let cfg = config.clone();
-    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
-    let sender = SenderConn::connect(addr, config).await.unwrap();
+    let decode = nodes.1.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
+    let sender = SenderConn::connect(addr, &nodes.0).await.unwrap();
     let receiver = accept.await.unwrap().unwrap();
     // In some batches the sender's connection is dropped after `cut` transfers have started.
     let cut = rng.chance(15).then(|| rng.below(n));
@@ -393,6 +394,10 @@ fn soak() {
     let mut tcp = Tally::default();
     rt.block_on(async {
         let config = tcp_config();
+        let nodes = (
+            Node::new(config.clone()).unwrap(),
+            Node::new(config).unwrap(),
+        );
         let base = tokio::runtime::Handle::current()
             .metrics()
             .num_alive_tasks();
@@ -400,7 +405,7 @@ fn soak() {
         let end = id + tcp_n;
         while id < end {
             let n = 50.min(end - id);
-            tcp_batch(&mut rng, id, n, &config, &mut tcp).await;
+            tcp_batch(&mut rng, id, n, &nodes, &mut tcp).await;
             id += n;
         }
         // Every connection's handles are dropped: their tasks (connection, reader, writer)
@@ -419,6 +424,14 @@ fn soak() {
             "{} tokio tasks still alive after every connection was dropped",
             alive - base
         );
+        // Every page of both registrations came back, across all the connections.
+        for node in [&nodes.0, &nodes.1] {
+            assert!(
+                node.pool().held_pages().is_empty(),
+                "{:?}",
+                node.pool().stats()
+            );
+        }
     });
 
     for (name, t) in [("loopback", &lo), ("tcp", &tcp)] {

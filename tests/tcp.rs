@@ -5,7 +5,7 @@ use kvwire::TransferId;
 use std::time::Duration;
 
 use kvwire::driver::ReserveParams;
-use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
+use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::ErrorCode;
 use kvwire::proto::{FailureReason, Wait};
@@ -13,11 +13,20 @@ use kvwire::testkit::kv_pattern;
 use tokio::net::TcpListener;
 
 async fn pair(config: &NodeConfig) -> (SenderConn, ReceiverConn) {
+    let nodes = (
+        Node::new(config.clone()).unwrap(),
+        Node::new(config.clone()).unwrap(),
+    );
+    pair_of(&nodes).await
+}
+
+/// A connection from the prefill node `nodes.0` to the decode node `nodes.1`.
+async fn pair_of(nodes: &(Node, Node)) -> (SenderConn, ReceiverConn) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let cfg = config.clone();
-    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
-    let sender = SenderConn::connect(addr, config).await.unwrap();
+    let decode = nodes.1.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
+    let sender = SenderConn::connect(addr, &nodes.0).await.unwrap();
     (sender, accept.await.unwrap().unwrap())
 }
 
@@ -154,8 +163,11 @@ async fn a_layout_mismatch_is_refused_at_connect() {
     other.pool.buffer_page_bytes = vec![4096, 8192];
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &config).await });
-    let err = SenderConn::connect(addr, &other).await.unwrap_err();
+    let decode = Node::new(config).unwrap();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
+    let err = SenderConn::connect(addr, &Node::new(other).unwrap())
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("LAYOUT_MISMATCH"), "{err}");
     assert!(accept.await.unwrap().is_err());
 }
@@ -209,12 +221,11 @@ async fn transfers_land_in_memory_the_engine_registered() {
         .map(|b| vec![0xEE; config.pool.buffer_len(b).unwrap()].into_boxed_slice())
         .collect();
     let memory = KvMemory::from_buffers(&config.pool, buffers).unwrap();
-    let cfg = config.clone();
-    let accept = tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        ReceiverConn::start_with_memory(stream, &cfg, false, memory).await
-    });
-    let s = SenderConn::connect(addr, &config).await.unwrap();
+    let decode = Node::with_memory(config.clone(), memory).unwrap();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
+    let s = SenderConn::connect(addr, &Node::new(config.clone()).unwrap())
+        .await
+        .unwrap();
     let r = accept.await.unwrap().unwrap();
     let verified = r.reserve(params(5, 64));
     send(&s, 5, 64).await.unwrap();
@@ -223,21 +234,32 @@ async fn transfers_land_in_memory_the_engine_registered() {
     let mut want = vec![0u8; first.len()];
     kv_pattern(TransferId(5), 0, 1, &mut want);
     assert_eq!(first, want);
-    // A geometry that does not match the registered memory is refused at start.
+    // A memory that does not match the configured geometry is refused at registration.
     let wrong = KvMemory::allocate(&kvwire::memory::PoolGeometry {
         pages: 8,
         ..config.pool.clone()
     })
     .unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let cfg = config.clone();
-    let accept = tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.unwrap();
-        ReceiverConn::start_with_memory(stream, &cfg, false, wrong).await
-    });
-    let _ = SenderConn::connect(addr, &config).await;
-    assert!(accept.await.unwrap().is_err());
+    let err = Node::with_memory(config.clone(), wrong).unwrap_err();
+    assert!(err.to_string().contains("geometry"), "{err}");
+}
+
+/// The registration states the served context length: a memory too small for it is
+/// refused, naming both numbers (the incident's lesson holds for engine memory too).
+#[test]
+fn a_registration_smaller_than_the_context_is_refused_naming_both_numbers() {
+    use kvwire::memory::KvMemory;
+    let mut config = NodeConfig::example();
+    config.engine.max_context_tokens = config.pool.capacity_tokens() + 1;
+    let memory = KvMemory::allocate(&config.pool).unwrap();
+    let err = Node::with_memory(config.clone(), memory).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains(&config.pool.capacity_tokens().to_string())
+            && text.contains(&config.engine.max_context_tokens.to_string()),
+        "{text}"
+    );
+    assert!(Node::new(config).is_err());
 }
 
 /// Transfers large enough to be digested on the blocking pool verify, and their pages come
@@ -282,4 +304,72 @@ async fn dropping_the_receiver_handles_ends_its_connection() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     panic!("the receiver's connection stayed open after its handles were dropped");
+}
+
+/// A proxy between the two nodes that forwards one connection until `cut` is notified, then
+/// drops both sockets (the network path is gone; neither process closed anything).
+async fn cuttable_proxy(
+    target: std::net::SocketAddr,
+) -> (std::net::SocketAddr, std::sync::Arc<tokio::sync::Notify>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cut = std::sync::Arc::new(tokio::sync::Notify::new());
+    let c = cut.clone();
+    tokio::spawn(async move {
+        let (mut client, _) = listener.accept().await.unwrap();
+        let mut server = tokio::net::TcpStream::connect(target).await.unwrap();
+        tokio::select! {
+            _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+            _ = c.notified() => {}
+        }
+    });
+    (addr, cut)
+}
+
+/// The connection breaks under open transfers: each fails with a retryable reason on its
+/// side, every page comes back, and a new connection over the same two nodes (the memory
+/// stays registered) serves the same requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_connection_fails_retryably_and_a_new_one_over_the_same_nodes_serves() {
+    let config = NodeConfig::example();
+    let nodes = (
+        Node::new(config.clone()).unwrap(),
+        Node::new(config).unwrap(),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (via, cut) = cuttable_proxy(listener.local_addr().unwrap()).await;
+    let decode = nodes.1.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
+    let s = SenderConn::connect(via, &nodes.0).await.unwrap();
+    let r = accept.await.unwrap().unwrap();
+    // Reservations waiting for data, and a request waiting for its reservation.
+    let waiting: Vec<_> = (1..=2).map(|id| r.reserve(params(id, 300))).collect();
+    let sending = {
+        let s = s.clone();
+        tokio::spawn(async move { send(&s, 3, 300).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(nodes.1.pool().leased_pages() > 0);
+    cut.notify_one();
+    for w in waiting {
+        let e = w.await.unwrap_err();
+        assert!(e.is_retryable(), "{e:?}");
+    }
+    let e = sending.await.unwrap().unwrap_err();
+    assert!(e.is_retryable(), "{e:?}");
+    assert_receiver_pool_full(&r).await;
+    // After the loss, the old handles refuse new work with a retryable error...
+    let e = send(&s, 4, 64).await.unwrap_err();
+    assert!(e.is_retryable(), "{e:?}");
+    drop((s, r));
+    // ...and a new connection over the same nodes serves the same requests.
+    let (s, r) = pair_of(&nodes).await;
+    for id in 1..=3 {
+        let verified = r.reserve(params(id, 300));
+        send(&s, id, 300).await.unwrap();
+        verified.await.unwrap().release().unwrap();
+    }
+    assert_receiver_pool_full(&r).await;
+    assert!(nodes.1.pool().held_pages().is_empty());
+    assert!(nodes.0.pool().held_pages().is_empty());
 }

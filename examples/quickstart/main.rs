@@ -13,7 +13,7 @@ mod integrator;
 
 use std::net::SocketAddr;
 
-use kvwire::{Auth, NodeConfig, PoolGeometry, ReceiverConn, SenderConn, TransportConfig};
+use kvwire::{Auth, Node, NodeConfig, PoolGeometry, ReceiverConn, SenderConn, TransportConfig};
 
 const REQUESTS: u64 = 8;
 const TOKENS: u32 = 100;
@@ -55,11 +55,13 @@ async fn main() -> Result<(), Error> {
         None => return Err("set KVWIRE_PSK (or KVWIRE_PSK_FILE) in both processes".into()),
     };
     let config = config(auth, rdma.as_deref())?;
+    // The node's KV memory, registered once (here kvwire allocates it).
+    let node = Node::new(config.clone())?;
     match (listen, connect) {
         (Some(addr), _) => {
             let listener = tokio::net::TcpListener::bind(addr.parse::<SocketAddr>()?).await?;
             eprintln!("decode: listening on {}", listener.local_addr()?);
-            let conn = ReceiverConn::accept(&listener, &config).await?;
+            let conn = ReceiverConn::accept(&listener, &node).await?;
             let bytes = integrator::decode(&conn, REQUESTS, TOKENS).await?;
             println!(
                 "decode: {REQUESTS} transfers verified over {}, {bytes} bytes checked",
@@ -71,7 +73,7 @@ async fn main() -> Result<(), Error> {
             // The decode node may still be starting: retry for a while.
             let mut tries = 0;
             let conn = loop {
-                match SenderConn::connect(addr, &config).await {
+                match SenderConn::connect(addr, &node).await {
                     Ok(c) => break c,
                     Err(kvwire::EngineError::Io(e)) if tries < 100 => {
                         tries += 1;
@@ -87,12 +89,13 @@ async fn main() -> Result<(), Error> {
         _ => {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let addr = listener.local_addr()?;
-            let cfg = config.clone();
+            // Both nodes in this process: the decode node gets memory of its own.
+            let decode_node = Node::new(config.clone())?;
             let decode = tokio::spawn(async move {
-                let conn = ReceiverConn::accept(&listener, &cfg).await?;
+                let conn = ReceiverConn::accept(&listener, &decode_node).await?;
                 integrator::decode(&conn, REQUESTS, TOKENS).await
             });
-            let conn = SenderConn::connect(addr, &config).await?;
+            let conn = SenderConn::connect(addr, &node).await?;
             integrator::prefill(&conn, REQUESTS, TOKENS).await?;
             let bytes = decode.await??;
             println!(

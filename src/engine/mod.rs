@@ -8,19 +8,17 @@
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
 //! use std::time::Duration;
-//! use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn};
+//! use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn};
 //! use kvwire::proto::admission::Request;
 //! use kvwire::driver::ReserveParams;
 //! use kvwire::TransferId;
 //!
 //! let config = NodeConfig::example();
+//! let (decode_node, prefill_node) = (Node::new(config.clone())?, Node::new(config)?);
 //! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
 //! let addr = listener.local_addr()?;
-//! let decode = tokio::spawn({
-//!     let config = config.clone();
-//!     async move { ReceiverConn::accept(&listener, &config).await }
-//! });
-//! let prefill = SenderConn::connect(addr, &config).await?;
+//! let decode = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode_node).await });
+//! let prefill = SenderConn::connect(addr, &prefill_node).await?;
 //! let decode = decode.await??;
 //!
 //! // Decode side: reserve pages for request 7 (100 tokens) and wait for verified KV.
@@ -36,6 +34,7 @@
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(()) }).unwrap();
 //! ```
 
+mod node;
 mod open;
 mod receiver;
 mod sender;
@@ -48,6 +47,7 @@ use kvwire_proto::handshake::HandshakeError;
 use kvwire_proto::wire::Role;
 use kvwire_proto::FailureReason;
 
+pub use node::Node;
 pub use open::loopback;
 pub use receiver::{ReceiverConn, ReceiverConnStats, Verified};
 pub use sender::{SenderConn, SenderConnStats};
@@ -138,6 +138,24 @@ impl TransferError {
         match self {
             Self::Failed(r) => Some(r),
             _ => None,
+        }
+    }
+
+    /// Whether the same request may be tried again, on a new connection if this one is
+    /// gone (open it over the same [`Node`]: the memory stays registered): the transfer
+    /// failed in the transport (the connection or queue pair was lost, a write failed, a
+    /// deadline passed) or the pool was momentarily full, not because of what was sent.
+    /// Rejections, digest mismatches, aborts and authentication failures are not.
+    pub fn is_retryable(&self) -> bool {
+        use crate::driver::{ReceiveError as R, StartError as S};
+        use kvwire_proto::receiver::ReserveError;
+        use kvwire_proto::sender::SubmitError;
+        match self {
+            Self::Failed(r) => r.is_retryable(),
+            Self::ConnectionClosed => true,
+            Self::Reserve(R::Reserve(ReserveError::PeerLost) | R::Pool(_)) => true,
+            Self::Start(S::OutOfPages { .. } | S::Session(SubmitError::PeerLost(_))) => true,
+            _ => false,
         }
     }
 }

@@ -1,36 +1,25 @@
-//! Opening a connection over the configured transport: the handshake (carrying the
-//! transport's parameters), the connection's pool, the transport, and the role's task.
-
-use std::sync::Arc;
+//! Opening a connection over the node's transport: the handshake (carrying the transport's
+//! parameters), the transport over the node's memory, and the role's task.
 
 use kvwire_proto::wire::Role;
 use tokio::net::TcpStream;
 
-use super::{handshake, EngineError, NodeConfig, ReceiverConn, SenderConn};
+use super::{handshake, EngineError, Node, ReceiverConn, SenderConn};
 use crate::config::TransportConfig;
-use crate::memory::{KvMemory, PagePool};
 use crate::transport::tcp::{TcpReceiver, TcpSender};
-
-fn pool(config: &NodeConfig, memory: KvMemory) -> Result<Arc<PagePool>, EngineError> {
-    Ok(Arc::new(PagePool::with_memory(
-        config.pool.clone(),
-        memory,
-        config.scrub,
-    )?))
-}
 
 /// The prefill end of a connection on `stream` (client or server side of the handshake).
 pub(crate) async fn sender(
     stream: TcpStream,
-    config: &NodeConfig,
+    node: &Node,
     client: bool,
-    memory: KvMemory,
 ) -> Result<SenderConn, EngineError> {
+    let config = node.config();
+    let pool = node.pool().clone();
     match &config.transport {
         TransportConfig::Tcp => {
             let (stream, est, channel) =
                 handshake(stream, config, client, Role::SENDER, Vec::new()).await?;
-            let pool = pool(config, memory)?;
             let (sealer, opener) = channel.split();
             let t = TcpSender::new(stream, sealer, opener, pool.clone());
             SenderConn::run(est, pool, t, config)
@@ -41,10 +30,10 @@ pub(crate) async fn sender(
             queue_pairs,
             busy_poll,
         } => {
-            use crate::transport::rdma::{bootstrap, RdmaDevice};
-            let dev = Arc::new(RdmaDevice::open(device.as_deref()).map_err(rdma)?);
+            use crate::transport::rdma::bootstrap;
+            let reg = node.rdma(device.as_deref())?;
             let (prepared, params) = bootstrap::prepare(
-                &dev,
+                &reg.device,
                 Role::SENDER,
                 *queue_pairs,
                 config.window,
@@ -54,13 +43,13 @@ pub(crate) async fn sender(
             .map_err(rdma)?;
             let (stream, est, channel) =
                 handshake(stream, config, client, Role::SENDER, params).await?;
-            let pool = pool(config, memory)?;
             let t = prepared
                 .into_sender(
                     &est,
                     channel,
                     stream,
                     &pool,
+                    reg.memory,
                     config.window,
                     config.handshake_timeout,
                 )
@@ -76,15 +65,15 @@ pub(crate) async fn sender(
 /// The decode end of a connection on `stream` (client or server side of the handshake).
 pub(crate) async fn receiver(
     stream: TcpStream,
-    config: &NodeConfig,
+    node: &Node,
     client: bool,
-    memory: KvMemory,
 ) -> Result<ReceiverConn, EngineError> {
+    let config = node.config();
+    let pool = node.pool().clone();
     match &config.transport {
         TransportConfig::Tcp => {
             let (stream, est, channel) =
                 handshake(stream, config, client, Role::RECEIVER, Vec::new()).await?;
-            let pool = pool(config, memory)?;
             let (sealer, opener) = channel.split();
             let t = TcpReceiver::new(stream, sealer, opener, pool.clone());
             ReceiverConn::run(est, pool, t, config)
@@ -95,10 +84,10 @@ pub(crate) async fn receiver(
             queue_pairs,
             busy_poll,
         } => {
-            use crate::transport::rdma::{bootstrap, RdmaDevice};
-            let dev = Arc::new(RdmaDevice::open(device.as_deref()).map_err(rdma)?);
+            use crate::transport::rdma::bootstrap;
+            let reg = node.rdma(device.as_deref())?;
             let (prepared, params) = bootstrap::prepare(
-                &dev,
+                &reg.device,
                 Role::RECEIVER,
                 *queue_pairs,
                 config.window,
@@ -108,9 +97,15 @@ pub(crate) async fn receiver(
             .map_err(rdma)?;
             let (stream, est, channel) =
                 handshake(stream, config, client, Role::RECEIVER, params).await?;
-            let pool = pool(config, memory)?;
             let t = prepared
-                .into_receiver(&est, channel, stream, &pool, config.handshake_timeout)
+                .into_receiver(
+                    &est,
+                    channel,
+                    stream,
+                    &pool,
+                    reg.memory,
+                    config.handshake_timeout,
+                )
                 .await
                 .map_err(rdma)?;
             ReceiverConn::run(est, pool, t, config)
@@ -122,7 +117,7 @@ pub(crate) async fn receiver(
 
 #[cfg(feature = "rdma")]
 fn rdma(e: impl std::fmt::Display) -> EngineError {
-    EngineError::Transport(e.to_string())
+    super::node::rdma::transport(e)
 }
 
 #[allow(dead_code)]
@@ -135,22 +130,26 @@ fn unsupported(t: &TransportConfig) -> EngineError {
 }
 
 /// Both ends of one connection in this process over the loopback transport (a simulated
-/// wire in real time, no latency), each with a pool of its own allocated from
-/// `config.pool`: a node that is both the prefill and the decode side of a transfer, and the
-/// in-process benchmark. Unauthenticated (nothing leaves the process).
-pub fn loopback(config: &NodeConfig) -> Result<(SenderConn, ReceiverConn), EngineError> {
+/// wire in real time, no latency): `prefill` sends from its memory into `decode`'s. The two
+/// nodes must hold different memories (two [`Node`]s), with the same layout. Unauthenticated
+/// (nothing leaves the process); `decode`'s configuration sets the sessions' parameters.
+pub fn loopback(prefill: &Node, decode: &Node) -> Result<(SenderConn, ReceiverConn), EngineError> {
     use crate::transport::loopback;
     let now = std::time::Instant::now();
     let (client, server) = kvwire_proto::handshake::in_memory(
         now,
-        config.hello(Role::RECEIVER),
-        config.hello(Role::SENDER),
+        decode.config().hello(Role::RECEIVER),
+        prefill.config().hello(Role::SENDER),
     )?;
-    let source = pool(config, KvMemory::allocate(&config.pool)?)?;
-    let dest = pool(config, KvMemory::allocate(&config.pool)?)?;
+    let (source, dest) = (prefill.pool().clone(), decode.pool().clone());
+    if std::sync::Arc::ptr_eq(&source, &dest) {
+        return Err(EngineError::Transport(
+            "loopback needs two nodes: a node cannot send into its own memory".into(),
+        ));
+    }
     let (s, r) = loopback::connect(source.clone(), dest.clone(), std::time::Duration::ZERO);
-    let receiver = ReceiverConn::run(client, dest, r, config)?;
-    let sender = SenderConn::run(server, source, s, config)?;
+    let receiver = ReceiverConn::run(client, dest, r, decode.config())?;
+    let sender = SenderConn::run(server, source, s, prefill.config())?;
     Ok((sender, receiver))
 }
 
@@ -158,46 +157,31 @@ pub fn loopback(config: &NodeConfig) -> Result<(SenderConn, ReceiverConn), Engin
 /// [`sender`] or [`receiver`] of this module.
 macro_rules! constructors {
     ($open:path) => {
-        /// Connects to the peer and runs the handshake as the client.
-        pub async fn connect(
-            addr: impl ToSocketAddrs,
-            config: &NodeConfig,
-        ) -> Result<Self, EngineError> {
+        /// Connects to the peer and runs the handshake as the client, over `node`'s memory
+        /// and transport.
+        pub async fn connect(addr: impl ToSocketAddrs, node: &Node) -> Result<Self, EngineError> {
             let stream = TcpStream::connect(addr).await?;
-            Self::start(stream, config, true).await
+            Self::start(stream, node, true).await
         }
 
-        /// Accepts one connection on `listener` and runs the handshake as the server.
-        pub async fn accept(
-            listener: &TcpListener,
-            config: &NodeConfig,
-        ) -> Result<Self, EngineError> {
+        /// Accepts one connection on `listener` and runs the handshake as the server, over
+        /// `node`'s memory and transport.
+        pub async fn accept(listener: &TcpListener, node: &Node) -> Result<Self, EngineError> {
             let (stream, _) = listener.accept().await?;
-            Self::start(stream, config, false).await
+            Self::start(stream, node, false).await
         }
 
-        /// Runs the handshake on `stream` and starts the connection's task, over a pool the
-        /// engine allocates.
+        /// Runs the handshake on `stream` (over the transport `node`'s configuration names)
+        /// and starts the connection's task over `node`'s memory, which every connection of
+        /// the node shares. After a connection ends (the peer is gone, a queue pair failed),
+        /// opening another one over the same node is how it recovers: the memory stays
+        /// registered.
         pub async fn start(
             stream: TcpStream,
-            config: &NodeConfig,
+            node: &Node,
             client: bool,
         ) -> Result<Self, EngineError> {
-            let memory = KvMemory::allocate(&config.pool)?;
-            Self::start_with_memory(stream, config, client, memory).await
-        }
-
-        /// Runs the handshake on `stream` (over the transport `config.transport` names) and
-        /// starts the connection's task over KV memory the caller registered
-        /// ([`KvMemory::from_buffers`], or the engine's own memory with
-        /// [`KvMemory::from_raw_parts`]), which must match `config.pool`.
-        pub async fn start_with_memory(
-            stream: TcpStream,
-            config: &NodeConfig,
-            client: bool,
-            memory: KvMemory,
-        ) -> Result<Self, EngineError> {
-            $open(stream, config, client, memory).await
+            $open(stream, node, client).await
         }
     };
 }

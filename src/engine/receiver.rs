@@ -13,9 +13,9 @@ use kvwire_proto::FailureReason;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{transfer_error, ConnectionTask, EngineError, NodeConfig, TransferError};
+use super::{transfer_error, ConnectionTask, EngineError, Node, NodeConfig, TransferError};
 use crate::driver::{DigestExecution, ReceiveOutcome, ReceiverDriver, ReserveParams, VerifiedKv};
-use crate::memory::{KvMemory, PagePool, PageRef, PoolError};
+use crate::memory::{PagePool, PageRef, PoolError};
 use crate::metrics::{Connection, Metrics};
 use crate::transport::ReceiverTransport;
 

@@ -13,9 +13,9 @@ use kvwire_proto::FailureReason;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{transfer_error, ConnectionTask, EngineError, NodeConfig, TransferError};
+use super::{transfer_error, ConnectionTask, EngineError, Node, NodeConfig, TransferError};
 use crate::driver::{DigestExecution, SenderDriver};
-use crate::memory::KvMemory;
+
 use crate::metrics::Metrics;
 use crate::transport::SenderTransport;
 

@@ -11,8 +11,8 @@
 //! decided above it, by the pool and the transports.
 //!
 //! Memory that is also written outside Rust (an engine's kernels, a NIC's DMA) is outside
-//! these locks; the integration contract (`KvMemory::from_raw_parts`) says which pages the
-//! engine may write and when.
+//! these locks; the integration contract (`KvMemory::from_raw_parts`, `Node`) says which
+//! pages the engine may write and when: never one kvwire holds.
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};

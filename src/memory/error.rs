@@ -1,5 +1,17 @@
 //! Errors returned by the page pool.
 
+use super::Holder;
+
+fn list_holders(h: &[Holder]) -> String {
+    if h.is_empty() {
+        return "nobody".into();
+    }
+    h.iter()
+        .map(Holder::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Why a pool operation was refused. A refused operation changes nothing in the pool.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -73,10 +85,28 @@ pub enum PoolError {
         /// The page.
         page: u32,
     },
-    /// The engine asked to lease a page that is leased or quarantined already (by this or
-    /// another connection): a page is never leased twice.
-    #[error("page {page} is already leased (a page is never leased twice)")]
+    /// The engine asked to lease a page that is held already (leased, read by an outgoing
+    /// transfer, or quarantined; by this or another connection): a page is never leased
+    /// twice.
+    #[error("page {page} is already held by {} (a page is never leased twice)", list_holders(.holders))]
     AlreadyLeased {
+        /// The page.
+        page: u32,
+        /// Who holds it.
+        holders: Vec<Holder>,
+    },
+    /// The engine was about to free (reuse) a page kvwire still holds.
+    #[error("page {page} is still held by kvwire for {}: it must not be freed yet", list_holders(.holders))]
+    HeldByKvwire {
+        /// The page.
+        page: u32,
+        /// Who holds it.
+        holders: Vec<Holder>,
+    },
+    /// The lease is a shared read lease (several transfers may read the page): it cannot
+    /// write the page or quarantine it.
+    #[error("page {page} is shared by outgoing transfers: read-only")]
+    SharedLease {
         /// The page.
         page: u32,
     },

@@ -1,4 +1,34 @@
-//! Page leases: the capability to use (and the obligation to release) one page index.
+//! Page leases: the capability to use (and the obligation to release) one page index, and
+//! who holds it.
+
+use std::fmt;
+
+use kvwire_proto::wire::TransferId;
+
+/// Who a lease is for: what the engine learns when it asks which of its pages kvwire holds
+/// ([`PagePool::holders`](super::PagePool::holders)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Holder {
+    /// The destination of this incoming transfer: reserved, being written, verified and
+    /// not yet released by the engine, or quarantined until its fence.
+    Receiving(TransferId),
+    /// A source page this outgoing transfer reads (until its writes and digests drained).
+    Sending(TransferId),
+    /// Leased by the caller itself ([`PagePool::allocate`](super::PagePool::allocate),
+    /// [`PagePool::lease_pages`](super::PagePool::lease_pages)), for no transfer.
+    Caller,
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Receiving(t) => write!(f, "receiving transfer {t}"),
+            Self::Sending(t) => write!(f, "sending transfer {t}"),
+            Self::Caller => f.write_str("the caller"),
+        }
+    }
+}
 
 /// The right to use one page index of one pool, under one generation.
 ///
@@ -13,15 +43,22 @@ pub struct PageLease {
     pool_id: u64,
     page: u32,
     generation: u32,
+    holder: Holder,
 }
 
 impl PageLease {
-    pub(crate) fn new(pool_id: u64, page: u32, generation: u32) -> Self {
+    pub(crate) fn new(pool_id: u64, page: u32, generation: u32, holder: Holder) -> Self {
         Self {
             pool_id,
             page,
             generation,
+            holder,
         }
+    }
+
+    /// Who the lease is for.
+    pub fn holder(&self) -> Holder {
+        self.holder
     }
 
     /// The page index this lease covers (the same slot in every buffer).
@@ -45,6 +82,7 @@ impl PageLease {
             pool_id: self.pool_id,
             page: self.page,
             generation: self.generation,
+            holder: self.holder,
         }
     }
 
@@ -54,7 +92,7 @@ impl PageLease {
     /// page range, page state and generation on every use, so such a lease yields a
     /// [`PoolError`](super::PoolError), never corruption.
     pub fn from_raw(raw: RawLease) -> Self {
-        Self::new(raw.pool_id, raw.page, raw.generation)
+        Self::new(raw.pool_id, raw.page, raw.generation, raw.holder)
     }
 }
 
@@ -69,6 +107,8 @@ pub struct RawLease {
     pub page: u32,
     /// The generation of the page the lease was issued under.
     pub generation: u32,
+    /// Who the lease is for.
+    pub holder: Holder,
 }
 
 impl From<PageLease> for RawLease {
@@ -83,7 +123,7 @@ mod tests {
 
     #[test]
     fn raw_round_trip_preserves_fields() {
-        let lease = PageLease::new(7, 3, 42);
+        let lease = PageLease::new(7, 3, 42, Holder::Caller);
         assert_eq!(
             (lease.pool_id(), lease.page(), lease.generation()),
             (7, 3, 42)
@@ -94,10 +134,14 @@ mod tests {
             RawLease {
                 pool_id: 7,
                 page: 3,
-                generation: 42
+                generation: 42,
+                holder: Holder::Caller,
             }
         );
-        assert_eq!(PageLease::from_raw(raw), PageLease::new(7, 3, 42));
+        assert_eq!(
+            PageLease::from_raw(raw),
+            PageLease::new(7, 3, 42, Holder::Caller)
+        );
         assert_eq!(RawLease::from(PageLease::from_raw(raw)), raw);
     }
 }

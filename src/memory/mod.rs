@@ -49,7 +49,7 @@ mod scope;
 pub use access::{PageMut, PageRef, SharedPages};
 pub use error::PoolError;
 pub use geometry::PoolGeometry;
-pub use lease::{PageLease, RawLease};
+pub use lease::{Holder, PageLease, RawLease};
 pub use page_pool::{PagePool, PageState, PoolStats, Scrub, POISON_BYTE};
 pub use region::{KvMemory, ALIGN};
 pub use scope::{AccessError, AccessKey, AccessScope, ScopeTable};

@@ -1,11 +1,12 @@
 //! The page pool proper: memory, slot table, free list.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::access::{PageLocks, PageMut, PageRef, SharedPages};
-use super::{KvMemory, PageLease, PoolError, PoolGeometry};
+use super::{Holder, KvMemory, PageLease, PoolError, PoolGeometry};
 
 /// The byte [`Scrub::Poison`] fills released pages with: conspicuous in a hex dump and
 /// unlikely as a run of real KV-cache data.
@@ -41,10 +42,19 @@ impl Scrub {
 pub enum PageState {
     /// On the free list.
     Free,
-    /// Handed out under `generation`.
+    /// Handed out, exclusively, under `generation`: a reservation's destination page, or a
+    /// page allocated for the caller.
     Leased {
         /// The generation current leases carry.
         generation: u32,
+    },
+    /// Read by `readers` outgoing transfers (shared: the same source page, e.g. a shared
+    /// prompt prefix, may go to several peers at once), under `generation`.
+    Reading {
+        /// The generation current leases carry.
+        generation: u32,
+        /// Transfers reading it.
+        readers: u32,
     },
     /// Its transfer failed or was aborted; waiting for the fence before release.
     Quarantined {
@@ -59,8 +69,10 @@ pub enum PageState {
 pub struct PoolStats {
     /// Pages on the free list.
     pub free: u32,
-    /// Pages leased and not quarantined.
+    /// Pages leased exclusively and not quarantined.
     pub leased: u32,
+    /// Pages read by outgoing transfers (shared leases).
+    pub reading: u32,
     /// Pages quarantined, waiting for release.
     pub quarantined: u32,
     /// Pages handed out since the pool was built.
@@ -79,12 +91,17 @@ enum SlotState {
     Free,
     Leased,
     Quarantined,
+    /// Shared by this many read leases (at least 1).
+    Reading(u32),
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     generation: u32,
     state: SlotState,
+    /// Who holds it (meaningless while free); for a shared page, its first reader (the
+    /// others are in `Table::more_readers`).
+    holder: Holder,
 }
 
 /// "No page" in the free list's links.
@@ -158,7 +175,11 @@ impl FreeList {
 struct Table {
     slots: Vec<Slot>,
     free: FreeList,
+    /// The readers of shared pages beyond each page's first (rare: a page sent to several
+    /// peers at once).
+    more_readers: HashMap<u32, Vec<Holder>>,
     leased: u32,
+    reading: u32,
     quarantined: u32,
     allocations: u64,
     quarantines: u64,
@@ -241,6 +262,7 @@ impl PagePool {
             Slot {
                 generation: 0,
                 state: SlotState::Free,
+                holder: Holder::Caller,
             };
             pages as usize
         ];
@@ -252,7 +274,9 @@ impl PagePool {
             table: Mutex::new(Table {
                 slots,
                 free: FreeList::full(pages),
+                more_readers: HashMap::new(),
                 leased: 0,
+                reading: 0,
                 quarantined: 0,
                 allocations: 0,
                 quarantines: 0,
@@ -304,9 +328,14 @@ impl PagePool {
         self.table().free.len
     }
 
-    /// Pages leased and not quarantined.
+    /// Pages leased exclusively and not quarantined.
     pub fn leased_pages(&self) -> u32 {
         self.table().leased
+    }
+
+    /// Pages read by outgoing transfers (shared leases).
+    pub fn reading_pages(&self) -> u32 {
+        self.table().reading
     }
 
     /// Pages quarantined, waiting for release.
@@ -314,12 +343,18 @@ impl PagePool {
         self.table().quarantined
     }
 
-    /// Leases `n` pages the pool chooses (the embedded allocator), all or nothing. `n == 0`
-    /// yields an empty vector.
+    /// Leases `n` pages the pool chooses (the embedded allocator) to the caller, all or
+    /// nothing; see [`PagePool::allocate_for`].
+    pub fn allocate(&self, n: u32) -> Result<Vec<PageLease>, PoolError> {
+        self.allocate_for(n, Holder::Caller)
+    }
+
+    /// Leases `n` pages the pool chooses (the embedded allocator) to `holder`, all or
+    /// nothing. `n == 0` yields an empty vector.
     ///
     /// Fails with [`PoolError::Exhausted`] (and allocates nothing) when fewer than `n` pages
     /// are free.
-    pub fn allocate(&self, n: u32) -> Result<Vec<PageLease>, PoolError> {
+    pub fn allocate_for(&self, n: u32, holder: Holder) -> Result<Vec<PageLease>, PoolError> {
         if n == 0 {
             return Ok(Vec::new());
         }
@@ -333,40 +368,37 @@ impl PagePool {
             let Some(page) = t.free.pop() else {
                 unreachable!("free list shorter than its checked length");
             };
-            leases.push(self.lease_slot(&mut t, page));
+            leases.push(self.lease_slot(&mut t, page, holder));
         }
         t.leased += n;
         t.allocations += u64::from(n);
         Ok(leases)
     }
 
-    /// Leases exactly `pages` (chosen by the engine's own allocator), all or nothing, in the
-    /// order given.
+    /// Leases exactly `pages` to the caller; see [`PagePool::lease_pages_for`].
+    pub fn lease_pages(&self, pages: &[u32]) -> Result<Vec<PageLease>, PoolError> {
+        self.lease_pages_for(pages, Holder::Caller)
+    }
+
+    /// Leases exactly `pages` (chosen by the engine's own allocator) to `holder`,
+    /// exclusively, all or nothing, in the order given: what a reservation into the
+    /// engine's pages does.
     ///
     /// Fails, leasing nothing, with [`PoolError::PageOutOfRange`], with
-    /// [`PoolError::AlreadyLeased`] when a page is leased or quarantined already (by any
-    /// connection: a page is never leased twice), or with [`PoolError::DuplicatePage`] when a
-    /// page appears twice in `pages`.
-    pub fn lease_pages(&self, pages: &[u32]) -> Result<Vec<PageLease>, PoolError> {
+    /// [`PoolError::AlreadyLeased`] when a page is held already (leased, read by an outgoing
+    /// transfer, or quarantined; by any connection: a page is never leased twice), or with
+    /// [`PoolError::DuplicatePage`] when a page appears twice in `pages`.
+    pub fn lease_pages_for(
+        &self,
+        pages: &[u32],
+        holder: Holder,
+    ) -> Result<Vec<PageLease>, PoolError> {
         let mut t = self.table();
-        for (i, &page) in pages.iter().enumerate() {
-            let Some(slot) = t.slots.get(page as usize) else {
-                return Err(PoolError::PageOutOfRange {
-                    page,
-                    pages: self.geometry.pages,
-                });
-            };
-            if slot.state != SlotState::Free {
-                return Err(PoolError::AlreadyLeased { page });
-            }
-            if pages[..i].contains(&page) {
-                return Err(PoolError::DuplicatePage { page });
-            }
-        }
+        self.check_choice(&t, pages, |state| state == SlotState::Free)?;
         let mut leases = Vec::with_capacity(pages.len());
         for &page in pages {
             t.free.unlink(page);
-            leases.push(self.lease_slot(&mut t, page));
+            leases.push(self.lease_slot(&mut t, page, holder));
         }
         let n = pages.len() as u32;
         t.leased += n;
@@ -374,11 +406,130 @@ impl PagePool {
         Ok(leases)
     }
 
-    fn lease_slot(&self, t: &mut Table, page: u32) -> PageLease {
+    /// Leases `pages` for reading to `holder` (an outgoing transfer), all or nothing: the
+    /// engine's source pages, sent in place. Reading is shared: a page already read by
+    /// other transfers gets one more reader (the same prefix page may go to several peers);
+    /// a page leased exclusively (a reservation's destination, or the caller's) or
+    /// quarantined is refused with [`PoolError::AlreadyLeased`]. Pages read by a transfer
+    /// must not be written by anyone until every reader released them.
+    ///
+    /// Fails, leasing nothing, as [`PagePool::lease_pages_for`] does.
+    pub fn lease_for_reading(
+        &self,
+        pages: &[u32],
+        holder: Holder,
+    ) -> Result<Vec<PageLease>, PoolError> {
+        let mut t = self.table();
+        self.check_choice(&t, pages, |state| {
+            matches!(state, SlotState::Free | SlotState::Reading(_))
+        })?;
+        let mut leases = Vec::with_capacity(pages.len());
+        for &page in pages {
+            let slot = t.slots[page as usize];
+            match slot.state {
+                SlotState::Free => {
+                    t.free.unlink(page);
+                    let s = &mut t.slots[page as usize];
+                    s.state = SlotState::Reading(1);
+                    s.holder = holder;
+                    t.reading += 1;
+                    t.allocations += 1;
+                }
+                SlotState::Reading(n) => {
+                    t.slots[page as usize].state = SlotState::Reading(n + 1);
+                    t.more_readers.entry(page).or_default().push(holder);
+                }
+                _ => unreachable!("checked above"),
+            }
+            leases.push(PageLease::new(self.id, page, slot.generation, holder));
+        }
+        Ok(leases)
+    }
+
+    /// Checks an engine's choice of pages: in range, no page twice, each in a state `ok`.
+    fn check_choice(
+        &self,
+        t: &Table,
+        pages: &[u32],
+        ok: impl Fn(SlotState) -> bool,
+    ) -> Result<(), PoolError> {
+        for (i, &page) in pages.iter().enumerate() {
+            let Some(slot) = t.slots.get(page as usize) else {
+                return Err(PoolError::PageOutOfRange {
+                    page,
+                    pages: self.geometry.pages,
+                });
+            };
+            if !ok(slot.state) {
+                return Err(PoolError::AlreadyLeased {
+                    page,
+                    holders: Self::holders_of(t, page),
+                });
+            }
+            if pages[..i].contains(&page) {
+                return Err(PoolError::DuplicatePage { page });
+            }
+        }
+        Ok(())
+    }
+
+    fn lease_slot(&self, t: &mut Table, page: u32, holder: Holder) -> PageLease {
         let slot = &mut t.slots[page as usize];
         debug_assert_eq!(slot.state, SlotState::Free, "page {page} leased twice");
         slot.state = SlotState::Leased;
-        PageLease::new(self.id, page, slot.generation)
+        slot.holder = holder;
+        PageLease::new(self.id, page, slot.generation, holder)
+    }
+
+    fn holders_of(t: &Table, page: u32) -> Vec<Holder> {
+        let Some(slot) = t.slots.get(page as usize) else {
+            return Vec::new();
+        };
+        if slot.state == SlotState::Free {
+            return Vec::new();
+        }
+        let mut v = vec![slot.holder];
+        if let Some(more) = t.more_readers.get(&page) {
+            v.extend_from_slice(more);
+        }
+        v
+    }
+
+    /// Who holds `page` now: the transfer (and role) each lease on it is for; empty when
+    /// kvwire holds nothing on it. The engine asks before it reuses a page.
+    pub fn holders(&self, page: u32) -> Vec<Holder> {
+        Self::holders_of(&self.table(), page)
+    }
+
+    /// Every page kvwire holds now, with its holders, in page order.
+    pub fn held_pages(&self) -> Vec<(u32, Vec<Holder>)> {
+        let t = self.table();
+        (0..t.slots.len() as u32)
+            .filter(|&p| t.slots[p as usize].state != SlotState::Free)
+            .map(|p| (p, Self::holders_of(&t, p)))
+            .collect()
+    }
+
+    /// The engine's allocator is about to free (reuse) `pages`: refused with
+    /// [`PoolError::HeldByKvwire`], naming the first page kvwire still holds and for which
+    /// transfers, so a page in flight is never silently handed to another request.
+    pub fn check_engine_free(&self, pages: &[u32]) -> Result<(), PoolError> {
+        let t = self.table();
+        for &page in pages {
+            let Some(slot) = t.slots.get(page as usize) else {
+                return Err(PoolError::PageOutOfRange {
+                    page,
+                    pages: self.geometry.pages,
+                });
+            };
+            if slot.state != SlotState::Free {
+                return Err(PoolError::HeldByKvwire {
+                    page,
+                    holders: Self::holders_of(&t, page),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Moves a leased page to quarantine: its transfer failed or was aborted, and it must wait
@@ -390,6 +541,9 @@ impl PagePool {
     pub fn quarantine(&self, lease: &PageLease) -> Result<(), PoolError> {
         let mut t = self.table();
         let state = self.check(&t, lease)?;
+        if let SlotState::Reading(_) = state {
+            return Err(PoolError::SharedLease { page: lease.page() });
+        }
         if state == SlotState::Leased {
             t.slots[lease.page() as usize].state = SlotState::Quarantined;
             t.leased -= 1;
@@ -420,6 +574,15 @@ impl PagePool {
             }
         };
         let page = lease.page();
+        if let SlotState::Reading(n) = state {
+            if n > 1 {
+                // Other transfers still read the page: only this reader goes.
+                Self::drop_reader(&mut t, page, lease.holder());
+                t.slots[page as usize].state = SlotState::Reading(n - 1);
+                t.releases += 1;
+                return Ok(());
+            }
+        }
         if self.locks.held(page) {
             t.stale_release_errors += 1;
             let e = if self.locks.read_locked(page) {
@@ -443,14 +606,34 @@ impl PagePool {
         let slot = &mut t.slots[page as usize];
         slot.generation = slot.generation.wrapping_add(1);
         slot.state = SlotState::Free;
+        slot.holder = Holder::Caller;
         match state {
             SlotState::Leased => t.leased -= 1,
             SlotState::Quarantined => t.quarantined -= 1,
+            SlotState::Reading(_) => t.reading -= 1,
             SlotState::Free => unreachable!("check() refuses free pages"),
         }
         t.free.push(page);
         t.releases += 1;
         Ok(())
+    }
+
+    /// Removes one reader `holder` of shared `page` (which has more than one).
+    fn drop_reader(t: &mut Table, page: u32, holder: Holder) {
+        let more = t.more_readers.entry(page).or_default();
+        if t.slots[page as usize].holder == holder {
+            // The first reader goes: the next one takes its place.
+            if let Some(next) = more.pop() {
+                t.slots[page as usize].holder = next;
+            }
+        } else if let Some(i) = more.iter().position(|&h| h == holder) {
+            more.swap_remove(i);
+        } else {
+            more.pop();
+        }
+        if more.is_empty() {
+            t.more_readers.remove(&page);
+        }
     }
 
     /// The state of `page`, or `None` if it is out of range.
@@ -464,6 +647,10 @@ impl PagePool {
             },
             SlotState::Quarantined => PageState::Quarantined {
                 generation: slot.generation,
+            },
+            SlotState::Reading(readers) => PageState::Reading {
+                generation: slot.generation,
+                readers,
             },
         })
     }
@@ -497,7 +684,9 @@ impl PagePool {
     /// the guard lives. Fails as [`PagePool::page`] does, and with [`PoolError::Pinned`] while
     /// a digest job reads the page.
     pub fn page_mut(&self, lease: &PageLease, buffer: usize) -> Result<PageMut<'_>, PoolError> {
-        self.check_usable(lease, buffer)?;
+        if let SlotState::Reading(_) = self.check_usable(lease, buffer)? {
+            return Err(PoolError::SharedLease { page: lease.page() });
+        }
         PageMut::new(&self.memory, &self.locks, lease.page(), buffer)
     }
 
@@ -551,6 +740,7 @@ impl PagePool {
         PoolStats {
             free: t.free.len,
             leased: t.leased,
+            reading: t.reading,
             quarantined: t.quarantined,
             allocations: t.allocations,
             quarantines: t.quarantines,
@@ -587,9 +777,11 @@ impl PagePool {
         Ok(slot.state)
     }
 
-    /// Checks that `lease` is current, not quarantined, and `buffer` exists.
-    fn check_usable(&self, lease: &PageLease, buffer: usize) -> Result<(), PoolError> {
-        if self.check(&self.table(), lease)? == SlotState::Quarantined {
+    /// Checks that `lease` is current, not quarantined, and `buffer` exists; returns the
+    /// page's state.
+    fn check_usable(&self, lease: &PageLease, buffer: usize) -> Result<SlotState, PoolError> {
+        let state = self.check(&self.table(), lease)?;
+        if state == SlotState::Quarantined {
             return Err(PoolError::Quarantined { page: lease.page() });
         }
         if buffer >= self.memory.buffers() {
@@ -598,7 +790,7 @@ impl PagePool {
                 buffers: self.memory.buffers(),
             });
         }
-        Ok(())
+        Ok(state)
     }
 
     /// Cross-checks the free list, slot table and counters (tests only).
@@ -616,7 +808,7 @@ impl PagePool {
             p = t.free.next[p as usize];
         }
         assert_eq!(n, t.free.len);
-        let (mut leased, mut quarantined) = (0u32, 0u32);
+        let (mut leased, mut quarantined, mut reading) = (0u32, 0u32, 0u32);
         for (p, slot) in t.slots.iter().enumerate() {
             assert_eq!(
                 on_free_list[p],
@@ -627,13 +819,23 @@ impl PagePool {
             match slot.state {
                 SlotState::Leased => leased += 1,
                 SlotState::Quarantined => quarantined += 1,
+                SlotState::Reading(n) => {
+                    reading += 1;
+                    let more = t.more_readers.get(&(p as u32)).map_or(0, Vec::len);
+                    assert_eq!(
+                        more as u32 + 1,
+                        n,
+                        "page {p}: {n} readers, {more} extra holders"
+                    );
+                }
                 SlotState::Free => {}
             }
         }
         assert_eq!(leased, t.leased);
         assert_eq!(quarantined, t.quarantined);
+        assert_eq!(reading, t.reading);
         assert_eq!(
-            u64::from(t.free.len) + u64::from(leased) + u64::from(quarantined),
+            u64::from(t.free.len) + u64::from(leased) + u64::from(quarantined) + u64::from(reading),
             u64::from(self.geometry.pages)
         );
     }

@@ -72,6 +72,7 @@ fn release_bumps_generation_and_frees_only_once() {
         pool_id: lease.pool_id(),
         page: lease.page(),
         generation: lease.generation(),
+        holder: lease.holder(),
     };
     assert!(p.holds(0, 0));
     p.release(lease).unwrap();
@@ -151,6 +152,7 @@ fn forged_out_of_range_lease_is_refused() {
         pool_id: p.id(),
         page: 2,
         generation: 0,
+        holder: Holder::Caller,
     });
     assert_eq!(
         p.page(&forged, 0).map(|_| ()),
@@ -223,7 +225,7 @@ proptest! {
                 }
                 Op::Release(i) if !held.is_empty() => {
                     let lease = held.swap_remove(i % held.len());
-                    released.push(RawLease { pool_id: lease.pool_id(), page: lease.page(), generation: lease.generation() });
+                    released.push(RawLease { pool_id: lease.pool_id(), page: lease.page(), generation: lease.generation(), holder: lease.holder() });
                     p.release(lease).unwrap();
                 }
                 Op::Replay(i) if !released.is_empty() => {
@@ -232,7 +234,7 @@ proptest! {
                 }
                 Op::Forge(page, generation) => {
                     let current = held.iter().any(|l| l.page() == page && l.generation() == generation);
-                    let forged = PageLease::from_raw(RawLease { pool_id: p.id(), page, generation });
+                    let forged = PageLease::from_raw(RawLease { pool_id: p.id(), page, generation, holder: Holder::Caller });
                     if !current {
                         prop_assert!(p.release(forged).is_err());
                     }

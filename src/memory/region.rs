@@ -46,8 +46,8 @@ pub struct KvMemory {
     pages: usize,
 }
 
-// SAFETY: a KvMemory owns its regions (or, for `from_raw_parts`, the caller promised
-// exclusive use to it for its lifetime). It hands out no references by itself: bytes are
+// SAFETY: a KvMemory owns its regions (or, for `from_raw_parts`, the caller promised that
+// they outlive it and that the engine writes no page kvwire holds). It hands out no references by itself: bytes are
 // reached only through `unsafe fn bytes`/`bytes_mut`, whose callers guarantee the absence of
 // data races, so sharing the handle across threads is sound.
 unsafe impl Send for KvMemory {}
@@ -152,13 +152,22 @@ impl KvMemory {
     }
 
     /// Registers memory the engine already owns (its KV cache): one `(pointer, length)` per
-    /// buffer. It is never freed here.
+    /// buffer. It is never freed here. Hand it to [`Node::with_memory`](crate::Node::with_memory)
+    /// to share it with every connection.
     ///
     /// # Safety
     ///
-    /// Each pointer must be valid for reads and writes of its length, the regions must not
-    /// overlap, and for as long as the returned `KvMemory` (or any [`SharedPages`](super::SharedPages) made from
-    /// it) lives, nothing else may access that memory.
+    /// Each pointer must be valid for reads and writes of its length for as long as the
+    /// returned `KvMemory` lives (and everything built over it: the node, its connections,
+    /// [`SharedPages`](super::SharedPages) views), and the regions must not overlap. The
+    /// engine keeps using the memory under this contract:
+    ///
+    /// * kvwire writes only pages leased to an open reservation and reads only pages leased
+    ///   to a transfer ([`PagePool::holders`](super::PagePool::holders) names them);
+    /// * the engine may read any page at any time (a page leased to an open reservation
+    ///   reads as unspecified bytes until its transfer is verified);
+    /// * the engine must not write, or reuse, a page while kvwire holds it
+    ///   ([`PagePool::check_engine_free`](super::PagePool::check_engine_free) refuses it).
     pub unsafe fn from_raw_parts(
         geometry: &PoolGeometry,
         buffers: Vec<(NonNull<u8>, usize)>,

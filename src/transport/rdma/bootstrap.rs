@@ -23,7 +23,7 @@ use super::lanes::Lanes;
 use super::link::{QpParams, RcLink};
 use super::receiver::{RdmaReceiver, RECEIVER_QUEUE_DEPTH};
 use super::sender::{sender_queue_depth, RdmaSender};
-use super::verbs::{RdmaDevice, RdmaError};
+use super::verbs::{RdmaDevice, RdmaError, RegisteredMemory};
 use crate::memory::PagePool;
 
 /// Transport-parameter kind of an RDMA RC queue pair in HELLO.
@@ -150,17 +150,19 @@ impl Prepared {
         Ok((self.lanes, self.dev))
     }
 
-    /// Finishes the prefill end, writing out of `pool` (registered on the device here).
+    /// Finishes the prefill end, writing out of `pool`, whose memory `reg` registered on
+    /// this device (one registration serves every connection of a node).
+    #[allow(clippy::too_many_arguments)]
     pub async fn into_sender(
         self,
         est: &Established,
         channel: AuthChannel,
         stream: TcpStream,
         pool: &Arc<PagePool>,
+        reg: Arc<RegisteredMemory>,
         window: u32,
         timeout: Duration,
     ) -> Result<RdmaSender, BootstrapError> {
-        let reg = self.dev.register(pool.memory())?;
         let page_bytes = pool.geometry().buffer_page_bytes.clone();
         let (lanes, _) = self
             .connect(&est.peer.transport_params, channel, stream, timeout)
@@ -168,16 +170,17 @@ impl Prepared {
         Ok(RdmaSender::new(lanes, reg, page_bytes, window))
     }
 
-    /// Finishes the decode end, landing in `pool` (registered on the device here).
+    /// Finishes the decode end, landing in `pool`, whose memory `reg` registered on this
+    /// device (one registration serves every connection of a node).
     pub async fn into_receiver(
         self,
         est: &Established,
         channel: AuthChannel,
         stream: TcpStream,
         pool: &Arc<PagePool>,
+        reg: Arc<RegisteredMemory>,
         timeout: Duration,
     ) -> Result<RdmaReceiver, BootstrapError> {
-        let reg = self.dev.register(pool.memory())?;
         let page_bytes = pool.geometry().buffer_page_bytes.clone();
         let (lanes, dev) = self
             .connect(&est.peer.transport_params, channel, stream, timeout)
@@ -206,8 +209,8 @@ pub fn in_process(
     let (sp, rp) = (s_lanes.params(), r_lanes.params());
     s_lanes.connect(&rp)?;
     r_lanes.connect(&sp)?;
-    let s_reg = dev.register(source.memory())?;
-    let r_reg = dev.register(dest.memory())?;
+    let s_reg = Arc::new(dev.register(source.memory())?);
+    let r_reg = Arc::new(dev.register(dest.memory())?);
     Ok((
         RdmaSender::new(
             s_lanes,

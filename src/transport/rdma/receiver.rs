@@ -51,7 +51,7 @@ pub struct RdmaReceiver {
     lane_of: LaneMap,
     next_lane: usize,
     dev: Arc<RdmaDevice>,
-    reg: RegisteredMemory,
+    reg: Arc<RegisteredMemory>,
     page_bytes: Vec<u32>,
     kind: AccessKind,
     /// Windows of open scopes, per transfer id.
@@ -83,7 +83,7 @@ impl RdmaReceiver {
     pub(crate) fn new(
         lanes: Lanes,
         dev: Arc<RdmaDevice>,
-        reg: RegisteredMemory,
+        reg: Arc<RegisteredMemory>,
         page_bytes: Vec<u32>,
     ) -> Self {
         let kind = match dev.alloc_window() {

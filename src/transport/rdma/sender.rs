@@ -57,7 +57,7 @@ struct Signaled {
 pub struct RdmaSender {
     lanes: Lanes,
     lane_of: LaneMap,
-    reg: RegisteredMemory,
+    reg: Arc<RegisteredMemory>,
     page_bytes: Vec<u32>,
     max_wrs: u32,
     /// Writes not yet posted, per lane, with the group of pages the next signal covers.
@@ -86,7 +86,7 @@ impl RdmaSender {
     /// buffers)`), writing out of `reg` (the source pool's memory registered on the device).
     pub(crate) fn new(
         lanes: Lanes,
-        reg: RegisteredMemory,
+        reg: Arc<RegisteredMemory>,
         page_bytes: Vec<u32>,
         window: u32,
     ) -> Self {

@@ -30,7 +30,7 @@ use tokio::net::{TcpListener, TcpStream};
 use kvwire::checksum::DigestMode;
 use kvwire::config::{EngineConfig, TransportConfig};
 use kvwire::driver::ReserveParams;
-use kvwire::engine::{NodeConfig, ReceiverConn, SenderConn, TransferError};
+use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::memory::PoolGeometry;
 
 /// The transport a bench runs over.
@@ -460,16 +460,20 @@ pub async fn run_in_process(
             human_bytes(u64::from(page))
         ));
         let config = spec.node_config(page);
+        // Two nodes, each with memory of its own: the prefill engine's and the decode
+        // engine's.
+        let prefill = Node::new(config.clone()).map_err(|e| e.to_string())?;
+        let decode = Node::new(config).map_err(|e| e.to_string())?;
         let (sender, receiver) = if spec.transport == BenchTransport::Loopback {
-            kvwire::engine::loopback(&config).map_err(|e| e.to_string())?
+            kvwire::engine::loopback(&prefill, &decode).map_err(|e| e.to_string())?
         } else {
             let listener = TcpListener::bind("127.0.0.1:0")
                 .await
                 .map_err(|e| e.to_string())?;
             let addr = listener.local_addr().map_err(|e| e.to_string())?;
-            let cfg = config.clone();
-            let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &cfg).await });
-            let sender = SenderConn::connect(addr, &config)
+            let accept =
+                tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
+            let sender = SenderConn::connect(addr, &prefill)
                 .await
                 .map_err(|e| e.to_string())?;
             let receiver = accept
@@ -539,8 +543,8 @@ pub async fn run_listen(
             } else {
                 None
             };
-            let config = spec.node_config(page);
-            let receiver = ReceiverConn::accept(&listener, &config)
+            let node = Node::new(spec.node_config(page)).map_err(|e| e.to_string())?;
+            let receiver = ReceiverConn::accept(&listener, &node)
                 .await
                 .map_err(|e| e.to_string())?;
             let size = human_bytes(u64::from(page));
@@ -589,9 +593,9 @@ pub async fn run_connect(
         } else {
             None
         };
-        let config = spec.node_config(page);
+        let node = Node::new(spec.node_config(page)).map_err(|e| e.to_string())?;
         let stream = connect_retry(addr).await?;
-        let sender = SenderConn::start(stream, &config, true)
+        let sender = SenderConn::start(stream, &node, true)
             .await
             .map_err(|e| e.to_string())?;
         progress(&format!(
