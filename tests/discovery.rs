@@ -67,7 +67,9 @@ async fn next_event(w: &mut PeerWatch, what: &str) -> PeerEvent {
 }
 
 // ---------------------------------------------------------------------------------------
-// The scenarios, for any backend. `node` registers, `peer` resolves/watches (two clients).
+// The scenarios, for any backend. `peer` resolves and watches; `node` registers, with a TTL
+// far beyond `WITHIN` where what it registers must disappear by being removed, never by
+// expiring during the test; `short` registers with a 1 s TTL.
 
 async fn scenario_register_resolve(node: &dyn Discovery, peer: &dyn Discovery, cluster: &str) {
     let p0 = node
@@ -166,6 +168,7 @@ async fn scenario_dropped_registration_disappears(
         .await
         .unwrap();
     assert_eq!(peer.resolve(query.clone()).await.unwrap().len(), 1);
+    assert!(reg.ttl() > WITHIN * 2, "a long TTL: {:?}", reg.ttl());
     drop(reg);
     resolve_until(
         peer,
@@ -179,13 +182,13 @@ async fn scenario_dropped_registration_disappears(
 
 /// `ttl` is the TTL the backend applies. The dead node stops refreshing without removing its
 /// record; it must disappear within `WITHIN`, while the live one, refreshed, stays.
-async fn scenario_dead_node_expires(node: &dyn Discovery, peer: &dyn Discovery, cluster: &str) {
+async fn scenario_dead_node_expires(short: &dyn Discovery, peer: &dyn Discovery, cluster: &str) {
     let query = PeerQuery::cluster(cluster).role(Role::Prefill);
-    let live = node
+    let live = short
         .register(record(cluster, Role::Prefill, 0, 400))
         .await
         .unwrap();
-    let dead = node
+    let dead = short
         .register(record(cluster, Role::Prefill, 1, 401))
         .await
         .unwrap();
@@ -204,9 +207,13 @@ async fn scenario_dead_node_expires(node: &dyn Discovery, peer: &dyn Discovery, 
             "abandon must not deregister"
         );
     }
-    resolve_until(peer, query.clone(), WITHIN, "the dead node expires", |r| {
-        keys(r) == vec![(Role::Prefill, 0, 400)]
-    })
+    resolve_until(
+        peer,
+        query.clone(),
+        WITHIN,
+        "the dead node expires and the live one stays",
+        |r| keys(r) == vec![(Role::Prefill, 0, 400)],
+    )
     .await;
     assert!(
         abandoned.elapsed() >= ttl / 2,
@@ -226,7 +233,12 @@ async fn scenario_dead_node_expires(node: &dyn Discovery, peer: &dyn Discovery, 
     live.deregister().await.unwrap();
 }
 
-async fn scenario_watch(node: &dyn Discovery, peer: &dyn Discovery, cluster: &str) {
+async fn scenario_watch(
+    short: &dyn Discovery,
+    node: &dyn Discovery,
+    peer: &dyn Discovery,
+    cluster: &str,
+) {
     let before = node
         .register(record(cluster, Role::Prefill, 0, 500))
         .await
@@ -262,7 +274,7 @@ async fn scenario_watch(node: &dyn Discovery, peer: &dyn Discovery, cluster: &st
     );
 
     // A dead node's expiry is a removal too.
-    let dead = node
+    let dead = short
         .register(record(cluster, Role::Prefill, 2, 503))
         .await
         .unwrap();
@@ -293,37 +305,49 @@ async fn scenario_watch(node: &dyn Discovery, peer: &dyn Discovery, cluster: &st
 // ---------------------------------------------------------------------------------------
 // Embedded bootstrap server.
 
-async fn embedded() -> (BootstrapServer, EmbeddedDiscovery, EmbeddedDiscovery) {
+struct Embedded {
+    server: BootstrapServer,
+    /// Registers with a 1 s TTL.
+    short: EmbeddedDiscovery,
+    /// Registers with a 10 min TTL.
+    long: EmbeddedDiscovery,
+    peer: EmbeddedDiscovery,
+}
+
+async fn embedded() -> Embedded {
     let (server, addr) = BootstrapServer::bind("127.0.0.1:0").await.unwrap();
-    let node = EmbeddedDiscovery::new(addr).with_ttl(Duration::from_secs(1));
-    let peer = EmbeddedDiscovery::new(addr);
-    (server, node, peer)
+    Embedded {
+        server,
+        short: EmbeddedDiscovery::new(addr).with_ttl(Duration::from_secs(1)),
+        long: EmbeddedDiscovery::new(addr).with_ttl(Duration::from_secs(600)),
+        peer: EmbeddedDiscovery::new(addr),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_register_resolve() {
-    let (server, node, peer) = embedded().await;
-    scenario_register_resolve(&node, &peer, "c-resolve").await;
-    assert_eq!(server.record_count(), 0);
-    server.shutdown().await;
+    let e = embedded().await;
+    scenario_register_resolve(&e.long, &e.peer, "c-resolve").await;
+    assert_eq!(e.server.record_count(), 0);
+    e.server.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_dropped_registration_disappears() {
-    let (_server, node, peer) = embedded().await;
-    scenario_dropped_registration_disappears(&node, &peer, "c-drop").await;
+    let e = embedded().await;
+    scenario_dropped_registration_disappears(&e.long, &e.peer, "c-drop").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_dead_node_expires() {
-    let (_server, node, peer) = embedded().await;
-    scenario_dead_node_expires(&node, &peer, "c-expire").await;
+    let e = embedded().await;
+    scenario_dead_node_expires(&e.short, &e.peer, "c-expire").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_watch() {
-    let (_server, node, peer) = embedded().await;
-    scenario_watch(&node, &peer, "c-watch").await;
+    let e = embedded().await;
+    scenario_watch(&e.short, &e.long, &e.peer, "c-watch").await;
 }
 
 /// Sends raw bytes, half-closes, returns the answer's status line.
@@ -566,7 +590,8 @@ async fn embedded_server_restart_is_healed() {
 /// wins, the older one notices and stops refreshing, and dropping it leaves the newer alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embedded_newer_registration_supersedes() {
-    let (_server, node, peer) = embedded().await;
+    let e = embedded().await;
+    let (node, peer) = (&e.short, &e.peer);
     let old = node
         .register(record("c-dup", Role::Prefill, 0, 9))
         .await
