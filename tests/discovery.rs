@@ -1,7 +1,11 @@
 //! Peer discovery through the embedded bootstrap server and (feature `etcd`) a real etcd
-//! server (to come), driven through the same scenarios: register and resolve, a dropped registration
+//! server, driven through the same scenarios: register and resolve, a dropped registration
 //! disappears, a dead node (no more refreshes) expires after its TTL while a live one stays,
 //! a watch sees additions and removals. The embedded server also gets bad clients.
+//!
+//! The etcd tests start `etcd` (Debian: etcd-server) on loopback with random ports and a
+//! temporary data directory. Without the binary they print `SKIPPED` and pass, unless
+//! `KVWIRE_REQUIRE_ETCD=1` (CI), where they fail.
 
 use std::time::Duration;
 
@@ -610,4 +614,241 @@ async fn embedded_newer_registration_supersedes() {
         vec![newer]
     );
     assert_eq!(new.status(), RegistrationStatus::Live);
+}
+
+// ---------------------------------------------------------------------------------------
+// etcd.
+
+#[cfg(feature = "etcd")]
+mod etcd {
+    use super::*;
+    use kvwire::discovery::{EtcdDiscovery, EtcdOptions};
+    use std::path::PathBuf;
+    use std::process::{Child, Command, Stdio};
+
+    /// A throwaway single-node etcd on loopback; killed and its data removed on drop.
+    pub struct Etcd {
+        child: Child,
+        dir: PathBuf,
+        pub endpoint: String,
+    }
+
+    impl Drop for Etcd {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn etcd_binary() -> Option<PathBuf> {
+        if let Some(p) = std::env::var_os("KVWIRE_ETCD_BIN") {
+            return Some(PathBuf::from(p));
+        }
+        let path = std::env::var_os("PATH")?;
+        std::env::split_paths(&path)
+            .map(|d| d.join("etcd"))
+            .find(|p| p.is_file())
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    /// Starts etcd, or returns `None` (after printing SKIPPED) when it is not installed and
+    /// not required.
+    pub async fn start(test: &str) -> Option<Etcd> {
+        let Some(bin) = etcd_binary() else {
+            if std::env::var("KVWIRE_REQUIRE_ETCD").as_deref() == Ok("1") {
+                panic!("{test}: etcd is not installed (apt-get install etcd-server) and KVWIRE_REQUIRE_ETCD=1");
+            }
+            println!("SKIPPED {test}: etcd is not installed (apt-get install etcd-server)");
+            return None;
+        };
+        let mut last_log = String::new();
+        // Free ports are picked then released, so another process may take one first:
+        // a few attempts.
+        for attempt in 0..3 {
+            let dir = std::env::temp_dir().join(format!(
+                "kvwire-etcd-{}-{test}-{attempt}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let (client, peer) = (free_port(), free_port());
+            let endpoint = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
+            let child = Command::new(&bin)
+                .arg("--name=kvwire-test")
+                .arg(format!("--data-dir={}", dir.join("data").display()))
+                .arg(format!("--listen-client-urls={endpoint}"))
+                .arg(format!("--advertise-client-urls={endpoint}"))
+                .arg(format!("--listen-peer-urls={peer_url}"))
+                .arg(format!("--initial-advertise-peer-urls={peer_url}"))
+                .arg(format!("--initial-cluster=kvwire-test={peer_url}"))
+                // Shorter election timing lowers etcd's minimum lease TTL to 1 s.
+                .arg("--heartbeat-interval=50")
+                .arg("--election-timeout=500")
+                .arg("--logger=zap")
+                .arg("--log-outputs=stderr")
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .expect("spawn etcd");
+            let mut etcd = Etcd {
+                child,
+                dir,
+                endpoint,
+            };
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Ok(Some(status)) = etcd.child.try_wait() {
+                    last_log =
+                        std::fs::read_to_string(etcd.dir.join("etcd.log")).unwrap_or_default();
+                    eprintln!("{test}: etcd exited with {status} (attempt {attempt})");
+                    break;
+                }
+                if let Ok(d) = connect(&etcd, Duration::from_secs(1)).await {
+                    if d.resolve(PeerQuery::cluster("probe")).await.is_ok() {
+                        return Some(etcd);
+                    }
+                }
+                if Instant::now() > deadline {
+                    last_log =
+                        std::fs::read_to_string(etcd.dir.join("etcd.log")).unwrap_or_default();
+                    eprintln!("{test}: etcd not ready within 30 s (attempt {attempt})");
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        let tail: String = last_log
+            .lines()
+            .rev()
+            .take(30)
+            .collect::<Vec<_>>()
+            .join("\n");
+        panic!("{test}: etcd did not start; its last log lines (newest first):\n{tail}");
+    }
+
+    pub async fn connect(etcd: &Etcd, ttl: Duration) -> Result<EtcdDiscovery, DiscoveryError> {
+        let options = EtcdOptions::default()
+            .with_prefix("kvwire-test")
+            .with_ttl(ttl);
+        EtcdDiscovery::connect([etcd.endpoint.as_str()], options).await
+    }
+
+    struct Clients {
+        etcd: Etcd,
+        /// Registers with a 1 s TTL.
+        short: EtcdDiscovery,
+        /// Registers with a 10 min TTL.
+        long: EtcdDiscovery,
+        peer: EtcdDiscovery,
+    }
+
+    async fn clients(test: &str) -> Option<Clients> {
+        let etcd = start(test).await?;
+        let short = connect(&etcd, Duration::from_secs(1))
+            .await
+            .expect("connect");
+        let long = connect(&etcd, Duration::from_secs(600))
+            .await
+            .expect("connect");
+        let peer = connect(&etcd, Duration::from_secs(600))
+            .await
+            .expect("connect");
+        Some(Clients {
+            etcd,
+            short,
+            long,
+            peer,
+        })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_register_resolve() {
+        let Some(c) = clients("etcd_register_resolve").await else {
+            return;
+        };
+        scenario_register_resolve(&c.long, &c.peer, "c-resolve").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_dropped_registration_disappears() {
+        let Some(c) = clients("etcd_dropped").await else {
+            return;
+        };
+        scenario_dropped_registration_disappears(&c.long, &c.peer, "c-drop").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_dead_node_lease_expires() {
+        let Some(c) = clients("etcd_dead_node").await else {
+            return;
+        };
+        scenario_dead_node_expires(&c.short, &c.peer, "c-expire").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_watch() {
+        let Some(c) = clients("etcd_watch").await else {
+            return;
+        };
+        scenario_watch(&c.short, &c.long, &c.peer, "c-watch").await;
+    }
+
+    /// Keys have the documented layout, and a foreign or malformed value under the prefix is
+    /// ignored rather than failing the resolve.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_key_layout() {
+        let Some(c) = clients("etcd_key_layout").await else {
+            return;
+        };
+        let (etcd, node, peer) = (&c.etcd, &c.long, &c.peer);
+        let reg = node
+            .register(record("c-keys", Role::Decode, 3, 77))
+            .await
+            .unwrap();
+        assert_eq!(node.key_of(&reg.key()), "/kvwire-test/c-keys/decode/3/77");
+        let mut raw =
+            kvwire::discovery::etcd_client::Client::connect([etcd.endpoint.as_str()], None)
+                .await
+                .unwrap();
+        let got = raw
+            .get("/kvwire-test/c-keys/decode/3/77", None)
+            .await
+            .unwrap();
+        let kv = &got.kvs()[0];
+        assert_ne!(kv.lease(), 0, "the key is under a lease");
+        let stored: PeerRecord = serde_json::from_slice(kv.value()).unwrap();
+        assert_eq!(stored, record("c-keys", Role::Decode, 3, 77));
+        raw.put("/kvwire-test/c-keys/decode/3/78", "not json", None)
+            .await
+            .unwrap();
+        raw.put(
+            "/kvwire-test/c-keys/decode/4/77",
+            serde_json::to_vec(&stored).unwrap(),
+            None,
+        )
+        .await
+        .unwrap();
+        let found = peer.resolve(PeerQuery::cluster("c-keys")).await.unwrap();
+        assert_eq!(keys(&found), vec![(Role::Decode, 3, 77)]);
+        reg.deregister().await.unwrap();
+        let got = raw
+            .get("/kvwire-test/c-keys/decode/3/77", None)
+            .await
+            .unwrap();
+        assert!(
+            got.kvs().is_empty(),
+            "deregister revokes the lease and its key"
+        );
+    }
 }

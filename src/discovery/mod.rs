@@ -9,12 +9,15 @@
 //! records by cluster, role and rank, or [`watch`](Discovery::watch) them: a [`PeerWatch`]
 //! first reports every matching record as [`PeerEvent::Added`], then every change.
 //!
-//! The backend:
+//! Two backends implement the trait:
 //!
 //! * **Embedded** (always built): a small HTTP/1.1 + JSON [`BootstrapServer`] that runs on any
 //!   tokio runtime (one per cluster; e.g. beside a router, or inside one decode engine),
 //!   and [`EmbeddedDiscovery`], its client. Registrations expire after their TTL unless
 //!   refreshed; watches long-poll a generation number. Nothing else needs to run.
+//! * **etcd** (cargo feature `etcd`): `EtcdDiscovery` keeps each record under
+//!   `/<prefix>/<cluster>/<role>/<rank>/<node_id>` attached to a lease that the
+//!   registration keeps alive; resolve is a prefix get, watch an etcd watch.
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
@@ -59,11 +62,18 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 mod embedded;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod http;
 mod record;
 mod server;
 
 pub use embedded::EmbeddedDiscovery;
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdDiscovery, EtcdOptions};
+/// The etcd client crate, for [`EtcdDiscovery::with_client`] (TLS, authentication).
+#[cfg(feature = "etcd")]
+pub use etcd_client;
 pub use record::{
     layout_fingerprint, node_layout_fingerprint, PeerKey, PeerQuery, PeerRecord, Role,
     MAX_ADDRESS_LEN, MAX_CLUSTER_LEN, MAX_EXTRA_ENTRIES, MAX_EXTRA_KEY_LEN, MAX_EXTRA_VALUE_LEN,
@@ -141,6 +151,16 @@ pub enum DiscoveryError {
     /// The registration's background task is gone (its runtime shut down).
     #[error("the registration's task has ended")]
     Closed,
+    /// An etcd call failed.
+    #[cfg(feature = "etcd")]
+    #[error("etcd {op}: {source}")]
+    Etcd {
+        /// What was being done.
+        op: &'static str,
+        /// etcd-client's error.
+        #[source]
+        source: etcd_client::Error,
+    },
 }
 
 /// A change reported by a [`PeerWatch`].
