@@ -49,7 +49,8 @@
 //! sans-IO sessions), [`memory`] (registered KV memory, the page pool, access scopes) and
 //! [`checksum`], [`transport`] (the seam, and the loopback, TCP and RDMA transports),
 //! [`driver`] (one driver per role over any transport), [`engine`] (the async API);
-//! [`config`] describes a node.
+//! [`config`] describes a node; [`discovery`] finds peers (an embedded bootstrap server, or
+//! etcd with the `etcd` feature).
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -57,6 +58,7 @@ pub use kvwire_proto as proto;
 
 pub mod checksum;
 pub mod config;
+pub mod discovery;
 pub mod driver;
 pub mod engine;
 pub mod host;
