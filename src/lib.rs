@@ -44,7 +44,8 @@
 //! sans-IO sessions), [`memory`] (registered KV memory, the page pool, access scopes) and
 //! [`checksum`], [`transport`] (the seam, and the loopback, TCP and RDMA transports),
 //! [`driver`] (one driver per role over any transport), [`engine`] (the async API);
-//! [`config`] describes a node.
+//! [`config`] describes a node. [`gpu`] computes the same digests on a GPU (feature `cuda`
+//! for the device side; the kernel source and its CPU test are always built).
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -54,6 +55,7 @@ pub mod checksum;
 pub mod config;
 pub mod driver;
 pub mod engine;
+pub mod gpu;
 pub mod host;
 pub mod memory;
 pub mod metrics;
