@@ -58,6 +58,11 @@
 //! (no `__umul64hi`, no vector loads): what the CPU test runs is what NVRTC compiles, except
 //! the three `__global__` wrappers and the barrier loop.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::GpuDigester;
+
 pub use crate::checksum::TransferDigests;
 use crate::checksum::UnsupportedAlgorithm;
 
