@@ -50,7 +50,8 @@
 //! [`checksum`], [`transport`] (the seam, and the loopback, TCP and RDMA transports),
 //! [`driver`] (one driver per role over any transport), [`engine`] (the async API);
 //! [`config`] describes a node; [`discovery`] finds peers (an embedded bootstrap server, or
-//! etcd with the `etcd` feature).
+//! etcd with the `etcd` feature); [`gpu`] computes the same digests on a GPU (feature `cuda`
+//! for the device side; the kernel source and its CPU test are always built).
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
@@ -61,6 +62,7 @@ pub mod config;
 pub mod discovery;
 pub mod driver;
 pub mod engine;
+pub mod gpu;
 pub mod host;
 pub mod memory;
 pub mod metrics;
