@@ -94,13 +94,7 @@ fn loopback(c: &mut Criterion) {
                 pair.receiver
                     .reserve(
                         now,
-                        ReserveParams {
-                            transfer_id: TransferId(id),
-                            tokens: 128,
-                            timeout: Duration::from_secs(5),
-                            digest: None,
-                            page_digests: false,
-                        },
+                        ReserveParams::new(TransferId(id), 128, Duration::from_secs(5)),
                     )
                     .unwrap();
                 let now = pair.now;

@@ -274,13 +274,12 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
     let now = pair.now;
     pair.receiver.reserve(
         now,
-        ReserveParams {
-            transfer_id: TransferId(TENANT_B_ID),
-            tokens: TENANT_B_TOKENS as u32,
-            timeout: Duration::from_secs(2),
-            digest: None,
-            page_digests: true,
-        },
+        ReserveParams::new(
+            TransferId(TENANT_B_ID),
+            TENANT_B_TOKENS as u32,
+            Duration::from_secs(2),
+        )
+        .with_page_digests(),
     )?;
     println!(
         "decode node: reserved {} pages for tenant B",
@@ -351,13 +350,8 @@ fn kvwire_run() -> Result<u64, Box<dyn Error>> {
     })?;
     pair.receiver.reserve(
         now,
-        ReserveParams {
-            transfer_id: TransferId(LEGIT_ID),
-            tokens: LEGIT_TOKENS,
-            timeout: Duration::from_secs(2),
-            digest: None,
-            page_digests: true,
-        },
+        ReserveParams::new(TransferId(LEGIT_ID), LEGIT_TOKENS, Duration::from_secs(2))
+            .with_page_digests(),
     )?;
     pair.drive();
     let stats = &pair.wire_stats();

@@ -37,7 +37,7 @@
 //! let id = TransferId(7);
 //! let verified = decode.reserve(ReserveParams::new(id, 100, Duration::from_secs(5)));
 //! // Prefill: admit the request (a typed rejection otherwise), fill its pages, send.
-//! let admitted = prefill.admit(Request { transfer_id: id, tokens: 100 }).await?;
+//! let admitted = prefill.admit(Request { transfer_id: id, tokens: 100 })?;
 //! prefill.send(admitted, |ordinal, buffer, page| page.fill((ordinal + buffer as u32) as u8)).await?;
 //! let kv = verified.await?;
 //! assert_eq!(kv.page(0, 1)?[0], 1); // read in place, no copy

@@ -118,22 +118,14 @@ fn key(b: u8) -> Auth {
 }
 
 fn params(id: u64) -> ReserveParams {
-    ReserveParams {
-        transfer_id: TransferId(id),
-        tokens: 100,
-        timeout: Duration::from_secs(5),
-        digest: None,
-        page_digests: true,
-    }
+    ReserveParams::new(TransferId(id), 100, Duration::from_secs(5)).with_page_digests()
 }
 
 async fn send(s: &SenderConn, id: u64) -> Result<(), TransferError> {
-    let a = s
-        .admit(Request {
-            transfer_id: TransferId(id),
-            tokens: 100,
-        })
-        .await?;
+    let a = s.admit(Request {
+        transfer_id: TransferId(id),
+        tokens: 100,
+    })?;
     s.send(a, move |o, b, p| kv_pattern(TransferId(id), o, b, p))
         .await
 }

@@ -171,13 +171,7 @@ fn short_transfer_one_of_n_pages_fails_on_counts() {
     let t: TransferRef = rx
         .reserve(
             now,
-            ReserveParams {
-                transfer_id: TransferId(3),
-                tokens: 8 * 16,
-                timeout: Duration::from_secs(1),
-                digest: None,
-                page_digests: false,
-            },
+            ReserveParams::new(TransferId(3), 8 * 16, Duration::from_secs(1)),
         )
         .unwrap();
     // The sender writes one page and commits "complete" for one page.
@@ -375,13 +369,7 @@ fn pool_smaller_than_context_refuses_to_start() {
 fn zero_digest_is_missing_and_fails_closed() {
     let now = Instant::now();
     let (mut rx, _peer) = receiver_driver(now);
-    let params = ReserveParams {
-        transfer_id: TransferId(4),
-        tokens: 32,
-        timeout: Duration::from_secs(1),
-        digest: None,
-        page_digests: false,
-    };
+    let params = ReserveParams::new(TransferId(4), 32, Duration::from_secs(1));
     let t = rx.reserve(now, params).unwrap();
     let page_bytes: u64 = geometry()
         .buffer_page_bytes

@@ -132,3 +132,63 @@ fn a_lost_verified_ends_verified_on_both_sides() {
     );
     assert_invariants(&pair);
 }
+
+/// A failed transfer's pages come back only after its fence: while the (slow) fence is
+/// pending the pages stay held (quarantined) and no failure is reported; the failure is
+/// reported once the fence completed and the pages are free again.
+#[test]
+fn a_failed_transfers_pages_come_back_only_after_its_fence() {
+    use kvwire::proto::wire::ErrorCode;
+    use kvwire::testkit::{Fault, FaultRule};
+    use std::time::Duration;
+    let mut pair = Pair::new(PairConfig::small()).unwrap();
+    pair.fault(FaultRule::on(
+        TransferId(4),
+        Fault::SlowFence(Duration::from_millis(300)),
+    ));
+    let t = common::reserve(&mut pair, 4, 64);
+    let pages: Vec<u32> = pair
+        .receiver
+        .pool()
+        .held_pages()
+        .iter()
+        .map(|p| p.0)
+        .collect();
+    assert_eq!(pages.len(), 4);
+    let now = pair.now;
+    assert!(pair
+        .receiver
+        .abort(now, TransferId(4), ErrorCode::CANCELLED));
+    let aborted_at = pair.now;
+    // Step through the fence: every step before the failure is reported, the pages are
+    // still held; the step that reports it finds them free.
+    let mut order = Vec::new();
+    while pair.receiver_failure(TransferId(4)).is_none() {
+        let held = pages
+            .iter()
+            .all(|&p| !pair.receiver.pool().holders(p).is_empty());
+        order.push(held);
+        assert!(pair.step(), "the transfer never ended");
+    }
+    assert!(
+        order.iter().all(|&h| h),
+        "a page came back before the failure was reported"
+    );
+    assert!(
+        pair.now >= aborted_at + Duration::from_millis(300),
+        "the failure was reported before the fence completed"
+    );
+    for &p in &pages {
+        assert!(
+            pair.receiver.pool().holders(p).is_empty(),
+            "page {p} still held"
+        );
+    }
+    assert_eq!(
+        pair.receiver.pool().free_pages(),
+        pair.receiver.pool().capacity_pages()
+    );
+    let _ = t;
+    pair.drive();
+    assert_invariants(&pair);
+}

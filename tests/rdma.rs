@@ -660,19 +660,12 @@ mod engine {
             let prefill = SenderConn::connect(addr, &prefill_node).await.unwrap();
             let decode = decode.await.unwrap().unwrap();
             for id in (1..=3u64).map(|i| TransferId(round * 10 + i)) {
-                let verified = decode.reserve(ReserveParams {
-                    transfer_id: id,
-                    tokens: 100,
-                    timeout: Duration::from_secs(60),
-                    digest: None,
-                    page_digests: false,
-                });
+                let verified = decode.reserve(ReserveParams::new(id, 100, Duration::from_secs(60)));
                 let admitted = prefill
                     .admit(Request {
                         transfer_id: id,
                         tokens: 100,
                     })
-                    .await
                     .unwrap();
                 prefill
                     .send(admitted, move |o, b, page| kv_pattern(id, o, b, page))

@@ -268,12 +268,13 @@ async fn tcp_batch(rng: &mut Rng, first_id: u64, n: u64, nodes: &(Node, Node), t
         let rejected = rng.chance(5);
         let abort_rx = rng.chance(5);
         let abort_tx = rng.chance(5);
-        let v = receiver.reserve(ReserveParams {
-            transfer_id: id,
-            tokens,
-            timeout: Duration::from_secs(5),
-            digest: None,
-            page_digests: rng.chance(50),
+        let v = receiver.reserve({
+            let p = ReserveParams::new(id, tokens, Duration::from_secs(5));
+            if rng.chance(50) {
+                p.with_page_digests()
+            } else {
+                p
+            }
         });
         rx_tasks.push(tokio::spawn(async move {
             match v.await {
@@ -303,12 +304,10 @@ async fn tcp_batch(rng: &mut Rng, first_id: u64, n: u64, nodes: &(Node, Node), t
             let s = s.clone();
             let tx_tokens = if rejected { 1 << 20 } else { u64::from(tokens) };
             tx_tasks.push(tokio::spawn(async move {
-                let a = s
-                    .admit(Request {
-                        transfer_id: id,
-                        tokens: tx_tokens,
-                    })
-                    .await?;
+                let a = s.admit(Request {
+                    transfer_id: id,
+                    tokens: tx_tokens,
+                })?;
                 let f = s.send(a, move |o, b, p| kv_pattern(id, o, b, p));
                 if abort_tx {
                     tokio::task::yield_now().await;

@@ -31,22 +31,14 @@ async fn pair_of(nodes: &(Node, Node)) -> (SenderConn, ReceiverConn) {
 }
 
 fn params(id: u64, tokens: u32) -> ReserveParams {
-    ReserveParams {
-        transfer_id: TransferId(id),
-        tokens,
-        timeout: Duration::from_secs(5),
-        digest: None,
-        page_digests: true,
-    }
+    ReserveParams::new(TransferId(id), tokens, Duration::from_secs(5)).with_page_digests()
 }
 
 async fn send(s: &SenderConn, id: u64, tokens: u64) -> Result<(), TransferError> {
-    let admitted = s
-        .admit(Request {
-            transfer_id: TransferId(id),
-            tokens,
-        })
-        .await?;
+    let admitted = s.admit(Request {
+        transfer_id: TransferId(id),
+        tokens,
+    })?;
     s.send(admitted, move |ord, b, page| {
         kv_pattern(TransferId(id), ord, b, page)
     })

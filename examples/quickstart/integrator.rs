@@ -49,12 +49,10 @@ pub async fn decode(
 /// Prefill side: admits and sends the same `requests` transfers.
 pub async fn prefill(conn: &SenderConn, requests: u64, tokens: u32) -> Result<(), TransferError> {
     for id in (1..=requests).map(TransferId) {
-        let admitted = conn
-            .admit(Request {
-                transfer_id: id,
-                tokens: u64::from(tokens),
-            })
-            .await?;
+        let admitted = conn.admit(Request {
+            transfer_id: id,
+            tokens: u64::from(tokens),
+        })?;
         conn.send(admitted, move |ordinal, buffer, page| {
             kv_bytes(id, ordinal, buffer, page)
         })

@@ -25,11 +25,12 @@ use super::core::{driver_common, impl_driver, Core};
 use super::digest::DigestExecution;
 use crate::checksum::DigestMode;
 use crate::config::{ConfigError, EngineConfig};
-use crate::memory::{PageLease, PagePool, PageRef, PoolError};
+use crate::memory::{Holder, PageLease, PagePool, PageRef, PoolError};
 use crate::transport::{Closed, Fence, ReceiverTransport, TransportEvent};
 
 /// What the engine asks to receive.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ReserveParams {
     /// The transfer id (the request id both engines know).
     pub transfer_id: TransferId,
@@ -41,11 +42,17 @@ pub struct ReserveParams {
     pub digest: Option<DigestAlgorithm>,
     /// Require per-page digests (names the first bad page on a mismatch).
     pub page_digests: bool,
+    /// The destination pages, chosen by the engine's own allocator (one per
+    /// `tokens_per_page` tokens, in transfer order); `None` lets kvwire's pool choose. The
+    /// transfer lands exactly there; a page kvwire already holds is refused
+    /// ([`PoolError::AlreadyLeased`]).
+    pub pages: Option<Vec<u32>>,
 }
 
 impl ReserveParams {
     /// A reservation of `tokens` tokens for `transfer_id`, committed within `timeout`, with
-    /// the first agreed digest algorithm and buffer digests only.
+    /// the first agreed digest algorithm, buffer digests only, into pages kvwire's pool
+    /// chooses.
     pub fn new(transfer_id: TransferId, tokens: u32, timeout: Duration) -> Self {
         Self {
             transfer_id,
@@ -53,7 +60,26 @@ impl ReserveParams {
             timeout,
             digest: None,
             page_digests: false,
+            pages: None,
         }
+    }
+
+    /// Into exactly these pages (the engine's choice, in transfer order).
+    pub fn into_pages(mut self, pages: Vec<u32>) -> Self {
+        self.pages = Some(pages);
+        self
+    }
+
+    /// With per-page digests (a mismatch names the first bad page).
+    pub fn with_page_digests(mut self) -> Self {
+        self.page_digests = true;
+        self
+    }
+
+    /// With this digest algorithm (one agreed at the handshake).
+    pub fn with_digest(mut self, digest: DigestAlgorithm) -> Self {
+        self.digest = Some(digest);
+        self
     }
 }
 
@@ -201,8 +227,16 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         if self.core.closed.is_some() {
             return Err(ReserveError::PeerLost.into());
         }
-        let tpp = self.core.pool.geometry().tokens_per_page.max(1);
-        let leases = self.core.pool.allocate(p.tokens.div_ceil(tpp))?;
+        let holder = Holder::Receiving(p.transfer_id);
+        let leases = match &p.pages {
+            Some(pages) => self.core.pool.lease_pages_for(pages, holder)?,
+            None => {
+                let tpp = self.core.pool.geometry().tokens_per_page.max(1);
+                self.core
+                    .pool
+                    .allocate_for(p.tokens.div_ceil(tpp), holder)?
+            }
+        };
         let pages: Vec<u32> = leases.iter().map(PageLease::page).collect();
         let access = match self.core.transport.open_scope(p.transfer_id, &pages) {
             Ok(a) => a,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-use kvwire_proto::admission::{AdmissionError, AdmissionPolicy, Admitted, Request};
+use kvwire_proto::admission::{AdmissionError, AdmissionPolicy, Admitted, Rejected, Request};
 use kvwire_proto::handshake::Established;
 use kvwire_proto::sender::{
     PageWrite, SenderAction, SenderConfig, SenderEvent, SenderSession, SubmitError, WriteOutcome,
@@ -23,7 +23,7 @@ use super::core::{driver_common, impl_driver, Core};
 use super::digest::DigestExecution;
 use crate::checksum::DigestMode;
 use crate::config::{ConfigError, EngineConfig};
-use crate::memory::{PageLease, PagePool, PageState, PoolError};
+use crate::memory::{Holder, PageLease, PagePool, PageState, PoolError};
 use crate::transport::{Closed, SenderTransport, TransportEvent};
 
 /// Why [`SenderDriver::submit`] could not start a transfer.
@@ -38,9 +38,28 @@ pub enum StartError {
         /// The pool's error.
         source: PoolError,
     },
+    /// The engine's source pages cannot be read for it (out of range, named twice, or
+    /// held by a reservation); the request is handed back.
+    #[error("source pages refused: {source}")]
+    Pages {
+        /// The request, to retry.
+        admitted: Admitted,
+        /// The pool's error.
+        source: PoolError,
+    },
     /// The session refused it (duplicate id, lost connection).
     #[error("session refused the transfer: {0:?}")]
     Session(SubmitError),
+}
+
+/// The admission limits of a sender over `pool` (the pool as built, not the configured
+/// numbers).
+pub fn admission_policy(pool: &PagePool, engine: &EngineConfig) -> AdmissionPolicy {
+    AdmissionPolicy {
+        tokens_per_page: pool.geometry().tokens_per_page,
+        pool_pages: pool.capacity_pages(),
+        max_context_tokens: engine.max_context_tokens,
+    }
 }
 
 /// Counters of a sender driver.
@@ -94,11 +113,7 @@ impl<T: SenderTransport> SenderDriver<T> {
     ) -> Result<Self, ConfigError> {
         engine.validate(&pool)?;
         crate::config::check_layout(&pool, established.layout())?;
-        let admission = AdmissionPolicy {
-            tokens_per_page: pool.geometry().tokens_per_page,
-            pool_pages: pool.capacity_pages(),
-            max_context_tokens: engine.max_context_tokens,
-        };
+        let admission = admission_policy(&pool, engine);
         Ok(Self {
             core: Core::new(SenderSession::new(established, config), transport, pool),
             admission,
@@ -111,6 +126,14 @@ impl<T: SenderTransport> SenderDriver<T> {
     }
 
     driver_common!();
+
+    /// Retires a request rejected at admission elsewhere (e.g. in the engine's thread, with
+    /// the same [`admission_policy`]): a reservation for it gets REJECT carrying its error.
+    pub fn retire(&mut self, now: Instant, rejected: Rejected) {
+        self.stats.rejected_at_admission += 1;
+        self.core.session.retire(rejected);
+        self.process(now);
+    }
 
     /// Admits a request, or rejects it with its original error. A rejected request is
     /// retired at once: a reservation for it gets REJECT carrying that error, and nothing
@@ -126,15 +149,18 @@ impl<T: SenderTransport> SenderDriver<T> {
         r
     }
 
-    /// Allocates the admitted request's source pages, lets `fill(ordinal, buffer, bytes)`
-    /// write the KV data into them (the prefill), and submits the transfer.
+    /// Allocates the admitted request's source pages from kvwire's pool, lets
+    /// `fill(ordinal, buffer, bytes)` write the KV data into them (a copy: the prefill
+    /// computed it elsewhere), and submits the transfer. Engines whose KV already sits in
+    /// the registered memory send it in place with [`SenderDriver::submit_pages`].
     pub fn submit(
         &mut self,
         now: Instant,
         admitted: Admitted,
         mut fill: impl FnMut(u32, usize, &mut [u8]),
     ) -> Result<(), StartError> {
-        let leases = match self.core.pool.allocate(admitted.pages()) {
+        let holder = Holder::Sending(admitted.transfer_id());
+        let leases = match self.core.pool.allocate_for(admitted.pages(), holder) {
             Ok(l) => l,
             Err(source) => return Err(StartError::OutOfPages { admitted, source }),
         };
@@ -145,6 +171,36 @@ impl<T: SenderTransport> SenderDriver<T> {
                 }
             }
         }
+        self.submit_leased(now, admitted, leases)
+    }
+
+    /// Submits the admitted request from `pages` of the registered memory, in place (no
+    /// copy): the engine's own KV pages, one per page of the request, in transfer order.
+    /// kvwire reads them until the transfer ends (its outcome is reported only after every
+    /// write and digest that reads them drained); the engine must not write them meanwhile.
+    /// Several transfers may read the same page at once.
+    ///
+    /// Fails with [`StartError::Pages`] (the request handed back) when a page is out of
+    /// range, appears twice, or is held by a reservation.
+    pub fn submit_pages(
+        &mut self,
+        now: Instant,
+        admitted: Admitted,
+        pages: &[u32],
+    ) -> Result<(), StartError> {
+        let holder = Holder::Sending(admitted.transfer_id());
+        match self.core.pool.lease_for_reading(pages, holder) {
+            Ok(leases) => self.submit_leased(now, admitted, leases),
+            Err(source) => Err(StartError::Pages { admitted, source }),
+        }
+    }
+
+    fn submit_leased(
+        &mut self,
+        now: Instant,
+        admitted: Admitted,
+        leases: Vec<PageLease>,
+    ) -> Result<(), StartError> {
         let id = admitted.transfer_id();
         let pages = leases.iter().map(PageLease::page).collect();
         match self.core.session.submit(now, admitted, pages) {
@@ -155,7 +211,7 @@ impl<T: SenderTransport> SenderDriver<T> {
             }
             Err(e) => {
                 for l in leases {
-                    // Fresh leases of this pool: release cannot fail.
+                    // Fresh leases of this pool, unused: release cannot fail.
                     let _ = self.core.pool.release(l);
                 }
                 Err(StartError::Session(e))

@@ -22,11 +22,10 @@
 //! let decode = decode.await??;
 //!
 //! // Decode side: reserve pages for request 7 (100 tokens) and wait for verified KV.
-//! let params = ReserveParams { transfer_id: TransferId(7), tokens: 100, timeout: Duration::from_secs(5),
-//!                              digest: None, page_digests: false };
+//! let params = ReserveParams::new(TransferId(7), 100, Duration::from_secs(5));
 //! let verified = decode.reserve(params);
 //! // Prefill side: admit the request (a typed rejection otherwise), fill its pages, send.
-//! let admitted = prefill.admit(Request { transfer_id: TransferId(7), tokens: 100 }).await?;
+//! let admitted = prefill.admit(Request { transfer_id: TransferId(7), tokens: 100 })?;
 //! prefill.send(admitted, |ordinal, buffer, page| page.fill((ordinal + buffer as u32) as u8)).await?;
 //! let kv = verified.await?;
 //! assert_eq!(kv.page(0, 0)?[0], 0); // the pages, read in place

@@ -297,6 +297,7 @@ impl<T: ReceiverTransport> Task<T> {
                     let _ = reply.send(Err(TransferError::Failed(FailureReason::PeerLost)));
                     return;
                 }
+                let tokens = params.tokens;
                 match self.driver.reserve(now, params) {
                     Ok(t) => {
                         let span = tracing::info_span!(
@@ -306,7 +307,7 @@ impl<T: ReceiverTransport> Task<T> {
                             peer = self.peer,
                             role = "receiver"
                         );
-                        span.in_scope(|| tracing::debug!(tokens = params.tokens, "reserved"));
+                        span.in_scope(|| tracing::debug!(tokens, "reserved"));
                         self.spans.insert(t.transfer_id, span);
                         self.waiting.insert(t.transfer_id, reply);
                     }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvwire_proto::admission::{AdmissionError, Admitted, Request};
+use kvwire_proto::admission::{AdmissionPolicy, Admitted, Rejected, Request};
 use kvwire_proto::sender::SenderEvent;
 use kvwire_proto::wire::{ErrorCode, Hello};
 use kvwire_proto::FailureReason;
@@ -20,17 +20,27 @@ use crate::metrics::Metrics;
 use crate::transport::SenderTransport;
 
 type Fill = Box<dyn FnMut(u32, usize, &mut [u8]) + Send>;
+type Reply = oneshot::Sender<Result<(), TransferError>>;
+
+/// Where a transfer's source KV comes from.
+enum Source {
+    /// Copied into pages of kvwire's pool by this closure.
+    Fill(Fill),
+    /// The engine's own pages of the registered memory, read in place.
+    Pages(Vec<u32>),
+}
 
 enum Cmd {
-    Admit {
-        req: Request,
-        reply: oneshot::Sender<Result<Admitted, AdmissionError>>,
-    },
+    /// A request rejected at admission (in the engine's thread): retire it so that its
+    /// reservation gets REJECT with the original error.
+    Retire(Rejected),
     Send {
         admitted: Admitted,
-        fill: Fill,
-        reply: oneshot::Sender<Result<(), TransferError>>,
+        source: Source,
+        reply: Reply,
     },
+    /// Many transfers in one message.
+    Batch(Vec<(Admitted, Vec<u32>, Reply)>),
     Abort {
         transfer_id: TransferId,
         code: ErrorCode,
@@ -71,6 +81,7 @@ pub struct SenderConnStats {
 pub struct SenderConn {
     cmd: mpsc::UnboundedSender<Cmd>,
     peer: Hello,
+    admission: AdmissionPolicy,
 }
 
 impl SenderConn {
@@ -83,6 +94,7 @@ impl SenderConn {
         transport: T,
         config: &NodeConfig,
     ) -> Result<Self, EngineError> {
+        let admission = crate::driver::admission_policy(&pool, &config.engine);
         let mut driver = SenderDriver::new(
             &est,
             pool,
@@ -108,6 +120,7 @@ impl SenderConn {
         Ok(Self {
             cmd,
             peer: est.peer,
+            admission,
         })
     }
 
@@ -116,32 +129,79 @@ impl SenderConn {
         &self.peer
     }
 
-    /// Admits a request, or rejects it with its typed error. A rejected request is retired:
-    /// the receiver's reservation for it is answered with REJECT carrying that error.
-    pub async fn admit(&self, req: Request) -> Result<Admitted, TransferError> {
-        let (reply, rx) = oneshot::channel();
-        self.cmd
-            .send(Cmd::Admit { req, reply })
-            .map_err(|_| TransferError::ConnectionClosed)?;
-        match rx.await {
-            Ok(Ok(a)) => Ok(a),
-            Ok(Err(e)) => Err(TransferError::Rejected(e)),
-            Err(_) => Err(TransferError::ConnectionClosed),
-        }
+    /// Admits a request, or rejects it with its typed error, at once, in the caller's thread
+    /// (no round trip to the connection). A rejected request is retired: the receiver's
+    /// reservation for it is answered with REJECT carrying that error.
+    pub fn admit(&self, req: Request) -> Result<Admitted, TransferError> {
+        self.admission.admit(req).map_err(|rejected| {
+            let error = rejected.error.clone();
+            let _ = self.cmd.send(Cmd::Retire(rejected));
+            TransferError::Rejected(error)
+        })
     }
 
-    /// Sends an admitted request: allocates its source pages, lets `fill(ordinal, buffer,
-    /// page)` write the KV data, and waits until the receiver verified it (or the typed reason
-    /// it failed).
+    /// Sends an admitted request from the engine's own pages of the registered memory, in
+    /// place: **zero copy** (TCP writes them to the socket from the registered memory, RDMA
+    /// WRITEs them from the memory region). `pages` holds one page index per page of the
+    /// request, in transfer order. kvwire reads them until the returned future resolves
+    /// (verified, or the typed reason it failed, reported only once nothing reads them any
+    /// more); the engine must not write them meanwhile. Several transfers may send the same
+    /// page at once (a shared prompt prefix to several peers).
+    pub fn send_pages(
+        &self,
+        admitted: Admitted,
+        pages: Vec<u32>,
+    ) -> impl std::future::Future<Output = Result<(), TransferError>> + Send + 'static {
+        self.send_source(admitted, Source::Pages(pages))
+    }
+
+    /// Many [`SenderConn::send_pages`] in one message to the connection: one future per
+    /// transfer, in order.
+    pub fn send_batch(
+        &self,
+        batch: Vec<(Admitted, Vec<u32>)>,
+    ) -> Vec<impl std::future::Future<Output = Result<(), TransferError>> + Send + 'static> {
+        let mut sends = Vec::with_capacity(batch.len());
+        let mut waits = Vec::with_capacity(batch.len());
+        for (admitted, pages) in batch {
+            let (reply, rx) = oneshot::channel();
+            sends.push((admitted, pages, reply));
+            waits.push(rx);
+        }
+        let sent = self.cmd.send(Cmd::Batch(sends)).is_ok();
+        waits
+            .into_iter()
+            .map(move |rx| async move {
+                if !sent {
+                    return Err(TransferError::ConnectionClosed);
+                }
+                rx.await.map_err(|_| TransferError::ConnectionClosed)?
+            })
+            .collect()
+    }
+
+    /// Sends an admitted request whose KV the engine computed elsewhere: kvwire allocates
+    /// source pages from its pool and `fill(ordinal, buffer, page)` **copies** the KV into
+    /// them, on the connection's task. Engines whose KV is in the registered memory use
+    /// [`SenderConn::send_pages`] instead (no copy). Waits until the receiver verified it
+    /// (or the typed reason it failed).
     pub fn send(
         &self,
         admitted: Admitted,
         fill: impl FnMut(u32, usize, &mut [u8]) + Send + 'static,
     ) -> impl std::future::Future<Output = Result<(), TransferError>> + Send + 'static {
+        self.send_source(admitted, Source::Fill(Box::new(fill)))
+    }
+
+    fn send_source(
+        &self,
+        admitted: Admitted,
+        source: Source,
+    ) -> impl std::future::Future<Output = Result<(), TransferError>> + Send + 'static {
         let (reply, rx) = oneshot::channel();
         let sent = self.cmd.send(Cmd::Send {
             admitted,
-            fill: Box::new(fill),
+            source,
             reply,
         });
         async move {
@@ -232,42 +292,22 @@ impl<T: SenderTransport> Task<T> {
     fn execute(&mut self, cmd: Cmd) {
         let now = Instant::now();
         match cmd {
-            Cmd::Admit { req, reply } => {
-                let r = self.driver.admit(now, req);
-                if let Err(e) = &r {
-                    self.stats.rejected_at_admission += 1;
-                    if let Some(m) = &self.metrics {
-                        m.rejected_at_admission.inc();
-                    }
-                    tracing::info!(transfer_id = req.transfer_id.0, peer = self.peer, error = %e, "request rejected at admission");
+            Cmd::Retire(rejected) => {
+                self.stats.rejected_at_admission += 1;
+                if let Some(m) = &self.metrics {
+                    m.rejected_at_admission.inc();
                 }
-                let _ = reply.send(r);
+                tracing::info!(transfer_id = rejected.transfer_id.0, peer = self.peer, error = %rejected.error, "request rejected at admission");
+                self.driver.retire(now, rejected);
             }
             Cmd::Send {
                 admitted,
-                fill,
+                source,
                 reply,
-            } => {
-                if self.driver.closed().is_some() {
-                    let _ = reply.send(Err(TransferError::Failed(FailureReason::PeerLost)));
-                    return;
-                }
-                let id = admitted.transfer_id();
-                match self.driver.submit(now, admitted, fill) {
-                    Ok(()) => {
-                        let span = tracing::info_span!(
-                            "transfer",
-                            transfer_id = id.0,
-                            peer = self.peer,
-                            role = "sender"
-                        );
-                        span.in_scope(|| tracing::debug!("submitted"));
-                        self.spans.insert(id, span);
-                        self.waiting.insert(id, reply);
-                    }
-                    Err(e) => {
-                        let _ = reply.send(Err(e.into()));
-                    }
+            } => self.start(now, admitted, source, reply),
+            Cmd::Batch(batch) => {
+                for (admitted, pages, reply) in batch {
+                    self.start(now, admitted, Source::Pages(pages), reply);
                 }
             }
             Cmd::Abort { transfer_id, code } => {
@@ -290,6 +330,37 @@ impl<T: SenderTransport> Task<T> {
                 s.pages_total = pool.capacity_pages();
                 s.peer_lost = self.driver.closed().is_some();
                 let _ = reply.send(s);
+            }
+        }
+    }
+}
+
+impl<T: SenderTransport> Task<T> {
+    /// Starts one transfer, or answers why it cannot start.
+    fn start(&mut self, now: Instant, admitted: Admitted, source: Source, reply: Reply) {
+        if self.driver.closed().is_some() {
+            let _ = reply.send(Err(TransferError::Failed(FailureReason::PeerLost)));
+            return;
+        }
+        let id = admitted.transfer_id();
+        let started = match source {
+            Source::Fill(fill) => self.driver.submit(now, admitted, fill),
+            Source::Pages(pages) => self.driver.submit_pages(now, admitted, &pages),
+        };
+        match started {
+            Ok(()) => {
+                let span = tracing::info_span!(
+                    "transfer",
+                    transfer_id = id.0,
+                    peer = self.peer,
+                    role = "sender"
+                );
+                span.in_scope(|| tracing::debug!("submitted"));
+                self.spans.insert(id, span);
+                self.waiting.insert(id, reply);
+            }
+            Err(e) => {
+                let _ = reply.send(Err(e.into()));
             }
         }
     }

@@ -95,6 +95,10 @@ pub enum Fault {
     /// Every write is held until the receiver has given the transfer up (and so fenced it),
     /// then sent: late writes.
     LateWrites,
+    /// The receiver's fence of the transfer completes this much later than the transport
+    /// would complete it (an RDMA invalidation that takes its time): the driver sees
+    /// `Fence::Pending`, then `Fenced`.
+    SlowFence(Duration),
     /// The frame sent at this step is lost.
     DropFrame(FrameType),
     /// The frame sent at this step arrives twice.
@@ -241,6 +245,15 @@ enum Hold {
     ReceiverDone,
 }
 
+/// A fence held back by [`Fault::SlowFence`].
+#[derive(Debug)]
+struct SlowFence {
+    transfer: TransferRef,
+    delay: Duration,
+    at: Option<Instant>,
+    inner_done: bool,
+}
+
 /// What both ends of a faulty connection keep.
 #[derive(Debug)]
 struct Core<T> {
@@ -264,6 +277,9 @@ struct Core<T> {
     early: BTreeMap<TransferRef, u32>,
     /// Events this wrapper makes up.
     events: VecDeque<TransportEvent>,
+    /// Slow fences: the transfer, how much later, when (set at the first poll after the
+    /// fence), and whether the inner transport's fence completed.
+    slow_fences: Vec<SlowFence>,
     /// This side crashed: nothing more leaves it.
     crashed: bool,
 }
@@ -281,6 +297,7 @@ impl<T> Core<T> {
             passed: Vec::new(),
             early: BTreeMap::new(),
             events: VecDeque::new(),
+            slow_fences: Vec::new(),
             crashed: false,
         }
     }
@@ -582,9 +599,26 @@ impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
     }
 
     fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {
+        let slow = &mut self.0.slow_fences;
+        for f in slow.iter_mut() {
+            f.at.get_or_insert(now + f.delay);
+        }
+        if let Some(i) = slow
+            .iter()
+            .position(|f| f.inner_done && f.at.is_some_and(|at| now >= at))
+        {
+            return Poll::Ready(TransportEvent::Fenced(slow.swap_remove(i).transfer));
+        }
         let Some(e) = poll_common(&mut self.0, cx, now) else {
             return Poll::Pending;
         };
+        if let TransportEvent::Fenced(t) = &e {
+            if let Some(f) = self.0.slow_fences.iter_mut().find(|f| f.transfer == *t) {
+                // The inner fence completed; it is reported when the delay is over.
+                f.inner_done = true;
+                return self.poll_event(cx, now);
+            }
+        }
         if let TransportEvent::Landed {
             transfer,
             ordinal,
@@ -637,7 +671,24 @@ impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {
     }
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {
-        self.0.inner.fence(transfer)
+        let slow = self
+            .0
+            .plan()
+            .take(transfer.transfer_id, |f| matches!(f, Fault::SlowFence(_)));
+        let done = self.0.inner.fence(transfer) == Fence::Done;
+        match slow {
+            Some(Fault::SlowFence(delay)) => {
+                self.0.slow_fences.push(SlowFence {
+                    transfer,
+                    delay,
+                    at: None,
+                    inner_done: done,
+                });
+                Fence::Pending
+            }
+            _ if done => Fence::Done,
+            _ => Fence::Pending,
+        }
     }
 }
 
@@ -769,7 +820,12 @@ fn poll_common<T: Transport>(
 
 fn timeout<T: Transport>(s: &Core<T>) -> Option<Instant> {
     let stall = s.stall.as_ref().map(|(until, _)| *until);
-    stall.into_iter().chain(s.inner.poll_timeout()).min()
+    let fences = s.slow_fences.iter().filter_map(|f| f.at);
+    stall
+        .into_iter()
+        .chain(fences)
+        .chain(s.inner.poll_timeout())
+        .min()
 }
 
 fn damage_page(pool: &PagePool, page: u32, damage: Damage) {

@@ -33,13 +33,7 @@ pub fn try_reserve<S: SenderTransport, R: ReceiverTransport>(
     let now = pair.now;
     pair.receiver.reserve(
         now,
-        ReserveParams {
-            transfer_id: id,
-            tokens,
-            timeout: Duration::from_secs(2),
-            digest: None,
-            page_digests: true,
-        },
+        ReserveParams::new(id, tokens, Duration::from_secs(2)).with_page_digests(),
     )
 }
 

@@ -359,13 +359,11 @@ fn receive_one(
     spec: &BenchSpec,
     id: u64,
 ) -> impl std::future::Future<Output = Outcome> + Send + 'static {
-    let verified = r.reserve(ReserveParams {
-        transfer_id: TransferId(id),
-        tokens: spec.tokens(),
-        timeout: Duration::from_secs(30),
-        digest: None,
-        page_digests: false,
-    });
+    let verified = r.reserve(ReserveParams::new(
+        TransferId(id),
+        spec.tokens(),
+        Duration::from_secs(30),
+    ));
     let check = spec.check_bytes;
     async move {
         let kv = match verified.await {
@@ -394,12 +392,10 @@ fn send_one(
     let s = s.clone();
     async move {
         let r = async {
-            let admitted = s
-                .admit(Request {
-                    transfer_id: TransferId(id),
-                    tokens: u64::from(tokens),
-                })
-                .await?;
+            let admitted = s.admit(Request {
+                transfer_id: TransferId(id),
+                tokens: u64::from(tokens),
+            })?;
             s.send(admitted, move |ord, b, page| {
                 let n = page.len().min(16);
                 page[..n].copy_from_slice(&stamp(id, ord, b)[..n]);

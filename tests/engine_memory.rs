@@ -1,0 +1,311 @@
+//! The engine's own KV memory: registered once per node, destination pages the decode engine
+//! chooses, source pages the prefill engine sends in place, several peers over one
+//! registration. Every landed byte is read back from the engine's memory itself, not
+//! through kvwire.
+
+use std::ptr::NonNull;
+use std::time::Duration;
+
+use kvwire::memory::{Holder, KvMemory};
+use kvwire::proto::admission::Request;
+use kvwire::{
+    Node, NodeConfig, PoolError, ReceiveError, ReceiverConn, ReserveParams, SenderConn,
+    TransferError, TransferId,
+};
+use tokio::net::TcpListener;
+
+/// An engine's KV cache: one allocation per buffer that the engine reads and writes through
+/// its own pointers. Leaked on purpose: connection tasks may outlive a test's body, and the
+/// memory must outlive every registration of it.
+#[derive(Clone, Copy)]
+struct EngineKv {
+    buffers: [(NonNull<u8>, usize); 2],
+    page_bytes: usize,
+}
+
+// SAFETY: the test engine hands the pointers to its own tasks only; it follows kvwire's
+// contract (it writes no page kvwire holds).
+unsafe impl Send for EngineKv {}
+
+impl EngineKv {
+    fn new(config: &NodeConfig) -> Self {
+        let page_bytes = config.pool.buffer_page_bytes[0] as usize;
+        let len = config.pool.buffer_len(0).unwrap();
+        let alloc = |fill| {
+            let b: &'static mut [u8] = Box::leak(vec![fill; len].into_boxed_slice());
+            (NonNull::new(b.as_mut_ptr()).unwrap(), len)
+        };
+        Self {
+            buffers: [alloc(0xAA), alloc(0xBB)],
+            page_bytes,
+        }
+    }
+
+    fn register(&self, config: &NodeConfig) -> Node {
+        // SAFETY: the buffers live for the whole process (leaked), do not overlap, and the
+        // test engine writes only pages kvwire does not hold.
+        let memory = unsafe { KvMemory::from_raw_parts(&config.pool, self.buffers.to_vec()) };
+        Node::with_memory(config.clone(), memory.unwrap()).unwrap()
+    }
+
+    /// The engine writes its KV for `id` into `page` (a page it owns: kvwire holds none).
+    fn write(&self, page: u32, id: TransferId, ordinal: u32) {
+        for (b, &(ptr, _)) in self.buffers.iter().enumerate() {
+            let bytes = kv_bytes(id, ordinal, b, self.page_bytes);
+            // SAFETY: in bounds of a live buffer; kvwire holds no lease on this page.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    bytes.as_ptr(),
+                    ptr.as_ptr().add(page as usize * self.page_bytes),
+                    self.page_bytes,
+                )
+            };
+        }
+    }
+
+    /// The engine reads `page` of `buffer` (allowed at any time).
+    fn read(&self, page: u32, buffer: usize) -> Vec<u8> {
+        let (ptr, _) = self.buffers[buffer];
+        let mut out = vec![0u8; self.page_bytes];
+        // SAFETY: in bounds of a live buffer; the engine may read any page.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                ptr.as_ptr().add(page as usize * self.page_bytes),
+                out.as_mut_ptr(),
+                self.page_bytes,
+            )
+        };
+        out
+    }
+}
+
+fn kv_bytes(id: TransferId, ordinal: u32, buffer: usize, n: usize) -> Vec<u8> {
+    (0..n)
+        .map(|i| (id.get() as usize * 131 + ordinal as usize * 17 + buffer * 7 + i / 3) as u8)
+        .collect()
+}
+
+fn config() -> NodeConfig {
+    let mut c = NodeConfig::example();
+    c.pool.pages = 64;
+    c.engine.max_context_tokens = 1024;
+    c
+}
+
+async fn connect(prefill: &Node, decode: &Node) -> (SenderConn, ReceiverConn) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let d = decode.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &d).await });
+    let s = SenderConn::connect(addr, prefill).await.unwrap();
+    (s, accept.await.unwrap().unwrap())
+}
+
+/// Two prefill engines, each with its own registration, send from their own pages (in
+/// place) into one decode registration, at pages the decode engine's allocator chose
+/// (scattered, interleaved between the two peers). Every landed byte is read back from the
+/// decode engine's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_prefill_peers_land_exactly_at_the_decode_engines_pages() {
+    let config = config();
+    let decode_kv = EngineKv::new(&config);
+    let decode = decode_kv.register(&config);
+    let prefill_kv = [EngineKv::new(&config), EngineKv::new(&config)];
+    let prefill = [
+        prefill_kv[0].register(&config),
+        prefill_kv[1].register(&config),
+    ];
+    let conns = [
+        connect(&prefill[0], &decode).await,
+        connect(&prefill[1], &decode).await,
+    ];
+    // The decode allocator's choice: pages from the top, the two peers interleaved.
+    let dst: [Vec<u32>; 2] = [vec![63, 40, 7, 22], vec![41, 5, 62, 23]];
+    // Each prefill engine's own source pages (ids 1 and 2 on different peers).
+    let src: [Vec<u32>; 2] = [vec![3, 9, 1, 30], vec![30, 0, 12, 11]];
+    let mut waits = Vec::new();
+    for peer in 0..2 {
+        let id = TransferId(1 + peer as u64);
+        let (s, r) = &conns[peer];
+        let params =
+            ReserveParams::new(id, 64, Duration::from_secs(10)).into_pages(dst[peer].clone());
+        let verified = r.reserve(params);
+        for (ordinal, &p) in src[peer].iter().enumerate() {
+            prefill_kv[peer].write(p, id, ordinal as u32);
+        }
+        let admitted = s
+            .admit(Request {
+                transfer_id: id,
+                tokens: 64,
+            })
+            .unwrap();
+        let sent = s.send_pages(admitted, src[peer].clone());
+        waits.push((id, peer, verified, sent));
+    }
+    for (id, peer, verified, sent) in waits {
+        sent.await.unwrap();
+        let kv = verified.await.unwrap();
+        assert_eq!(kv.page_indices(), dst[peer]);
+        // While the engine holds the verified handle, kvwire still holds the pages for it.
+        assert_eq!(
+            decode.pool().holders(dst[peer][0]),
+            vec![Holder::Receiving(id)]
+        );
+        kv.release().unwrap();
+        for (ordinal, &page) in dst[peer].iter().enumerate() {
+            for b in 0..2 {
+                assert!(
+                    decode_kv.read(page, b)
+                        == kv_bytes(id, ordinal as u32, b, decode_kv.page_bytes),
+                    "transfer {id}: page {page} buffer {b} is not ordinal {ordinal}"
+                );
+            }
+        }
+    }
+    // Nothing else in the decode memory was touched: every other page still holds the
+    // engine's initial bytes.
+    let written: Vec<u32> = dst.concat();
+    for page in (0..64).filter(|p| !written.contains(p)) {
+        assert!(
+            decode_kv.read(page, 0).iter().all(|&x| x == 0xAA),
+            "page {page} touched"
+        );
+        assert!(
+            decode_kv.read(page, 1).iter().all(|&x| x == 0xBB),
+            "page {page} touched"
+        );
+    }
+    for node in [&decode, &prefill[0], &prefill[1]] {
+        assert!(
+            node.pool().held_pages().is_empty(),
+            "{:?}",
+            node.pool().held_pages()
+        );
+    }
+}
+
+/// A page already held (by a reservation on another connection of the same node) is never
+/// leased twice: the second reservation is refused naming the holder, and leases nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_leased_twice_is_refused_across_connections() {
+    let config = config();
+    let decode = Node::new(config.clone()).unwrap();
+    let a = connect(&Node::new(config.clone()).unwrap(), &decode).await;
+    let b = connect(&Node::new(config.clone()).unwrap(), &decode).await;
+    let first = a.1.reserve(
+        ReserveParams::new(TransferId(1), 32, Duration::from_secs(10)).into_pages(vec![10, 11]),
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let second =
+        b.1.reserve(
+            ReserveParams::new(TransferId(2), 32, Duration::from_secs(10)).into_pages(vec![12, 11]),
+        )
+        .await;
+    match second {
+        Err(TransferError::Reserve(ReceiveError::Pool(PoolError::AlreadyLeased {
+            page,
+            holders,
+        }))) => {
+            assert_eq!(page, 11);
+            assert_eq!(holders, vec![Holder::Receiving(TransferId(1))]);
+        }
+        other => panic!("expected AlreadyLeased, got {other:?}"),
+    }
+    assert!(
+        decode.pool().holders(12).is_empty(),
+        "a refused reservation leased page 12"
+    );
+    // The engine may not free a page kvwire holds.
+    assert!(matches!(
+        decode.pool().check_engine_free(&[10]),
+        Err(PoolError::HeldByKvwire { page: 10, .. })
+    ));
+    let admitted =
+        a.0.admit(Request {
+            transfer_id: TransferId(1),
+            tokens: 32,
+        })
+        .unwrap();
+    a.0.send(admitted, |_, _, p| p.fill(1)).await.unwrap();
+    first.await.unwrap().release().unwrap();
+    assert!(decode.pool().check_engine_free(&[10, 11, 12]).is_ok());
+}
+
+/// A batch of transfers from the engine's pages in one message, with one request rejected at
+/// admission (in the caller's thread, no round trip) and the same source page shared by two
+/// transfers at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_sends_in_place_and_a_shared_page_serves_two_transfers() {
+    let config = config();
+    let prefill_kv = EngineKv::new(&config);
+    let prefill = prefill_kv.register(&config);
+    let decode = Node::new(config.clone()).unwrap();
+    let (s, r) = connect(&prefill, &decode).await;
+    // A request longer than the context is rejected at once; its reservation gets REJECT.
+    let too_long = s.admit(Request {
+        transfer_id: TransferId(9),
+        tokens: 5000,
+    });
+    assert!(matches!(too_long, Err(TransferError::Rejected(_))));
+    let rejected = r.reserve(ReserveParams::new(
+        TransferId(9),
+        16,
+        Duration::from_secs(10),
+    ));
+    // Page 5 is the shared prefix of transfers 1 and 2.
+    let sources = [vec![5, 6], vec![5, 7]];
+    for (i, pages) in sources.iter().enumerate() {
+        for (ordinal, &p) in pages.iter().enumerate() {
+            if p != 5 || i == 0 {
+                prefill_kv.write(p, TransferId(1 + i as u64), ordinal as u32);
+            }
+        }
+    }
+    let waits: Vec<_> = (1..=2)
+        .map(|id| {
+            r.reserve(ReserveParams::new(
+                TransferId(id),
+                32,
+                Duration::from_secs(10),
+            ))
+        })
+        .collect();
+    let batch = (1..=2u64)
+        .map(|id| {
+            let a = s
+                .admit(Request {
+                    transfer_id: TransferId(id),
+                    tokens: 32,
+                })
+                .unwrap();
+            (a, sources[id as usize - 1].clone())
+        })
+        .collect();
+    for sent in s.send_batch(batch) {
+        sent.await.unwrap();
+    }
+    for (i, w) in waits.into_iter().enumerate() {
+        let kv = w.await.unwrap();
+        // Ordinal 0 of both is page 5, written for transfer 1.
+        assert_eq!(
+            *kv.page(0, 0).unwrap(),
+            kv_bytes(TransferId(1), 0, 0, prefill_kv.page_bytes)[..]
+        );
+        assert_eq!(
+            *kv.page(1, 1).unwrap(),
+            kv_bytes(TransferId(1 + i as u64), 1, 1, prefill_kv.page_bytes)[..]
+        );
+        kv.release().unwrap();
+    }
+    match rejected.await {
+        Err(TransferError::Failed(reason)) => {
+            assert_eq!(
+                reason.code(),
+                kvwire::ErrorCode::PROMPT_EXCEEDS_CONTEXT,
+                "{reason}"
+            )
+        }
+        other => panic!("expected the admission error, got {other:?}"),
+    }
+    assert!(prefill.pool().held_pages().is_empty());
+}
