@@ -413,6 +413,67 @@ mod driven {
         assert_invariants(&pair);
     }
 
+    /// Coverage: a COMMIT for a page that received no bytes does not verify even when its
+    /// digests match the page's stale contents. Transfer 2 sends transfer 1's KV again into
+    /// exactly the same destination pages, and its write of ordinal 1 is lost (reported
+    /// complete): the stale page holds the very bytes the sender digested. The receiver
+    /// scrubbed the reserved pages with a pattern of its own before publishing their rkeys,
+    /// so the unwritten page no longer holds them.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_commit_for_a_page_that_got_no_bytes_fails_even_when_stale_contents_match() {
+        let Some(d) = super::device(
+            "a_commit_for_a_page_that_got_no_bytes_fails_even_when_stale_contents_match",
+        ) else {
+            return;
+        };
+        let (_dev, mut pair) = pair(&d.name, 1);
+        let tpp = pair.receiver.pool().geometry().tokens_per_page;
+        let pages = vec![9, 3, 14, 6];
+        for id in [1, 2].map(TransferId) {
+            if id == TransferId(2) {
+                pair.fault(FaultRule::on(id, Fault::DropWrite { ordinal: 1 }));
+            }
+            let now = pair.now;
+            let params = kvwire::ReserveParams::new(id, 4 * tpp, LIMIT)
+                .into_pages(pages.clone())
+                .with_page_digests();
+            pair.receiver.reserve(now, params).unwrap();
+            let admitted = pair
+                .sender
+                .admit(
+                    now,
+                    kvwire::Request {
+                        transfer_id: id,
+                        tokens: u64::from(4 * tpp),
+                    },
+                )
+                .unwrap();
+            // The same KV both times: transfer 1's.
+            pair.sender
+                .submit(now, admitted, |o, b, p| {
+                    kvwire::testkit::kv_pattern(TransferId(1), o, b, p)
+                })
+                .unwrap();
+            assert!(pair.drive_live(LIMIT).await);
+        }
+        assert_eq!(
+            pair.verified,
+            vec![TransferId(1)],
+            "{:?}",
+            pair.receiver_failures
+        );
+        assert_eq!(
+            pair.receiver_failure(TransferId(2)),
+            Some(&FailureReason::DigestMismatch {
+                buffer: 0,
+                page: Some(1)
+            })
+        );
+        assert!(pair.receiver.transport().inner().stats().pages_scrubbed >= 8);
+        assert_all_fenced(&pair);
+        assert_invariants(&pair);
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn stale_pages_over_rdma_fail_on_digest_naming_the_page() {
         let Some(d) = super::device("stale_pages_over_rdma_fail_on_digest_naming_the_page") else {

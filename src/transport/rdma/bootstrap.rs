@@ -181,11 +181,10 @@ impl Prepared {
         reg: Arc<RegisteredMemory>,
         timeout: Duration,
     ) -> Result<RdmaReceiver, BootstrapError> {
-        let page_bytes = pool.geometry().buffer_page_bytes.clone();
         let (lanes, dev) = self
             .connect(&est.peer.transport_params, channel, stream, timeout)
             .await?;
-        Ok(RdmaReceiver::new(lanes, dev, reg, page_bytes))
+        Ok(RdmaReceiver::new(lanes, dev, reg, pool.clone()))
     }
 }
 
@@ -218,12 +217,7 @@ pub fn in_process(
             source.geometry().buffer_page_bytes.clone(),
             window,
         ),
-        RdmaReceiver::new(
-            r_lanes,
-            dev.clone(),
-            r_reg,
-            dest.geometry().buffer_page_bytes.clone(),
-        ),
+        RdmaReceiver::new(r_lanes, dev.clone(), r_reg, dest.clone()),
     ))
 }
 

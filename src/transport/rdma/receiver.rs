@@ -12,6 +12,7 @@ use kvwire_proto::wire::{Frame, TransferRef, MAX_ACCESS};
 use super::descriptor::{encoded_len, page_runs, AccessDescriptor, AccessKind, AccessRun};
 use super::lanes::{LaneEvent, LaneMap, Lanes};
 use super::verbs::{MemoryWindow, RdmaDevice, RegisteredMemory};
+use crate::memory::PagePool;
 use crate::transport::{Closed, Fence, ReceiverTransport, ScopeError, Transport, TransportEvent};
 
 /// Send-queue depth of each of a receiver's queue pairs (binds, invalidations, frames).
@@ -34,6 +35,9 @@ pub struct RdmaReceiverStats {
     pub fence_time: Duration,
     /// Times the link broke.
     pub link_failures: u64,
+    /// Pages overwritten with a reservation's unpredictable pattern before their access
+    /// descriptor was published (the coverage scrub).
+    pub pages_scrubbed: u64,
 }
 
 /// A fence in progress: the invalidations not yet completed.
@@ -52,6 +56,8 @@ pub struct RdmaReceiver {
     next_lane: usize,
     dev: Arc<RdmaDevice>,
     reg: Arc<RegisteredMemory>,
+    /// The pool over the registered memory: reserved pages are scrubbed through it.
+    pool: Arc<PagePool>,
     page_bytes: Vec<u32>,
     kind: AccessKind,
     /// Windows of open scopes, per transfer id.
@@ -84,8 +90,9 @@ impl RdmaReceiver {
         lanes: Lanes,
         dev: Arc<RdmaDevice>,
         reg: Arc<RegisteredMemory>,
-        page_bytes: Vec<u32>,
+        pool: Arc<PagePool>,
     ) -> Self {
+        let page_bytes = pool.geometry().buffer_page_bytes.clone();
         let kind = match dev.alloc_window() {
             Ok(w) => {
                 drop(w);
@@ -103,6 +110,7 @@ impl RdmaReceiver {
             next_lane: 0,
             dev,
             reg,
+            pool,
             page_bytes,
             kind,
             bound: BTreeMap::new(),
@@ -123,6 +131,25 @@ impl RdmaReceiver {
     /// Counters.
     pub fn stats(&self) -> RdmaReceiverStats {
         self.stats
+    }
+
+    /// Overwrites every buffer of `pages` with a fresh pattern from the operating system's
+    /// random source (64 bytes, repeated), unknown to the peer.
+    fn scrub(&mut self, pages: &[u32]) -> Result<(), String> {
+        let pattern: [u8; 64] = crate::config::random_bytes()
+            .map_err(|e| format!("no random source for the coverage scrub: {e}"))?;
+        for &page in pages {
+            for b in 0..self.page_bytes.len() {
+                let mut bytes = self.pool.raw_page_mut(page, b).ok_or_else(|| {
+                    format!("page {page} is in use: it cannot be scrubbed for a reservation")
+                })?;
+                for chunk in bytes.chunks_mut(pattern.len()) {
+                    chunk.copy_from_slice(&pattern[..chunk.len()]);
+                }
+            }
+        }
+        self.stats.pages_scrubbed += pages.len() as u64;
+        Ok(())
     }
 
     /// Binds one window per run of `pages` and per buffer on `lane`; the descriptor.
@@ -281,6 +308,11 @@ impl ReceiverTransport for RdmaReceiver {
         if self.closed {
             return Err(ScopeError("the link is down".into()));
         }
+        // Coverage (SPEC §9.2): before any peer can write the pages, overwrite them with a
+        // pattern only this receiver knows. A page the sender never wrote keeps it, so its
+        // landed digest cannot match a COMMIT computed over anything the sender had, not
+        // even over the page's stale contents.
+        self.scrub(pages).map_err(ScopeError)?;
         let lane = self.next_lane % self.lanes.lanes.len();
         let mut windows = Vec::new();
         // On failure the windows bound so far are dropped: deallocating invalidates them, and
