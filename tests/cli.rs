@@ -62,6 +62,77 @@ fn bench_verify_none_says_so_and_delivers() {
     assert!(!out.contains("DIGEST_MISMATCH"), "{out}");
 }
 
+/// The engine workload, in place and copied, checks every byte that landed in the decode
+/// engine's own pages, leaks no page, and has its scattered raw baseline.
+#[test]
+fn bench_engine_workload_in_place_and_copied_checks_every_byte() {
+    for copy in [false, true] {
+        let mut args = vec![
+            "bench",
+            "--workload",
+            "engine",
+            "--memory",
+            "16M",
+            "--page-sizes",
+            "16K",
+            "--bytes",
+            "4M",
+            "--check-bytes",
+            "--json",
+        ];
+        if copy {
+            args.push("--copy");
+        }
+        let (code, out, err) = kvwire(&args);
+        assert_eq!(code, 0, "copy {copy}: {err}");
+        let report = json(&out);
+        assert_eq!(report["spec"]["workload"]["kind"], "engine", "{report}");
+        let case = &report["cases"][0];
+        let transfers = case["transfers"].as_u64().unwrap();
+        assert!(transfers > 0);
+        assert_eq!(case["bytes_checked"].as_u64(), Some(transfers), "{case}");
+        assert_eq!(case["pages_free_after"], case["pages_total"], "{case}");
+        assert!(case["raw_gb_per_s"].as_f64().unwrap() > 0.0);
+    }
+}
+
+/// The engine workload across two processes: each engine registers its own memory.
+#[test]
+fn bench_engine_workload_across_two_processes() {
+    use std::process::Stdio;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    drop(listener);
+    let common = [
+        "--workload",
+        "engine",
+        "--memory",
+        "16M",
+        "--page-sizes",
+        "16K",
+        "--bytes",
+        "4M",
+        "--insecure-no-auth",
+        "--json",
+    ];
+    let decode = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .args(["bench", "--listen", &addr, "--check-bytes"])
+        .args(common)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (code, _, err) = kvwire(&[&["bench", "--connect", &addr][..], &common[..]].concat());
+    assert_eq!(code, 0, "prefill: {err}");
+    let out = decode.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report = json(&String::from_utf8_lossy(&out.stdout));
+    let case = &report["cases"][0];
+    let transfers = case["transfers"].as_u64().unwrap();
+    assert_eq!(case["bytes_checked"].as_u64(), Some(transfers), "{case}");
+    assert!(case["raw_gb_per_s"].as_f64().unwrap() > 0.0, "{case}");
+}
+
 #[test]
 fn bench_table_names_its_columns() {
     let (code, out, err) = kvwire(&["bench", "--page-sizes", "8K", "--bytes", "1M"]);

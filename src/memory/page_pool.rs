@@ -706,6 +706,49 @@ impl PagePool {
         PageMut::new(&self.memory, &self.locks, page, buffer).ok()
     }
 
+    /// The engine reads page `page` of `buffer` of its own registered memory (any page, at
+    /// any time: a page leased to an open reservation reads as unspecified bytes until its
+    /// transfer is verified). Fails when out of range or ([`PoolError::Busy`]) while kvwire
+    /// writes the page through Rust code right now (a TCP record landing).
+    pub fn engine_page(&self, page: u32, buffer: usize) -> Result<PageRef<'_>, PoolError> {
+        self.check_range(page, buffer)?;
+        PageRef::new(&self.memory, &self.locks, page, buffer)
+    }
+
+    /// The engine writes page `page` of `buffer` of its own registered memory: allowed only
+    /// while kvwire holds nothing on the page (fails with [`PoolError::HeldByKvwire`]
+    /// naming who holds it). The safe way for a Rust engine to produce its KV in place
+    /// before [`SenderConn::send_pages`](crate::SenderConn::send_pages).
+    pub fn engine_page_mut(&self, page: u32, buffer: usize) -> Result<PageMut<'_>, PoolError> {
+        self.check_range(page, buffer)?;
+        let t = self.table();
+        if t.slots[page as usize].state != SlotState::Free {
+            return Err(PoolError::HeldByKvwire {
+                page,
+                holders: Self::holders_of(&t, page),
+            });
+        }
+        // Taken under the table lock, so no lease can be made between the check and the
+        // guard; a transport writes only leased pages.
+        PageMut::new(&self.memory, &self.locks, page, buffer)
+    }
+
+    fn check_range(&self, page: u32, buffer: usize) -> Result<(), PoolError> {
+        if page >= self.geometry.pages {
+            return Err(PoolError::PageOutOfRange {
+                page,
+                pages: self.geometry.pages,
+            });
+        }
+        if buffer >= self.memory.buffers() {
+            return Err(PoolError::BufferOutOfRange {
+                buffer,
+                buffers: self.memory.buffers(),
+            });
+        }
+        Ok(())
+    }
+
     fn in_range(&self, page: u32, buffer: usize) -> Option<()> {
         (page < self.geometry.pages && buffer < self.memory.buffers()).then_some(())
     }

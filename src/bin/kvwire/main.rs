@@ -57,6 +57,15 @@ enum VerifyArg {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum WorkloadArg {
+    /// kvwire's page pool chooses the pages on both sides.
+    Pool,
+    /// Each engine's own registered memory (--memory), scattered pages its allocator chose,
+    /// sent and received in place (zero copy), or copied through kvwire's pool with --copy.
+    Engine,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum TransportArg {
     Tcp,
     Rdma,
@@ -65,6 +74,19 @@ enum TransportArg {
 
 #[derive(clap::Args)]
 struct BenchArgs {
+    /// Workload: pool (kvwire's page pool chooses the pages) or engine (each engine's own
+    /// registered KV memory, pages chosen by its allocator as a random permutation of all
+    /// of them, sent and received in place; docs/BENCHMARKS.md).
+    #[arg(long, value_enum, default_value = "pool")]
+    workload: WorkloadArg,
+    /// With --workload engine: KV memory per engine (suffixes K, M, G).
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    memory: u64,
+    /// With --workload engine: copy every page into kvwire's pool on the prefill side and
+    /// out of it on the decode side (how an engine integrated before zero copy), to measure
+    /// what in place saves.
+    #[arg(long)]
+    copy: bool,
     /// Transport: tcp (the embedded default), rdma (RC queue pairs on --device; needs a
     /// build with `--features rdma` and an RDMA device, e.g. SoftRoCE's rxe0), or loopback
     /// (both roles in this process over the in-process wire). tcp and rdma run both roles in
@@ -285,7 +307,18 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     if !auth.is_on() {
         eprintln!("kvwire bench: --insecure-no-auth: peers are NOT authenticated");
     }
+    if a.copy && a.workload != WorkloadArg::Engine {
+        eprintln!("kvwire bench: --copy applies to --workload engine");
+        return ExitCode::from(2);
+    }
     let spec = BenchSpec {
+        workload: match a.workload {
+            WorkloadArg::Pool => bench::Workload::Pool,
+            WorkloadArg::Engine => bench::Workload::Engine {
+                memory: a.memory,
+                copy: a.copy,
+            },
+        },
         page_sizes: a.page_sizes,
         buffers: a.buffers,
         pages: a.pages,

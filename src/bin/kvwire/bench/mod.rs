@@ -9,11 +9,13 @@
 //! (`--check-bytes`). Every transfer is verified by digest unless `--verify none` is asked
 //! for, which exists only to measure the integrity tax and says so.
 
+mod engine;
 mod raw;
 mod table;
 
-pub use raw::raw_tcp_baseline;
-use raw::{raw_read, raw_write};
+use engine::EngineSide;
+use raw::{engine_raw_read, engine_raw_write, raw_read, raw_write};
+pub use raw::{raw_engine_baseline, raw_tcp_baseline};
 pub use table::{human_bytes, table};
 
 use std::collections::BTreeMap;
@@ -74,9 +76,28 @@ pub enum Verify {
     None,
 }
 
+/// Whose memory and pages a case moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case", tag = "kind")]
+pub enum Workload {
+    /// kvwire's page pool chooses the pages on both sides (the default).
+    Pool,
+    /// Each engine's own registered memory of `memory` bytes, pages its allocator chose
+    /// (a random permutation), sent and received in place, or copied in and out with
+    /// `copy` (`engine.rs`).
+    Engine {
+        /// Bytes of KV memory per engine.
+        memory: u64,
+        /// Copy through kvwire's pool instead of in place (before zero copy).
+        copy: bool,
+    },
+}
+
 /// What to run.
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchSpec {
+    /// Whose memory and pages.
+    pub workload: Workload,
     /// Bytes per page per buffer, one case each.
     pub page_sizes: Vec<u32>,
     /// Buffers (e.g. layers x K/V).
@@ -126,6 +147,7 @@ impl std::fmt::Debug for OnTransfer {
 impl Default for BenchSpec {
     fn default() -> Self {
         Self {
+            workload: Workload::Pool,
             page_sizes: vec![64 * 1024, 1024 * 1024],
             buffers: 4,
             pages: 8,
@@ -211,9 +233,27 @@ impl BenchSpec {
         (self.bytes_per_case / self.transfer_bytes(page)).max(1)
     }
 
-    /// The node configuration for one case (both sides use the same one).
+    /// The engine workload's memory per engine (0 for the pool workload).
+    fn engine_memory(&self) -> u64 {
+        match self.workload {
+            Workload::Engine { memory, .. } => memory,
+            Workload::Pool => 0,
+        }
+    }
+
+    /// Whether the engine workload copies through kvwire's pool.
+    fn engine_copy(&self) -> bool {
+        matches!(self.workload, Workload::Engine { copy: true, .. })
+    }
+
+    /// The node configuration for one case (both sides use the same one): a pool just
+    /// large enough for the transfers in flight.
     pub fn node_config(&self, page: u32) -> NodeConfig {
-        let pages = self.pages * self.concurrency * 2;
+        self.node_config_with_pages(page, self.pages * self.concurrency * 2)
+    }
+
+    /// The node configuration for one case, with a pool of `pages` pages.
+    fn node_config_with_pages(&self, page: u32, pages: u32) -> NodeConfig {
         let mut c = NodeConfig::example();
         c.pool = PoolGeometry {
             tokens_per_page: self.tokens_per_page,
@@ -450,46 +490,72 @@ pub async fn run_in_process(
     let mut cases = Vec::new();
     for &page in &spec.page_sizes {
         progress(&format!(
-            "case: {} pages/transfer x {} buffers x {}",
+            "case: {} pages/transfer x {} buffers x {}{}",
             spec.pages,
             spec.buffers,
-            human_bytes(u64::from(page))
+            human_bytes(u64::from(page)),
+            match spec.workload {
+                Workload::Pool => String::new(),
+                Workload::Engine { memory, copy } => format!(
+                    ", engine memory {} per node, {}",
+                    human_bytes(memory),
+                    if copy {
+                        "copied through kvwire's pool"
+                    } else {
+                        "in place"
+                    }
+                ),
+            }
         ));
-        let config = spec.node_config(page);
-        // Two nodes, each with memory of its own: the prefill engine's and the decode
-        // engine's.
-        let prefill = Node::new(config.clone()).map_err(|e| e.to_string())?;
-        let decode = Node::new(config).map_err(|e| e.to_string())?;
-        let (sender, receiver) = if spec.transport == BenchTransport::Loopback {
-            kvwire::engine::loopback(&prefill, &decode).map_err(|e| e.to_string())?
-        } else {
-            let listener = TcpListener::bind("127.0.0.1:0")
-                .await
-                .map_err(|e| e.to_string())?;
-            let addr = listener.local_addr().map_err(|e| e.to_string())?;
-            let accept =
-                tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
-            let sender = SenderConn::connect(addr, &prefill)
-                .await
-                .map_err(|e| e.to_string())?;
-            let receiver = accept
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
-            (sender, receiver)
+        let case = match spec.workload {
+            Workload::Pool => {
+                // Two nodes, each with memory of its own: the prefill engine's and the
+                // decode engine's.
+                let config = spec.node_config(page);
+                let prefill = Node::new(config.clone()).map_err(|e| e.to_string())?;
+                let decode = Node::new(config).map_err(|e| e.to_string())?;
+                let (sender, receiver) = connect_in_process(spec, &prefill, &decode).await?;
+                let case = run_case_pair(spec, page, &sender, &receiver).await;
+                with_pool_state(case, &receiver).await
+            }
+            Workload::Engine { .. } => {
+                let tx = EngineSide::new(spec, page, engine::SEND_SEED)?;
+                let rx = EngineSide::new(spec, page, engine::RECEIVE_SEED)?;
+                let (s, r) = connect_in_process(spec, &tx.node, &rx.node).await?;
+                let (r2, spec2) = (r.clone(), spec.clone());
+                let case = run_side(spec, page, move |id| {
+                    let (recv, send) =
+                        (rx.receive_one(&r2, &spec2, id), tx.send_one(&s, &spec2, id));
+                    async move {
+                        // The receiver's outcome is the one that counts: only it verifies.
+                        let (got, _) = tokio::join!(recv, send);
+                        got
+                    }
+                })
+                .await;
+                with_pool_state(case, &r).await
+            }
         };
-        let case = run_case_pair(spec, page, &sender, &receiver).await;
-        let case = with_pool_state(case, &receiver).await;
-        drop((sender, receiver));
         // The raw baseline is a TCP program: it compares with the TCP transport only (RDMA
         // is compared with ib_write_bw by scripts/rdma-bench.sh).
         let raw = if spec.transport == BenchTransport::Tcp {
-            raw_tcp_baseline(
-                case.bytes.max(1),
-                (u64::from(page) * u64::from(spec.buffers)) as usize,
-            )
-            .await
-            .ok()
+            let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
+            match spec.workload {
+                Workload::Pool => raw_tcp_baseline(case.bytes.max(1), record).await.ok(),
+                Workload::Engine { .. } => {
+                    let (src, dst) =
+                        engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
+                    raw_engine_baseline(
+                        page as usize,
+                        spec.buffers as usize,
+                        engine::memory_pages(spec, page),
+                        src,
+                        dst,
+                    )
+                    .await
+                    .ok()
+                }
+            }
         } else {
             None
         };
@@ -504,6 +570,31 @@ pub async fn run_in_process(
         metrics: spec.metrics.as_ref().map(|m| m.encode()),
         cases,
     })
+}
+
+/// A connection between two nodes of this process over the bench's transport.
+async fn connect_in_process(
+    spec: &BenchSpec,
+    prefill: &Node,
+    decode: &Node,
+) -> Result<(SenderConn, ReceiverConn), String> {
+    if spec.transport == BenchTransport::Loopback {
+        return kvwire::engine::loopback(prefill, decode).map_err(|e| e.to_string());
+    }
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let decode = decode.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
+    let sender = SenderConn::connect(addr, prefill)
+        .await
+        .map_err(|e| e.to_string())?;
+    let receiver = accept
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+    Ok((sender, receiver))
 }
 
 /// Two-process mode, decode side: listens and runs each case as the receiver; the other
@@ -532,14 +623,36 @@ pub async fn run_listen(
             let raw_gbps = if raw && spec.transport == BenchTransport::Tcp {
                 let (mut s, _) = listener.accept().await.map_err(|e| e.to_string())?;
                 let start = Instant::now();
-                raw_read(&mut s, total, record)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                match spec.workload {
+                    Workload::Pool => raw_read(&mut s, total, record).await,
+                    Workload::Engine { .. } => {
+                        let (_, dst) = engine::raw_pages(
+                            spec,
+                            page,
+                            spec.transfers(page) * u64::from(spec.pages),
+                        );
+                        let mut memory = raw::RawMemory::new(
+                            page as usize,
+                            spec.buffers as usize,
+                            engine::memory_pages(spec, page),
+                            0,
+                        );
+                        engine_raw_read(&mut s, &mut memory, &dst).await
+                    }
+                }
+                .map_err(|e| e.to_string())?;
                 Some(total as f64 / start.elapsed().as_secs_f64() / 1e9)
             } else {
                 None
             };
-            let node = Node::new(spec.node_config(page)).map_err(|e| e.to_string())?;
+            let engine = match spec.workload {
+                Workload::Pool => None,
+                Workload::Engine { .. } => Some(EngineSide::new(spec, page, engine::RECEIVE_SEED)?),
+            };
+            let node = match &engine {
+                Some(e) => e.node.clone(),
+                None => Node::new(spec.node_config(page)).map_err(|e| e.to_string())?,
+            };
             let receiver = ReceiverConn::accept(&listener, &node)
                 .await
                 .map_err(|e| e.to_string())?;
@@ -549,7 +662,14 @@ pub async fn run_listen(
                 receiver.peer().node_id,
                 spec.transport.name()
             ));
-            let case = run_receiver_side(spec, page, &receiver).await;
+            let case = match engine {
+                None => run_receiver_side(spec, page, &receiver).await,
+                Some(rx) => {
+                    let (r, spec2) = (receiver.clone(), spec.clone());
+                    let case = run_side(spec, page, move |id| rx.receive_one(&r, &spec2, id)).await;
+                    with_pool_state(case, &receiver).await
+                }
+            };
             progress(&format!(
                 "case {size}: {} verified, failures {:?}, pool {}/{} pages free",
                 case.verified,
@@ -580,16 +700,39 @@ pub async fn run_connect(
         let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
         let total = spec.transfers(page) * spec.transfer_bytes(page);
         let raw_gbps = if raw && spec.transport == BenchTransport::Tcp {
+            let engine_memory = match spec.workload {
+                Workload::Pool => None,
+                Workload::Engine { .. } => {
+                    let (src, _) =
+                        engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
+                    let memory = raw::RawMemory::new(
+                        page as usize,
+                        spec.buffers as usize,
+                        engine::memory_pages(spec, page),
+                        0x5a,
+                    );
+                    Some((memory, src))
+                }
+            };
             let mut s = connect_retry(addr).await?;
             let start = Instant::now();
-            raw_write(&mut s, total, record)
-                .await
-                .map_err(|e| e.to_string())?;
+            match &engine_memory {
+                None => raw_write(&mut s, total, record).await,
+                Some((memory, src)) => engine_raw_write(&mut s, memory, src).await.map(|_| ()),
+            }
+            .map_err(|e| e.to_string())?;
             Some(total as f64 / start.elapsed().as_secs_f64() / 1e9)
         } else {
             None
         };
-        let node = Node::new(spec.node_config(page)).map_err(|e| e.to_string())?;
+        let engine = match spec.workload {
+            Workload::Pool => None,
+            Workload::Engine { .. } => Some(EngineSide::new(spec, page, engine::SEND_SEED)?),
+        };
+        let node = match &engine {
+            Some(e) => e.node.clone(),
+            None => Node::new(spec.node_config(page)).map_err(|e| e.to_string())?,
+        };
         let stream = connect_retry(addr).await?;
         let sender = SenderConn::start(stream, &node, true)
             .await
@@ -599,7 +742,13 @@ pub async fn run_connect(
             human_bytes(u64::from(page)),
             spec.transport.name()
         ));
-        let case = run_sender_side(spec, page, &sender).await;
+        let case = match engine {
+            None => run_sender_side(spec, page, &sender).await,
+            Some(tx) => {
+                let (s, spec2) = (sender.clone(), spec.clone());
+                run_side(spec, page, move |id| tx.send_one(&s, &spec2, id)).await
+            }
+        };
         cases.push(with_baseline(case, raw_gbps));
     }
     Ok(Report {

@@ -1,6 +1,6 @@
 //! The perftest-style table of a bench report.
 
-use super::{Report, Verify};
+use super::{Report, Verify, Workload};
 
 /// `65536` -> `64 KiB`.
 pub fn human_bytes(b: u64) -> String {
@@ -23,9 +23,21 @@ pub fn table(report: &Report) -> String {
             "verify: NONE -- UNVERIFIED, only to measure the integrity tax; never use for data"
         }
     };
+    let workload = match report.spec.workload {
+        Workload::Pool => "workload: pool".to_string(),
+        Workload::Engine { memory, copy } => format!(
+            "workload: engine memory {} per node, scattered pages, {}",
+            human_bytes(memory),
+            if copy {
+                "copied through kvwire's pool"
+            } else {
+                "in place"
+            }
+        ),
+    };
     out += &format!(
-        "kvwire bench  transport: {}  {}\n",
-        report.transport, verify
+        "kvwire bench  transport: {}  {}  {}\n",
+        report.transport, workload, verify
     );
     out += &format!(
         "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6}  failures\n",
