@@ -125,7 +125,11 @@ fn bench_engine_workload_across_two_processes() {
     let (code, _, err) = kvwire(&[&["bench", "--connect", &addr][..], &common[..]].concat());
     assert_eq!(code, 0, "prefill: {err}");
     let out = decode.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report = json(&String::from_utf8_lossy(&out.stdout));
     let case = &report["cases"][0];
     let transfers = case["transfers"].as_u64().unwrap();
@@ -237,4 +241,94 @@ fn gen_psk_prints_a_usable_key() {
     assert!(kvwire::proto::auth::Psk::from_hex(key).is_ok());
     let (_, again, _) = kvwire_env(&["gen-psk"], &[]);
     assert_ne!(again.trim(), key, "two keys alike");
+}
+
+/// `kvwire bench --listen --connections 2` serves its two good prefill processes whatever
+/// else connects before and between them: a port scan, an HTTP request, a peer with the
+/// wrong key, a client that connects and stalls.
+#[test]
+fn bench_listen_serves_its_good_connections_whatever_else_connects() {
+    // With the raw baseline, bad clients meet its announcement check; without, the
+    // handshake listener.
+    for raw in [true, false] {
+        bench_listen_with_bad_clients(raw);
+    }
+}
+
+fn bench_listen_with_bad_clients(raw: bool) {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::process::Stdio;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    let addr_s = addr.to_string();
+    let psk = "6b767769726520746573742070736b206f662033322062797465732e2e2e2e2e";
+    let mut common = vec!["--page-sizes", "16K", "--bytes", "2M", "--json"];
+    if !raw {
+        common.push("--no-raw");
+    }
+    let decode = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .args(["bench", "--listen", &addr_s, "--connections", "2"])
+        .args(&common)
+        .env("KVWIRE_PSK", psk)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let connect = || loop {
+        if let Ok(s) = TcpStream::connect(addr) {
+            return s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let bad_clients = || {
+        drop(connect()); // a port scan
+        let mut http = connect();
+        let _ = http.write_all(b"GET / HTTP/1.0\r\n\r\n");
+        let _ = http.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+        let _ = http.read_to_end(&mut Vec::new());
+        // A peer with the wrong key.
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let wrong = kvwire::Node::new(kvwire::NodeConfig::example()).unwrap();
+        assert!(rt
+            .block_on(kvwire::SenderConn::connect(addr, &wrong))
+            .is_err());
+        connect() // stalls: connected, never says anything
+    };
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        // Before each good prefill process (the decode exits after the second).
+        stalled.push(bad_clients());
+        let (code, _, err) = {
+            let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+                .args(["bench", "--connect", &addr_s])
+                .args(&common)
+                .env("KVWIRE_PSK", psk)
+                .output()
+                .unwrap();
+            (
+                out.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        };
+        assert_eq!(code, 0, "a good prefill process failed: {err}");
+    }
+    let out = decode.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let report = json(&String::from_utf8_lossy(&out.stdout));
+    let cases = report["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 2, "{report}");
+    for case in cases {
+        assert_eq!(case["verified"], case["transfers"], "{case}");
+    }
+    let dropped = if raw {
+        "not a raw-baseline connection"
+    } else {
+        "handshake failed"
+    };
+    assert!(err.contains(dropped), "{err}");
+    drop(stalled);
 }

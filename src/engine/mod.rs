@@ -33,6 +33,7 @@
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(()) }).unwrap();
 //! ```
 
+mod listener;
 mod node;
 mod open;
 mod receiver;
@@ -46,6 +47,7 @@ use kvwire_proto::handshake::HandshakeError;
 use kvwire_proto::wire::Role;
 use kvwire_proto::FailureReason;
 
+pub use listener::{Listener, ListenerConfig, ListenerStats};
 pub use node::Node;
 pub use open::loopback;
 pub use receiver::{ReceiverConn, ReceiverConnStats, Verified};

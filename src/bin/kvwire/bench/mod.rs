@@ -32,7 +32,9 @@ use tokio::net::{TcpListener, TcpStream};
 use kvwire::checksum::DigestMode;
 use kvwire::config::{EngineConfig, TransportConfig};
 use kvwire::driver::ReserveParams;
-use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
+use kvwire::engine::{
+    Listener, ListenerConfig, Node, NodeConfig, ReceiverConn, SenderConn, TransferError,
+};
 use kvwire::memory::PoolGeometry;
 
 /// The transport a bench runs over.
@@ -610,7 +612,7 @@ pub async fn run_listen(
     raw: bool,
     mut progress: impl FnMut(&str),
 ) -> Result<Report, String> {
-    let listener = TcpListener::bind(addr).await.map_err(|e| e.to_string())?;
+    let listener = Arc::new(TcpListener::bind(addr).await.map_err(|e| e.to_string())?);
     progress(&format!(
         "listening on {}",
         listener.local_addr().map_err(|e| e.to_string())?
@@ -621,7 +623,7 @@ pub async fn run_listen(
             let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
             let total = spec.transfers(page) * spec.transfer_bytes(page);
             let raw_gbps = if raw && spec.transport == BenchTransport::Tcp {
-                let (mut s, _) = listener.accept().await.map_err(|e| e.to_string())?;
+                let mut s = raw::accept_raw(&listener).await;
                 let start = Instant::now();
                 match spec.workload {
                     Workload::Pool => raw_read(&mut s, total, record).await,
@@ -653,9 +655,24 @@ pub async fn run_listen(
                 Some(e) => e.node.clone(),
                 None => Node::new(spec.node_config(page)).map_err(|e| e.to_string())?,
             };
-            let receiver = ReceiverConn::accept(&listener, &node)
-                .await
-                .map_err(|e| e.to_string())?;
+            // The next good connection, whatever else connects (port scans, HTTP, wrong keys,
+            // stalled clients are logged, counted and dropped); then stop accepting until the
+            // next case.
+            let mut good =
+                Listener::receivers_on(listener.clone(), &node, ListenerConfig::default())
+                    .map_err(|e| e.to_string())?;
+            let receiver = good.accept().await.ok_or("the listening socket failed")?;
+            let st = good.stats();
+            drop(good);
+            if st.accepted > st.established {
+                progress(&format!(
+                    "dropped {} connections whose handshake failed ({} refused, {} not kvwire, {} stalled or lost)",
+                    st.accepted - st.established,
+                    st.refused,
+                    st.malformed,
+                    st.failed
+                ));
+            }
             let size = human_bytes(u64::from(page));
             progress(&format!(
                 "case {size}: connected to node {} over {}",
@@ -715,6 +732,7 @@ pub async fn run_connect(
                 }
             };
             let mut s = connect_retry(addr).await?;
+            raw::announce_raw(&mut s).await.map_err(|e| e.to_string())?;
             let start = Instant::now();
             match &engine_memory {
                 None => raw_write(&mut s, total, record).await,

@@ -1,7 +1,7 @@
 //! The raw TCP baseline: the same bytes as a case, over one TCP connection on the same
 //! address pair, with no protocol at all.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -145,4 +145,30 @@ async fn write_all_vectored(s: &mut TcpStream, slices: &mut [&[u8]]) -> std::io:
         }
     }
     Ok(())
+}
+
+/// What a raw baseline connection says first, so the listening side can tell it from
+/// anything else that connects (and drop the rest).
+const RAW_MAGIC: &[u8; 16] = b"kvwire-raw-base\n";
+
+/// The prefill side of a two-process raw baseline announces itself.
+pub(super) async fn announce_raw(s: &mut TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    s.write_all(RAW_MAGIC).await
+}
+
+/// The decode side of a two-process raw baseline: the next connection that announces itself
+/// within 2 s; every other one (a port scan, HTTP, a stalled client) is dropped.
+pub(super) async fn accept_raw(listener: &TcpListener) -> TcpStream {
+    loop {
+        let Ok((mut s, peer)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let mut magic = [0u8; 16];
+        match tokio::time::timeout(Duration::from_secs(2), s.read_exact(&mut magic)).await {
+            Ok(Ok(_)) if &magic == RAW_MAGIC => return s,
+            _ => tracing::warn!(%peer, "not a raw-baseline connection; dropped"),
+        }
+    }
 }
