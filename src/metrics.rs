@@ -23,6 +23,14 @@ pub struct Outcome {
     pub outcome: String,
 }
 
+/// Labels of a handshake a listener ran.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Handshake {
+    /// "established", "refused", "malformed" (not kvwire frames) or "failed" (I/O, timeout,
+    /// transport).
+    pub outcome: String,
+}
+
 /// Labels of a connection's pool.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Connection {
@@ -48,6 +56,8 @@ pub struct Metrics {
     pub pages_free: Family<Connection, Gauge>,
     /// Quarantined pages per connection pool.
     pub pages_quarantined: Family<Connection, Gauge>,
+    /// Handshakes run by listeners, by outcome.
+    pub handshakes: Family<Handshake, Counter>,
 }
 
 impl Metrics {
@@ -62,6 +72,7 @@ impl Metrics {
             fences: Counter::default(),
             pages_free: Family::default(),
             pages_quarantined: Family::default(),
+            handshakes: Family::default(),
             registry: Registry::default(),
         };
         macro_rules! register {
@@ -77,6 +88,7 @@ impl Metrics {
             "fences", "Fences carried out by receivers", fences;
             "pages_free", "Free pages per connection pool", pages_free;
             "pages_quarantined", "Quarantined pages per connection pool", pages_quarantined;
+            "handshakes", "Handshakes run by listeners, by outcome", handshakes;
         }
         Arc::new(Self { registry, ..m })
     }

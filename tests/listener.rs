@@ -37,7 +37,10 @@ async fn real_sender(addr: std::net::SocketAddr, config: &NodeConfig, id: u64) -
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_serves_every_real_sender_whatever_else_connects() {
     let config = config();
-    let decode = Node::new(config.clone()).unwrap();
+    let metrics = kvwire::metrics::Metrics::new();
+    let mut decode_config = config.clone();
+    decode_config.metrics = Some(metrics.clone());
+    let decode = Node::new(decode_config).unwrap();
     let mut listener = Listener::receivers("127.0.0.1:0", &decode, ListenerConfig::default())
         .await
         .unwrap();
@@ -88,6 +91,15 @@ async fn a_listener_serves_every_real_sender_whatever_else_connects() {
     assert!(listener.stats().failed >= 4, "{:?}", listener.stats());
     drop(stalled);
     assert!(decode.pool().held_pages().is_empty());
+    let text = metrics.encode();
+    for want in [
+        r#"kvwire_handshakes_total{outcome="established"} 3"#,
+        r#"kvwire_handshakes_total{outcome="refused"}"#,
+        r#"kvwire_handshakes_total{outcome="malformed"}"#,
+        r#"kvwire_handshakes_total{outcome="failed"}"#,
+    ] {
+        assert!(text.contains(want), "missing {want}: {text}");
+    }
 }
 
 /// Handshakes run concurrently: with every slot but one held by stalled clients, a real

@@ -15,6 +15,7 @@ use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, Semaphore};
 
 use super::{EngineError, Node, ReceiverConn, SenderConn};
+use crate::metrics::Metrics;
 
 /// How a [`Listener`] runs handshakes.
 #[derive(Clone, Copy, Debug)]
@@ -103,7 +104,8 @@ impl Listener<ReceiverConn> {
         config: ListenerConfig,
     ) -> std::io::Result<Self> {
         let node = node.clone();
-        Self::start(socket, config, move |s| {
+        let metrics = node.config().metrics.clone();
+        Self::start(socket, config, metrics, move |s| {
             let node = node.clone();
             async move { ReceiverConn::start(s, &node, false).await }
         })
@@ -127,7 +129,8 @@ impl Listener<SenderConn> {
         config: ListenerConfig,
     ) -> std::io::Result<Self> {
         let node = node.clone();
-        Self::start(socket, config, move |s| {
+        let metrics = node.config().metrics.clone();
+        Self::start(socket, config, metrics, move |s| {
             let node = node.clone();
             async move { SenderConn::start(s, &node, false).await }
         })
@@ -138,6 +141,7 @@ impl<C: Send + 'static> Listener<C> {
     fn start<F, Fut>(
         listener: Arc<TcpListener>,
         config: ListenerConfig,
+        metrics: Option<Arc<Metrics>>,
         start: F,
     ) -> std::io::Result<Self>
     where
@@ -153,6 +157,7 @@ impl<C: Send + 'static> Listener<C> {
             Arc::new(start),
             tx,
             counters.clone(),
+            metrics,
         ));
         Ok(Self {
             addr,
@@ -218,6 +223,7 @@ async fn accept_loop<C, F, Fut>(
     start: Arc<F>,
     ready: mpsc::Sender<C>,
     counters: Arc<Counters>,
+    metrics: Option<Arc<Metrics>>,
 ) where
     C: Send + 'static,
     F: Fn(TcpStream) -> Fut + Send + Sync + 'static,
@@ -249,28 +255,44 @@ async fn accept_loop<C, F, Fut>(
             }
         };
         counters.accepted.fetch_add(1, Ordering::Relaxed);
-        let (start, ready, counters, log) =
-            (start.clone(), ready.clone(), counters.clone(), log.clone());
+        let (start, ready, counters, log, metrics) = (
+            start.clone(),
+            ready.clone(),
+            counters.clone(),
+            log.clone(),
+            metrics.clone(),
+        );
+        let count = move |outcome: &str| {
+            if let Some(m) = &metrics {
+                m.handshakes
+                    .get_or_create(&crate::metrics::Handshake {
+                        outcome: outcome.into(),
+                    })
+                    .inc();
+            }
+        };
         tokio::spawn(async move {
             let result = start(stream).await;
             drop(slot);
             match result {
                 Ok(conn) => {
                     counters.established.fetch_add(1, Ordering::Relaxed);
+                    count("established");
                     let _ = ready.send(conn).await;
                 }
                 Err(e) => {
                     use kvwire_proto::handshake::HandshakeError as H;
-                    let counter = match &e {
+                    let (counter, outcome) = match &e {
                         EngineError::Handshake(H::Refused(_) | H::RefusedByPeer(_)) => {
-                            &counters.refused
+                            (&counters.refused, "refused")
                         }
                         EngineError::Handshake(H::Unexpected(_)) | EngineError::Stream(_) => {
-                            &counters.malformed
+                            (&counters.malformed, "malformed")
                         }
-                        _ => &counters.failed,
+                        _ => (&counters.failed, "failed"),
                     };
                     counter.fetch_add(1, Ordering::Relaxed);
+                    count(outcome);
                     log.lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .report(peer, &e);
