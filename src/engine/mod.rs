@@ -216,6 +216,66 @@ pub(crate) fn transfer_error(
     }
 }
 
+/// How a connection's task logs failed transfers: while the connection is up, each at WARN;
+/// once it is gone, each at DEBUG, and one WARN line for the loss with the transfers it
+/// took, counted by reason (a killed peer with a thousand queued transfers is one line).
+#[derive(Debug)]
+pub(crate) struct FailureLog {
+    role: &'static str,
+    peer: u64,
+    lost: std::collections::BTreeMap<String, u64>,
+    summarized: bool,
+}
+
+impl FailureLog {
+    pub(crate) fn new(role: &'static str, peer: u64) -> Self {
+        Self {
+            role,
+            peer,
+            lost: std::collections::BTreeMap::new(),
+            summarized: false,
+        }
+    }
+
+    /// A transfer failed; `closed` says whether the connection is gone.
+    pub(crate) fn failed(
+        &mut self,
+        span: &tracing::Span,
+        transfer: kvwire_proto::wire::TransferRef,
+        reason: &FailureReason,
+        closed: bool,
+    ) {
+        let (id, peer) = (transfer.transfer_id.0, self.peer);
+        if closed {
+            *self.lost.entry(reason.code().to_string()).or_default() += 1;
+            span.in_scope(|| tracing::debug!(transfer_id = id, peer, %reason, "transfer failed"));
+        } else {
+            span.in_scope(|| tracing::warn!(transfer_id = id, peer, %reason, "transfer failed"));
+        }
+    }
+
+    /// Once the connection is gone and nothing is open any more: the one summary line.
+    pub(crate) fn summarize(&mut self, closed: Option<&crate::transport::Closed>, open: usize) {
+        let Some(why) = closed else { return };
+        if self.summarized || open > 0 {
+            return;
+        }
+        self.summarized = true;
+        let failed: u64 = self.lost.values().sum();
+        let by_reason = self
+            .lost
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        if failed > 0 {
+            tracing::warn!(role = self.role, peer = self.peer, %why, failed, "connection lost; {failed} open transfers failed ({by_reason})");
+        } else {
+            tracing::info!(role = self.role, peer = self.peer, %why, "connection ended with nothing open");
+        }
+    }
+}
+
 /// A connection's task: a driver, and the engine's side of it (who waits for what).
 pub(crate) trait ConnectionTask {
     /// A command from the engine's handles.

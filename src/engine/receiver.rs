@@ -170,6 +170,7 @@ impl ReceiverConn {
             spans: HashMap::new(),
             waiting: HashMap::new(),
             stats: ReceiverConnStats::default(),
+            log: super::FailureLog::new("receiver", est.peer.node_id),
         };
         tokio::spawn(super::run_task(task, cmd_rx));
         Ok(Self {
@@ -239,6 +240,7 @@ struct Task<T> {
     spans: HashMap<TransferId, tracing::Span>,
     waiting: HashMap<TransferId, oneshot::Sender<Result<Verified, TransferError>>>,
     stats: ReceiverConnStats,
+    log: super::FailureLog,
 }
 
 impl<T: ReceiverTransport> Task<T> {
@@ -280,7 +282,8 @@ impl<T: ReceiverTransport> Task<T> {
                         .spans
                         .remove(&transfer.transfer_id)
                         .unwrap_or_else(tracing::Span::none);
-                    span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id.0, peer = self.peer, %reason, "transfer failed"));
+                    let closed = self.driver.closed().is_some();
+                    self.log.failed(&span, transfer, &reason, closed);
                     if let Some(reply) = self.waiting.remove(&transfer.transfer_id) {
                         let _ = reply.send(Err(transfer_error(reason, self.driver.closed())));
                     }
@@ -367,6 +370,8 @@ impl<T: ReceiverTransport> ConnectionTask for Task<T> {
     fn report(&mut self) {
         self.hand_over();
         self.publish();
+        let open = crate::driver::Driver::open_transfers(&self.driver);
+        self.log.summarize(self.driver.closed(), open);
     }
 
     fn command(&mut self, command: Cmd) {

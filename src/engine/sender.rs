@@ -115,6 +115,7 @@ impl SenderConn {
             peer: est.peer.node_id,
             waiting: HashMap::new(),
             stats: SenderConnStats::default(),
+            log: super::FailureLog::new("sender", est.peer.node_id),
         };
         tokio::spawn(super::run_task(task, cmd_rx));
         Ok(Self {
@@ -250,6 +251,7 @@ struct Task<T> {
     peer: u64,
     waiting: HashMap<TransferId, oneshot::Sender<Result<(), TransferError>>>,
     stats: SenderConnStats,
+    log: super::FailureLog,
 }
 
 impl<T: SenderTransport> Task<T> {
@@ -276,7 +278,8 @@ impl<T: SenderTransport> Task<T> {
                         .spans
                         .remove(&transfer.transfer_id)
                         .unwrap_or_else(tracing::Span::none);
-                    span.in_scope(|| tracing::warn!(transfer_id = transfer.transfer_id.0, peer = self.peer, %reason, "transfer failed"));
+                    let closed = self.driver.closed().is_some();
+                    self.log.failed(&span, transfer, &reason, closed);
                     (
                         transfer.transfer_id,
                         Err(transfer_error(reason, self.driver.closed())),
@@ -376,6 +379,8 @@ impl<T: SenderTransport> ConnectionTask for Task<T> {
 
     fn report(&mut self) {
         self.hand_over();
+        let open = crate::driver::Driver::open_transfers(&self.driver);
+        self.log.summarize(self.driver.closed(), open);
     }
 
     fn command(&mut self, command: Cmd) {
