@@ -16,7 +16,7 @@ pub use frame::{Abort, Commit, Frame, Hello, HelloReject, Nack, Reject, Reserve,
 pub use ids::TransferId;
 pub use layout::KvLayout;
 pub use limits::{
-    commit_fits, HEADER_LEN, MAGIC, MAX_ACCESS, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS,
+    commit_fits, HEADER_LEN, MAGIC, MAX_ACCESS, MAX_AUX, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS,
     MAX_FINGERPRINT, MAX_PAGES, MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, NONE_INDEX,
     TRAILER_LEN, VERSION,
 };
