@@ -128,6 +128,7 @@ fn hello(role: Role) -> Hello {
         layout: geometry().to_layout(b"test-model/tp0".to_vec()),
         digests: vec![DigestAlgorithm::XXH3_64],
         transport_params: vec![],
+        max_aux: 0,
     }
 }
 
@@ -194,6 +195,8 @@ fn short_transfer_one_of_n_pages_fails_on_counts() {
         digest: DigestAlgorithm::XXH3_64,
         buffer_digests: vec![Digest128::from_u128(1); 3],
         page_digests: vec![],
+        aux_digest: Digest128::from_u128(1),
+        aux: vec![],
     });
     rx.handle_event(now, TransportEvent::Frame(commit));
     match rx.poll_outcome() {
@@ -398,6 +401,8 @@ fn zero_digest_is_missing_and_fails_closed() {
         digest: DigestAlgorithm::XXH3_64,
         buffer_digests: digests,
         page_digests: vec![],
+        aux_digest: Digest128::from_u128(1),
+        aux: vec![],
     });
     rx.handle_event(now, TransportEvent::Frame(commit));
     match rx.poll_outcome() {

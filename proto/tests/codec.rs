@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 use kvwire_proto::wire::{
     Abort, Commit, DecodeError, Digest128, DigestAlgorithm, EncodeError, ErrorCode, Frame,
     FrameType, Hello, HelloReject, KvLayout, Nack, Reject, Reserve, Role, TransferRef, HEADER_LEN,
-    MAGIC, MAX_ACCESS, MAX_AUX, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS, MAX_FINGERPRINT, MAX_PAGES,
-    MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, NONE_INDEX, TRAILER_LEN, VERSION,
+    MAGIC, MAX_ACCESS, MAX_AUX, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS, MAX_FINGERPRINT,
+    MAX_PAGES, MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, NONE_INDEX, TRAILER_LEN,
+    VERSION,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -267,7 +268,16 @@ fn hello() -> impl Strategy<Value = Hello> {
         prop_oneof![Just(0u32), Just(MAX_AUX as u32), 0..=MAX_AUX as u32],
     )
         .prop_map(
-            |(node_id, role, tokens_per_page, buffer_page_bytes, fingerprint, digests, tp, max_aux)| Hello {
+            |(
+                node_id,
+                role,
+                tokens_per_page,
+                buffer_page_bytes,
+                fingerprint,
+                digests,
+                tp,
+                max_aux,
+            )| Hello {
                 node_id,
                 role,
                 layout: KvLayout {
@@ -322,7 +332,17 @@ fn commit() -> impl Strategy<Value = Commit> {
         bytes(512),
     )
         .prop_map(
-            |(transfer, tokens, pages, bytes, digest, buffer_digests, page_digests, aux_digest, aux)| Commit {
+            |(
+                transfer,
+                tokens,
+                pages,
+                bytes,
+                digest,
+                buffer_digests,
+                page_digests,
+                aux_digest,
+                aux,
+            )| Commit {
                 transfer,
                 tokens,
                 pages,
@@ -1073,7 +1093,11 @@ fn aux_limits_are_enforced_by_the_decoder() {
     let enc = encode(&Frame::Hello(sample_hello()));
     let mut payload = payload_of(&enc).to_vec();
     let at = payload.len() - 4;
-    for (max_aux, ok) in [(MAX_AUX as u32, true), (MAX_AUX as u32 + 1, false), (u32::MAX, false)] {
+    for (max_aux, ok) in [
+        (MAX_AUX as u32, true),
+        (MAX_AUX as u32 + 1, false),
+        (u32::MAX, false),
+    ] {
         payload[at..].copy_from_slice(&max_aux.to_le_bytes());
         let got = Frame::decode(&frame_v1(FrameType::HELLO, &payload));
         if ok {
@@ -1117,7 +1141,9 @@ fn aux_limits_are_enforced_by_the_decoder() {
     full.extend_from_slice(&(MAX_AUX as u32).to_le_bytes());
     full.extend_from_slice(&vec![0xAB; MAX_AUX]);
     let (frame, _) = Frame::decode(&frame_v1(FrameType::COMMIT, &full)).unwrap();
-    assert!(matches!(frame, Frame::Commit(c) if c.aux.len() == MAX_AUX && c.aux_digest.0 == [9; 16]));
+    assert!(
+        matches!(frame, Frame::Commit(c) if c.aux.len() == MAX_AUX && c.aux_digest.0 == [9; 16])
+    );
 }
 
 /// `commit_fits` counts the aux record: a COMMIT it accepts, with an aux of that length,
@@ -1451,8 +1477,11 @@ fn golden_frames() -> Vec<(&'static str, Frame)> {
                 ],
                 page_digests: vec![],
                 aux_digest: Digest128(core::array::from_fn(|i| 0x30 + i as u8)),
-                aux: [&128_000u32.to_le_bytes()[..], &[0x70, 0x71, 0x72, 0x73, 0x74, 0x75, 0x76, 0x77]]
-                    .concat(),
+                aux: [
+                    &128_000u32.to_le_bytes()[..],
+                    &[0x70, 0x71, 0x72, 0x73, 0x74, 0x75, 0x76, 0x77],
+                ]
+                .concat(),
             }),
         ),
         ("verified", Frame::Verified(GOLDEN_REF)),

@@ -82,6 +82,8 @@ pub struct VerifiedKv {
     pub transfer: TransferRef,
     /// Tokens verified.
     pub tokens: u32,
+    /// The auxiliary record delivered with the pages (verified; may be empty).
+    pub aux: Vec<u8>,
     leases: Vec<PageLease>,
 }
 
@@ -346,6 +348,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                     .push_back(ReceiveOutcome::Verified(VerifiedKv {
                         transfer: d.transfer,
                         tokens: d.tokens,
+                        aux: d.aux,
                         leases,
                     }));
             }
@@ -382,15 +385,24 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 transfer,
                 algorithm,
                 page_digests,
+                aux,
             } => {
                 let Some(leases) = self.leases_of(transfer) else {
                     return;
                 };
-                // Digests of the memory that actually landed, after the fence; the pages are
-                // pinned (never written or released) until the digest job is done.
+                // Digests of the memory that actually landed, after the fence, and of the
+                // COMMIT's aux record, in one (final) job; the pages are pinned (never
+                // written or released) until the digest job is done.
                 let pages = leases.iter().map(PageLease::page).collect();
-                self.core
-                    .start_digests(now, transfer, algorithm, page_digests, pages);
+                self.core.start_digests(
+                    now,
+                    transfer,
+                    algorithm,
+                    page_digests,
+                    0,
+                    pages,
+                    Some(aux),
+                );
             }
             ReceiverAction::Release(t) => {
                 // The session releases only after the fence completed. Should it ever ask

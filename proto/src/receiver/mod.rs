@@ -314,7 +314,12 @@ impl ReceiverSession {
     /// same path as a digest mismatch. Call it in place of
     /// [`ReceiverSession::handle_digests`] for the `ComputeDigests` it answers, once
     /// nothing reads the pages for it.
-    pub fn handle_missing_pages(&mut self, now: Instant, transfer: TransferRef, first_missing: u32) {
+    pub fn handle_missing_pages(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        first_missing: u32,
+    ) {
         let Some(t) = self.take_current(transfer) else {
             return;
         };
