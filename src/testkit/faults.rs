@@ -636,6 +636,10 @@ impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {
         self.0.inner.open_scopes()
     }
 
+    fn reports_landings(&self) -> bool {
+        self.0.inner.reports_landings()
+    }
+
     fn fence(&mut self, transfer: TransferRef) -> Fence {
         self.0.inner.fence(transfer)
     }
