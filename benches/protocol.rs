@@ -42,6 +42,8 @@ fn frames() -> Vec<(&'static str, Frame)> {
                 digest: DigestAlgorithm::XXH3_64,
                 buffer_digests: vec![Digest128::from_u128(5); 160],
                 page_digests: vec![],
+                aux_digest: Digest128::from_u128(6),
+                aux: vec![0; 8],
             }),
         ),
         ("verified", Frame::Verified(t)),

@@ -101,6 +101,9 @@ enum End {
     Refused,
     CountMismatch,
     Digest,
+    /// A reserved page did not receive all its bytes before the COMMIT (coverage,
+    /// PAGES_MISSING).
+    Missing,
     Timeout(WaitKind),
     PeerAbort,
     LocalAbort,
@@ -130,9 +133,10 @@ fn end(reason: Option<&FailureReason>, verified: bool) -> End {
             FailureReason::Rejected { .. } => End::Rejected,
             FailureReason::ReservationRefused { .. } => End::Refused,
             FailureReason::CountMismatch { .. } => End::CountMismatch,
-            FailureReason::DigestMismatch { .. } | FailureReason::MissingDigest { .. } => {
-                End::Digest
-            }
+            FailureReason::DigestMismatch { .. }
+            | FailureReason::MissingDigest { .. }
+            | FailureReason::AuxMismatch => End::Digest,
+            FailureReason::PagesMissing { .. } => End::Missing,
             FailureReason::Timeout { waiting_for } => End::Timeout(match waiting_for {
                 Wait::Reservation => WaitKind::Reservation,
                 Wait::Writes => WaitKind::Writes,
@@ -370,35 +374,33 @@ fn fault_matrix() {
     compare(&matrix(), "fault_matrix.expected");
 }
 
-/// Data faults on the clean flow, with the outcomes that matter spelled out.
+/// Data faults on the clean flow, with the outcomes that matter spelled out: a page whose
+/// bytes never landed is caught by coverage (PAGES_MISSING) before any digest; bytes that
+/// landed wrong are caught by the digests.
 #[test]
 fn data_faults_never_deliver_wrong_bytes() {
-    for (fault, verified) in [
-        (Fault::DropWrite { ordinal: 2 }, false),
+    for (fault, want) in [
+        (Fault::DropWrite { ordinal: 2 }, End::Missing),
         (
             Fault::CorruptByte {
                 ordinal: 3,
                 buffer: 1,
                 offset: 100,
             },
-            false,
+            End::Digest,
         ),
         (
             Fault::TruncateWrite {
                 ordinal: 0,
                 keep: 17,
             },
-            false,
+            End::Digest,
         ),
-        (Fault::DuplicateWrite { ordinal: 4 }, true),
-        (Fault::CommitBeforeData, false),
+        (Fault::DuplicateWrite { ordinal: 4 }, End::Verified),
+        (Fault::CommitBeforeData, End::Missing),
     ] {
         let (pair, r, _) = run(Flow::Clean, Some(fault.clone()));
         assert_invariants(&pair);
-        if verified {
-            assert_eq!(r, End::Verified, "{fault:?}");
-        } else {
-            assert_eq!(r, End::Digest, "{fault:?}");
-        }
+        assert_eq!(r, want, "{fault:?}");
     }
 }

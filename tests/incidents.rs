@@ -128,6 +128,7 @@ fn hello(role: Role) -> Hello {
         layout: geometry().to_layout(b"test-model/tp0".to_vec()),
         digests: vec![DigestAlgorithm::XXH3_64],
         transport_params: vec![],
+        max_aux: 0,
     }
 }
 
@@ -188,6 +189,8 @@ fn short_transfer_one_of_n_pages_fails_on_counts() {
         digest: DigestAlgorithm::XXH3_64,
         buffer_digests: vec![Digest128::from_u128(1); 3],
         page_digests: vec![],
+        aux_digest: Digest128::from_u128(1),
+        aux: vec![],
     });
     rx.handle_event(now, TransportEvent::Frame(commit));
     match rx.poll_outcome() {
@@ -218,11 +221,13 @@ fn short_transfer_one_of_n_pages_fails_on_counts() {
 }
 
 /// Incident 3: stale pages. Counts are right and "transfer complete" arrives, but the data
-/// never landed (lost writes reported complete). The digests computed over the receiver's
-/// own memory disagree with the sender's: the transfer fails naming the first bad buffer and
-/// page, and the engine never sees the stale bytes of another tenant.
+/// never landed (lost writes reported complete). The receiver knows which reserved pages
+/// received all their bytes for this reservation (coverage, SPEC §6; TCP and loopback see
+/// every landed record): the transfer fails with PAGES_MISSING naming the first page that
+/// did not, before any digest, and the engine never sees the stale bytes of another tenant.
+/// (Over RDMA, which cannot see landings, the digests catch it: tests/rdma.rs.)
 #[test]
-fn stale_pages_counts_right_data_not_written_fails_on_digest() {
+fn stale_pages_counts_right_data_not_written_fails_on_coverage() {
     let mut pair = Pair::new(PairConfig::small()).unwrap();
     for ordinal in 0..4 {
         pair.fault(FaultRule::on(TransferId(11), Fault::DropWrite { ordinal }));
@@ -232,16 +237,14 @@ fn stale_pages_counts_right_data_not_written_fails_on_digest() {
     assert!(pair.verified.is_empty(), "stale pages were delivered");
     assert_eq!(
         pair.receiver_failure(TransferId(11)),
-        Some(&FailureReason::DigestMismatch {
-            buffer: 0,
-            page: Some(0)
-        })
+        Some(&FailureReason::PagesMissing { first_missing: 0 })
     );
     assert!(matches!(
         pair.sender_failure(TransferId(11)),
-        Some(FailureReason::Nacked { code, buffer: Some(0), page: Some(0) }) if *code == ErrorCode::DIGEST_MISMATCH
+        Some(FailureReason::Nacked { code, buffer: None, page: Some(0) }) if *code == ErrorCode::PAGES_MISSING
     ));
     assert_eq!(pair.wire_stats().bytes_landed, 0);
+    assert_eq!(pair.receiver.stats().coverage_failures, 1);
     assert_invariants(&pair);
 }
 
@@ -258,9 +261,32 @@ fn stale_pages_one_lost_page_is_named() {
     assert!(pair.verified.is_empty());
     assert_eq!(
         pair.receiver_failure(TransferId(12)),
+        Some(&FailureReason::PagesMissing { first_missing: 5 })
+    );
+    assert_invariants(&pair);
+}
+
+/// Bytes that landed but differ from the sender's (altered on the way) are caught by the
+/// digests over the receiver's own memory, naming the first bad buffer and page.
+#[test]
+fn altered_bytes_fail_on_digest_naming_the_page() {
+    let mut pair = Pair::new(PairConfig::small()).unwrap();
+    pair.fault(FaultRule::on(
+        TransferId(13),
+        Fault::CorruptByte {
+            ordinal: 3,
+            buffer: 1,
+            offset: 10,
+        },
+    ));
+    transfer(&mut pair, 13, 160);
+    pair.drive();
+    assert!(pair.verified.is_empty());
+    assert_eq!(
+        pair.receiver_failure(TransferId(13)),
         Some(&FailureReason::DigestMismatch {
-            buffer: 0,
-            page: Some(5)
+            buffer: 1,
+            page: Some(3)
         })
     );
     assert_invariants(&pair);
@@ -386,6 +412,8 @@ fn zero_digest_is_missing_and_fails_closed() {
         digest: DigestAlgorithm::XXH3_64,
         buffer_digests: digests,
         page_digests: vec![],
+        aux_digest: Digest128::from_u128(1),
+        aux: vec![],
     });
     rx.handle_event(now, TransportEvent::Frame(commit));
     match rx.poll_outcome() {

@@ -69,6 +69,21 @@ pub enum FailureReason {
         /// carried per-page digests.
         page: Option<u32>,
     },
+    /// Receiver: the digest of the auxiliary record received differs from the sender's.
+    AuxMismatch,
+    /// Receiver: a reserved page did not receive all its bytes for this reservation (the
+    /// transport's coverage check, SPEC.md §6), so its contents may be stale.
+    PagesMissing {
+        /// The first page ordinal found missing.
+        first_missing: u32,
+    },
+    /// Receiver: the COMMIT's auxiliary record is longer than this receiver accepts.
+    AuxTooLarge {
+        /// Bytes carried.
+        len: u32,
+        /// This receiver's `max_aux`.
+        max: u32,
+    },
     /// Receiver: the COMMIT lacks a digest the reservation requires, or carries an
     /// all-zero one. Fail closed.
     MissingDigest {
@@ -140,6 +155,9 @@ impl FailureReason {
             | Self::Nacked { code, .. } => *code,
             Self::CountMismatch { .. } => ErrorCode::COUNT_MISMATCH,
             Self::DigestMismatch { .. } => ErrorCode::DIGEST_MISMATCH,
+            Self::AuxMismatch => ErrorCode::AUX_MISMATCH,
+            Self::PagesMissing { .. } => ErrorCode::PAGES_MISSING,
+            Self::AuxTooLarge { .. } => ErrorCode::AUX_TOO_LARGE,
             Self::MissingDigest { .. } => ErrorCode::MISSING_DIGEST,
             Self::StaleNonce { .. } => ErrorCode::STALE_NONCE,
             Self::Timeout { .. } => ErrorCode::TIMEOUT,
@@ -171,6 +189,15 @@ impl fmt::Display for FailureReason {
                 Some(p) => write!(f, "digest mismatch in buffer {buffer}, page ordinal {p}"),
                 None => write!(f, "digest mismatch in buffer {buffer}"),
             },
+            Self::AuxMismatch => write!(f, "auxiliary record digest mismatch"),
+            Self::PagesMissing { first_missing } => write!(
+                f,
+                "reserved pages did not receive all their bytes (first: page ordinal {first_missing})"
+            ),
+            Self::AuxTooLarge { len, max } => write!(
+                f,
+                "auxiliary record of {len} bytes exceeds this receiver's limit of {max}"
+            ),
             Self::MissingDigest { detail } => write!(f, "missing digest: {detail}"),
             Self::StaleNonce { expected, got } => {
                 write!(

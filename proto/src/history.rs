@@ -10,6 +10,21 @@ pub(crate) struct Finished {
     pub(crate) nonce: u64,
     /// `None` if it verified, else the code it failed with.
     pub(crate) failure: Option<(crate::wire::ErrorCode, String)>,
+    /// Sender: the peer aborted this id's reservation while it was parked (no request was
+    /// submitted yet); a later `submit`/`open` of the id fails at once with the abort's code
+    /// (SPEC.md §5.1).
+    pub(crate) aborted_while_parked: bool,
+}
+
+impl Finished {
+    /// How a transfer ended, without a parked abort.
+    pub(crate) fn ended(nonce: u64, failure: Option<(crate::wire::ErrorCode, String)>) -> Self {
+        Self {
+            nonce,
+            failure,
+            aborted_while_parked: false,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]

@@ -54,6 +54,7 @@ fn hello() -> Hello {
         layout: layout(),
         digests: vec![DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32],
         transport_params: vec![1, 2, 3, 4],
+        max_aux: 0,
     }
 }
 
@@ -64,6 +65,7 @@ fn hello_ack() -> Hello {
         layout: layout(),
         digests: vec![DigestAlgorithm::CRC32, DigestAlgorithm::XXH3_64],
         transport_params: vec![],
+        max_aux: 4096,
     }
 }
 
@@ -95,6 +97,8 @@ fn commit() -> Frame {
         digest: DigestAlgorithm::XXH3_64,
         buffer_digests: vec![Digest128(d0), Digest128(d1)],
         page_digests: (0..6).map(|i| 0xa0a1_a2a3_a4a5_a6a0 + i).collect(),
+        aux_digest: Digest128(core::array::from_fn(|i| 0x20 + i as u8)),
+        aux: vec![],
     })
 }
 

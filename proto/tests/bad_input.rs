@@ -35,6 +35,7 @@ fn established(role: Role) -> Established {
         layout: layout(),
         digests: vec![DigestAlgorithm::XXH3_64],
         transport_params: vec![],
+        max_aux: 64,
     };
     let peer = if role == Role::SENDER {
         Role::RECEIVER
@@ -109,6 +110,8 @@ fn commit(t: TransferRef) -> Commit {
         digest: DigestAlgorithm::XXH3_64,
         buffer_digests: vec![Digest128::from_u128(5)],
         page_digests: vec![],
+        aux_digest: Digest128::from_u128(6),
+        aux: vec![],
     }
 }
 
@@ -229,10 +232,11 @@ fn unsupported_version() {
         transfer_id: TransferId(1),
         nonce: 2,
     }));
-    bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
+    // Version 1, the previous protocol: refused like any version but 2.
+    bytes[4..6].copy_from_slice(&1u16.to_le_bytes());
     fix_crc(&mut bytes);
     // After the handshake it is an ordinary decode error (SPEC §4.5, §7.2).
-    decode_error_closes_the_connection(&bytes, DecodeError::UnsupportedVersion(2));
+    decode_error_closes_the_connection(&bytes, DecodeError::UnsupportedVersion(1));
 }
 
 #[test]

@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 use kvwire_proto::wire::{
     Abort, Commit, DecodeError, Digest128, DigestAlgorithm, EncodeError, ErrorCode, Frame,
     FrameType, Hello, HelloReject, KvLayout, Nack, Reject, Reserve, Role, TransferRef, HEADER_LEN,
-    MAGIC, MAX_ACCESS, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS, MAX_FINGERPRINT, MAX_PAGES,
-    MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, NONE_INDEX, TRAILER_LEN, VERSION,
+    MAGIC, MAX_ACCESS, MAX_AUX, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS, MAX_FINGERPRINT,
+    MAX_PAGES, MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, NONE_INDEX, TRAILER_LEN,
+    VERSION,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -145,6 +146,7 @@ fn sample_hello() -> Hello {
         },
         digests: vec![DigestAlgorithm::XXH3_64],
         transport_params: vec![9, 9],
+        max_aux: 512,
     }
 }
 
@@ -170,6 +172,8 @@ fn sample_commit() -> Commit {
         digest: DigestAlgorithm::CRC32,
         buffer_digests: vec![Digest128::from_u128(5)],
         page_digests: vec![],
+        aux_digest: Digest128::from_u128(6),
+        aux: vec![],
     }
 }
 
@@ -261,9 +265,19 @@ fn hello() -> impl Strategy<Value = Hello> {
         bytes(MAX_FINGERPRINT),
         prop::collection::vec(digest_algorithm(), 0..=MAX_DIGEST_ALGORITHMS),
         bytes(512),
+        prop_oneof![Just(0u32), Just(MAX_AUX as u32), 0..=MAX_AUX as u32],
     )
         .prop_map(
-            |(node_id, role, tokens_per_page, buffer_page_bytes, fingerprint, digests, tp)| Hello {
+            |(
+                node_id,
+                role,
+                tokens_per_page,
+                buffer_page_bytes,
+                fingerprint,
+                digests,
+                tp,
+                max_aux,
+            )| Hello {
                 node_id,
                 role,
                 layout: KvLayout {
@@ -273,6 +287,7 @@ fn hello() -> impl Strategy<Value = Hello> {
                 },
                 digests,
                 transport_params: tp,
+                max_aux,
             },
         )
 }
@@ -313,9 +328,11 @@ fn commit() -> impl Strategy<Value = Commit> {
         digest_algorithm(),
         prop::collection::vec(any::<[u8; 16]>().prop_map(Digest128), 0..32),
         prop::collection::vec(any::<u64>(), 0..256),
+        any::<[u8; 16]>().prop_map(Digest128),
+        bytes(512),
     )
         .prop_map(
-            |(transfer, tokens, pages, bytes, digest, buffer_digests, page_digests)| Commit {
+            |(
                 transfer,
                 tokens,
                 pages,
@@ -323,6 +340,18 @@ fn commit() -> impl Strategy<Value = Commit> {
                 digest,
                 buffer_digests,
                 page_digests,
+                aux_digest,
+                aux,
+            )| Commit {
+                transfer,
+                tokens,
+                pages,
+                bytes,
+                digest,
+                buffer_digests,
+                page_digests,
+                aux_digest,
+                aux,
             },
         )
 }
@@ -604,7 +633,8 @@ fn unknown_frame_type_with_valid_crc() {
 #[test]
 fn unsupported_version() {
     let payload = payload_of(&encode(&Frame::Verified(tref()))).to_vec();
-    for v in [0u16, 2, 0x0100, u16::MAX] {
+    // Version 1 (the previous protocol) is refused like any other version.
+    for v in [0u16, 1, 3, 0x0100, 0x0200, u16::MAX] {
         let bytes = raw_frame(v, FrameType::VERIFIED.0, &payload);
         assert_eq!(
             Frame::decode(&bytes),
@@ -1044,12 +1074,115 @@ fn encoding_over_limit_fields_fails_and_leaves_output_unchanged() {
         &Frame::Commit(c),
         too_large("page_digests", MAX_PAGE_DIGESTS + 1, MAX_PAGE_DIGESTS),
     );
+    let mut c = sample_commit();
+    c.aux = vec![7; MAX_AUX + 1];
+    assert_encode_too_large(&Frame::Commit(c), too_large("aux", MAX_AUX + 1, MAX_AUX));
+    let mut h = sample_hello();
+    h.max_aux = MAX_AUX as u32 + 1;
+    assert_encode_too_large(
+        &Frame::HelloAck(h),
+        too_large("max_aux", MAX_AUX + 1, MAX_AUX),
+    );
+}
+
+/// A hello announcing a `max_aux` over the wire limit is a decode error (TooMany), and a
+/// COMMIT's aux length over MAX_AUX, or longer than what is left, is refused without
+/// allocating for it.
+#[test]
+fn aux_limits_are_enforced_by_the_decoder() {
+    let enc = encode(&Frame::Hello(sample_hello()));
+    let mut payload = payload_of(&enc).to_vec();
+    let at = payload.len() - 4;
+    for (max_aux, ok) in [
+        (MAX_AUX as u32, true),
+        (MAX_AUX as u32 + 1, false),
+        (u32::MAX, false),
+    ] {
+        payload[at..].copy_from_slice(&max_aux.to_le_bytes());
+        let got = Frame::decode(&frame_v1(FrameType::HELLO, &payload));
+        if ok {
+            assert!(matches!(got, Ok((Frame::Hello(h), _)) if h.max_aux == max_aux));
+        } else {
+            assert_eq!(
+                got,
+                Err(DecodeError::TooMany {
+                    field: "max_aux",
+                    count: u64::from(max_aux),
+                    max: MAX_AUX as u64,
+                })
+            );
+        }
+    }
+    // COMMIT: head, no buffer or page digests, an aux digest, then the aux length.
+    let mut p = commit_head();
+    p.extend_from_slice(&0u16.to_le_bytes());
+    p.extend_from_slice(&0u32.to_le_bytes());
+    p.extend_from_slice(&[9; 16]);
+    let mut over = p.clone();
+    over.extend_from_slice(&(MAX_AUX as u32 + 1).to_le_bytes());
+    over.extend_from_slice(&[0; 8]);
+    assert_decode_err_small_alloc(
+        &frame_v1(FrameType::COMMIT, &over),
+        DecodeError::TooMany {
+            field: "aux",
+            count: MAX_AUX as u64 + 1,
+            max: MAX_AUX as u64,
+        },
+    );
+    let mut short = p.clone();
+    short.extend_from_slice(&(MAX_AUX as u32).to_le_bytes());
+    short.extend_from_slice(&[0; 8]);
+    assert_decode_err_small_alloc(
+        &frame_v1(FrameType::COMMIT, &short),
+        DecodeError::Truncated { field: "aux" },
+    );
+    // At the limit, present in full: decodes.
+    let mut full = p;
+    full.extend_from_slice(&(MAX_AUX as u32).to_le_bytes());
+    full.extend_from_slice(&vec![0xAB; MAX_AUX]);
+    let (frame, _) = Frame::decode(&frame_v1(FrameType::COMMIT, &full)).unwrap();
+    assert!(
+        matches!(frame, Frame::Commit(c) if c.aux.len() == MAX_AUX && c.aux_digest.0 == [9; 16])
+    );
+}
+
+/// `commit_fits` counts the aux record: a COMMIT it accepts, with an aux of that length,
+/// page digests for every page and the seal's overhead, encodes within MAX_PAYLOAD; one page
+/// more does not fit.
+#[test]
+fn commit_fits_accounts_for_the_aux_record() {
+    use kvwire_proto::wire::commit_fits;
+    for (buffers, aux) in [(64usize, 0usize), (64, MAX_AUX), (7, 4096), (1, MAX_AUX)] {
+        let max_pages = (1..=MAX_PAGES)
+            .take_while(|&p| commit_fits(buffers, p, true, aux))
+            .last()
+            .unwrap();
+        assert!(max_pages == MAX_PAGES || !commit_fits(buffers, max_pages + 1, true, aux));
+        assert!(commit_fits(buffers, MAX_PAGES, false, aux));
+        let c = Commit {
+            buffer_digests: vec![Digest128::from_u128(1); buffers],
+            page_digests: vec![1; buffers * max_pages],
+            aux: vec![2; aux],
+            ..sample_commit()
+        };
+        let enc = encode(&Frame::Commit(c));
+        // Room for the 40 bytes a seal adds (SPEC.md §3.11).
+        assert!(enc.len() - HEADER_LEN - TRAILER_LEN + 40 <= MAX_PAYLOAD as usize);
+        if max_pages < MAX_PAGES {
+            assert!(
+                enc.len() - HEADER_LEN - TRAILER_LEN + 40 + 8 * buffers > MAX_PAYLOAD as usize,
+                "commit_fits is tighter than needed for {buffers} buffers, aux {aux}"
+            );
+        }
+    }
+    assert!(!commit_fits(1, 1, false, MAX_AUX + 1));
 }
 
 #[test]
 fn payload_limit_is_exact() {
-    // A COMMIT with MAX_BUFFERS buffer digests and as many page digests as fit.
-    let fixed = 16 + 4 + 4 + 8 + 1 + 2 + 16 * MAX_BUFFERS + 4;
+    // A COMMIT with MAX_BUFFERS buffer digests and as many page digests as fit (and an
+    // empty aux: aux digest 16, aux length 4).
+    let fixed = 16 + 4 + 4 + 8 + 1 + 2 + 16 * MAX_BUFFERS + 4 + 16 + 4;
     let fit = (MAX_PAYLOAD as usize - fixed) / 8;
     assert!(fit <= MAX_PAGE_DIGESTS);
     let mut c = sample_commit();
@@ -1083,6 +1216,7 @@ fn fields_at_their_limits_round_trip() {
             .map(DigestAlgorithm)
             .collect(),
         transport_params: vec![0xEE; MAX_TRANSPORT_PARAMS],
+        max_aux: MAX_AUX as u32,
     };
     let r = Reserve {
         pages: (0..MAX_PAGES as u32).rev().collect(),
@@ -1269,6 +1403,7 @@ fn golden_frames() -> Vec<(&'static str, Frame)> {
                 layout: golden_layout(),
                 digests: vec![DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32],
                 transport_params: vec![1, 2, 3, 4],
+                max_aux: 0,
             }),
         ),
         (
@@ -1279,6 +1414,7 @@ fn golden_frames() -> Vec<(&'static str, Frame)> {
                 layout: golden_layout(),
                 digests: vec![DigestAlgorithm::CRC32, DigestAlgorithm::XXH3_64],
                 transport_params: vec![],
+                max_aux: 4096,
             }),
         ),
         (
@@ -1323,6 +1459,29 @@ fn golden_frames() -> Vec<(&'static str, Frame)> {
                     Digest128(core::array::from_fn(|i| 0x10 + i as u8)),
                 ],
                 page_digests: (0..6).map(|i| 0xA0A1_A2A3_A4A5_A6A0 + i).collect(),
+                aux_digest: Digest128(core::array::from_fn(|i| 0x20 + i as u8)),
+                aux: vec![],
+            }),
+        ),
+        (
+            "commit_aux",
+            Frame::Commit(Commit {
+                transfer: GOLDEN_REF,
+                tokens: 16,
+                pages: 1,
+                bytes: 65_536 + 32_768,
+                digest: DigestAlgorithm::CRC32,
+                buffer_digests: vec![
+                    Digest128(core::array::from_fn(|i| i as u8)),
+                    Digest128(core::array::from_fn(|i| 0x10 + i as u8)),
+                ],
+                page_digests: vec![],
+                aux_digest: Digest128(core::array::from_fn(|i| 0x30 + i as u8)),
+                aux: [
+                    &128_000u32.to_le_bytes()[..],
+                    &[0x70, 0x71, 0x72, 0x73, 0x74, 0x75, 0x76, 0x77],
+                ]
+                .concat(),
             }),
         ),
         ("verified", Frame::Verified(GOLDEN_REF)),
@@ -1354,6 +1513,7 @@ fn golden_vectors_cover_every_frame_type_and_nothing_else() {
     let frames = golden_frames();
     let mut types: Vec<FrameType> = frames.iter().map(|(_, f)| f.frame_type()).collect();
     types.sort();
+    types.dedup();
     assert_eq!(types, FrameType::KNOWN);
 
     let mut on_disk: Vec<String> = std::fs::read_dir(vectors_dir())
@@ -1395,7 +1555,8 @@ fn golden_vectors_header_fields() {
     for (name, frame) in golden_frames() {
         let bytes = read_vector(name);
         assert_eq!(&bytes[..4], b"KVWR", "{name}");
-        assert_eq!(u16::from_le_bytes([bytes[4], bytes[5]]), 1, "{name}");
+        assert_eq!(u16::from_le_bytes([bytes[4], bytes[5]]), VERSION, "{name}");
+        assert_eq!(VERSION, 2);
         assert_eq!(
             u16::from_le_bytes([bytes[6], bytes[7]]),
             frame.frame_type().0,

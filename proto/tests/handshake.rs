@@ -30,6 +30,7 @@ fn sender() -> Hello {
         layout: layout(),
         digests: vec![DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32],
         transport_params: vec![1, 2, 3],
+        max_aux: 0,
     }
 }
 
@@ -40,6 +41,7 @@ fn receiver() -> Hello {
         layout: layout(),
         digests: vec![DigestAlgorithm::CRC32, DigestAlgorithm::XXH3_64],
         transport_params: vec![],
+        max_aux: 4096,
     }
 }
 
@@ -398,13 +400,13 @@ fn server_times_out() {
 
 #[test]
 fn unsupported_version_is_refused_with_version_mismatch() {
-    // A HELLO from a version-2 peer, as it arrives off the wire.
+    // A HELLO from a version-1 peer (the previous protocol), as it arrives off the wire.
     let mut bytes = Frame::Hello(sender()).to_bytes().unwrap();
-    bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
+    bytes[4..6].copy_from_slice(&1u16.to_le_bytes());
     let Err(DecodeError::UnsupportedVersion(v)) = Frame::decode(&bytes) else {
-        panic!("version 2 must be refused by the codec");
+        panic!("version 1 must be refused by the codec");
     };
-    assert_eq!(v, 2);
+    assert_eq!(v, 1);
 
     let now = Instant::now();
     let mut server = Handshake::server(now, receiver(), TIMEOUT);
@@ -415,8 +417,8 @@ fn unsupported_version_is_refused_with_version_mismatch() {
         panic!("expected HELLO_REJECT, got {reply:?}");
     };
     assert_eq!(sent.code, ErrorCode::VERSION_MISMATCH);
-    assert_names(&sent.detail, &["2", &VERSION.to_string()]);
-    assert_eq!(sent, version_reject(2));
+    assert_names(&sent.detail, &["version 1", &VERSION.to_string()]);
+    assert_eq!(sent, version_reject(1));
     assert_eq!(
         server.poll_outcome(),
         Some(Err(HandshakeError::Refused(sent)))

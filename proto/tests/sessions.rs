@@ -27,6 +27,7 @@ fn hello(role: Role, layout: KvLayout) -> Hello {
         layout,
         digests: vec![DigestAlgorithm::XXH3_64],
         transport_params: vec![],
+        max_aux: 0,
     }
 }
 
@@ -89,6 +90,7 @@ fn a_deadline_rearmed_by_dropped_frames_fires_once() {
         TransferDigests {
             buffers: vec![Digest128::from_u128(3)],
             pages: vec![],
+            aux: Digest128::from_u128(4),
         },
     );
     s.handle_write_outcome(now, t, WriteOutcome::Completed, 2);
@@ -201,6 +203,8 @@ fn receiver_verifying(now: Instant) -> (ReceiverSession, TransferRef) {
         digest: DigestAlgorithm::XXH3_64,
         buffer_digests: vec![Digest128::from_u128(5)],
         page_digests: vec![],
+        aux_digest: Digest128::from_u128(6),
+        aux: vec![],
     };
     r.handle_frame(now, Frame::Commit(commit)).unwrap();
     assert_eq!(

@@ -32,6 +32,27 @@
 //! each page's ordinal means a digest computed for another transfer, an earlier reservation
 //! of the same transfer, another buffer, or a reordered set of pages cannot verify.
 //!
+//! **Aux digest** of a transfer's auxiliary record (the bytes COMMIT carries with the pages,
+//! possibly none) under algorithm `A`: XXH3-128 (seed 0) of the byte string
+//!
+//! ```text
+//! "KVWA"                      4 bytes, ASCII (its own domain: never a buffer digest input)
+//! A                           u8
+//! transfer_id                 u64 little-endian
+//! nonce                       u64 little-endian
+//! length of the record        u32 little-endian
+//! the record's bytes
+//! ```
+//!
+//! taken as a [`Digest128`] like the buffer digest, zero replaced by one. It is always
+//! computed, over an empty record too, and bound to the same reservation as the pages.
+//!
+//! # Streaming
+//!
+//! A transfer sent in chunks is digested chunk by chunk with a [`TransferDigester`], which
+//! keeps each buffer's streaming state between chunks: the result equals
+//! [`digest_transfer`] over all the pages, with no second pass over memory.
+//!
 //! # Performance
 //!
 //! [`BufferDigester::update`] does no heap allocation: the page is digested in one pass and
@@ -44,11 +65,17 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
 pub use kvwire_proto::wire::{Digest128, DigestAlgorithm, TransferDigests};
 
+mod job;
 #[cfg(test)]
 mod tests;
 
+pub use job::{DigestJob, DigestJobError, DigestProgress, TransferDigester};
+
 /// The 4-byte domain-separation prefix of every buffer digest input (ASCII `"KVWD"`).
 pub const BUFFER_DIGEST_DOMAIN: [u8; 4] = *b"KVWD";
+
+/// The 4-byte domain-separation prefix of every aux digest input (ASCII `"KVWA"`).
+pub const AUX_DIGEST_DOMAIN: [u8; 4] = *b"KVWA";
 
 /// A digest algorithm this implementation does not support (for example an unknown code
 /// received from a peer).
@@ -66,14 +93,14 @@ pub fn supported_algorithms() -> &'static [DigestAlgorithm] {
 
 /// A supported algorithm, resolved once so the per-page dispatch is a two-way branch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     Xxh3_64,
     Crc32,
 }
 
 impl Kind {
     #[inline]
-    fn new(alg: DigestAlgorithm) -> Result<Self, UnsupportedAlgorithm> {
+    pub(crate) fn new(alg: DigestAlgorithm) -> Result<Self, UnsupportedAlgorithm> {
         match alg {
             DigestAlgorithm::XXH3_64 => Ok(Kind::Xxh3_64),
             DigestAlgorithm::CRC32 => Ok(Kind::Crc32),
@@ -99,6 +126,36 @@ impl Kind {
 #[inline]
 pub fn page_digest(alg: DigestAlgorithm, bytes: &[u8]) -> Result<u64, UnsupportedAlgorithm> {
     Kind::new(alg).map(|k| k.page_digest(bytes))
+}
+
+/// The aux digest of a transfer's auxiliary record `aux` under `alg`, bound to `binding`
+/// (SPEC.md §6; the module documentation gives the input). Never all-zero.
+///
+/// # Errors
+///
+/// [`UnsupportedAlgorithm`] if `alg` is not one of [`supported_algorithms`].
+///
+/// # Panics
+///
+/// If `aux` is longer than `u32::MAX` bytes (the wire allows at most
+/// [`MAX_AUX`](kvwire_proto::wire::MAX_AUX)).
+pub fn aux_digest(
+    alg: DigestAlgorithm,
+    binding: DigestBinding,
+    aux: &[u8],
+) -> Result<Digest128, UnsupportedAlgorithm> {
+    Kind::new(alg)?;
+    let len = u32::try_from(aux.len()).expect("an aux record of more than u32::MAX bytes");
+    let mut header = [0u8; 25];
+    header[0..4].copy_from_slice(&AUX_DIGEST_DOMAIN);
+    header[4] = alg.0;
+    header[5..13].copy_from_slice(&binding.transfer_id.0.to_le_bytes());
+    header[13..21].copy_from_slice(&binding.nonce.to_le_bytes());
+    header[21..25].copy_from_slice(&len.to_le_bytes());
+    let mut hasher = Xxh3Default::new();
+    hasher.update(&header);
+    hasher.update(aux);
+    Ok(nonzero_digest(hasher.digest128()))
 }
 
 /// What a buffer digest is bound to: the transfer and the reservation it belongs to.
@@ -156,7 +213,7 @@ impl BufferDigester {
     }
 
     #[inline]
-    fn with_kind(
+    pub(crate) fn with_kind(
         kind: Kind,
         alg: DigestAlgorithm,
         binding: DigestBinding,
@@ -247,7 +304,8 @@ fn nonzero_digest(h: u128) -> Digest128 {
     Digest128::from_u128(if h == 0 { 1 } else { h })
 }
 
-/// Digests of a whole transfer of `buffers` buffers of `pages` pages each.
+/// Digests of a whole transfer of `buffers` buffers of `pages` pages each (the aux digest
+/// left all-zero: add it with [`aux_digest`]).
 ///
 /// `page(b, ordinal)` returns the bytes of page `ordinal` of buffer `b`; it is called exactly
 /// once per page, buffer by buffer, pages in ordinal order. With `per_page`, the result also
@@ -280,6 +338,7 @@ where
         "more than u32::MAX pages per buffer"
     );
     let mut out = TransferDigests {
+        aux: Digest128::default(),
         buffers: Vec::with_capacity(buffers),
         pages: if per_page {
             Vec::with_capacity(
@@ -318,7 +377,8 @@ pub enum DigestMode {
     UnverifiedBenchmarkOnly,
 }
 
-/// The fixed digests [`DigestMode::UnverifiedBenchmarkOnly`] reports instead of computing.
+/// The fixed digests [`DigestMode::UnverifiedBenchmarkOnly`] reports instead of computing
+/// (both sides report the same, so "verification" passes).
 pub fn placeholder_digests(buffers: usize, pages: usize, per_page: bool) -> TransferDigests {
     TransferDigests {
         buffers: vec![Digest128::from_u128(1); buffers],
@@ -327,74 +387,6 @@ pub fn placeholder_digests(buffers: usize, pages: usize, per_page: bool) -> Tran
         } else {
             Vec::new()
         },
-    }
-}
-
-/// The digests of one transfer, to compute wherever the driver likes: inline, or on a
-/// blocking thread for large transfers. It holds a read-only view of the pages, which pins
-/// them: the pool refuses to write or release them until the job is dropped.
-#[derive(Debug)]
-pub struct DigestJob {
-    /// The transfer the digests are bound to.
-    pub transfer: kvwire_proto::wire::TransferRef,
-    /// The algorithm.
-    pub algorithm: DigestAlgorithm,
-    /// Per-page digests too.
-    pub page_digests: bool,
-    /// Placeholder digests instead ([`DigestMode::UnverifiedBenchmarkOnly`]).
-    pub mode: DigestMode,
-    pages: crate::memory::SharedPages,
-}
-
-impl DigestJob {
-    /// A job over `pages` (the transfer's pages in transfer order).
-    pub fn new(
-        transfer: kvwire_proto::wire::TransferRef,
-        algorithm: DigestAlgorithm,
-        page_digests: bool,
-        mode: DigestMode,
-        pages: crate::memory::SharedPages,
-    ) -> Self {
-        Self {
-            transfer,
-            algorithm,
-            page_digests,
-            mode,
-            pages,
-        }
-    }
-
-    /// Bytes the job reads.
-    pub fn bytes(&self) -> u64 {
-        let per_page: usize = (0..self.pages.buffers())
-            .map(|b| {
-                if self.pages.pages() > 0 {
-                    self.pages.page(0, b).len()
-                } else {
-                    0
-                }
-            })
-            .sum();
-        per_page as u64 * self.pages.pages() as u64
-    }
-
-    /// Computes the digests.
-    pub fn run(&self) -> Result<TransferDigests, UnsupportedAlgorithm> {
-        let (buffers, pages) = (self.pages.buffers(), self.pages.pages());
-        if self.mode == DigestMode::UnverifiedBenchmarkOnly {
-            return Ok(placeholder_digests(buffers, pages, self.page_digests));
-        }
-        let binding = DigestBinding {
-            transfer_id: self.transfer.transfer_id,
-            nonce: self.transfer.nonce,
-        };
-        digest_transfer(
-            self.algorithm,
-            binding,
-            buffers,
-            pages,
-            self.page_digests,
-            |b, o| self.pages.page(o, b),
-        )
+        aux: Digest128::from_u128(1),
     }
 }

@@ -628,3 +628,154 @@ proptest! {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Aux digests (SPEC.md §6): golden values from the independent Python reference
+// (`xxhash.xxh3_128_intdigest(b"KVWA" + struct.pack("<BQQI", alg, t, n, len(aux)) + aux)`).
+
+/// The aux digest input built byte by byte as SPEC.md §6 writes it, hashed one-shot.
+fn reference_aux_digest(alg: DigestAlgorithm, bind: DigestBinding, aux: &[u8]) -> u128 {
+    let mut s = Vec::new();
+    s.extend_from_slice(b"KVWA");
+    s.push(alg.0);
+    s.extend_from_slice(&bind.transfer_id.0.to_le_bytes());
+    s.extend_from_slice(&bind.nonce.to_le_bytes());
+    s.extend_from_slice(&(aux.len() as u32).to_le_bytes());
+    s.extend_from_slice(aux);
+    xxh3_128(&s)
+}
+
+#[test]
+fn golden_aux_digests() {
+    let cases: [(DigestAlgorithm, &[u8], u128); 4] = [
+        (
+            DigestAlgorithm::XXH3_64,
+            b"",
+            0x2eb3de5d1feec1d5e7f403832a5cc919,
+        ),
+        (
+            DigestAlgorithm::CRC32,
+            b"",
+            0xd59ca4bc8548fe3eb5a9d46f16045843,
+        ),
+        (
+            DigestAlgorithm::XXH3_64,
+            b"first token",
+            0xfc4113a7881b266b9113d60f7f9b0a48,
+        ),
+        (
+            DigestAlgorithm::CRC32,
+            b"first token",
+            0xf1f8348225a607fcf77a62aacf8c5c6a,
+        ),
+    ];
+    for (alg, aux, want) in cases {
+        assert_eq!(
+            aux_digest(alg, BIND, aux).unwrap().to_u128(),
+            want,
+            "{alg} {aux:?}"
+        );
+        assert_eq!(reference_aux_digest(alg, BIND, aux), want);
+    }
+    let long = pat(0, 0, 1000);
+    assert_eq!(
+        aux_digest(DigestAlgorithm::XXH3_64, BIND, &long)
+            .unwrap()
+            .to_u128(),
+        0xe070a833fac136cdf2bbe93e3ea999ef
+    );
+    // Wire form: the 16 little-endian bytes.
+    assert_eq!(
+        aux_digest(DigestAlgorithm::XXH3_64, BIND, b"").unwrap().0,
+        [
+            0x19, 0xc9, 0x5c, 0x2a, 0x83, 0x03, 0xf4, 0xe7, 0xd5, 0xc1, 0xee, 0x1f, 0x5d, 0xde,
+            0xb3, 0x2e
+        ]
+    );
+}
+
+#[test]
+fn aux_digest_binding_and_domain() {
+    let base = aux_digest(DigestAlgorithm::XXH3_64, BIND, b"tok").unwrap();
+    let other_nonce = DigestBinding {
+        nonce: N ^ 1,
+        ..BIND
+    };
+    let other_transfer = DigestBinding {
+        transfer_id: TransferId(T ^ 1),
+        ..BIND
+    };
+    assert_ne!(
+        base,
+        aux_digest(DigestAlgorithm::XXH3_64, other_nonce, b"tok").unwrap()
+    );
+    assert_ne!(
+        base,
+        aux_digest(DigestAlgorithm::XXH3_64, other_transfer, b"tok").unwrap()
+    );
+    assert_ne!(
+        base,
+        aux_digest(DigestAlgorithm::CRC32, BIND, b"tok").unwrap()
+    );
+    assert_ne!(
+        base,
+        aux_digest(DigestAlgorithm::XXH3_64, BIND, b"tok\0").unwrap()
+    );
+    assert_ne!(
+        base,
+        aux_digest(DigestAlgorithm::XXH3_64, BIND, b"toK").unwrap()
+    );
+    // Its own domain: an empty aux never equals an empty buffer's digest of the same binding.
+    assert_ne!(
+        aux_digest(DigestAlgorithm::XXH3_64, BIND, b"").unwrap(),
+        buffer_digest(DigestAlgorithm::XXH3_64, BIND, 0, &[])
+    );
+    assert_eq!(
+        aux_digest(DigestAlgorithm(9), BIND, b""),
+        Err(UnsupportedAlgorithm(DigestAlgorithm(9)))
+    );
+}
+
+proptest! {
+    /// Digests streamed chunk by chunk (any split) equal the one-shot digests of the same
+    /// pages, and the aux digest is the one of `aux_digest`.
+    #[test]
+    fn chunked_streaming_equals_one_shot(
+        alg_crc in any::<bool>(),
+        per_page in any::<bool>(),
+        buffers in 1usize..4,
+        pages in prop::collection::vec(prop::collection::vec(any::<u8>(), 1..200), 1..12),
+        cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..4),
+        aux in prop::collection::vec(any::<u8>(), 0..64),
+    ) {
+        let alg = if alg_crc { DigestAlgorithm::CRC32 } else { DigestAlgorithm::XXH3_64 };
+        // Buffer b of page i holds `pages[i]` rotated by b.
+        let content: Vec<Vec<Vec<u8>>> = (0..buffers)
+            .map(|b| {
+                pages
+                    .iter()
+                    .map(|p| {
+                        let mut p = p.clone();
+                        let by = b % p.len();
+                        p.rotate_left(by);
+                        p
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut bounds: Vec<usize> = cuts.iter().map(|c| c.index(pages.len() + 1)).collect();
+        bounds.push(0);
+        bounds.push(pages.len());
+        bounds.sort_unstable();
+        bounds.dedup();
+        let mut d = TransferDigester::new(alg, BIND, buffers, per_page).unwrap();
+        for w in bounds.windows(2) {
+            prop_assert_eq!(d.pages() as usize, w[0]);
+            d.update(w[1] - w[0], |b, i| &content[b][w[0] + i]);
+        }
+        let streamed = d.finish(&aux);
+        let mut want = digest_transfer(alg, BIND, buffers, pages.len(), per_page, |b, i| &content[b][i]).unwrap();
+        want.aux = aux_digest(alg, BIND, &aux).unwrap();
+        prop_assert_eq!(streamed, want);
+    }
+}

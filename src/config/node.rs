@@ -28,6 +28,11 @@ pub struct NodeConfig {
     pub fingerprint: Vec<u8>,
     /// Digest algorithms offered, preferred first.
     pub digests: Vec<DigestAlgorithm>,
+    /// The longest auxiliary record (e.g. a first output token) this node accepts with a
+    /// transfer it receives, announced in its hello (at most
+    /// [`MAX_AUX`](kvwire_proto::wire::MAX_AUX); default 4096 bytes). Reservations are
+    /// sized so a COMMIT with an aux record this long still fits one frame.
+    pub max_aux: u32,
     /// Scrub policy of the pool.
     pub scrub: Scrub,
     /// How long the handshake may take.
@@ -170,6 +175,7 @@ impl NodeConfig {
             engine: EngineConfig::new(4096),
             fingerprint: b"example-model/tp0".to_vec(),
             digests: vec![DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32],
+            max_aux: 4096,
             scrub: Scrub::None,
             handshake_timeout: Duration::from_secs(10),
             sender: SenderConfig::default(),
@@ -206,6 +212,7 @@ impl NodeConfig {
             layout: self.pool.to_layout(self.fingerprint.clone()),
             digests: self.digests.clone(),
             transport_params: Vec::new(),
+            max_aux: self.max_aux.min(kvwire_proto::wire::MAX_AUX as u32),
         }
     }
 }

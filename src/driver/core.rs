@@ -12,7 +12,7 @@ use kvwire_proto::sender::SenderSession;
 use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, TransferDigests, TransferRef};
 use kvwire_proto::{FrameError, Scope};
 
-use super::digest::{DigestExecution, Digests};
+use super::digest::{DigestExecution, Digests, JobOutcome};
 use crate::checksum::DigestMode;
 use crate::memory::PagePool;
 use crate::transport::{Closed, Transport, TransportEvent};
@@ -21,14 +21,17 @@ use crate::transport::{Closed, Transport, TransportEvent};
 pub(crate) trait Session {
     fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool;
     fn handle_digests(&mut self, now: Instant, transfer: TransferRef, digests: TransferDigests);
+    /// A non-final chunk's digest job returned (only senders send in chunks).
+    fn handle_chunk_digested(&mut self, _now: Instant, _transfer: TransferRef) {}
     fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError>;
     fn handle_peer_lost(&mut self, now: Instant);
     fn poll_timeout(&mut self) -> Option<Instant>;
 }
 
 macro_rules! session {
-    ($t:ty) => {
+    ($t:ty $(, $extra:item)*) => {
         impl Session for $t {
+            $($extra)*
             fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool {
                 <$t>::abort(self, now, transfer_id, code)
             }
@@ -47,7 +50,12 @@ macro_rules! session {
         }
     };
 }
-session!(SenderSession);
+session!(
+    SenderSession,
+    fn handle_chunk_digested(&mut self, now: Instant, t: TransferRef) {
+        SenderSession::handle_chunk_digested(self, now, t)
+    }
+);
 session!(ReceiverSession);
 
 /// The parts of a driver both roles have.
@@ -86,8 +94,8 @@ impl<S: Session, T: Transport> Core<S, T> {
         cx: &mut Context<'_>,
         now: Instant,
     ) -> Poll<Option<TransportEvent>> {
-        if let Poll::Ready((t, r)) = self.digests.poll_done(cx) {
-            self.finish_digests(now, t, r.map_err(|_| ()));
+        if self.digests.poll_done(cx).is_ready() {
+            self.finish_ready_digests(now);
             return Poll::Ready(None);
         }
         self.transport
@@ -124,37 +132,44 @@ impl<S: Session, T: Transport> Core<S, T> {
         }
     }
 
-    /// Starts the digests of `transfer` over `pages` (in transfer order; pinned while the
-    /// job runs), and hands the result to the session when it is ready now.
+    /// Starts the digest job of one chunk of `transfer` over `pages` (ordinals `first ..`, in
+    /// order; pinned while the job runs; `aux` is `Some` on the final chunk), and hands every
+    /// result that is ready now to the session.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start_digests(
         &mut self,
         now: Instant,
         transfer: TransferRef,
         algorithm: DigestAlgorithm,
         page_digests: bool,
+        first: u32,
         pages: Vec<u32>,
+        aux: Option<Vec<u8>>,
     ) {
         let view = self.pool.share_pages(pages);
-        if let Some(result) = self.digests.start(transfer, algorithm, page_digests, view) {
-            self.finish_digests(now, transfer, result);
-        }
+        self.digests
+            .start(transfer, algorithm, page_digests, first, view, aux);
+        self.finish_ready_digests(now);
     }
 
-    pub(crate) fn finish_digests(
-        &mut self,
-        now: Instant,
-        transfer: TransferRef,
-        result: Result<TransferDigests, ()>,
-    ) {
-        match result {
-            Ok(d) => self.session.handle_digests(now, transfer, d),
-            Err(()) => {
-                // No digest can be made: abort, then report the digest job as ended so the
-                // session may release the pages it was waiting on.
-                self.session
-                    .abort(now, transfer.transfer_id, ErrorCode::DIGEST_UNSUPPORTED);
-                self.session
-                    .handle_digests(now, transfer, TransferDigests::default());
+    /// Hands every finished digest job's outcome to the session.
+    pub(crate) fn finish_ready_digests(&mut self, now: Instant) {
+        while let Some((transfer, outcome)) = self.digests.take_ready() {
+            match outcome {
+                JobOutcome::ChunkDigested => self.session.handle_chunk_digested(now, transfer),
+                JobOutcome::Digests(d) => self.session.handle_digests(now, transfer, d),
+                JobOutcome::Failed { final_chunk } => {
+                    // No digest can be made: abort, then report the digest job as ended so
+                    // the session may release the pages it was waiting on.
+                    self.session
+                        .abort(now, transfer.transfer_id, ErrorCode::DIGEST_UNSUPPORTED);
+                    if final_chunk {
+                        self.session
+                            .handle_digests(now, transfer, TransferDigests::default());
+                    } else {
+                        self.session.handle_chunk_digested(now, transfer);
+                    }
+                }
             }
         }
     }

@@ -1,17 +1,42 @@
-//! Where a driver computes digests: inline, or on tokio's blocking pool for large transfers
-//! (so the connection keeps moving other transfers meanwhile). Both roles use it the same
-//! way: start a job over a pinned view of the pages, get the result now or later.
+//! Where a driver computes digests: inline, or on tokio's blocking pool for large jobs (so the
+//! connection keeps moving other transfers meanwhile). Both roles use it the same way: start a
+//! job over a pinned view of the pages, get the result now or later.
+//!
+//! A transfer sent in chunks has one job per chunk; its digests stream across them. Each
+//! transfer's streaming state ([`TransferDigester`]) stays here between its jobs, which run
+//! one at a time and in the order they were started (a job started while an earlier one of
+//! the same transfer is still on the pool waits for it), so no page is read twice.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::task::{Context, Poll};
 
-use kvwire_proto::wire::{DigestAlgorithm, TransferDigests, TransferRef};
+use kvwire_proto::wire::{DigestAlgorithm, TransferDigests, TransferId, TransferRef};
 use tokio::sync::mpsc;
 
-use crate::checksum::{DigestJob, DigestMode, UnsupportedAlgorithm};
+use crate::checksum::{DigestJob, DigestJobError, DigestMode, DigestProgress, TransferDigester};
 use crate::memory::{PoolError, SharedPages};
 
-/// A finished digest job: the transfer and its digests.
-pub(crate) type DigestDone = (TransferRef, Result<TransferDigests, UnsupportedAlgorithm>);
+/// How a digest job ended, for the session.
+#[derive(Debug)]
+pub(crate) enum JobOutcome {
+    /// A non-final chunk was digested (the session's `handle_chunk_digested`).
+    ChunkDigested,
+    /// The final chunk was digested: the transfer's digests (`handle_digests`).
+    Digests(TransferDigests),
+    /// No digest could be made (no view of the pages, an unsupported algorithm, a job out of
+    /// order); the job no longer reads the pages.
+    Failed {
+        /// Whether it was the transfer's final chunk.
+        final_chunk: bool,
+    },
+}
+
+/// A finished digest job: the transfer and how it ended.
+pub(crate) type DigestDone = (TransferRef, JobOutcome);
+
+/// A job that ran on the blocking pool: the transfer, whether it was the final chunk, and
+/// what it left.
+type PoolDone = (TransferRef, bool, Result<DigestProgress, DigestJobError>);
 
 /// Where digest jobs run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,13 +52,26 @@ pub enum DigestExecution {
     },
 }
 
+/// One transfer's digests between its jobs.
+#[derive(Debug, Default)]
+struct Stream {
+    /// The digests so far (`None` before the first job, and while a job runs on the pool).
+    state: Option<TransferDigester>,
+    /// A job of this transfer runs on the pool.
+    running: bool,
+    /// Jobs waiting for the one running, in order.
+    queue: VecDeque<DigestJob>,
+}
+
 /// One driver's digest jobs.
 #[derive(Debug)]
 pub(crate) struct Digests {
     pub(crate) mode: DigestMode,
     pub(crate) execution: DigestExecution,
-    done_tx: mpsc::UnboundedSender<DigestDone>,
-    done_rx: mpsc::UnboundedReceiver<DigestDone>,
+    streams: BTreeMap<TransferRef, Stream>,
+    ready: VecDeque<DigestDone>,
+    done_tx: mpsc::UnboundedSender<PoolDone>,
+    done_rx: mpsc::UnboundedReceiver<PoolDone>,
 }
 
 impl Digests {
@@ -42,51 +80,159 @@ impl Digests {
         Self {
             mode,
             execution,
+            streams: BTreeMap::new(),
+            ready: VecDeque::new(),
             done_tx,
             done_rx,
         }
     }
 
-    /// Starts the digests of `transfer` over `view` (its pages in transfer order, pinned):
-    /// the result now, or `None` when the job went to the blocking pool (it then comes from
-    /// [`Digests::poll_done`]). `Err(())`: no digest can be made (no view, or an unsupported
-    /// algorithm). The job, and with it the pin on the pages, is dropped before the result
-    /// is reported either way.
+    /// Starts the digest job of one chunk of `transfer` over `view` (the chunk's pages in
+    /// ordinal order from `first`, pinned); `aux` is `Some` on the final chunk. The result
+    /// comes from [`Digests::take_ready`] at once when the job ran inline, else later, once
+    /// [`Digests::poll_done`] saw it. The job, and with it the pin on the pages, is dropped
+    /// before its result is reported.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
         &mut self,
         transfer: TransferRef,
         algorithm: DigestAlgorithm,
         page_digests: bool,
+        first: u32,
         view: Result<SharedPages, PoolError>,
-    ) -> Option<Result<TransferDigests, ()>> {
-        let Ok(view) = view else { return Some(Err(())) };
-        let job = DigestJob::new(transfer, algorithm, page_digests, self.mode, view);
-        let offload = match self.execution {
-            DigestExecution::Inline => false,
-            DigestExecution::Offload { min_bytes } => {
-                job.bytes() >= min_bytes && tokio::runtime::Handle::try_current().is_ok()
+        aux: Option<Vec<u8>>,
+    ) {
+        let final_chunk = aux.is_some();
+        let Ok(view) = view else {
+            self.ready
+                .push_back((transfer, JobOutcome::Failed { final_chunk }));
+            if final_chunk {
+                self.streams.remove(&transfer);
             }
+            return;
         };
-        if !offload {
-            let result = job.run().map_err(|_| ());
-            drop(job);
-            return Some(result);
-        }
-        let done = self.done_tx.clone();
-        tokio::task::spawn_blocking(move || {
-            let result = job.run();
-            drop(job);
-            let _ = done.send((transfer, result));
-        });
-        None
+        let job = DigestJob::new(
+            transfer,
+            algorithm,
+            page_digests,
+            self.mode,
+            first,
+            view,
+            aux,
+        );
+        self.streams
+            .entry(transfer)
+            .or_default()
+            .queue
+            .push_back(job);
+        self.pump(transfer);
     }
 
-    /// The next job finished on the blocking pool.
-    pub(crate) fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<DigestDone> {
-        match self.done_rx.poll_recv(cx) {
-            Poll::Ready(Some(d)) => Poll::Ready(d),
-            // The driver holds a sender, so the channel never closes.
-            Poll::Ready(None) | Poll::Pending => Poll::Pending,
+    /// Runs `transfer`'s queued jobs in order: inline ones at once, until one goes to the
+    /// blocking pool (the rest wait for it).
+    fn pump(&mut self, transfer: TransferRef) {
+        loop {
+            let Some(stream) = self.streams.get_mut(&transfer) else {
+                return;
+            };
+            if stream.running {
+                return;
+            }
+            let Some(job) = stream.queue.pop_front() else {
+                return;
+            };
+            let state = stream.state.take();
+            let offload = match self.execution {
+                DigestExecution::Inline => false,
+                DigestExecution::Offload { min_bytes } => {
+                    job.bytes() >= min_bytes && tokio::runtime::Handle::try_current().is_ok()
+                }
+            };
+            let final_chunk = job.is_final();
+            if !offload {
+                let result = job.run(state);
+                drop(job);
+                self.complete(transfer, final_chunk, result);
+                continue;
+            }
+            stream.running = true;
+            let done = self.done_tx.clone();
+            tokio::task::spawn_blocking(move || {
+                let result = job.run(state);
+                drop(job);
+                let _ = done.send((transfer, final_chunk, result));
+            });
+            return;
         }
     }
+
+    /// Records a job's result: keeps the streaming state for the transfer's next chunk, or
+    /// drops it after the final one; queues the outcome for the session.
+    fn complete(
+        &mut self,
+        transfer: TransferRef,
+        final_chunk: bool,
+        result: Result<DigestProgress, DigestJobError>,
+    ) {
+        let outcome = match result {
+            Ok(DigestProgress::Partial(state)) => {
+                if let Some(stream) = self.streams.get_mut(&transfer) {
+                    stream.state = Some(state);
+                }
+                JobOutcome::ChunkDigested
+            }
+            Ok(DigestProgress::Done(digests)) => JobOutcome::Digests(digests),
+            Err(e) => {
+                tracing::warn!(transfer_id = transfer.transfer_id.0, error = %e, "digest job failed");
+                JobOutcome::Failed { final_chunk }
+            }
+        };
+        if final_chunk {
+            if let Some(stream) = self.streams.get(&transfer) {
+                if stream.queue.is_empty() && !stream.running {
+                    self.streams.remove(&transfer);
+                }
+            }
+        }
+        self.ready.push_back((transfer, outcome));
+    }
+
+    /// The next finished job whose outcome the session has not had yet.
+    pub(crate) fn take_ready(&mut self) -> Option<DigestDone> {
+        self.ready.pop_front()
+    }
+
+    /// Takes the jobs finished on the blocking pool (starting each transfer's next queued
+    /// job); `Ready` when an outcome is waiting in [`Digests::take_ready`].
+    pub(crate) fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        // The driver holds a sender, so the channel never closes.
+        while let Poll::Ready(Some((transfer, final_chunk, result))) = self.done_rx.poll_recv(cx) {
+            if let Some(stream) = self.streams.get_mut(&transfer) {
+                stream.running = false;
+            }
+            self.complete(transfer, final_chunk, result);
+            self.pump(transfer);
+        }
+        if self.ready.is_empty() {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    }
+
+    /// Drops the streaming state of every reservation of `transfer_id` with no job left (a
+    /// transfer abandoned between chunks never has a final job).
+    pub(crate) fn forget(&mut self, transfer_id: TransferId) {
+        self.streams
+            .retain(|t, s| t.transfer_id != transfer_id || s.running || !s.queue.is_empty());
+    }
+
+    /// Transfers with digest state held here (for tests).
+    #[cfg(test)]
+    fn streams(&self) -> usize {
+        self.streams.len()
+    }
 }
+
+#[cfg(test)]
+mod tests;

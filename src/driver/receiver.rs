@@ -108,6 +108,8 @@ pub struct VerifiedKv {
     pub transfer: TransferRef,
     /// Tokens verified.
     pub tokens: u32,
+    /// The auxiliary record delivered with the pages (verified; may be empty).
+    pub aux: Vec<u8>,
     leases: Vec<PageLease>,
 }
 
@@ -169,6 +171,9 @@ pub struct ReceiverDriverStats {
     pub release_before_fence: u64,
     /// Page writes that landed (transports that see landings: TCP, loopback).
     pub pages_landed: u64,
+    /// Transfers failed because a reserved page did not receive all its bytes before the
+    /// COMMIT (coverage, transports that see landings).
+    pub coverage_failures: u64,
 }
 
 /// Who waits for a fence that has not completed yet.
@@ -192,6 +197,9 @@ pub struct ReceiverDriver<T> {
     open: BTreeSet<TransferId>,
     /// Transfers whose fence was started and has not completed, and who waits for it.
     fencing: BTreeMap<TransferId, (TransferRef, FenceWaiter)>,
+    /// Coverage (transports that report landings): per open reservation, which ordinals
+    /// received all their bytes under its scope (SPEC §6).
+    coverage: BTreeMap<TransferId, (TransferRef, Vec<bool>)>,
     outcomes: VecDeque<ReceiveOutcome>,
     stats: ReceiverDriverStats,
 }
@@ -214,6 +222,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             leases: BTreeMap::new(),
             open: BTreeSet::new(),
             fencing: BTreeMap::new(),
+            coverage: BTreeMap::new(),
             outcomes: VecDeque::new(),
             stats: ReceiverDriverStats::default(),
         })
@@ -257,6 +266,10 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         match self.core.session.reserve(now, req) {
             Ok(transfer) => {
                 self.core.transport.bind_scope(transfer);
+                if self.core.transport.reports_landings() {
+                    self.coverage
+                        .insert(p.transfer_id, (transfer, vec![false; leases.len()]));
+                }
                 self.open.insert(p.transfer_id);
                 self.leases.insert(p.transfer_id, (transfer, leases));
                 self.process(now);
@@ -306,7 +319,18 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             return;
         };
         match event {
-            TransportEvent::Landed { .. } => self.stats.pages_landed += 1,
+            TransportEvent::Landed {
+                transfer, ordinal, ..
+            } => {
+                self.stats.pages_landed += 1;
+                if let Some((t, landed)) = self.coverage.get_mut(&transfer.transfer_id) {
+                    if *t == transfer {
+                        if let Some(l) = landed.get_mut(ordinal as usize) {
+                            *l = true;
+                        }
+                    }
+                }
+            }
             TransportEvent::Fenced(t) => match self.fencing.get(&t.transfer_id) {
                 Some(&(f, waiter)) if f == t => {
                     self.fencing.remove(&t.transfer_id);
@@ -380,6 +404,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                     .push_back(ReceiveOutcome::Verified(VerifiedKv {
                         transfer: d.transfer,
                         tokens: d.tokens,
+                        aux: d.aux,
                         leases,
                     }));
             }
@@ -416,15 +441,37 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 transfer,
                 algorithm,
                 page_digests,
+                aux,
             } => {
+                // Coverage first: a reserved page that did not receive all its bytes for
+                // this reservation holds stale contents, whatever its digest (SPEC §6).
+                let missing = match self.coverage.remove(&transfer.transfer_id) {
+                    Some((t, landed)) if t == transfer => landed.iter().position(|l| !l),
+                    _ => None,
+                };
+                if let Some(ordinal) = missing {
+                    self.stats.coverage_failures += 1;
+                    self.core
+                        .session
+                        .handle_missing_pages(now, transfer, ordinal as u32);
+                    return;
+                }
                 let Some(leases) = self.leases_of(transfer) else {
                     return;
                 };
-                // Digests of the memory that actually landed, after the fence; the pages are
-                // pinned (never written or released) until the digest job is done.
+                // Digests of the memory that actually landed, after the fence, and of the
+                // COMMIT's aux record, in one (final) job; the pages are pinned (never
+                // written or released) until the digest job is done.
                 let pages = leases.iter().map(PageLease::page).collect();
-                self.core
-                    .start_digests(now, transfer, algorithm, page_digests, pages);
+                self.core.start_digests(
+                    now,
+                    transfer,
+                    algorithm,
+                    page_digests,
+                    0,
+                    pages,
+                    Some(aux),
+                );
             }
             ReceiverAction::Release(t) => {
                 // The session releases only after the fence completed. Should it ever ask
@@ -450,6 +497,13 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
     }
 
     fn release_transfer(&mut self, t: TransferRef) {
+        if self
+            .coverage
+            .get(&t.transfer_id)
+            .is_some_and(|(r, _)| *r == t)
+        {
+            self.coverage.remove(&t.transfer_id);
+        }
         if self
             .leases
             .get(&t.transfer_id)

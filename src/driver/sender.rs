@@ -317,30 +317,43 @@ impl<T: SenderTransport> SenderDriver<T> {
                 transfer,
                 algorithm,
                 page_digests,
+                first,
+                pages,
+                aux,
             } => {
                 let Some(leases) = self.sources.get(&transfer.transfer_id) else {
                     return;
                 };
-                // Pinned (never written or released) until the digest job is done.
-                let pages = leases.iter().map(PageLease::page).collect();
+                // The chunk's pages, pinned (never written or released) until its digest
+                // job is done.
+                let chunk = leases
+                    .iter()
+                    .skip(first as usize)
+                    .take(pages as usize)
+                    .map(PageLease::page)
+                    .collect();
                 self.core
-                    .start_digests(now, transfer, algorithm, page_digests, pages);
+                    .start_digests(now, transfer, algorithm, page_digests, first, chunk, aux);
             }
             SenderAction::PostWrites {
                 transfer,
                 writes,
                 access,
-            } => {
-                self.postings.insert(
-                    transfer.transfer_id,
-                    Posting {
-                        transfer,
-                        access: access.into(),
-                        pending: writes.into(),
-                        outstanding: 0,
-                    },
-                );
-            }
+            } => match self.postings.get_mut(&transfer.transfer_id) {
+                // A later chunk of the transfer: queue behind the writes still pending.
+                Some(p) if p.transfer == transfer => p.pending.extend(writes),
+                _ => {
+                    self.postings.insert(
+                        transfer.transfer_id,
+                        Posting {
+                            transfer,
+                            access: access.into(),
+                            pending: writes.into(),
+                            outstanding: 0,
+                        },
+                    );
+                }
+            },
             SenderAction::CancelWrites(transfer) => {
                 let n = match self.postings.get_mut(&transfer.transfer_id) {
                     Some(p) if p.transfer == transfer => {
@@ -362,6 +375,7 @@ impl<T: SenderTransport> SenderDriver<T> {
             }
             SenderAction::ReleaseSource(id) => {
                 self.postings.remove(&id);
+                self.core.digests.forget(id);
                 for lease in self.sources.remove(&id).unwrap_or_default() {
                     if let Err(e) = self.core.pool.release(lease) {
                         tracing::error!(transfer_id = id.0, error = %e, "source page release refused");

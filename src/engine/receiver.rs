@@ -92,6 +92,12 @@ impl Verified {
         self.pool.buffers()
     }
 
+    /// The auxiliary record delivered with the pages (e.g. the first output token), verified
+    /// against its digest; empty if the sender sent none.
+    pub fn aux(&self) -> &[u8] {
+        self.kv.as_ref().map_or(&[][..], |kv| kv.aux.as_slice())
+    }
+
     /// The destination page indices, in ordinal order.
     pub fn page_indices(&self) -> Vec<u32> {
         self.kv

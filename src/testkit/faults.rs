@@ -670,6 +670,10 @@ impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {
         self.0.inner.open_scopes()
     }
 
+    fn reports_landings(&self) -> bool {
+        self.0.inner.reports_landings()
+    }
+
     fn fence(&mut self, transfer: TransferRef) -> Fence {
         let slow = self
             .0

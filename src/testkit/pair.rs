@@ -91,6 +91,7 @@ impl PairConfig {
             layout: geometry.to_layout(b"test-model/tp0".to_vec()),
             digests: vec![DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32],
             transport_params: Vec::new(),
+            max_aux: 4096,
         }
     }
 

@@ -180,6 +180,13 @@ pub trait ReceiverTransport: Transport {
     /// Access scopes open now (reserved and not fenced), for diagnostics and invariants.
     fn open_scopes(&self) -> usize;
 
+    /// Whether this transport reports every page write that received all its bytes under
+    /// an open scope as [`TransportEvent::Landed`] (TCP, loopback), so the driver can tell
+    /// a reserved page that did not (SPEC §6, coverage). RDMA's one-sided writes cannot.
+    fn reports_landings(&self) -> bool {
+        false
+    }
+
     /// Closes `transfer`'s scope: the fence. After [`Fence::Done`], or once
     /// [`TransportEvent::Fenced`] is reported, no write for it can land any more.
     fn fence(&mut self, transfer: TransferRef) -> Fence;
@@ -219,6 +226,10 @@ impl<T: TableScoped> ReceiverTransport for T {
 
     fn open_scopes(&self) -> usize {
         self.scopes().open_scopes()
+    }
+
+    fn reports_landings(&self) -> bool {
+        true
     }
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {

@@ -24,13 +24,20 @@ pub fn page_digest(algorithm: DigestAlgorithm, buffer: usize, content: Content) 
     hash128((algorithm.0, buffer, content)) as u64
 }
 
-/// The digests of a transfer whose ordinal `i` holds `contents[i]` in every buffer.
+/// The aux digest of `aux`, bound to the reservation like the real one (SPEC.md §6).
+pub fn aux_digest(transfer: TransferRef, algorithm: DigestAlgorithm, aux: &[u8]) -> Digest128 {
+    Digest128::from_u128(hash128((b"KVWA", algorithm.0, transfer, aux)).max(1))
+}
+
+/// The digests of a transfer whose ordinal `i` holds `contents[i]` in every buffer, with
+/// the aux record `aux`.
 pub fn digests(
     transfer: TransferRef,
     algorithm: DigestAlgorithm,
     buffers: usize,
     contents: &[Content],
     page_digests: bool,
+    aux: &[u8],
 ) -> TransferDigests {
     let buffer_digests = (0..buffers)
         .map(|b| {
@@ -48,6 +55,7 @@ pub fn digests(
     TransferDigests {
         buffers: buffer_digests,
         pages,
+        aux: aux_digest(transfer, algorithm, aux),
     }
 }
 

@@ -60,8 +60,8 @@ pub struct RxDriver {
     pub fences: Vec<TransferRef>,
     /// Reservations whose fence completed.
     pub fenced: BTreeSet<TransferRef>,
-    /// Digest jobs running: (reservation, algorithm, page digests).
-    pub digest_jobs: Vec<(TransferRef, DigestAlgorithm, bool)>,
+    /// Digest jobs running: (reservation, algorithm, page digests, aux record).
+    pub digest_jobs: Vec<(TransferRef, DigestAlgorithm, bool, Vec<u8>)>,
     /// The digests each job computed over the landed memory.
     pub digested: BTreeMap<TransferRef, TransferDigests>,
     /// Reservations whose pages were released.
@@ -184,6 +184,7 @@ impl RxDriver {
                 transfer,
                 algorithm,
                 page_digests,
+                aux,
             } => {
                 ensure!(
                     self.fenced.contains(&transfer),
@@ -193,7 +194,13 @@ impl RxDriver {
                     !self.released.contains(&transfer),
                     "ComputeDigests({transfer:?}) after Release"
                 );
-                self.digest_jobs.push((transfer, algorithm, page_digests));
+                let commit_aux = self.accepted.get(&transfer).map(|c| &c.aux);
+                ensure!(
+                    commit_aux.is_none_or(|a| *a == aux),
+                    "ComputeDigests({transfer:?}) with an aux record other than the COMMIT's"
+                );
+                self.digest_jobs
+                    .push((transfer, algorithm, page_digests, aux));
             }
             ReceiverAction::Release(t) => {
                 ensure!(
@@ -237,8 +244,15 @@ impl RxDriver {
 
     /// Completes the `i`-th digest job over the landed memory.
     pub fn complete_digests(&mut self, i: usize) -> (TransferRef, TransferDigests) {
-        let (t, algorithm, page_digests) = self.digest_jobs.remove(i);
-        let d = digest::digests(t, algorithm, self.buffers, &self.contents(t), page_digests);
+        let (t, algorithm, page_digests, aux) = self.digest_jobs.remove(i);
+        let d = digest::digests(
+            t,
+            algorithm,
+            self.buffers,
+            &self.contents(t),
+            page_digests,
+            &aux,
+        );
         self.digested.insert(t, d.clone());
         (t, d)
     }
@@ -283,6 +297,10 @@ impl RxDriver {
                     landed.buffers == commit.buffer_digests,
                     "Delivered({t:?}) although the landed digests differ from the COMMIT's"
                 );
+                ensure!(
+                    landed.aux == commit.aux_digest && d.aux == commit.aux,
+                    "Delivered({t:?}) with an aux record that does not verify against the COMMIT's"
+                );
                 let pages = &self.reserved[&t];
                 ensure!(
                     d.pages as usize == pages.len() && commit.pages == d.pages,
@@ -291,7 +309,8 @@ impl RxDriver {
                     pages.len()
                 );
                 let now = self.contents(t);
-                let at_digest = digest::digests(t, commit.digest, self.buffers, &now, false);
+                let at_digest =
+                    digest::digests(t, commit.digest, self.buffers, &now, false, &commit.aux);
                 ensure!(
                     at_digest.buffers == landed.buffers,
                     "Delivered({t:?}): the pages changed after they were digested"
@@ -372,13 +391,33 @@ pub enum TxOutcome {
     Failed,
 }
 
+/// One chunk's digest job on the sender.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TxDigestJob {
+    /// Its reservation.
+    pub transfer: TransferRef,
+    /// The algorithm.
+    pub algorithm: DigestAlgorithm,
+    /// Page digests too.
+    pub page_digests: bool,
+    /// Ordinals `first .. first + pages`.
+    pub first: u32,
+    /// Pages in the chunk.
+    pub pages: u32,
+    /// `Some` on the final chunk.
+    pub aux: Option<Vec<u8>>,
+}
+
 /// The sender's driver: posted writes, digest jobs, source pages.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct TxDriver {
     /// Posted writes whose outcome is not reported yet.
     pub writes: Vec<Write>,
-    /// Digest jobs running: (reservation, algorithm, page digests).
-    pub digest_jobs: Vec<(TransferRef, DigestAlgorithm, bool)>,
+    /// Digest jobs running, in the order emitted.
+    pub digest_jobs: Vec<TxDigestJob>,
+    /// Per reservation: the next ordinal a write and a digest job must start at (chunks are
+    /// posted and digested in order, each ordinal once).
+    pub next_ordinal: BTreeMap<TransferRef, (u32, u32)>,
     /// Pages per submitted transfer id (current submission).
     pub submitted: BTreeMap<TransferId, u32>,
     /// Submissions whose source was released (transfer id -> count of releases).
@@ -414,13 +453,16 @@ impl TxDriver {
                         < self.submissions.get(&id).copied().unwrap_or(0),
                     "PostWrites for {transfer:?} after its source was released"
                 );
-                ensure!(
-                    writes.len() as u32 == self.submitted[&id],
-                    "PostWrites for {transfer:?}: {} writes for {} pages",
-                    writes.len(),
-                    self.submitted[&id]
-                );
+                let next = &mut self.next_ordinal.entry(transfer).or_default().0;
                 for w in writes {
+                    ensure!(
+                        w.ordinal == *next && w.ordinal < self.submitted[&id],
+                        "PostWrites for {transfer:?}: ordinal {} where {} was next, of {} pages",
+                        w.ordinal,
+                        next,
+                        self.submitted[&id]
+                    );
+                    *next += 1;
                     self.writes.push(Write { transfer, write: w });
                 }
             }
@@ -428,7 +470,32 @@ impl TxDriver {
                 transfer,
                 algorithm,
                 page_digests,
-            } => self.digest_jobs.push((transfer, algorithm, page_digests)),
+                first,
+                pages,
+                aux,
+            } => {
+                let id = transfer.transfer_id;
+                let total = self.submitted.get(&id).copied().unwrap_or(0);
+                let next = &mut self.next_ordinal.entry(transfer).or_default().1;
+                ensure!(
+                    first == *next && pages > 0 && first + pages <= total,
+                    "ComputeDigests for {transfer:?}: ordinals {first}..+{pages} where {next} was next, of {total}"
+                );
+                *next += pages;
+                ensure!(
+                    aux.is_some() == (*next == total),
+                    "ComputeDigests for {transfer:?}: aux {} on a chunk ending at {next} of {total}",
+                    if aux.is_some() { "given" } else { "missing" }
+                );
+                self.digest_jobs.push(TxDigestJob {
+                    transfer,
+                    algorithm,
+                    page_digests,
+                    first,
+                    pages,
+                    aux,
+                });
+            }
             SenderAction::CancelWrites(t) => {
                 // Every write of this model is posted at once: nothing is left to cancel.
                 self.cancelled.insert(t);
@@ -439,9 +506,13 @@ impl TxDriver {
                     "ReleaseSource({id}) while a posted write still reads the source"
                 );
                 ensure!(
-                    !self.digest_jobs.iter().any(|j| j.0.transfer_id == id),
+                    !self
+                        .digest_jobs
+                        .iter()
+                        .any(|j| j.transfer.transfer_id == id),
                     "ReleaseSource({id}) while a digest job still reads the source"
                 );
+                self.next_ordinal.retain(|t, _| t.transfer_id != id);
                 let n = self.released.entry(id).or_default();
                 *n += 1;
                 ensure!(
@@ -453,14 +524,30 @@ impl TxDriver {
         Ok(())
     }
 
-    /// Completes the `i`-th digest job over the source pages.
-    pub fn complete_digests(&mut self, i: usize, buffers: usize) -> (TransferRef, TransferDigests) {
-        let (t, algorithm, page_digests) = self.digest_jobs.remove(i);
+    /// Completes the `i`-th digest job over the source pages: the transfer's digests for a
+    /// final chunk (`Some`), nothing for another one (`None`, `handle_chunk_digested`).
+    pub fn complete_digests(
+        &mut self,
+        i: usize,
+        buffers: usize,
+    ) -> (TransferRef, Option<TransferDigests>) {
+        let job = self.digest_jobs.remove(i);
+        let t = job.transfer;
+        let Some(aux) = job.aux else {
+            return (t, None);
+        };
         let pages = self.submitted.get(&t.transfer_id).copied().unwrap_or(0);
         let contents = digest::source_contents(t.transfer_id, pages);
         (
             t,
-            digest::digests(t, algorithm, buffers, &contents, page_digests),
+            Some(digest::digests(
+                t,
+                job.algorithm,
+                buffers,
+                &contents,
+                job.page_digests,
+                &aux,
+            )),
         )
     }
 

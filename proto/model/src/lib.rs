@@ -25,6 +25,9 @@ use kvwire_proto::wire::{DigestAlgorithm, Hello, KvLayout, Role};
 /// Tokens per page in every model.
 pub const TOKENS_PER_PAGE: u32 = 16;
 
+/// The `max_aux` both model nodes announce.
+pub const MAX_AUX_MODEL: u32 = 8;
+
 /// The layout every model uses: 16 tokens per page, two buffers.
 pub fn layout() -> KvLayout {
     KvLayout {
@@ -42,6 +45,7 @@ pub fn established(role: Role) -> Established {
         layout: layout(),
         digests: vec![DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32],
         transport_params: vec![],
+        max_aux: MAX_AUX_MODEL,
     };
     let peer = if role == Role::SENDER {
         Role::RECEIVER

@@ -164,8 +164,13 @@ impl SenderRig {
                 }) {
                     Ok(a) => {
                         let pages = a.pages();
-                        let source = (0..pages).collect();
-                        if self.s.submit(self.now, a, source).is_ok() {
+                        // Whole, or opened for chunks that later operations submit.
+                        let ok = if b.u8() % 3 == 0 {
+                            self.s.open(self.now, a).is_ok()
+                        } else {
+                            self.s.submit(self.now, a, (0..pages).collect()).is_ok()
+                        };
+                        if ok {
                             self.tx.submit(transfer_id, pages);
                         }
                     }
@@ -239,6 +244,8 @@ impl SenderRig {
                         digest: DigestAlgorithm::XXH3_64,
                         buffer_digests: vec![Digest128::from_u128(1); 2],
                         page_digests: vec![],
+                        aux_digest: Digest128::from_u128(1),
+                        aux: vec![],
                     }),
                 };
                 self.frame(f);
@@ -266,8 +273,7 @@ impl SenderRig {
             9 => {
                 if !self.tx.digest_jobs.is_empty() {
                     let i = usize::from(b.u8()) % self.tx.digest_jobs.len();
-                    let (t, d) = self.tx.complete_digests(i, self.buffers);
-                    self.s.handle_digests(self.now, t, d);
+                    self.complete_digests(i);
                 }
             }
             10 => {
@@ -279,13 +285,30 @@ impl SenderRig {
                 self.now += Duration::from_millis(u64::from(b.u16()));
                 self.s.handle_timeout(self.now);
             }
-            _ => {
-                if b.u8() % 4 == 0 {
-                    self.s.handle_peer_lost(self.now);
+            _ => match b.u8() % 4 {
+                0 => self.s.handle_peer_lost(self.now),
+                1 | 2 => {
+                    // The next chunk of an opened transfer (or a bad one: the session
+                    // refuses it with a typed error and nothing changes).
+                    let id = b.id();
+                    let n = u32::from(b.u8() % 4);
+                    let aux = match b.u8() % 4 {
+                        0 => None,
+                        k => Some(vec![k; usize::from(b.u8() % 12)]),
+                    };
+                    let _ = self.s.submit_chunk(self.now, id, (0..n).collect(), aux);
                 }
-            }
+                _ => {}
+            },
         }
         self.pump()
+    }
+
+    fn complete_digests(&mut self, i: usize) {
+        match self.tx.complete_digests(i, self.buffers) {
+            (t, Some(d)) => self.s.handle_digests(self.now, t, d),
+            (t, None) => self.s.handle_chunk_digested(self.now, t),
+        }
     }
 
     /// Completes every pending effect and drives time far forward.
@@ -298,8 +321,7 @@ impl SenderRig {
                 self.pump()?;
             }
             while !self.tx.digest_jobs.is_empty() {
-                let (t, d) = self.tx.complete_digests(0, self.buffers);
-                self.s.handle_digests(self.now, t, d);
+                self.complete_digests(0);
                 self.pump()?;
             }
             match self.s.poll_timeout() {
@@ -334,6 +356,7 @@ pub fn run_sender(data: &[u8]) -> Result<(), Violation> {
                 verdict_timeout: Duration::from_millis(300),
                 abort_ack_timeout: Duration::from_millis(100),
                 history: 3,
+                max_parked: 2,
             },
         ),
         tx: TxDriver::default(),
@@ -450,11 +473,15 @@ impl ReceiverRig {
                     _ => vec![None; pages as usize],
                 };
                 let with_pages = flags & 16 != 0;
-                let mut d = digest::digests(t, algorithm, self.rx.buffers, &contents, with_pages);
+                let aux = vec![flags; usize::from(b.u8() % 12)];
+                let mut d =
+                    digest::digests(t, algorithm, self.rx.buffers, &contents, with_pages, &aux);
                 if flags & 32 != 0 {
-                    match b.u8() % 3 {
+                    match b.u8() % 5 {
                         0 => d.buffers.truncate(1),
                         1 => d.buffers[0] = Digest128::default(),
+                        2 => d.aux = Digest128::default(),
+                        3 => d.aux = Digest128::from_u128(d.aux.to_u128() ^ 1),
                         _ => d.pages.push(7),
                     }
                 }
@@ -473,6 +500,8 @@ impl ReceiverRig {
                     digest: algorithm,
                     buffer_digests: d.buffers,
                     page_digests: d.pages,
+                    aux_digest: d.aux,
+                    aux,
                 };
                 self.frame(Frame::Commit(c))?;
             }
@@ -557,8 +586,16 @@ impl ReceiverRig {
             9 => {
                 if !self.rx.digest_jobs.is_empty() {
                     let i = usize::from(b.u8()) % self.rx.digest_jobs.len();
-                    let (t, d) = self.rx.complete_digests(i);
-                    self.r.handle_digests(self.now, t, d);
+                    if b.u8() % 4 == 0 {
+                        // The driver's coverage check found a page short of bytes: it
+                        // reports that instead of digests (SPEC §6), and no longer reads.
+                        let t = self.rx.digest_jobs.remove(i).0;
+                        self.r
+                            .handle_missing_pages(self.now, t, u32::from(b.u8() % 4));
+                    } else {
+                        let (t, d) = self.rx.complete_digests(i);
+                        self.r.handle_digests(self.now, t, d);
+                    }
                 }
             }
             10 => {

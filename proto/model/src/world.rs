@@ -14,7 +14,7 @@ use kvwire_proto::receiver::{
     ReceiverAction, ReceiverConfig, ReceiverEvent, ReceiverSession, ReservationRequest,
     ReserveError,
 };
-use kvwire_proto::sender::{SenderConfig, SenderEvent, SenderSession};
+use kvwire_proto::sender::{SenderConfig, SenderEvent, SenderSession, SubmitError};
 use kvwire_proto::wire::{ErrorCode, Frame, Role, TransferRef};
 use kvwire_proto::Scope;
 
@@ -156,6 +156,8 @@ impl World {
             verdict_timeout: Duration::from_millis(200),
             abort_ack_timeout: Duration::from_millis(50),
             history: 16,
+            // One parked reservation at most: a second is refused with PARKED_LIMIT (Q10).
+            max_parked: 1,
         };
         let receiver_config = ReceiverConfig {
             abort_ack_timeout: Duration::from_millis(50),
@@ -361,10 +363,10 @@ impl World {
                 let (t, d) = self.rx.complete_digests(i);
                 self.receiver.handle_digests(now, t, d);
             }
-            Action::SenderDigests(i) => {
-                let (t, d) = self.tx.complete_digests(i, self.rx.buffers);
-                self.sender.handle_digests(now, t, d);
-            }
+            Action::SenderDigests(i) => match self.tx.complete_digests(i, self.rx.buffers) {
+                (t, Some(d)) => self.sender.handle_digests(now, t, d),
+                (t, None) => self.sender.handle_chunk_digested(now, t),
+            },
             Action::Timeout => {
                 if self.progress_possible() {
                     self.budget.early_timeouts -= 1;
@@ -421,9 +423,12 @@ impl World {
                     .map_err(|r| Violation(format!("admission refused: {r:?}")))?;
                 let pages = admitted.pages();
                 let source = (0..pages).map(|p| p + 10 * i as u32).collect();
-                self.tx.submit(id, pages);
-                if let Err(e) = self.sender.submit(now, admitted, source) {
-                    return Err(Violation(format!("submit refused: {e:?}")));
+                match self.sender.submit(now, admitted, source) {
+                    Ok(()) => self.tx.submit(id, pages),
+                    // The receiver aborted the reservation while it was parked (Q9): the
+                    // engine learns it at once and nothing is written.
+                    Err(SubmitError::AbortedByPeer { .. }) => {}
+                    Err(e) => return Err(Violation(format!("submit refused: {e:?}"))),
                 }
             }
             Action::AbortSender(i) => {

@@ -45,6 +45,8 @@ pub use types::{
 pub struct ReceiverSession {
     layout: KvLayout,
     digests: Vec<DigestAlgorithm>,
+    /// This node's `max_aux` (its hello): the longest aux record a COMMIT may carry.
+    max_aux: u32,
     config: ReceiverConfig,
     nonce_counter: u64,
     transfers: BTreeMap<TransferId, Transfer>,
@@ -68,6 +70,7 @@ impl ReceiverSession {
         Self {
             layout: established.layout().clone(),
             digests: established.digests.clone(),
+            max_aux: established.local.max_aux,
             nonce_counter: config.nonce_seed,
             out: Out {
                 abort_ack_timeout: config.abort_ack_timeout,
@@ -116,7 +119,12 @@ impl ReceiverSession {
         }
         if req.pages.len() > MAX_PAGES
             || req.access.len() > MAX_ACCESS
-            || !commit_fits(self.layout.buffers(), req.pages.len(), req.page_digests)
+            || !commit_fits(
+                self.layout.buffers(),
+                req.pages.len(),
+                req.page_digests,
+                self.max_aux as usize,
+            )
         {
             return Err(ReserveError::TooLarge);
         }
@@ -144,6 +152,7 @@ impl ReceiverSession {
             buffers: self.layout.buffers(),
             digest,
             page_digests: req.page_digests,
+            max_aux: self.max_aux,
         };
         let deadline = now + req.timeout;
         self.out.transmit.push_back(Frame::Reserve(Reserve {
@@ -208,10 +217,7 @@ impl ReceiverSession {
                 }
                 self.history.insert(
                     spec.transfer.transfer_id,
-                    Finished {
-                        nonce: spec.transfer.nonce,
-                        failure,
-                    },
+                    Finished::ended(spec.transfer.nonce, failure),
                 );
             }
         }
@@ -258,6 +264,7 @@ impl ReceiverSession {
                     transfer,
                     algorithm: t.spec.digest,
                     page_digests: !f.commit.page_digests.is_empty(),
+                    aux: f.commit.aux.clone(),
                 });
                 Next::Stay(State::Verifying(Verifying { commit: f.commit }))
             }
@@ -269,7 +276,8 @@ impl ReceiverSession {
         self.settle(t.spec, next);
     }
 
-    /// The driver hands back the digests of the landed memory, computed after the fence.
+    /// The driver hands back the digests of the landed memory (and of the COMMIT's aux
+    /// record), computed after the fence.
     pub fn handle_digests(&mut self, now: Instant, transfer: TransferRef, landed: TransferDigests) {
         let Some(t) = self.take_current(transfer) else {
             return;
@@ -284,27 +292,12 @@ impl ReceiverSession {
                             tokens: t.spec.tokens,
                             pages: t.spec.pages,
                             bytes: t.spec.bytes,
+                            aux: v.commit.aux,
                         }));
                     self.out.transmit.push_back(Frame::Verified(transfer));
                     Next::Done(None)
                 }
-                Err(reason) => {
-                    let (buffer, page) = match &reason {
-                        FailureReason::DigestMismatch { buffer, page } => {
-                            (*buffer, page.unwrap_or(NONE_INDEX))
-                        }
-                        _ => (NONE_INDEX, NONE_INDEX),
-                    };
-                    self.out.transmit.push_back(Frame::Nack(Nack {
-                        transfer,
-                        code: reason.code(),
-                        buffer,
-                        page,
-                        detail: reason.to_string(),
-                    }));
-                    self.out
-                        .fail(&t.spec, Pending::Nothing, reason, AfterFence::Nothing, now)
-                }
+                Err(reason) => self.refuse_verified(&t.spec, reason, now),
             },
             // Failed while the digests were computed: they no longer read the pages.
             State::Failing(f) if f.awaiting == Awaiting::Digests => {
@@ -313,6 +306,52 @@ impl ReceiverSession {
             other => Next::Stay(other),
         };
         self.settle(t.spec, next);
+    }
+
+    /// The driver found, instead of computing digests, that a reserved page did not receive
+    /// all its bytes for this reservation (the transport's coverage check, SPEC.md §6): the
+    /// transfer fails with `PAGES_MISSING` naming `first_missing` (a page ordinal), on the
+    /// same path as a digest mismatch. Call it in place of
+    /// [`ReceiverSession::handle_digests`] for the `ComputeDigests` it answers, once
+    /// nothing reads the pages for it.
+    pub fn handle_missing_pages(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        first_missing: u32,
+    ) {
+        let Some(t) = self.take_current(transfer) else {
+            return;
+        };
+        let next = match t.state {
+            State::Verifying(_) => {
+                self.refuse_verified(&t.spec, FailureReason::PagesMissing { first_missing }, now)
+            }
+            State::Failing(f) if f.awaiting == Awaiting::Digests => {
+                self.out.after_fence(&t.spec, f.reason, f.after, now)
+            }
+            other => Next::Stay(other),
+        };
+        self.settle(t.spec, next);
+    }
+
+    /// A fenced transfer whose landed memory does not verify: NACK, then quarantine,
+    /// release and report (nothing reads the pages any more).
+    fn refuse_verified(&mut self, spec: &Spec, reason: FailureReason, now: Instant) -> Next {
+        let (buffer, page) = match &reason {
+            FailureReason::DigestMismatch { buffer, page } => (*buffer, page.unwrap_or(NONE_INDEX)),
+            FailureReason::PagesMissing { first_missing } => (NONE_INDEX, *first_missing),
+            _ => (NONE_INDEX, NONE_INDEX),
+        };
+        self.out.transmit.push_back(Frame::Nack(Nack {
+            transfer: spec.transfer,
+            code: reason.code(),
+            buffer,
+            page,
+            detail: reason.to_string(),
+        }));
+        self.out
+            .fail(spec, Pending::Nothing, reason, AfterFence::Nothing, now)
     }
 
     fn take_current(&mut self, transfer: TransferRef) -> Option<Transfer> {

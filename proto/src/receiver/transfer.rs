@@ -25,6 +25,8 @@ pub(super) struct Spec {
     pub(super) buffers: usize,
     pub(super) digest: DigestAlgorithm,
     pub(super) page_digests: bool,
+    /// The longest aux record this receiver accepts (its hello's `max_aux`).
+    pub(super) max_aux: u32,
 }
 
 #[derive(Clone, Debug)]

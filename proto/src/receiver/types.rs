@@ -102,8 +102,13 @@ pub enum ReceiverAction {
     /// window; TCP/loopback: close its scope), then call
     /// [`ReceiverSession::handle_fenced`](super::ReceiverSession::handle_fenced).
     Fence(TransferRef),
-    /// Compute the transfer's digests over the landed pages, then call
-    /// [`ReceiverSession::handle_digests`](super::ReceiverSession::handle_digests).
+    /// Compute the transfer's digests over the landed pages, and the aux digest over
+    /// `aux`, then call
+    /// [`ReceiverSession::handle_digests`](super::ReceiverSession::handle_digests) — or,
+    /// if the driver knows a reserved page did not receive all its bytes for this
+    /// reservation,
+    /// [`ReceiverSession::handle_missing_pages`](super::ReceiverSession::handle_missing_pages)
+    /// instead.
     ComputeDigests {
         /// The transfer.
         transfer: TransferRef,
@@ -111,6 +116,9 @@ pub enum ReceiverAction {
         algorithm: DigestAlgorithm,
         /// Per-page digests too.
         page_digests: bool,
+        /// The COMMIT's auxiliary record, to digest with the transfer's algorithm and
+        /// binding.
+        aux: Vec<u8>,
     },
     /// Return the transfer's pages to the pool. Always after its fence.
     Release(TransferRef),
@@ -127,6 +135,9 @@ pub struct Delivery {
     pub pages: u32,
     /// Bytes verified.
     pub bytes: u64,
+    /// The auxiliary record that came with the pages (verified against its digest; may be
+    /// empty).
+    pub aux: Vec<u8>,
 }
 
 /// What happened to a transfer, for the engine.

@@ -1,5 +1,5 @@
 //! The receiver's checks: a COMMIT against its reservation, and the digests of the landed
-//! memory against the COMMIT.
+//! memory (and of the aux record) against the COMMIT.
 
 use super::transfer::Spec;
 use crate::error::{CountField, FailureReason};
@@ -56,7 +56,19 @@ pub(super) fn check_commit(spec: &Spec, c: &Commit) -> Result<(), FailureReason>
             detail: format!("{n} page digests for {want_pages} pages"),
         }),
         _ => Ok(()),
+    }?;
+    if c.aux.len() > spec.max_aux as usize {
+        return Err(FailureReason::AuxTooLarge {
+            len: u32::try_from(c.aux.len()).unwrap_or(u32::MAX),
+            max: spec.max_aux,
+        });
     }
+    if c.aux_digest.is_zero() {
+        return Err(FailureReason::MissingDigest {
+            detail: "aux digest is all zero".into(),
+        });
+    }
+    Ok(())
 }
 
 /// Compares the landed memory's digests with the commit's; names the first bad buffer and,
@@ -93,6 +105,9 @@ pub(super) fn compare_digests(
         return Err(FailureReason::ProtocolViolation {
             detail: "page digests disagree with matching buffer digests".into(),
         });
+    }
+    if landed.aux != commit.aux_digest {
+        return Err(FailureReason::AuxMismatch);
     }
     Ok(())
 }

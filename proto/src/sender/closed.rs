@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use super::SenderSession;
+use crate::history::Finished;
 use crate::scope::FrameError;
 use crate::wire::{ErrorCode, Frame, Reject, Reserve, TransferRef};
 
@@ -26,7 +27,14 @@ impl SenderSession {
         frame: Frame,
         tref: TransferRef,
     ) -> Result<(), FrameError> {
-        match (frame, self.history.get(tref.transfer_id).cloned()) {
+        let id = tref.transfer_id;
+        match (frame, self.history.get(id).cloned()) {
+            // A new reservation after the receiver aborted a parked one: it starts afresh.
+            (Frame::Reserve(r), Some(f)) if f.aborted_while_parked && f.nonce != r.nonce => {
+                self.history.remove(id);
+                self.park(now, r);
+                Ok(())
+            }
             (Frame::Reserve(r), Some(f)) => {
                 let (code, detail) = f.failure.unwrap_or((
                     ErrorCode::DUPLICATE_TRANSFER,
@@ -36,19 +44,24 @@ impl SenderSession {
                 Ok(())
             }
             (Frame::Reserve(r), None) => {
-                if let Some((old, _)) = self.parked.remove(&r.transfer_id) {
-                    self.reject_reservation(
-                        &old,
-                        ErrorCode::DUPLICATE_TRANSFER,
-                        "superseded".into(),
-                    );
-                }
-                let deadline = now + self.config.parked_reservation_timeout;
-                self.timers.arm(deadline, r.transfer_id);
-                self.parked.insert(r.transfer_id, (r, deadline));
+                self.park(now, r);
                 Ok(())
             }
-            (Frame::Abort(_), _) => {
+            (Frame::Abort(a), _) => {
+                // The receiver gave up on a reservation we hold parked: drop it, and remember
+                // the abort so a later submit of the id fails at once (SPEC §5.1).
+                let parked_nonce = self.parked.get(&id).map(|(r, _)| r.nonce);
+                if let Some(nonce) = parked_nonce.filter(|&n| tref.nonce == n || tref.nonce == 0) {
+                    self.parked.remove(&id);
+                    self.history.insert(
+                        id,
+                        Finished {
+                            nonce,
+                            failure: Some((a.code, a.detail)),
+                            aborted_while_parked: true,
+                        },
+                    );
+                }
                 self.out.transmit.push_back(Frame::AbortAck(tref));
                 Ok(())
             }
@@ -61,5 +74,26 @@ impl SenderSession {
                 )))
             }
         }
+    }
+
+    /// Parks a RESERVE naming no request this session knows (it may be on its way): a
+    /// newer one for the same id supersedes it; beyond `max_parked` it is refused at once.
+    fn park(&mut self, now: Instant, r: Reserve) {
+        if let Some((old, _)) = self.parked.remove(&r.transfer_id) {
+            self.reject_reservation(&old, ErrorCode::DUPLICATE_TRANSFER, "superseded".into());
+        } else if self.parked.len() >= self.config.max_parked {
+            self.reject_reservation(
+                &r,
+                ErrorCode::PARKED_LIMIT,
+                format!(
+                    "{} reservations already parked for requests this sender does not know",
+                    self.parked.len()
+                ),
+            );
+            return;
+        }
+        let deadline = now + self.config.parked_reservation_timeout;
+        self.timers.arm(deadline, r.transfer_id);
+        self.parked.insert(r.transfer_id, (r, deadline));
     }
 }

@@ -8,11 +8,17 @@
 //!  retire(Rejected) ─▶ any RESERVE for it gets REJECT with the original error; nothing else happens.
 //! ```
 //!
-//! Source pages are released only once every posted write has completed or failed, since a
-//! transport may still be reading them.
+//! A request's pages may come whole ([`SenderSession::submit`]) or in chunks as chunked
+//! prefill produces them ([`SenderSession::open`], then [`SenderSession::submit_chunk`]);
+//! once the reservation is accepted every chunk is written and digested as it comes, and the
+//! COMMIT, with the auxiliary record of the final chunk, goes once all have completed.
+//!
+//! Source pages are released only once every posted write has completed or failed and every
+//! digest job has returned, since a transport or a digest may still be reading them.
 
 mod closed;
 mod state;
+mod submit;
 mod transfer;
 mod types;
 
@@ -20,18 +26,19 @@ use crate::wire::TransferId;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use crate::admission::{Admitted, Rejected};
+use crate::admission::Rejected;
 use crate::error::{FailureReason, Wait};
 use crate::handshake::Established;
 use crate::history::{Finished, History};
 use crate::scope::FrameError;
 use crate::timers::Timers;
 use crate::wire::{DigestAlgorithm, ErrorCode, Frame, Reserve, TransferDigests, TransferRef};
-use state::{AfterDrain, AwaitingReservation, DigestJob, State};
+use state::{AfterDrain, State};
 use transfer::{Ctx, Next, Out, Transfer};
 
 pub use types::{
-    PageWrite, SenderAction, SenderConfig, SenderEvent, SenderStats, SubmitError, WriteOutcome,
+    ChunkError, PageWrite, SenderAction, SenderConfig, SenderEvent, SenderStats, SubmitError,
+    WriteOutcome,
 };
 
 /// The sender side of one connection: all its transfers.
@@ -40,6 +47,8 @@ pub struct SenderSession {
     digests: Vec<DigestAlgorithm>,
     bytes_per_page_index: u64,
     buffers: usize,
+    /// The receiver's `max_aux` (its hello): the longest aux record it accepts.
+    peer_max_aux: u32,
     config: SenderConfig,
     transfers: BTreeMap<TransferId, Transfer>,
     /// Reservations naming no known request, held briefly (the request may be on its way).
@@ -57,6 +66,7 @@ impl SenderSession {
             digests: established.digests.clone(),
             bytes_per_page_index: established.layout().bytes_per_page_index(),
             buffers: established.layout().buffers(),
+            peer_max_aux: established.peer.max_aux,
             history: History::new(config.history),
             config,
             transfers: BTreeMap::new(),
@@ -74,6 +84,7 @@ impl SenderSession {
             digests: &self.digests,
             bytes_per_page_index: self.bytes_per_page_index,
             buffers: self.buffers,
+            peer_max_aux: self.peer_max_aux,
             now,
         }
     }
@@ -87,57 +98,10 @@ impl SenderSession {
                 }
                 self.transfers.insert(id, Transfer { state, ..t });
             }
-            Next::Done(failure) => self.history.insert(
-                id,
-                Finished {
-                    nonce: t.transfer.nonce,
-                    failure,
-                },
-            ),
+            Next::Done(failure) => self
+                .history
+                .insert(id, Finished::ended(t.transfer.nonce, failure)),
         }
-    }
-
-    /// Submits an admitted request whose KV pages are in `source` (sender pool page indices,
-    /// in token order). It waits for the receiver's reservation.
-    pub fn submit(
-        &mut self,
-        now: Instant,
-        admitted: Admitted,
-        source: Vec<u32>,
-    ) -> Result<(), SubmitError> {
-        if self.lost {
-            return Err(SubmitError::PeerLost(admitted));
-        }
-        let id = admitted.transfer_id();
-        if self.transfers.contains_key(&id) {
-            return Err(SubmitError::DuplicateTransfer(admitted));
-        }
-        if source.len() as u64 != u64::from(admitted.pages()) {
-            return Err(SubmitError::SourcePageCount {
-                given: source.len(),
-                admitted,
-            });
-        }
-        self.history.remove(id);
-        let deadline = now + self.config.reservation_timeout;
-        let t = Transfer {
-            admitted,
-            source,
-            transfer: TransferRef {
-                transfer_id: id,
-                nonce: 0,
-            },
-            state: State::AwaitingReservation(AwaitingReservation { deadline }),
-        };
-        self.settle(
-            t,
-            Next::Stay(State::AwaitingReservation(AwaitingReservation { deadline })),
-        );
-        if let Some((r, _)) = self.parked.remove(&id) {
-            // Cannot fail with a connection-scope error: it is a RESERVE for an open transfer.
-            let _ = self.handle_frame(now, Frame::Reserve(r));
-        }
-        Ok(())
     }
 
     /// Retires a rejected request: any reservation for it (already parked or still to come)
@@ -147,13 +111,8 @@ impl SenderSession {
         let id = rejected.transfer_id;
         let code = rejected.error.code();
         let detail = rejected.error.to_string();
-        self.history.insert(
-            id,
-            Finished {
-                nonce: 0,
-                failure: Some((code, detail.clone())),
-            },
-        );
+        self.history
+            .insert(id, Finished::ended(0, Some((code, detail.clone()))));
         if let Some((r, _)) = self.parked.remove(&id) {
             self.reject_reservation(&r, code, detail);
         }
@@ -224,7 +183,7 @@ impl SenderSession {
         let mut cx = self.ctx(now);
         let next = match (state, outcome) {
             (State::Writing(mut w), WriteOutcome::Completed) => {
-                w.completed = w.completed.saturating_add(pages).min(t.admitted.pages());
+                w.completed = w.completed.saturating_add(pages).min(w.posted);
                 cx.maybe_commit(&t, w)
             }
             (State::Writing(w), WriteOutcome::Failed | WriteOutcome::Cancelled) => {
@@ -250,12 +209,28 @@ impl SenderSession {
         self.settle(t, next);
     }
 
-    /// The driver hands back the source digests.
+    /// The driver hands back the source digests: the final chunk's digest job has
+    /// returned, with the digests of the whole transfer and of its aux record.
     pub fn handle_digests(
         &mut self,
         now: Instant,
         transfer: TransferRef,
         digests: TransferDigests,
+    ) {
+        self.digest_job_returned(now, transfer, Some(digests));
+    }
+
+    /// A non-final chunk's digest job has returned: it no longer reads the source (its
+    /// progress stays in the driver's streaming digest state for the next job).
+    pub fn handle_chunk_digested(&mut self, now: Instant, transfer: TransferRef) {
+        self.digest_job_returned(now, transfer, None);
+    }
+
+    fn digest_job_returned(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        digests: Option<TransferDigests>,
     ) {
         let Some(mut t) = self.take_current(transfer) else {
             return;
@@ -264,12 +239,15 @@ impl SenderSession {
         let mut cx = self.ctx(now);
         let next = match state {
             State::Writing(mut w) => {
-                w.digests = Some(digests);
+                w.digest_jobs = w.digest_jobs.saturating_sub(1);
+                if digests.is_some() {
+                    w.digests = digests;
+                }
                 cx.maybe_commit(&t, w)
             }
-            // Abandoned while the digests were computed: they no longer read the source.
+            // Abandoned while digests were computed: this job no longer reads the source.
             State::Draining(mut d) => {
-                d.digest_job = DigestJob::Returned;
+                d.digest_jobs = d.digest_jobs.saturating_sub(1);
                 cx.finish_drain(&t, d)
             }
             other => Next::Stay(other),

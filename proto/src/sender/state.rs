@@ -1,5 +1,5 @@
 //! The states of one sender transfer, one type per state, and what the drain of an
-//! abandoned transfer still waits for.
+//! abandoned transfer still waits for (posted writes and digest jobs, counted).
 
 use std::time::Instant;
 
@@ -11,11 +11,27 @@ pub(super) struct AwaitingReservation {
     pub(super) deadline: Instant,
 }
 
+/// What an accepted reservation fixes for every chunk still to come.
+#[derive(Clone, Debug)]
+pub(super) struct Reserved {
+    pub(super) digest: DigestAlgorithm,
+    pub(super) page_digests: bool,
+    /// Destination pages, in ordinal order.
+    pub(super) pages: Vec<u32>,
+    pub(super) access: Vec<u8>,
+}
+
 #[derive(Clone, Debug)]
 pub(super) struct Writing {
     pub(super) deadline: Instant,
-    pub(super) digest: DigestAlgorithm,
+    pub(super) reserved: Reserved,
+    /// Ordinals `0 .. posted` have had their writes and digest job emitted.
+    pub(super) posted: u32,
+    /// Page writes completed.
     pub(super) completed: u32,
+    /// Digest jobs emitted and not yet reported (each still reads the source).
+    pub(super) digest_jobs: u32,
+    /// The final digest job's result.
     pub(super) digests: Option<TransferDigests>,
 }
 
@@ -27,18 +43,15 @@ pub(super) enum AfterDrain {
     Nothing,
 }
 
-/// Whether the source digest computation still reads the source pages.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum DigestJob {
-    Running,
-    Returned,
-}
-
 #[derive(Clone, Debug)]
 pub(super) struct Draining {
     pub(super) completed: u32,
+    /// Page writes reported (any outcome); the drain waits until it reaches `posted`.
     pub(super) accounted: u32,
-    pub(super) digest_job: DigestJob,
+    /// Page writes emitted in `PostWrites`.
+    pub(super) posted: u32,
+    /// Digest jobs still reading the source.
+    pub(super) digest_jobs: u32,
     pub(super) reason: FailureReason,
     pub(super) after: AfterDrain,
 }

@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::state::{
-    AfterDrain, AwaitingAbortAck, AwaitingReservation, AwaitingVerdict, DigestJob, Draining, State,
+    AfterDrain, AwaitingAbortAck, AwaitingReservation, AwaitingVerdict, Draining, Reserved, State,
     Writing,
 };
 use super::{PageWrite, SenderAction, SenderConfig, SenderEvent, SenderStats};
@@ -20,7 +20,11 @@ use crate::wire::{
 #[derive(Debug)]
 pub(super) struct Transfer {
     pub(super) admitted: Admitted,
+    /// Source pages submitted so far, in ordinal order (all of them once the final chunk
+    /// came).
     pub(super) source: Vec<u32>,
+    /// The auxiliary record: `Some` (possibly empty) once the final chunk came.
+    pub(super) aux: Option<Vec<u8>>,
     /// Nonce 0 until a reservation is accepted.
     pub(super) transfer: TransferRef,
     pub(super) state: State,
@@ -31,9 +35,17 @@ impl Clone for Transfer {
         Self {
             admitted: self.admitted.duplicate(),
             source: self.source.clone(),
+            aux: self.aux.clone(),
             transfer: self.transfer,
             state: self.state.clone(),
         }
+    }
+}
+
+impl Transfer {
+    /// Whether every source page (and the aux record) has been submitted.
+    pub(super) fn has_final_chunk(&self) -> bool {
+        self.aux.is_some()
     }
 }
 
@@ -56,6 +68,8 @@ pub(super) struct Ctx<'a> {
     pub(super) digests: &'a [DigestAlgorithm],
     pub(super) bytes_per_page_index: u64,
     pub(super) buffers: usize,
+    /// The receiver's `max_aux`: the longest aux record it accepts.
+    pub(super) peer_max_aux: u32,
     pub(super) now: Instant,
 }
 
@@ -95,8 +109,8 @@ impl Ctx<'_> {
         self.out.events.push_back(SenderEvent::Verified(t.transfer));
     }
 
-    /// Abandons a transfer that may have writes posted and a digest job running: cancel
-    /// unposted writes, then wait for the posted ones and for the digest job.
+    /// Abandons a transfer that may have writes posted and digest jobs running: cancel
+    /// unposted writes, then wait for the posted ones and for the digest jobs.
     pub(super) fn drain(
         &mut self,
         t: &Transfer,
@@ -110,19 +124,16 @@ impl Ctx<'_> {
         let d = Draining {
             completed: w.completed,
             accounted: w.completed,
-            digest_job: if w.digests.is_some() {
-                DigestJob::Returned
-            } else {
-                DigestJob::Running
-            },
+            posted: w.posted,
+            digest_jobs: w.digest_jobs,
             reason,
             after,
         };
         self.finish_drain(t, d)
     }
 
-    /// Abandons a committed transfer: every write completed and the digests returned, so
-    /// nothing reads the source any more.
+    /// Abandons a committed transfer: every write completed and every digest job returned,
+    /// so nothing reads the source any more.
     pub(super) fn abandon_committed(
         &mut self,
         t: &Transfer,
@@ -133,17 +144,18 @@ impl Ctx<'_> {
         let d = Draining {
             completed: pages,
             accounted: pages,
-            digest_job: DigestJob::Returned,
+            posted: pages,
+            digest_jobs: 0,
             reason,
             after,
         };
         self.finish_drain(t, d)
     }
 
-    /// If every write is accounted for and no digest job reads the source, finish the
-    /// abandoned transfer (only now may the source pages be released).
+    /// If every posted write is accounted for and no digest job reads the source, finish
+    /// the abandoned transfer (only now may the source pages be released).
     pub(super) fn finish_drain(&mut self, t: &Transfer, d: Draining) -> Next {
-        if d.accounted < t.admitted.pages() || d.digest_job == DigestJob::Running {
+        if d.accounted < d.posted || d.digest_jobs > 0 {
             return Next::Stay(State::Draining(d));
         }
         match d.after {
@@ -202,12 +214,14 @@ impl Ctx<'_> {
                 format!("digest {} not agreed", r.digest),
             ));
         }
-        if !crate::wire::commit_fits(self.buffers, r.pages.len(), r.page_digests) {
+        let max_aux = self.peer_max_aux as usize;
+        if !crate::wire::commit_fits(self.buffers, r.pages.len(), r.page_digests, max_aux) {
             return Err((
                 ErrorCode::BAD_RESERVATION,
                 format!(
-                    "a COMMIT with per-page digests for {} pages would exceed the frame limit",
-                    r.pages.len()
+                    "a COMMIT for {} pages (page digests: {}) with an aux record of up to {max_aux} bytes would exceed the frame limit",
+                    r.pages.len(),
+                    r.page_digests
                 ),
             ));
         }
@@ -222,22 +236,61 @@ impl Ctx<'_> {
         Ok(())
     }
 
-    /// Commits if every write completed and the digests are ready.
+    /// Emits the writes and the digest job of every source page submitted and not yet
+    /// posted (one chunk, or all chunks that came before the reservation).
+    pub(super) fn post_available(&mut self, t: &Transfer, w: &mut Writing) {
+        let from = w.posted;
+        let to = t.source.len() as u32;
+        if to <= from {
+            return;
+        }
+        let aux = if to == t.admitted.pages() {
+            t.aux.clone()
+        } else {
+            None
+        };
+        self.out.actions.push_back(SenderAction::ComputeDigests {
+            transfer: t.transfer,
+            algorithm: w.reserved.digest,
+            page_digests: w.reserved.page_digests,
+            first: from,
+            pages: to - from,
+            aux,
+        });
+        let writes = (from..to)
+            .map(|ordinal| PageWrite {
+                ordinal,
+                src_page: t.source[ordinal as usize],
+                dst_page: w.reserved.pages[ordinal as usize],
+            })
+            .collect();
+        self.out.actions.push_back(SenderAction::PostWrites {
+            transfer: t.transfer,
+            writes,
+            access: w.reserved.access.clone(),
+        });
+        w.posted = to;
+        w.digest_jobs += 1;
+    }
+
+    /// Commits if every write completed and every digest job returned, the final one with
+    /// the transfer's digests.
     pub(super) fn maybe_commit(&mut self, t: &Transfer, w: Writing) -> Next {
-        if w.completed < t.admitted.pages() || w.digests.is_none() {
+        let pages = t.admitted.pages();
+        if w.completed < pages || w.digest_jobs > 0 || w.digests.is_none() {
             return Next::Stay(State::Writing(w));
         }
-        let digest = w.digest;
         let digests = w.digests.unwrap_or_default();
-        let pages = t.admitted.pages();
         self.out.transmit.push_back(Frame::Commit(Commit {
             transfer: t.transfer,
             tokens: t.admitted.tokens(),
             pages,
             bytes: u64::from(pages) * self.bytes_per_page_index,
-            digest,
+            digest: w.reserved.digest,
             buffer_digests: digests.buffers,
             page_digests: digests.pages,
+            aux_digest: digests.aux,
+            aux: t.aux.clone().unwrap_or_default(),
         }));
         Next::Stay(State::AwaitingVerdict(AwaitingVerdict {
             deadline: self.now + self.config.verdict_timeout,
@@ -301,34 +354,21 @@ impl Transfer {
                     }
                     Ok(()) => {
                         self.transfer.nonce = r.nonce;
-                        let writes = self
-                            .source
-                            .iter()
-                            .zip(&r.pages)
-                            .enumerate()
-                            .map(|(i, (&src_page, &dst_page))| PageWrite {
-                                ordinal: i as u32,
-                                src_page,
-                                dst_page,
-                            })
-                            .collect();
-                        cx.out.actions.push_back(SenderAction::ComputeDigests {
-                            transfer: self.transfer,
-                            algorithm: r.digest,
-                            page_digests: r.page_digests,
-                        });
-                        cx.out.actions.push_back(SenderAction::PostWrites {
-                            transfer: self.transfer,
-                            writes,
-                            access: r.access,
-                        });
                         let deadline = cx.now + Duration::from_millis(u64::from(r.deadline_ms));
-                        let w = Writing {
+                        let mut w = Writing {
                             deadline,
-                            digest: r.digest,
+                            reserved: Reserved {
+                                digest: r.digest,
+                                page_digests: r.page_digests,
+                                pages: r.pages,
+                                access: r.access,
+                            },
+                            posted: 0,
                             completed: 0,
+                            digest_jobs: 0,
                             digests: None,
                         };
+                        cx.post_available(&self, &mut w);
                         (Next::Stay(State::Writing(w)), Ok(()))
                     }
                 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::admission::Admitted;
 use crate::error::FailureReason;
-use crate::wire::{DigestAlgorithm, TransferRef};
+use crate::wire::{DigestAlgorithm, ErrorCode, TransferRef};
 
 /// Sender session settings.
 #[derive(Clone, Debug)]
@@ -22,6 +22,9 @@ pub struct SenderConfig {
     pub abort_ack_timeout: Duration,
     /// How many finished and retired requests to remember for late reservations.
     pub history: usize,
+    /// How many reservations naming no known request may be parked at once; a RESERVE
+    /// beyond it is refused at once with `PARKED_LIMIT` (SPEC.md §5.1).
+    pub max_parked: usize,
 }
 
 impl Default for SenderConfig {
@@ -32,6 +35,7 @@ impl Default for SenderConfig {
             verdict_timeout: Duration::from_secs(10),
             abort_ack_timeout: Duration::from_secs(5),
             history: 4096,
+            max_parked: 256,
         }
     }
 }
@@ -72,8 +76,14 @@ pub enum SenderAction {
         /// The receiver's access descriptor from RESERVE.
         access: Vec<u8>,
     },
-    /// Compute digests of the source pages (in transfer order), then call
-    /// [`SenderSession::handle_digests`](super::SenderSession::handle_digests).
+    /// Digest the source pages of ordinals `first .. first + pages` (one chunk of the
+    /// transfer), continuing the transfer's digests from where its previous job for this
+    /// transfer left them (jobs of one transfer run in the order emitted; the first starts
+    /// at ordinal 0). Then, on a non-final chunk (`aux` is `None`), call
+    /// [`SenderSession::handle_chunk_digested`](super::SenderSession::handle_chunk_digested);
+    /// on the final one, finish the digests, add the aux digest over `aux`, and call
+    /// [`SenderSession::handle_digests`](super::SenderSession::handle_digests). A job reads
+    /// the source until it is reported.
     ComputeDigests {
         /// The transfer (the digests are bound to it).
         transfer: TransferRef,
@@ -81,6 +91,13 @@ pub enum SenderAction {
         algorithm: DigestAlgorithm,
         /// Per-page digests too.
         page_digests: bool,
+        /// The first ordinal of the chunk.
+        first: u32,
+        /// Pages in the chunk (at least 1).
+        pages: u32,
+        /// `Some` exactly on the final chunk: the auxiliary record (possibly empty) to digest
+        /// into [`TransferDigests::aux`](crate::wire::TransferDigests::aux).
+        aux: Option<Vec<u8>>,
     },
     /// Stop posting the transfer's writes; report every unposted write as
     /// [`WriteOutcome::Cancelled`].
@@ -118,7 +135,93 @@ pub enum SubmitError {
     },
     /// The connection is lost.
     PeerLost(Admitted),
+    /// The receiver aborted this transfer's reservation while it was parked (before the
+    /// request was submitted here): nothing is written; `code` is the abort's.
+    AbortedByPeer {
+        /// The request.
+        admitted: Admitted,
+        /// The code of the receiver's ABORT.
+        code: ErrorCode,
+    },
 }
+
+impl std::fmt::Display for SubmitError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::DuplicateTransfer(a) => write!(f, "transfer {} is already open", a.transfer_id()),
+            Self::SourcePageCount { admitted, given } => write!(
+                f,
+                "{given} source pages given, the request needs {}",
+                admitted.pages()
+            ),
+            Self::PeerLost(_) => write!(f, "the connection is lost"),
+            Self::AbortedByPeer { admitted, code } => write!(
+                f,
+                "the receiver aborted transfer {}'s reservation before it was submitted: {code}",
+                admitted.transfer_id()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for SubmitError {}
+
+/// Why [`SenderSession::submit_chunk`](super::SenderSession::submit_chunk) refused a chunk.
+/// Nothing changed in the session; the transfer, if open, goes on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ChunkError {
+    /// No open transfer has this id (never opened, or already finished).
+    UnknownTransfer(TransferId),
+    /// The transfer already received its final chunk.
+    AfterFinal(TransferId),
+    /// The transfer is being abandoned (drained, aborted or failed); its outcome comes as a
+    /// [`SenderEvent::Failed`].
+    TransferEnding(TransferId),
+    /// The chunk has no pages.
+    EmptyChunk,
+    /// The chunk would bring the transfer past its admitted page count.
+    TooManyPages {
+        /// Pages in the chunk.
+        given: usize,
+        /// Pages the transfer still expects.
+        remaining: u32,
+    },
+    /// An auxiliary record on a chunk that is not the final one.
+    AuxBeforeFinal,
+    /// The auxiliary record is longer than the receiver accepts (its hello's `max_aux`).
+    AuxTooLarge {
+        /// Bytes given.
+        len: usize,
+        /// The receiver's limit.
+        max: u32,
+    },
+    /// The connection is lost.
+    PeerLost,
+}
+
+impl std::fmt::Display for ChunkError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::UnknownTransfer(id) => write!(f, "no open transfer {id}"),
+            Self::AfterFinal(id) => write!(f, "transfer {id} already has its final chunk"),
+            Self::TransferEnding(id) => write!(f, "transfer {id} is being abandoned"),
+            Self::EmptyChunk => write!(f, "a chunk needs at least one page"),
+            Self::TooManyPages { given, remaining } => write!(
+                f,
+                "chunk of {given} pages, the transfer expects {remaining} more"
+            ),
+            Self::AuxBeforeFinal => write!(f, "an auxiliary record goes with the final chunk only"),
+            Self::AuxTooLarge { len, max } => write!(
+                f,
+                "auxiliary record of {len} bytes, the receiver accepts at most {max}"
+            ),
+            Self::PeerLost => write!(f, "the connection is lost"),
+        }
+    }
+}
+
+impl std::error::Error for ChunkError {}
 
 /// Counters of a sender session.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -152,6 +152,9 @@ wire_enum! {
         DUPLICATE_TRANSFER = 0x0203 => "DUPLICATE_TRANSFER",
         /// The reservation is malformed (duplicate pages, no pages, bad access descriptor).
         BAD_RESERVATION = 0x0204 => "BAD_RESERVATION",
+        /// The sender holds as many parked reservations (naming no request it knows yet) as
+        /// it allows; this one is refused at once.
+        PARKED_LIMIT = 0x0205 => "PARKED_LIMIT",
 
         // Verification (NACK).
         /// The commit's tokens, pages or bytes differ from the reservation.
@@ -164,6 +167,12 @@ wire_enum! {
         STALE_NONCE = 0x0303 => "STALE_NONCE",
         /// The commit is for a transfer the receiver does not know.
         UNKNOWN_TRANSFER = 0x0304 => "UNKNOWN_TRANSFER",
+        /// The auxiliary record's digest over the bytes received differs from the sender's.
+        AUX_MISMATCH = 0x0305 => "AUX_MISMATCH",
+        /// A reserved page did not receive all its bytes for this reservation before COMMIT.
+        PAGES_MISSING = 0x0306 => "PAGES_MISSING",
+        /// The commit's auxiliary record is longer than the receiver accepts (its `max_aux`).
+        AUX_TOO_LARGE = 0x0307 => "AUX_TOO_LARGE",
 
         // Abort (ABORT).
         /// A deadline passed.

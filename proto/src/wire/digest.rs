@@ -31,12 +31,12 @@ impl fmt::Debug for Digest128 {
     }
 }
 
-/// Digests of one transfer: one 128-bit digest per buffer, and optionally one 64-bit digest
-/// per page of every buffer.
+/// Digests of one transfer: one 128-bit digest per buffer, optionally one 64-bit digest per
+/// page of every buffer, and the digest of its auxiliary record.
 ///
-/// Buffer digests are bound to (transfer id, nonce, buffer index, page ordinal) by the
-/// algorithm in SPEC.md §6, so digests made for another transfer or an earlier reservation
-/// of the same transfer cannot verify.
+/// Buffer digests are bound to (transfer id, nonce, buffer index, page ordinal) and the aux
+/// digest to (transfer id, nonce) by the algorithms in SPEC.md §6, so digests made for
+/// another transfer or an earlier reservation of the same transfer cannot verify.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct TransferDigests {
     /// One digest per buffer, in buffer order.
@@ -44,6 +44,9 @@ pub struct TransferDigests {
     /// Either empty, or `buffers.len() * pages` page digests, buffer-major
     /// (`pages[b * page_count + ordinal]`).
     pub pages: Vec<u64>,
+    /// The digest of the transfer's auxiliary record (always computed, also over an empty
+    /// record; all-zero = missing).
+    pub aux: Digest128,
 }
 
 impl TransferDigests {

@@ -5,7 +5,7 @@
 //! ```text
 //! offset size field
 //! 0      4    magic         "KVWR" (4B 56 57 52)
-//! 4      2    version       1
+//! 4      2    version       2
 //! 6      2    frame type    FrameType
 //! 8      4    payload len   N <= MAX_PAYLOAD
 //! 12     N    payload       per frame type
@@ -15,8 +15,9 @@
 use super::codec::{Reader, Writer};
 use super::error::{DecodeError, EncodeError};
 use super::limits::{
-    HEADER_LEN, MAGIC, MAX_ACCESS, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS, MAX_FINGERPRINT,
-    MAX_PAGES, MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, TRAILER_LEN, VERSION,
+    HEADER_LEN, MAGIC, MAX_ACCESS, MAX_AUX, MAX_BUFFERS, MAX_DETAIL, MAX_DIGEST_ALGORITHMS,
+    MAX_FINGERPRINT, MAX_PAGES, MAX_PAGE_DIGESTS, MAX_PAYLOAD, MAX_TRANSPORT_PARAMS, TRAILER_LEN,
+    VERSION,
 };
 use super::TransferId;
 use super::{Digest128, DigestAlgorithm, ErrorCode, FrameType, KvLayout, Role};
@@ -34,6 +35,9 @@ pub struct Hello {
     pub digests: Vec<DigestAlgorithm>,
     /// Transport parameters, opaque to the protocol (e.g. RDMA GID, QPN, PSN, MTU).
     pub transport_params: Vec<u8>,
+    /// The longest auxiliary record this node accepts in a COMMIT it receives (0: none), at
+    /// most [`MAX_AUX`](super::MAX_AUX). A sender never commits a longer one to this node.
+    pub max_aux: u32,
 }
 
 /// HELLO_REJECT: the connection is refused.
@@ -103,6 +107,11 @@ pub struct Commit {
     pub buffer_digests: Vec<Digest128>,
     /// Empty, or one digest per page per buffer, buffer-major.
     pub page_digests: Vec<u64>,
+    /// The digest of `aux`, bound to the reservation (SPEC.md §6). All-zero = missing.
+    pub aux_digest: Digest128,
+    /// The auxiliary record delivered with the pages (e.g. the first output token), at most
+    /// [`MAX_AUX`](super::MAX_AUX) bytes and at most the receiver's `max_aux`; may be empty.
+    pub aux: Vec<u8>,
 }
 
 /// NACK: the receiver failed the transfer at verification.
@@ -274,6 +283,7 @@ impl Frame {
             Self::Commit(c) => {
                 check_len("buffer_digests", c.buffer_digests.len(), MAX_BUFFERS)?;
                 check_len("page_digests", c.page_digests.len(), MAX_PAGE_DIGESTS)?;
+                check_len("aux", c.aux.len(), MAX_AUX)?;
                 put_ref(w, c.transfer);
                 w.u32(c.tokens);
                 w.u32(c.pages);
@@ -287,6 +297,9 @@ impl Frame {
                 for &d in &c.page_digests {
                     w.u64(d);
                 }
+                w.bytes(&c.aux_digest.0);
+                w.u32(c.aux.len() as u32);
+                w.bytes(&c.aux);
             }
             Self::Verified(t) | Self::AbortAck(t) => put_ref(w, *t),
             Self::Nack(n) => {
@@ -395,6 +408,7 @@ fn encode_hello(h: &Hello, w: &mut Writer<'_>) -> Result<(), EncodeError> {
         h.transport_params.len(),
         MAX_TRANSPORT_PARAMS,
     )?;
+    check_len("max_aux", h.max_aux as usize, MAX_AUX)?;
     w.u64(h.node_id);
     w.u8(h.role.0);
     w.u32(h.layout.tokens_per_page);
@@ -410,6 +424,7 @@ fn encode_hello(h: &Hello, w: &mut Writer<'_>) -> Result<(), EncodeError> {
     }
     w.u16(h.transport_params.len() as u16);
     w.bytes(&h.transport_params);
+    w.u32(h.max_aux);
     Ok(())
 }
 
@@ -440,6 +455,14 @@ fn decode_hello(r: &mut Reader<'_>) -> Result<Hello, DecodeError> {
     }
     let raw = r.u16("transport_params")?;
     let transport_params = r.blob(u64::from(raw), MAX_TRANSPORT_PARAMS, "transport_params")?;
+    let max_aux = r.u32("max_aux")?;
+    if max_aux as usize > MAX_AUX {
+        return Err(DecodeError::TooMany {
+            field: "max_aux",
+            count: u64::from(max_aux),
+            max: MAX_AUX as u64,
+        });
+    }
     Ok(Hello {
         node_id,
         role,
@@ -450,6 +473,7 @@ fn decode_hello(r: &mut Reader<'_>) -> Result<Hello, DecodeError> {
         },
         digests,
         transport_params,
+        max_aux,
     })
 }
 
@@ -520,6 +544,9 @@ fn decode_payload(t: FrameType, r: &mut Reader<'_>) -> Result<Frame, DecodeError
             for _ in 0..n {
                 page_digests.push(r.u64("page_digests")?);
             }
+            let aux_digest = Digest128(r.array16("aux_digest")?);
+            let raw = r.u32("aux")?;
+            let aux = r.blob(u64::from(raw), MAX_AUX, "aux")?;
             Frame::Commit(Commit {
                 transfer,
                 tokens,
@@ -528,6 +555,8 @@ fn decode_payload(t: FrameType, r: &mut Reader<'_>) -> Result<Frame, DecodeError
                 digest,
                 buffer_digests,
                 page_digests,
+                aux_digest,
+                aux,
             })
         }
         FrameType::VERIFIED => Frame::Verified(get_ref(r)?),

@@ -19,7 +19,7 @@ def plain(name):
     return struct.unpack_from("<H", b, 6)[0], b[12:12 + n]
 
 def header(ftype, n):
-    return b"KVWR" + struct.pack("<HHI", 1, ftype | 0x8000, n)
+    return b"KVWR" + struct.pack("<HHI", 2, ftype | 0x8000, n)
 
 prk = H(PSK, b"kvwire v1 conn", NC, NS)
 K_C2S = H(prk, b"kvwire v1 c2s")

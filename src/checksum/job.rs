@@ -1,0 +1,258 @@
+//! Digests computed chunk by chunk: the streaming state of one transfer
+//! ([`TransferDigester`]) and one chunk's job over pinned pages ([`DigestJob`]), to run
+//! wherever the driver likes (inline, or on a blocking thread).
+
+use kvwire_proto::wire::TransferRef;
+
+use super::{
+    aux_digest, placeholder_digests, BufferDigester, DigestAlgorithm, DigestBinding, DigestMode,
+    Kind, TransferDigests, UnsupportedAlgorithm,
+};
+use crate::memory::SharedPages;
+
+/// The digests of one transfer, fed chunk by chunk in ordinal order and finished once with
+/// the aux record: equal to [`super::digest_transfer`] over all the pages plus
+/// [`aux_digest`], with each page read exactly once.
+///
+/// ```
+/// use kvwire::checksum::{digest_transfer, DigestAlgorithm, DigestBinding, TransferDigester};
+///
+/// let binding = DigestBinding { transfer_id: kvwire::TransferId(7), nonce: 42 };
+/// let pages = [[1u8; 64], [2; 64], [3; 64]];
+/// let mut d = TransferDigester::new(DigestAlgorithm::XXH3_64, binding, 1, true).unwrap();
+/// d.update(2, |_, i| &pages[i][..]); // chunk 1: ordinals 0, 1
+/// d.update(1, |_, i| &pages[2 + i][..]); // chunk 2: ordinal 2
+/// let streamed = d.finish(b"token");
+/// let one_shot = digest_transfer(DigestAlgorithm::XXH3_64, binding, 1, 3, true, |_, i| &pages[i][..]).unwrap();
+/// assert_eq!(streamed.buffers, one_shot.buffers);
+/// assert_eq!(streamed.pages, one_shot.pages);
+/// ```
+#[derive(Clone, Debug)]
+pub struct TransferDigester {
+    alg: DigestAlgorithm,
+    binding: DigestBinding,
+    /// One streaming state per buffer; empty when only counting (placeholder mode).
+    buffers: Vec<BufferDigester>,
+    buffer_count: usize,
+    /// Page digests so far, per buffer, when asked for.
+    page_digests: Option<Vec<Vec<u64>>>,
+    pages: u32,
+}
+
+impl TransferDigester {
+    /// Starts the digests of a transfer of `buffers` buffers bound to `binding`, with page
+    /// digests when `per_page`.
+    ///
+    /// # Errors
+    ///
+    /// [`UnsupportedAlgorithm`] if `alg` is not one of [`super::supported_algorithms`].
+    pub fn new(
+        alg: DigestAlgorithm,
+        binding: DigestBinding,
+        buffers: usize,
+        per_page: bool,
+    ) -> Result<Self, UnsupportedAlgorithm> {
+        let kind = Kind::new(alg)?;
+        Ok(Self {
+            alg,
+            binding,
+            buffers: (0..buffers)
+                .zip(0u32..)
+                .map(|(_, b)| BufferDigester::with_kind(kind, alg, binding, b))
+                .collect(),
+            buffer_count: buffers,
+            page_digests: per_page.then(|| vec![Vec::new(); buffers]),
+            pages: 0,
+        })
+    }
+
+    /// A digester that only counts pages and finishes with [`placeholder_digests`]
+    /// ([`DigestMode::UnverifiedBenchmarkOnly`]).
+    fn counting(
+        alg: DigestAlgorithm,
+        binding: DigestBinding,
+        buffers: usize,
+        per_page: bool,
+    ) -> Self {
+        Self {
+            alg,
+            binding,
+            buffers: Vec::new(),
+            buffer_count: buffers,
+            page_digests: per_page.then(Vec::new),
+            pages: 0,
+        }
+    }
+
+    /// Pages digested so far: the ordinal the next chunk starts at.
+    #[must_use]
+    pub fn pages(&self) -> u32 {
+        self.pages
+    }
+
+    /// Digests the next `pages` pages (ordinals [`pages`](Self::pages) onward):
+    /// `page(b, i)` returns the bytes of the chunk's `i`-th page in buffer `b`; it is called
+    /// once per page, buffer by buffer, pages in order.
+    ///
+    /// # Panics
+    ///
+    /// If the transfer would exceed `u32::MAX` pages.
+    pub fn update<'a, F>(&mut self, pages: usize, mut page: F)
+    where
+        F: FnMut(usize, usize) -> &'a [u8],
+    {
+        let added = u32::try_from(pages).expect("more than u32::MAX pages");
+        let total = self
+            .pages
+            .checked_add(added)
+            .expect("more than u32::MAX pages");
+        for (b, digester) in self.buffers.iter_mut().enumerate() {
+            for i in 0..pages {
+                let d = digester.update(page(b, i));
+                if let Some(per_buffer) = self.page_digests.as_mut() {
+                    per_buffer[b].push(d);
+                }
+            }
+        }
+        self.pages = total;
+    }
+
+    /// The transfer's digests: buffer digests, page digests (buffer-major) if asked for, and
+    /// the aux digest of `aux`.
+    #[must_use]
+    pub fn finish(self, aux: &[u8]) -> TransferDigests {
+        if self.buffers.is_empty() && self.buffer_count > 0 {
+            return placeholder_digests(
+                self.buffer_count,
+                self.pages as usize,
+                self.page_digests.is_some(),
+            );
+        }
+        let aux = aux_digest(self.alg, self.binding, aux).unwrap_or_default();
+        TransferDigests {
+            buffers: self
+                .buffers
+                .into_iter()
+                .map(BufferDigester::finish)
+                .collect(),
+            pages: self
+                .page_digests
+                .map(|per_buffer| per_buffer.concat())
+                .unwrap_or_default(),
+            aux,
+        }
+    }
+}
+
+/// Why a chunk's digest job could not run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DigestJobError {
+    /// The algorithm is not supported here.
+    #[error(transparent)]
+    Unsupported(#[from] UnsupportedAlgorithm),
+    /// The chunk does not continue the digests so far (a driver bug: jobs of a transfer run
+    /// in order).
+    #[error("chunk starts at ordinal {first}, the digests so far cover {covered} pages")]
+    OutOfOrder {
+        /// The chunk's first ordinal.
+        first: u32,
+        /// Pages digested before it.
+        covered: u32,
+    },
+}
+
+/// What a chunk's job leaves.
+#[derive(Debug)]
+pub enum DigestProgress {
+    /// A non-final chunk: the state the next chunk of the transfer continues from.
+    Partial(TransferDigester),
+    /// The final chunk: the transfer's digests.
+    Done(TransferDigests),
+}
+
+/// One chunk of a transfer's digests: pages of ordinals `first ..`, continuing the
+/// transfer's [`TransferDigester`], finished on the final chunk (the one that carries the
+/// aux record). It holds a read-only view of the chunk's pages, which pins them: the pool
+/// refuses to write or release them until the job is dropped.
+#[derive(Debug)]
+pub struct DigestJob {
+    /// The transfer the digests are bound to.
+    pub transfer: TransferRef,
+    /// The algorithm.
+    pub algorithm: DigestAlgorithm,
+    /// Per-page digests too.
+    pub page_digests: bool,
+    /// Placeholder digests instead ([`DigestMode::UnverifiedBenchmarkOnly`]).
+    pub mode: DigestMode,
+    /// The ordinal of the chunk's first page.
+    pub first: u32,
+    /// `Some` on the final chunk: the aux record to digest.
+    pub aux: Option<Vec<u8>>,
+    pages: SharedPages,
+}
+
+impl DigestJob {
+    /// A job over `pages` (the chunk's pages in ordinal order, from ordinal `first`).
+    pub fn new(
+        transfer: TransferRef,
+        algorithm: DigestAlgorithm,
+        page_digests: bool,
+        mode: DigestMode,
+        first: u32,
+        pages: SharedPages,
+        aux: Option<Vec<u8>>,
+    ) -> Self {
+        Self {
+            transfer,
+            algorithm,
+            page_digests,
+            mode,
+            first,
+            aux,
+            pages,
+        }
+    }
+
+    /// Whether this is the transfer's final chunk.
+    pub fn is_final(&self) -> bool {
+        self.aux.is_some()
+    }
+
+    /// Bytes the job reads.
+    pub fn bytes(&self) -> u64 {
+        self.pages.bytes()
+    }
+
+    /// Digests the chunk, continuing `state` (`None` for the transfer's first chunk).
+    ///
+    /// # Errors
+    ///
+    /// [`DigestJobError`] if the algorithm is not supported, or `state` does not end where
+    /// the chunk starts.
+    pub fn run(&self, state: Option<TransferDigester>) -> Result<DigestProgress, DigestJobError> {
+        let binding = DigestBinding {
+            transfer_id: self.transfer.transfer_id,
+            nonce: self.transfer.nonce,
+        };
+        let buffers = self.pages.buffers();
+        let mut state = match state {
+            Some(s) => s,
+            None if self.mode == DigestMode::UnverifiedBenchmarkOnly => {
+                TransferDigester::counting(self.algorithm, binding, buffers, self.page_digests)
+            }
+            None => TransferDigester::new(self.algorithm, binding, buffers, self.page_digests)?,
+        };
+        if state.pages() != self.first {
+            return Err(DigestJobError::OutOfOrder {
+                first: self.first,
+                covered: state.pages(),
+            });
+        }
+        state.update(self.pages.pages(), |b, i| self.pages.page(i, b));
+        Ok(match &self.aux {
+            Some(aux) => DigestProgress::Done(state.finish(aux)),
+            None => DigestProgress::Partial(state),
+        })
+    }
+}

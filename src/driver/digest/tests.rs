@@ -1,0 +1,168 @@
+//! A transfer digested in chunks, inline and on the blocking pool, equals the one-shot
+//! digests of the same pages; jobs of one transfer run in order; the state is dropped after
+//! the final chunk or when the transfer is forgotten.
+
+use std::task::{Context, Waker};
+
+use kvwire_proto::wire::{DigestAlgorithm, TransferDigests, TransferId, TransferRef};
+
+use super::{DigestExecution, Digests, JobOutcome};
+use crate::checksum::{aux_digest, digest_transfer, DigestBinding, DigestMode};
+use crate::memory::{PagePool, PoolGeometry, Scrub};
+
+const T: TransferRef = TransferRef {
+    transfer_id: TransferId(9),
+    nonce: 77,
+};
+
+fn pool() -> PagePool {
+    let pool = PagePool::new(
+        PoolGeometry {
+            tokens_per_page: 16,
+            buffer_page_bytes: vec![512, 256, 128],
+            pages: 16,
+        },
+        Scrub::None,
+    )
+    .unwrap();
+    for p in 0..16 {
+        for b in 0..3 {
+            if let Some(mut page) = pool.raw_page_mut(p, b) {
+                for (j, x) in page.iter_mut().enumerate() {
+                    *x = (j * 7 + p as usize * 13 + b * 31) as u8;
+                }
+            }
+        }
+    }
+    pool
+}
+
+/// The pages of the transfer, in ordinal order (not consecutive in the pool).
+const PAGES: [u32; 7] = [3, 9, 0, 15, 4, 5, 11];
+
+fn one_shot(pool: &PagePool, alg: DigestAlgorithm, aux: &[u8]) -> TransferDigests {
+    let view = pool.share_pages(PAGES.to_vec()).unwrap();
+    let binding = DigestBinding {
+        transfer_id: T.transfer_id,
+        nonce: T.nonce,
+    };
+    let mut d =
+        digest_transfer(alg, binding, 3, PAGES.len(), true, |b, i| view.page(i, b)).unwrap();
+    d.aux = aux_digest(alg, binding, aux).unwrap();
+    d
+}
+
+/// Starts the chunks [0, 2), [2, 3), [3, 7) and returns every outcome, in order.
+fn run_chunks(digests: &mut Digests, pool: &PagePool, alg: DigestAlgorithm, aux: &[u8]) {
+    for (first, end) in [(0usize, 2usize), (2, 3), (3, 7)] {
+        let aux = (end == PAGES.len()).then(|| aux.to_vec());
+        let view = pool.share_pages(PAGES[first..end].to_vec());
+        digests.start(T, alg, true, first as u32, view, aux);
+    }
+}
+
+fn outcomes(digests: &mut Digests) -> Vec<JobOutcome> {
+    std::iter::from_fn(|| {
+        digests.take_ready().map(|(t, o)| {
+            assert_eq!(t, T);
+            o
+        })
+    })
+    .collect()
+}
+
+fn assert_chunked(outcomes: &[JobOutcome], want: &TransferDigests) {
+    assert!(
+        matches!(
+            outcomes,
+            [JobOutcome::ChunkDigested, JobOutcome::ChunkDigested, JobOutcome::Digests(d)] if d == want
+        ),
+        "{outcomes:?}"
+    );
+}
+
+#[test]
+fn chunks_inline_equal_one_shot() {
+    let pool = pool();
+    for alg in [DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32] {
+        let mut digests = Digests::new(DigestMode::Verify, DigestExecution::Inline);
+        run_chunks(&mut digests, &pool, alg, b"first token");
+        assert_chunked(
+            &outcomes(&mut digests),
+            &one_shot(&pool, alg, b"first token"),
+        );
+        assert_eq!(digests.streams(), 0, "state kept after the final chunk");
+    }
+}
+
+#[test]
+fn chunks_offloaded_run_in_order_and_equal_one_shot() {
+    let pool = pool();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(4)
+        .build()
+        .unwrap();
+    let _guard = rt.enter();
+    let mut digests = Digests::new(
+        DigestMode::Verify,
+        DigestExecution::Offload { min_bytes: 0 },
+    );
+    run_chunks(&mut digests, &pool, DigestAlgorithm::XXH3_64, b"");
+    // The first went to the pool and the others wait for it: nothing is ready yet.
+    let mut got = outcomes(&mut digests);
+    assert!(got.is_empty(), "{got:?}");
+    let mut cx = Context::from_waker(Waker::noop());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while got.len() < 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "jobs did not finish: {got:?}"
+        );
+        if digests.poll_done(&mut cx).is_ready() {
+            got.extend(outcomes(&mut digests));
+        } else {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+    assert_chunked(&got, &one_shot(&pool, DigestAlgorithm::XXH3_64, b""));
+    assert_eq!(digests.streams(), 0);
+}
+
+#[test]
+fn an_abandoned_transfer_is_forgotten_and_a_failed_view_is_reported() {
+    let pool = pool();
+    let mut digests = Digests::new(DigestMode::Verify, DigestExecution::Inline);
+    let view = pool.share_pages(PAGES[..2].to_vec());
+    digests.start(T, DigestAlgorithm::XXH3_64, false, 0, view, None);
+    assert!(matches!(
+        outcomes(&mut digests)[..],
+        [JobOutcome::ChunkDigested]
+    ));
+    assert_eq!(digests.streams(), 1);
+    digests.forget(T.transfer_id);
+    assert_eq!(digests.streams(), 0);
+    // A chunk that does not continue the digests so far fails (a driver bug, never silent).
+    let view = pool.share_pages(PAGES[2..3].to_vec());
+    digests.start(T, DigestAlgorithm::XXH3_64, false, 2, view, Some(vec![]));
+    assert!(matches!(
+        outcomes(&mut digests)[..],
+        [JobOutcome::Failed { final_chunk: true }]
+    ));
+    // No view of the pages (out of range): reported as failed.
+    let view = pool.share_pages(vec![99]);
+    digests.start(T, DigestAlgorithm::XXH3_64, false, 0, view, None);
+    assert!(matches!(
+        outcomes(&mut digests)[..],
+        [JobOutcome::Failed { final_chunk: false }]
+    ));
+}
+
+#[test]
+fn placeholder_mode_streams_too() {
+    let pool = pool();
+    let mut digests = Digests::new(DigestMode::UnverifiedBenchmarkOnly, DigestExecution::Inline);
+    run_chunks(&mut digests, &pool, DigestAlgorithm::XXH3_64, b"x");
+    let want = crate::checksum::placeholder_digests(3, PAGES.len(), true);
+    assert_chunked(&outcomes(&mut digests), &want);
+}
