@@ -73,8 +73,8 @@ pub mod transport;
 pub use config::{Auth, ConfigError, EngineConfig, NodeConfig, NodeConfigBuilder, TransportConfig};
 pub use driver::{ReceiveError, ReserveParams, StartError};
 pub use engine::{
-    loopback, EngineError, Listener, ListenerConfig, Node, ReceiverConn, ReceiverConnStats,
-    SenderConn, SenderConnStats, TransferError, Verified,
+    loopback, EngineError, Listener, ListenerConfig, Node, OutgoingTransfer, ReceiverConn,
+    ReceiverConnStats, SenderConn, SenderConnStats, TransferError, Verified,
 };
 pub use memory::{Holder, KvMemory, PagePool, PoolError, PoolGeometry, Scrub};
 pub use proto::admission::{AdmissionError, Admitted, Request};

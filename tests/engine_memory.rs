@@ -309,3 +309,108 @@ async fn a_batch_sends_in_place_and_a_shared_page_serves_two_transfers() {
     }
     assert!(prefill.pool().held_pages().is_empty());
 }
+
+/// Chunked prefill: the prefill engine computes a request's KV in three chunks and sends
+/// each as it is ready, the final one with an auxiliary record; the decode engine receives
+/// it at its own pages and reads the aux record with the verified KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_chunk_transfer_with_an_aux_record_lands_at_the_engines_pages() {
+    let config = config();
+    let prefill_kv = EngineKv::new(&config);
+    let prefill = prefill_kv.register(&config);
+    let decode_kv = EngineKv::new(&config);
+    let decode = decode_kv.register(&config);
+    let (s, r) = connect(&prefill, &decode).await;
+    let id = TransferId(31);
+    let dst = vec![50, 2, 33, 17, 8, 61, 40];
+    let src = [vec![4, 5], vec![20, 21, 22], vec![1, 60]];
+    let verified = r.reserve(
+        ReserveParams::new(id, 7 * 16, Duration::from_secs(10))
+            .into_pages(dst.clone())
+            .with_page_digests(),
+    );
+    let admitted = s
+        .admit(Request {
+            transfer_id: id,
+            tokens: 7 * 16,
+        })
+        .unwrap();
+    let tx = s.open(admitted);
+    let mut ordinal = 0u32;
+    for (i, chunk) in src.iter().enumerate() {
+        // The prefill computes this chunk's KV into its own pages...
+        for &p in chunk {
+            prefill_kv.write(p, id, ordinal);
+            ordinal += 1;
+        }
+        // ...and sends it while it computes the next.
+        let aux = (i == 2).then(|| b"first token 42".to_vec());
+        tx.send_chunk(chunk.clone(), aux).await.unwrap();
+    }
+    // A chunk after the final one is refused; the transfer is unaffected.
+    let late = tx.send_chunk(vec![7], None).await;
+    assert!(matches!(late, Err(TransferError::Chunk(_))), "{late:?}");
+    tx.outcome().await.unwrap();
+    let kv = verified.await.unwrap();
+    assert_eq!(kv.aux(), b"first token 42");
+    assert_eq!(kv.page_indices(), dst);
+    kv.release().unwrap();
+    for (o, &p) in dst.iter().enumerate() {
+        for b in 0..2 {
+            assert!(
+                decode_kv.read(p, b) == kv_bytes(id, o as u32, b, decode_kv.page_bytes),
+                "page {p} buffer {b} is not ordinal {o}"
+            );
+        }
+    }
+    assert!(prefill.pool().held_pages().is_empty());
+}
+
+/// SPEC §12 Q9 at the engine: the decode engine aborts a reservation the prefill has not
+/// submitted yet; the later submit fails at once with the abort's reason, and nothing is
+/// written into the decode engine's pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_abort_before_the_prefill_submits_fails_the_late_submit_at_once() {
+    let config = config();
+    let decode_kv = EngineKv::new(&config);
+    let decode = decode_kv.register(&config);
+    let prefill = Node::new(config.clone()).unwrap();
+    let (s, r) = connect(&prefill, &decode).await;
+    let id = TransferId(41);
+    let reserved =
+        r.reserve(ReserveParams::new(id, 32, Duration::from_secs(10)).into_pages(vec![12, 13]));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    r.abort(id, kvwire::ErrorCode::CANCELLED);
+    assert!(reserved.await.is_err());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let admitted = s
+        .admit(Request {
+            transfer_id: id,
+            tokens: 32,
+        })
+        .unwrap();
+    let started = std::time::Instant::now();
+    let sent = s.send_pages(admitted, vec![0, 1]).await;
+    match &sent {
+        Err(TransferError::Start(kvwire::StartError::Session(
+            kvwire::proto::sender::SubmitError::AbortedByPeer { code, .. },
+        ))) => assert_eq!(*code, kvwire::ErrorCode::CANCELLED),
+        other => panic!("expected the peer's abort, got {other:?}"),
+    }
+    // At once: not after the sender's 30 s reservation deadline.
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "waited for a deadline"
+    );
+    let st = s.stats().await.unwrap();
+    assert_eq!(
+        st.writes, 0,
+        "a write was posted for an aborted reservation"
+    );
+    for p in [12, 13] {
+        assert!(
+            decode_kv.read(p, 0).iter().all(|&x| x == 0xAA),
+            "page {p} written"
+        );
+    }
+}

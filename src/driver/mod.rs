@@ -45,4 +45,4 @@ pub trait Driver {
 pub use receiver::{
     ReceiveError, ReceiveOutcome, ReceiverDriver, ReceiverDriverStats, ReserveParams, VerifiedKv,
 };
-pub use sender::{admission_policy, SenderDriver, SenderDriverStats, StartError};
+pub use sender::{admission_policy, ChunkStartError, SenderDriver, SenderDriverStats, StartError};

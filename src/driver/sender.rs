@@ -15,7 +15,8 @@ use std::time::Instant;
 use kvwire_proto::admission::{AdmissionError, AdmissionPolicy, Admitted, Rejected, Request};
 use kvwire_proto::handshake::Established;
 use kvwire_proto::sender::{
-    PageWrite, SenderAction, SenderConfig, SenderEvent, SenderSession, SubmitError, WriteOutcome,
+    ChunkError, PageWrite, SenderAction, SenderConfig, SenderEvent, SenderSession, SubmitError,
+    WriteOutcome,
 };
 use kvwire_proto::wire::{ErrorCode, TransferRef};
 
@@ -50,6 +51,20 @@ pub enum StartError {
     /// The session refused it (duplicate id, lost connection).
     #[error("session refused the transfer: {0:?}")]
     Session(SubmitError),
+}
+
+/// Why a chunk could not be sent.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ChunkStartError {
+    /// The chunk's pages cannot be read for it (out of range, named twice, or held by a
+    /// reservation).
+    #[error("chunk pages refused: {0}")]
+    Pages(PoolError),
+    /// The session refused the chunk (unknown or finished transfer, too many pages, aux
+    /// before the final chunk or over the receiver's limit, lost connection).
+    #[error("chunk refused: {0}")]
+    Session(ChunkError),
 }
 
 /// The admission limits of a sender over `pool` (the pool as built, not the configured
@@ -192,6 +207,65 @@ impl<T: SenderTransport> SenderDriver<T> {
         match self.core.pool.lease_for_reading(pages, holder) {
             Ok(leases) => self.submit_leased(now, admitted, leases),
             Err(source) => Err(StartError::Pages { admitted, source }),
+        }
+    }
+
+    /// Opens an admitted request to be sent in chunks ([`SenderDriver::submit_chunk`]) as the
+    /// prefill produces them; it waits for its reservation meanwhile.
+    pub fn open(&mut self, now: Instant, admitted: Admitted) -> Result<(), StartError> {
+        let id = admitted.transfer_id();
+        self.core
+            .session
+            .open(now, admitted)
+            .map_err(StartError::Session)?;
+        self.sources.insert(id, Vec::new());
+        self.process(now);
+        Ok(())
+    }
+
+    /// The next chunk of an opened transfer: `pages` of the registered memory, in place, in
+    /// transfer order after the chunks before it. The chunk that completes the request's
+    /// pages is the final one; `aux` (the auxiliary record delivered with the transfer) goes
+    /// only with it. Its writes are posted and its digests computed as soon as the
+    /// reservation is known, while the prefill produces the next chunk.
+    ///
+    /// A refused chunk changes nothing: the transfer goes on (or the engine aborts it).
+    pub fn submit_chunk(
+        &mut self,
+        now: Instant,
+        transfer_id: TransferId,
+        pages: &[u32],
+        aux: Option<Vec<u8>>,
+    ) -> Result<(), ChunkStartError> {
+        if !self.sources.contains_key(&transfer_id) {
+            return Err(ChunkStartError::Session(ChunkError::UnknownTransfer(
+                transfer_id,
+            )));
+        }
+        let leases = self
+            .core
+            .pool
+            .lease_for_reading(pages, Holder::Sending(transfer_id))
+            .map_err(ChunkStartError::Pages)?;
+        match self
+            .core
+            .session
+            .submit_chunk(now, transfer_id, pages.to_vec(), aux)
+        {
+            Ok(()) => {
+                if let Some(s) = self.sources.get_mut(&transfer_id) {
+                    s.extend(leases);
+                }
+                self.process(now);
+                Ok(())
+            }
+            Err(e) => {
+                for l in leases {
+                    // Fresh read leases, unused: release cannot fail.
+                    let _ = self.core.pool.release(l);
+                }
+                Err(ChunkStartError::Session(e))
+            }
         }
     }
 

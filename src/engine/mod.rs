@@ -51,7 +51,7 @@ pub use listener::{Listener, ListenerConfig, ListenerStats};
 pub use node::Node;
 pub use open::loopback;
 pub use receiver::{ReceiverConn, ReceiverConnStats, Verified};
-pub use sender::{SenderConn, SenderConnStats};
+pub use sender::{OutgoingTransfer, SenderConn, SenderConnStats};
 
 use crate::config::ConfigError;
 use crate::driver::{ReceiveError, StartError};
@@ -123,6 +123,9 @@ pub enum TransferError {
     /// The transfer could not start on the sender.
     #[error("{0}")]
     Start(#[from] StartError),
+    /// A chunk of a transfer sent in chunks was refused (the transfer goes on).
+    #[error("{0}")]
+    Chunk(crate::driver::ChunkStartError),
     /// The connection task is gone.
     #[error("connection closed")]
     ConnectionClosed,
@@ -156,6 +159,9 @@ impl TransferError {
             Self::ConnectionClosed => true,
             Self::Reserve(R::Reserve(ReserveError::PeerLost) | R::Pool(_)) => true,
             Self::Start(S::OutOfPages { .. } | S::Session(SubmitError::PeerLost(_))) => true,
+            Self::Chunk(crate::driver::ChunkStartError::Session(
+                kvwire_proto::sender::ChunkError::PeerLost,
+            )) => true,
             _ => false,
         }
     }

@@ -41,6 +41,18 @@ enum Cmd {
     },
     /// Many transfers in one message.
     Batch(Vec<(Admitted, Vec<u32>, Reply)>),
+    /// A transfer to be sent in chunks; `reply` gets its outcome.
+    Open {
+        admitted: Admitted,
+        reply: Reply,
+    },
+    /// The next chunk of an opened transfer; `reply` says whether it was taken.
+    Chunk {
+        transfer_id: TransferId,
+        pages: Vec<u32>,
+        aux: Option<Vec<u8>>,
+        reply: oneshot::Sender<Result<(), TransferError>>,
+    },
     Abort {
         transfer_id: TransferId,
         code: ErrorCode,
@@ -194,6 +206,23 @@ impl SenderConn {
         self.send_source(admitted, Source::Fill(Box::new(fill)))
     }
 
+    /// Opens an admitted request to be sent in chunks as the prefill produces them (chunked
+    /// prefill): each [`OutgoingTransfer::send_chunk`] sends the next pages of the engine's
+    /// registered memory in place (zero copy), written and digested while the next chunk is
+    /// computed (no second pass over the memory); the final chunk (the one that completes
+    /// the request's pages) may carry the auxiliary record delivered with the transfer.
+    pub fn open(&self, admitted: Admitted) -> OutgoingTransfer {
+        let transfer_id = admitted.transfer_id();
+        let (reply, rx) = oneshot::channel();
+        let sent = self.cmd.send(Cmd::Open { admitted, reply }).is_ok();
+        OutgoingTransfer {
+            transfer_id,
+            cmd: self.cmd.clone(),
+            outcome: rx,
+            sent,
+        }
+    }
+
     fn send_source(
         &self,
         admitted: Admitted,
@@ -308,6 +337,31 @@ impl<T: SenderTransport> Task<T> {
                 source,
                 reply,
             } => self.start(now, admitted, source, reply),
+            Cmd::Open { admitted, reply } => {
+                if self.driver.closed().is_some() {
+                    let _ = reply.send(Err(TransferError::Failed(FailureReason::PeerLost)));
+                    return;
+                }
+                let id = admitted.transfer_id();
+                match self.driver.open(now, admitted) {
+                    Ok(()) => self.track(id, reply),
+                    Err(e) => {
+                        let _ = reply.send(Err(e.into()));
+                    }
+                }
+            }
+            Cmd::Chunk {
+                transfer_id,
+                pages,
+                aux,
+                reply,
+            } => {
+                let r = self
+                    .driver
+                    .submit_chunk(now, transfer_id, &pages, aux)
+                    .map_err(TransferError::Chunk);
+                let _ = reply.send(r);
+            }
             Cmd::Batch(batch) => {
                 for (admitted, pages, reply) in batch {
                     self.start(now, admitted, Source::Pages(pages), reply);
@@ -351,21 +405,24 @@ impl<T: SenderTransport> Task<T> {
             Source::Pages(pages) => self.driver.submit_pages(now, admitted, &pages),
         };
         match started {
-            Ok(()) => {
-                let span = tracing::info_span!(
-                    "transfer",
-                    transfer_id = id.0,
-                    peer = self.peer,
-                    role = "sender"
-                );
-                span.in_scope(|| tracing::debug!("submitted"));
-                self.spans.insert(id, span);
-                self.waiting.insert(id, reply);
-            }
+            Ok(()) => self.track(id, reply),
             Err(e) => {
                 let _ = reply.send(Err(e.into()));
             }
         }
+    }
+
+    /// Follows a started transfer until its outcome, which goes to `reply`.
+    fn track(&mut self, id: TransferId, reply: Reply) {
+        let span = tracing::info_span!(
+            "transfer",
+            transfer_id = id.0,
+            peer = self.peer,
+            role = "sender"
+        );
+        span.in_scope(|| tracing::debug!("submitted"));
+        self.spans.insert(id, span);
+        self.waiting.insert(id, reply);
     }
 }
 
@@ -385,5 +442,64 @@ impl<T: SenderTransport> ConnectionTask for Task<T> {
 
     fn command(&mut self, command: Cmd) {
         self.execute(command);
+    }
+}
+
+/// A transfer sent in chunks ([`SenderConn::open`]).
+#[derive(Debug)]
+pub struct OutgoingTransfer {
+    transfer_id: TransferId,
+    cmd: mpsc::UnboundedSender<Cmd>,
+    outcome: oneshot::Receiver<Result<(), TransferError>>,
+    sent: bool,
+}
+
+impl OutgoingTransfer {
+    /// The transfer's id.
+    pub fn transfer_id(&self) -> TransferId {
+        self.transfer_id
+    }
+
+    /// Sends the next chunk: `pages` of the registered memory, in transfer order after the
+    /// chunks before it, read in place until the transfer's outcome (the engine must not
+    /// write them meanwhile). `aux` goes with the final chunk only (the one that completes
+    /// the request's pages). The returned future says whether the chunk was taken (a refused
+    /// chunk changes nothing; see [`ChunkStartError`](crate::driver::ChunkStartError)); the
+    /// engine need not wait for it before computing the next chunk.
+    pub fn send_chunk(
+        &self,
+        pages: Vec<u32>,
+        aux: Option<Vec<u8>>,
+    ) -> impl std::future::Future<Output = Result<(), TransferError>> + Send + 'static {
+        let (reply, rx) = oneshot::channel();
+        let sent = self.cmd.send(Cmd::Chunk {
+            transfer_id: self.transfer_id,
+            pages,
+            aux,
+            reply,
+        });
+        async move {
+            sent.map_err(|_| TransferError::ConnectionClosed)?;
+            rx.await.map_err(|_| TransferError::ConnectionClosed)?
+        }
+    }
+
+    /// Aborts the transfer (stop posting, drain, ABORT).
+    pub fn abort(&self, code: ErrorCode) {
+        let _ = self.cmd.send(Cmd::Abort {
+            transfer_id: self.transfer_id,
+            code,
+        });
+    }
+
+    /// Waits until the receiver verified the transfer, or the typed reason it failed
+    /// (reported only once nothing reads its source pages any more).
+    pub async fn outcome(self) -> Result<(), TransferError> {
+        if !self.sent {
+            return Err(TransferError::ConnectionClosed);
+        }
+        self.outcome
+            .await
+            .map_err(|_| TransferError::ConnectionClosed)?
     }
 }

@@ -129,3 +129,55 @@ pub fn assert_invariants<S: SenderTransport, R: ReceiverTransport>(pair: &Pair<S
         );
     }
 }
+
+/// Both ends of a TCP connection on the loopback address over pools of `cfg`,
+/// unauthenticated (faults are injected above the transport).
+pub async fn tcp_pair(
+    cfg: &kvwire::testkit::PairConfig,
+) -> Pair<kvwire::transport::tcp::TcpSender, kvwire::transport::tcp::TcpReceiver> {
+    use kvwire::proto::auth::AuthChannel;
+    use kvwire::transport::tcp::{TcpReceiver, TcpSender};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (a, b) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+    let (a, b) = (a.unwrap(), b.unwrap().0);
+    a.set_nodelay(true).unwrap();
+    b.set_nodelay(true).unwrap();
+    let (s_pool, r_pool) = cfg.pools().unwrap();
+    let (sealer, opener) = AuthChannel::off().split();
+    let s = TcpSender::new(a, sealer, opener, s_pool.clone());
+    let (sealer, opener) = AuthChannel::off().split();
+    let r = TcpReceiver::new(b, sealer, opener, r_pool.clone());
+    Pair::with_transports(cfg, std::time::Instant::now(), (s_pool, s), (r_pool, r)).unwrap()
+}
+
+/// Transfer 1 sends KV into `pages`; transfer 2 sends the very same KV into the very same
+/// pages, with its write of ordinal 1 lost (reported complete): the page's stale contents
+/// equal what the sender digested. Starts both (the caller drives between and after with
+/// `drive` or `drive_live`, see [`stale_resend_step`]).
+pub fn stale_resend_step<S: SenderTransport, R: ReceiverTransport>(pair: &mut Pair<S, R>, id: u64) {
+    use kvwire::testkit::{Fault, FaultRule};
+    let id = TransferId(id);
+    let tpp = pair.receiver.pool().geometry().tokens_per_page;
+    if id == TransferId(2) {
+        pair.fault(FaultRule::on(id, Fault::DropWrite { ordinal: 1 }));
+    }
+    let now = pair.now;
+    let params = ReserveParams::new(id, 4 * tpp, Duration::from_secs(30))
+        .into_pages(vec![9, 3, 14, 6])
+        .with_page_digests();
+    pair.receiver.reserve(now, params).unwrap();
+    let admitted = pair
+        .sender
+        .admit(
+            now,
+            Request {
+                transfer_id: id,
+                tokens: u64::from(4 * tpp),
+            },
+        )
+        .unwrap();
+    pair.sender
+        .submit(now, admitted, |o, b, p| kv_pattern(TransferId(1), o, b, p))
+        .unwrap();
+}
