@@ -18,7 +18,7 @@ cargo clippy --quiet -p kvwire --features rdma --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --features rdma
 # Unit tests of the RDMA code that need no device (queue-pair and transport parameters, MTU).
 cargo test --quiet -p kvwire --features rdma --lib -- transport::rdma
-cargo build --quiet --features rdma --bin kvwire --example quickstart
+cargo build --quiet --features rdma --bin kvwire --example quickstart --example engine_integration
 # The RDMA bench is measured with the optimized binary.
 cargo build --quiet --release --features rdma --bin kvwire
 out=target/softroce-bench
@@ -39,6 +39,8 @@ export KVWIRE_PSK=\$(target/debug/kvwire gen-psk)
 target/debug/examples/quickstart --listen 127.0.0.1:7411 --rdma rxe0 &
 target/debug/examples/quickstart --connect 127.0.0.1:7411 --rdma rxe0
 wait \$!
+echo '== engine integration over RDMA: one decode and two prefill engines, their own allocators, chunked sends'
+target/debug/examples/engine_integration --rdma rxe0
 echo '== kvwire bench --transport rdma beside ib_write_bw (same VM run, same sizes and bytes)'
 bash scripts/rdma-bench.sh $out"
 python3 scripts/rdma-ratio.py "$out"

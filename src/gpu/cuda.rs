@@ -371,9 +371,12 @@ impl GpuDigester {
             .chunks_exact(2)
             .map(|w| Digest128::from_u128(u128::from(w[0]) | (u128::from(w[1]) << 64)))
             .collect();
+        // The aux record is host memory and not part of this call: like
+        // `digest_transfer`, the caller fills in `aux` (see `checksum::aux_digest`).
         Ok(TransferDigests {
             buffers: buffers_out,
             pages: pages_out,
+            aux: Digest128::default(),
         })
     }
 }
