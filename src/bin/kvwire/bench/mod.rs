@@ -633,13 +633,13 @@ pub async fn run_listen(
                             page,
                             spec.transfers(page) * u64::from(spec.pages),
                         );
-                        let mut memory = raw::RawMemory::new(
+                        let memory = raw::RawMemory::new(
                             page as usize,
                             spec.buffers as usize,
                             engine::memory_pages(spec, page),
-                            0,
+                            0xa5,
                         );
-                        engine_raw_read(&mut s, &mut memory, &dst).await
+                        engine_raw_read(s, memory, dst).await.map(|_| ())
                     }
                 }
                 .map_err(|e| e.to_string())?;
@@ -734,9 +734,9 @@ pub async fn run_connect(
             let mut s = connect_retry(addr).await?;
             raw::announce_raw(&mut s).await.map_err(|e| e.to_string())?;
             let start = Instant::now();
-            match &engine_memory {
+            match engine_memory {
                 None => raw_write(&mut s, total, record).await,
-                Some((memory, src)) => engine_raw_write(&mut s, memory, src).await.map(|_| ()),
+                Some((memory, src)) => engine_raw_write(s, memory, src).await.map(|_| ()),
             }
             .map_err(|e| e.to_string())?;
             Some(total as f64 / start.elapsed().as_secs_f64() / 1e9)
