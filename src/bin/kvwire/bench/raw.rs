@@ -313,11 +313,11 @@ mod tests {
         engine_raw_write(s, source, src.clone()).await.unwrap();
         let dest = reader.await.unwrap();
         for (i, (&from, &to)) in src.iter().zip(&dst).enumerate() {
-            for b in 0..buffers {
+            for (b, (landed, sent)) in dest.buffers.iter().zip(&expected).enumerate() {
                 let (f, t) = (from as usize * page, to as usize * page);
                 assert_eq!(
-                    dest.buffers[b][t..t + page],
-                    expected[b][f..f + page],
+                    landed[t..t + page],
+                    sent[f..f + page],
                     "record {i} buffer {b}"
                 );
             }
