@@ -332,3 +332,89 @@ fn bench_listen_with_bad_clients(raw: bool) {
     assert!(err.contains(dropped), "{err}");
     drop(stalled);
 }
+
+/// The sweep: every page size at every depth in one report, each case with its CPU cost
+/// beside the raw baseline's and its latency percentiles, drawn into an SVG chart.
+#[test]
+fn bench_sweeps_depths_reports_cpu_cost_and_draws_a_chart() {
+    let dir = std::env::temp_dir().join(format!("kvwire-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let chart = dir.join("sweep.svg");
+    let (code, out, err) = kvwire(&[
+        "bench",
+        "--workload",
+        "engine",
+        "--memory",
+        "16M",
+        "--page-sizes",
+        "16K,64K",
+        "--pages",
+        "2",
+        "--bytes",
+        "4M",
+        "--concurrency",
+        "1,3",
+        "--chart",
+        chart.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let report = json(&out);
+    let cases = report["cases"].as_array().unwrap();
+    let mut seen: Vec<(u64, u64)> = cases
+        .iter()
+        .map(|c| {
+            (
+                c["page_bytes"].as_u64().unwrap(),
+                c["concurrency"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(
+        seen,
+        [(16384, 1), (16384, 3), (65536, 1), (65536, 3)],
+        "{report}"
+    );
+    for c in cases {
+        assert_eq!(c["verified"], c["transfers"], "{c}");
+        assert!(c["cpu_seconds"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["cpu_s_per_gb"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["raw_cpu_s_per_gb"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["cpu_ratio_to_raw"].as_f64().unwrap() > 0.0, "{c}");
+        let (p50, p99, p999) = (
+            c["p50_ms"].as_f64().unwrap(),
+            c["p99_ms"].as_f64().unwrap(),
+            c["p999_ms"].as_f64().unwrap(),
+        );
+        assert!(0.0 < p50 && p50 <= p99 && p99 <= p999, "{c}");
+    }
+    let svg = std::fs::read_to_string(&chart).expect("the chart was written");
+    assert!(
+        svg.starts_with("<svg"),
+        "not an SVG: {}",
+        &svg[..svg.len().min(80)]
+    );
+    for text in [
+        "kvwire, 1 in flight",
+        "kvwire, 3 in flight",
+        "raw TCP",
+        "p99.9, 3 in flight",
+        "64 KiB",
+    ] {
+        assert!(svg.contains(text), "the chart lacks {text:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+
+    // A sweep runs in one process only.
+    let (code, _, err) = kvwire(&[
+        "bench",
+        "--insecure-no-auth",
+        "--connect",
+        "127.0.0.1:1",
+        "--concurrency",
+        "1,2",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("one process"), "{err}");
+}

@@ -27,7 +27,7 @@ struct Cli {
 enum Command {
     /// Verified transfer benchmark. With no address: both roles in this process over TCP
     /// loopback, against a raw TCP baseline measured in the same run.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Checks a configuration file: pool capacity in tokens against the context length.
     /// Exits non-zero on a mismatch, naming both numbers.
     CheckConfig {
@@ -129,9 +129,14 @@ struct BenchArgs {
     /// Payload bytes per case (suffixes K, M, G).
     #[arg(long, default_value = "1G", value_parser = parse_size)]
     bytes: u64,
-    /// Transfers in flight.
-    #[arg(long, default_value_t = 4)]
-    concurrency: u32,
+    /// Transfers in flight. A list (e.g. 1,4,16) sweeps the depths, every page size at each
+    /// (in one process only).
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    concurrency: Vec<u32>,
+    /// Also draw the run as an SVG chart here: GB/s beside the raw baseline and p50 / p99 /
+    /// p99.9 latency, against the page size, one line per depth.
+    #[arg(long)]
+    chart: Option<PathBuf>,
     /// Verification: xxh3 (default), crc32, or none (UNVERIFIED: only to measure the
     /// integrity tax).
     #[arg(long, value_enum, default_value = "xxh3")]
@@ -190,7 +195,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.command {
-        Command::Bench(args) => bench_main(args),
+        Command::Bench(args) => bench_main(*args),
         Command::CheckConfig { file } => check_config(&file),
         Command::GenPsk => match kvwire::config::auth::generate_hex() {
             Ok(k) => {
@@ -324,7 +329,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         pages: a.pages,
         tokens_per_page: 16,
         bytes_per_case: a.bytes,
-        concurrency: a.concurrency.max(1),
+        concurrency: a.concurrency.first().copied().unwrap_or(1).max(1),
         verify: match a.verify {
             VerifyArg::Xxh3 => Verify::Xxh3,
             VerifyArg::Crc32 => Verify::Crc32,
@@ -345,6 +350,10 @@ fn bench_main(a: BenchArgs) -> ExitCode {
             },
         },
     };
+    if a.concurrency.len() > 1 && two_process {
+        eprintln!("kvwire bench: a list of --concurrency depths (a sweep) runs in one process; it takes no --listen/--connect");
+        return ExitCode::from(2);
+    }
     if a.transport == TransportArg::Loopback && two_process {
         eprintln!("kvwire bench: --transport loopback runs both roles in this process; it takes no --listen/--connect");
         return ExitCode::from(2);
@@ -352,7 +361,9 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     // A progress bar only when a person watches (stderr is a terminal), never in pipes or CI.
     let mut spec = spec;
     let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
-        let total = spec.total_transfers() * u64::from(a.connections.max(1));
+        let total = spec.total_transfers()
+            * u64::from(a.connections.max(1))
+            * a.concurrency.len().max(1) as u64;
         let bar = indicatif::ProgressBar::new(total);
         bar.set_style(
             indicatif::ProgressStyle::with_template(
@@ -399,7 +410,20 @@ fn bench_main(a: BenchArgs) -> ExitCode {
                     bench::run_listen(&spec, addr, a.connections, !a.no_raw, progress).await
                 }
                 (_, Some(addr)) => bench::run_connect(&spec, addr, !a.no_raw, progress).await,
-                _ => bench::run_in_process(&spec, progress).await,
+                _ => {
+                    // One run per depth, their cases in one report.
+                    let mut report: Option<bench::Report> = None;
+                    for &depth in &a.concurrency {
+                        let mut s = spec.clone();
+                        s.concurrency = depth.max(1);
+                        let r = bench::run_in_process(&s, &progress).await?;
+                        match &mut report {
+                            None => report = Some(r),
+                            Some(all) => all.cases.extend(r.cases),
+                        }
+                    }
+                    report.ok_or_else(|| "no --concurrency depth given".to_string())
+                }
             }
         })
     };
@@ -413,6 +437,15 @@ fn bench_main(a: BenchArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(path) = &a.chart {
+        match bench::chart::write_svg(&report, path) {
+            Ok(()) => eprintln!("kvwire bench: chart written to {}", path.display()),
+            Err(e) => {
+                eprintln!("kvwire bench: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     if a.json {
         match serde_json::to_string_pretty(&report) {
             Ok(j) => println!("{j}"),

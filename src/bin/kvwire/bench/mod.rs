@@ -9,13 +9,18 @@
 //! (`--check-bytes`). Every transfer is verified by digest unless `--verify none` is asked
 //! for, which exists only to measure the integrity tax and says so.
 
+pub mod chart;
+mod cost;
 mod engine;
 mod raw;
+mod spec;
 mod table;
 
+use cost::CpuClock;
 use engine::EngineSide;
 use raw::{engine_raw_read, engine_raw_write, raw_read, raw_write};
-pub use raw::{raw_engine_baseline, raw_tcp_baseline};
+pub use raw::{raw_engine_baseline, raw_tcp_baseline, RawRun};
+pub use spec::{BenchSpec, BenchTransport, CaseResult, OnTransfer, Report, Verify, Workload};
 pub use table::{human_bytes, table};
 
 use std::collections::BTreeMap;
@@ -25,286 +30,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::Request;
-use kvwire_proto::wire::{DigestAlgorithm, TransferId};
-use serde::Serialize;
+use kvwire_proto::wire::TransferId;
 use tokio::net::{TcpListener, TcpStream};
 
-use kvwire::checksum::DigestMode;
-use kvwire::config::{EngineConfig, TransportConfig};
 use kvwire::driver::ReserveParams;
-use kvwire::engine::{
-    Listener, ListenerConfig, Node, NodeConfig, ReceiverConn, SenderConn, TransferError,
-};
-use kvwire::memory::PoolGeometry;
-
-/// The transport a bench runs over.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BenchTransport {
-    /// TCP (the embedded default).
-    Tcp,
-    /// RDMA RC queue pairs.
-    Rdma {
-        /// The device (default: the first one).
-        device: Option<String>,
-        /// Queue pairs per connection.
-        queue_pairs: u16,
-        /// Busy-poll the completion queues.
-        busy_poll: bool,
-    },
-    /// The in-process loopback wire.
-    Loopback,
-}
-
-impl BenchTransport {
-    fn name(&self) -> &'static str {
-        match self {
-            Self::Tcp => "tcp",
-            Self::Rdma { .. } => "rdma",
-            Self::Loopback => "loopback",
-        }
-    }
-}
-
-/// How transfers are verified.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Verify {
-    /// XXH3-64 page digests (the default).
-    Xxh3,
-    /// CRC-32 page digests.
-    Crc32,
-    /// No digests: **unverified**, only to measure the integrity tax.
-    None,
-}
-
-/// Whose memory and pages a case moves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case", tag = "kind")]
-pub enum Workload {
-    /// kvwire's page pool chooses the pages on both sides (the default).
-    Pool,
-    /// Each engine's own registered memory of `memory` bytes, pages its allocator chose
-    /// (a random permutation), sent and received in place, or copied in and out with
-    /// `copy` (`engine.rs`).
-    Engine {
-        /// Bytes of KV memory per engine.
-        memory: u64,
-        /// Copy through kvwire's pool instead of in place (before zero copy).
-        copy: bool,
-    },
-}
-
-/// What to run.
-#[derive(Clone, Debug, Serialize)]
-pub struct BenchSpec {
-    /// Whose memory and pages.
-    pub workload: Workload,
-    /// Bytes per page per buffer, one case each.
-    pub page_sizes: Vec<u32>,
-    /// Buffers (e.g. layers x K/V).
-    pub buffers: u32,
-    /// Pages per transfer.
-    pub pages: u32,
-    /// Tokens per page.
-    pub tokens_per_page: u32,
-    /// Payload bytes each case moves (sets the transfer count).
-    pub bytes_per_case: u64,
-    /// Transfers in flight.
-    pub concurrency: u32,
-    /// Verification.
-    pub verify: Verify,
-    /// Compare every delivered byte with what the sender wrote, too.
-    pub check_bytes: bool,
-    /// Transfers of at least this many bytes are digested on the blocking pool.
-    pub digest_offload_bytes: u64,
-    /// Where every connection of the run counts transfers, fences and pages.
-    #[serde(skip)]
-    pub metrics: Option<Arc<kvwire::metrics::Metrics>>,
-    /// Called after every transfer ends (e.g. to advance a progress bar).
-    #[serde(skip)]
-    pub on_transfer: Option<OnTransfer>,
-    /// Peer authentication of every connection (reported as "psk (key id ...)" or "off",
-    /// never the key). In one process, an ephemeral key serves both ends.
-    #[serde(serialize_with = "serialize_auth")]
-    pub auth: kvwire::engine::Auth,
-    /// The transport.
-    pub transport: BenchTransport,
-}
-
-fn serialize_auth<S: serde::Serializer>(a: &kvwire::engine::Auth, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&a.describe())
-}
-
-/// A callback run after every transfer ends.
-#[derive(Clone)]
-pub struct OnTransfer(pub Arc<dyn Fn() + Send + Sync>);
-
-impl std::fmt::Debug for OnTransfer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("OnTransfer")
-    }
-}
-
-impl Default for BenchSpec {
-    fn default() -> Self {
-        Self {
-            workload: Workload::Pool,
-            page_sizes: vec![64 * 1024, 1024 * 1024],
-            buffers: 4,
-            pages: 8,
-            tokens_per_page: 16,
-            bytes_per_case: 1 << 30,
-            concurrency: 4,
-            verify: Verify::Xxh3,
-            check_bytes: false,
-            digest_offload_bytes: 8 << 20,
-            metrics: None,
-            on_transfer: None,
-            auth: kvwire::engine::Auth::ephemeral(),
-            transport: BenchTransport::Tcp,
-        }
-    }
-}
-
-/// One case's figures.
-#[derive(Clone, Debug, Serialize)]
-pub struct CaseResult {
-    /// Bytes per page per buffer.
-    pub page_bytes: u32,
-    /// Pages per transfer.
-    pub pages: u32,
-    /// Buffers.
-    pub buffers: u32,
-    /// Transfers attempted.
-    pub transfers: u64,
-    /// Transfers in flight.
-    pub concurrency: u32,
-    /// Payload bytes of verified transfers.
-    pub bytes: u64,
-    /// Wall time of the case.
-    pub seconds: f64,
-    /// Verified payload throughput, 10^9 bytes/s.
-    pub gb_per_s: f64,
-    /// Verified transfers per second.
-    pub transfers_per_s: f64,
-    /// Median latency, reservation to verified delivery, ms.
-    pub p50_ms: f64,
-    /// 99th percentile latency, ms.
-    pub p99_ms: f64,
-    /// Transfers verified (digests over the landed memory matched).
-    pub verified: u64,
-    /// Transfers whose bytes were compared and matched (`--check-bytes`).
-    pub bytes_checked: u64,
-    /// Failures by reason.
-    pub failures: BTreeMap<String, u64>,
-    /// Raw TCP loopback throughput for the same bytes in the same run, 10^9 bytes/s.
-    pub raw_gb_per_s: Option<f64>,
-    /// `gb_per_s / raw_gb_per_s`.
-    pub ratio_to_raw: Option<f64>,
-    /// Receiver pool pages free once the case ended (decode side only).
-    pub pages_free_after: Option<u32>,
-    /// Receiver pool pages in all (decode side only).
-    pub pages_total: Option<u32>,
-}
-
-/// A whole run.
-#[derive(Clone, Debug, Serialize)]
-pub struct Report {
-    /// The spec.
-    pub spec: BenchSpec,
-    /// The transport.
-    pub transport: String,
-    /// The cases.
-    pub cases: Vec<CaseResult>,
-    /// The run's counters, in the Prometheus text format (when metrics were on).
-    pub metrics: Option<String>,
-}
-
-impl BenchSpec {
-    fn transfer_bytes(&self, page: u32) -> u64 {
-        u64::from(page) * u64::from(self.buffers) * u64::from(self.pages)
-    }
-
-    /// Transfers in all cases of one run.
-    pub fn total_transfers(&self) -> u64 {
-        self.page_sizes.iter().map(|&p| self.transfers(p)).sum()
-    }
-
-    fn transfers(&self, page: u32) -> u64 {
-        (self.bytes_per_case / self.transfer_bytes(page)).max(1)
-    }
-
-    /// The engine workload's memory per engine (0 for the pool workload).
-    fn engine_memory(&self) -> u64 {
-        match self.workload {
-            Workload::Engine { memory, .. } => memory,
-            Workload::Pool => 0,
-        }
-    }
-
-    /// Whether the engine workload copies through kvwire's pool.
-    fn engine_copy(&self) -> bool {
-        matches!(self.workload, Workload::Engine { copy: true, .. })
-    }
-
-    /// The node configuration for one case (both sides use the same one): a pool just
-    /// large enough for the transfers in flight.
-    pub fn node_config(&self, page: u32) -> NodeConfig {
-        self.node_config_with_pages(page, self.pages * self.concurrency * 2)
-    }
-
-    /// The node configuration for one case, with a pool of `pages` pages.
-    fn node_config_with_pages(&self, page: u32, pages: u32) -> NodeConfig {
-        let mut c = NodeConfig::example();
-        c.pool = PoolGeometry {
-            tokens_per_page: self.tokens_per_page,
-            buffer_page_bytes: vec![page; self.buffers as usize],
-            pages,
-        };
-        c.engine = EngineConfig::new(u64::from(pages) * u64::from(self.tokens_per_page));
-        c.fingerprint = format!("kvwire-bench/{page}x{}x{}", self.buffers, self.pages).into_bytes();
-        let (digests, mode) = match self.verify {
-            Verify::Xxh3 => (vec![DigestAlgorithm::XXH3_64], DigestMode::Verify),
-            Verify::Crc32 => (vec![DigestAlgorithm::CRC32], DigestMode::Verify),
-            Verify::None => (
-                vec![DigestAlgorithm::XXH3_64],
-                DigestMode::UnverifiedBenchmarkOnly,
-            ),
-        };
-        c.digests = digests;
-        c.digest_mode = mode;
-        c.window = self.pages.max(1);
-        c.metrics = self.metrics.clone();
-        c.digest_offload_bytes = self.digest_offload_bytes;
-        c.auth = self.auth.clone();
-        c.transport = match &self.transport {
-            BenchTransport::Tcp | BenchTransport::Loopback => TransportConfig::Tcp,
-            BenchTransport::Rdma {
-                device,
-                queue_pairs,
-                busy_poll,
-            } => {
-                let mut t = TransportConfig::rdma(device.as_deref());
-                if let TransportConfig::Rdma {
-                    queue_pairs: q,
-                    busy_poll: b,
-                    ..
-                } = &mut t
-                {
-                    *q = (*queue_pairs).max(1);
-                    *b = *busy_poll;
-                }
-                t
-            }
-        };
-        c
-    }
-
-    fn tokens(&self) -> u32 {
-        self.pages * self.tokens_per_page
-    }
-}
+use kvwire::engine::{Listener, ListenerConfig, Node, ReceiverConn, SenderConn, TransferError};
 
 /// The body byte at `offset` of a page of `buffer`.
 fn body(buffer: usize, offset: usize) -> u8 {
@@ -353,7 +83,14 @@ pub(crate) struct Tally {
 
 impl Tally {
     /// The case's figures from this side's tally (pool state left for the caller).
-    pub(crate) fn result(mut self, spec: &BenchSpec, page: u32, seconds: f64) -> CaseResult {
+    /// `seconds` of wall time and `cpu_seconds` of this process's CPU time in the case.
+    pub(crate) fn result(
+        mut self,
+        spec: &BenchSpec,
+        page: u32,
+        seconds: f64,
+        cpu_seconds: f64,
+    ) -> CaseResult {
         self.latencies.sort_unstable();
         let bytes = self.verified * spec.transfer_bytes(page);
         CaseResult {
@@ -368,6 +105,11 @@ impl Tally {
             transfers_per_s: self.verified as f64 / seconds,
             p50_ms: percentile(&self.latencies, 0.50),
             p99_ms: percentile(&self.latencies, 0.99),
+            p999_ms: percentile(&self.latencies, 0.999),
+            cpu_seconds,
+            cpu_s_per_gb: cost::per_gb(cpu_seconds, bytes),
+            raw_cpu_s_per_gb: None,
+            cpu_ratio_to_raw: None,
             verified: self.verified,
             bytes_checked: self.checked,
             failures: self.failures,
@@ -478,9 +220,18 @@ async fn run_case_pair(
     .await
 }
 
-fn with_baseline(mut case: CaseResult, raw: Option<f64>) -> CaseResult {
-    case.raw_gb_per_s = raw;
-    case.ratio_to_raw = raw.filter(|r| *r > 0.0).map(|r| case.gb_per_s / r);
+fn with_baseline(mut case: CaseResult, raw: Option<RawRun>) -> CaseResult {
+    case.raw_gb_per_s = raw.map(|r| r.gb_per_s);
+    case.ratio_to_raw = case
+        .raw_gb_per_s
+        .filter(|r| *r > 0.0)
+        .map(|r| case.gb_per_s / r);
+    case.raw_cpu_s_per_gb = raw.and_then(|r| r.cpu_s_per_gb);
+    case.cpu_ratio_to_raw = case
+        .cpu_s_per_gb
+        .zip(case.raw_cpu_s_per_gb)
+        .filter(|(_, r)| *r > 0.0)
+        .map(|(c, r)| c / r);
     case
 }
 
@@ -622,11 +373,11 @@ pub async fn run_listen(
         for &page in &spec.page_sizes {
             let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
             let total = spec.transfers(page) * spec.transfer_bytes(page);
-            let raw_gbps = if raw && spec.transport == BenchTransport::Tcp {
-                let mut s = raw::accept_raw(&listener).await;
-                let start = Instant::now();
-                match spec.workload {
-                    Workload::Pool => raw_read(&mut s, total, record).await,
+            let raw_run = if raw && spec.transport == BenchTransport::Tcp {
+                // The destination memory is written through before the clock starts and
+                // freed after it stopped.
+                let engine_memory = match spec.workload {
+                    Workload::Pool => None,
                     Workload::Engine { .. } => {
                         let (_, dst) = engine::raw_pages(
                             spec,
@@ -639,11 +390,19 @@ pub async fn run_listen(
                             engine::memory_pages(spec, page),
                             0xa5,
                         );
-                        engine_raw_read(s, memory, dst).await.map(|_| ())
+                        Some((memory, dst))
                     }
+                };
+                let mut s = raw::accept_raw(&listener).await;
+                let (start, cpu) = (Instant::now(), CpuClock::start());
+                let landed = match engine_memory {
+                    None => raw_read(&mut s, total, record).await.map(|()| None),
+                    Some((memory, dst)) => engine_raw_read(s, memory, dst).await.map(Some),
                 }
                 .map_err(|e| e.to_string())?;
-                Some(total as f64 / start.elapsed().as_secs_f64() / 1e9)
+                let run = RawRun::since(start, cpu, total);
+                drop(landed);
+                Some(run)
             } else {
                 None
             };
@@ -694,7 +453,7 @@ pub async fn run_listen(
                 case.pages_free_after.unwrap_or(0),
                 case.pages_total.unwrap_or(0)
             ));
-            cases.push(with_baseline(case, raw_gbps));
+            cases.push(with_baseline(case, raw_run));
         }
     }
     Ok(Report {
@@ -716,7 +475,7 @@ pub async fn run_connect(
     for &page in &spec.page_sizes {
         let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
         let total = spec.transfers(page) * spec.transfer_bytes(page);
-        let raw_gbps = if raw && spec.transport == BenchTransport::Tcp {
+        let raw_run = if raw && spec.transport == BenchTransport::Tcp {
             let engine_memory = match spec.workload {
                 Workload::Pool => None,
                 Workload::Engine { .. } => {
@@ -733,13 +492,15 @@ pub async fn run_connect(
             };
             let mut s = connect_retry(addr).await?;
             raw::announce_raw(&mut s).await.map_err(|e| e.to_string())?;
-            let start = Instant::now();
-            match engine_memory {
-                None => raw_write(&mut s, total, record).await,
-                Some((memory, src)) => engine_raw_write(s, memory, src).await.map(|_| ()),
+            let (start, cpu) = (Instant::now(), CpuClock::start());
+            let sent = match engine_memory {
+                None => raw_write(&mut s, total, record).await.map(|()| None),
+                Some((memory, src)) => engine_raw_write(s, memory, src).await.map(Some),
             }
             .map_err(|e| e.to_string())?;
-            Some(total as f64 / start.elapsed().as_secs_f64() / 1e9)
+            let run = RawRun::since(start, cpu, total);
+            drop(sent);
+            Some(run)
         } else {
             None
         };
@@ -767,7 +528,7 @@ pub async fn run_connect(
                 run_side(spec, page, move |id| tx.send_one(&s, &spec2, id)).await
             }
         };
-        cases.push(with_baseline(case, raw_gbps));
+        cases.push(with_baseline(case, raw_run));
     }
     Ok(Report {
         spec: spec.clone(),
@@ -800,7 +561,7 @@ where
     let tally = Arc::new(Mutex::new(Tally::default()));
     let one = Arc::new(one);
     let tick = spec.on_transfer.clone();
-    let start = Instant::now();
+    let (start, cpu) = (Instant::now(), CpuClock::start());
     let mut workers = Vec::new();
     for _ in 0..spec.concurrency {
         let (next, tally, one, tick) = (next.clone(), tally.clone(), one.clone(), tick.clone());
@@ -836,9 +597,9 @@ where
     for w in workers {
         let _ = w.await;
     }
-    let seconds = start.elapsed().as_secs_f64();
+    let (seconds, cpu_seconds) = (start.elapsed().as_secs_f64(), cpu.seconds());
     let t = std::mem::take(&mut *tally.lock().unwrap_or_else(|p| p.into_inner()));
-    t.result(spec, page, seconds)
+    t.result(spec, page, seconds, cpu_seconds)
 }
 
 async fn run_receiver_side(spec: &BenchSpec, page: u32, receiver: &ReceiverConn) -> CaseResult {

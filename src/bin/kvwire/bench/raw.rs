@@ -8,9 +8,30 @@ use std::io::{Read, Write};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use super::cost::{per_gb, CpuClock};
+
+/// One raw baseline's figures.
+#[derive(Clone, Copy, Debug)]
+pub struct RawRun {
+    /// Payload throughput, 10^9 bytes/s.
+    pub gb_per_s: f64,
+    /// CPU-seconds of this process per 10^9 bytes (both ends when both run here).
+    pub cpu_s_per_gb: Option<f64>,
+}
+
+impl RawRun {
+    /// The figures of `bytes` moved since `start` / `cpu`.
+    pub(super) fn since(start: Instant, cpu: CpuClock, bytes: u64) -> Self {
+        Self {
+            gb_per_s: bytes as f64 / start.elapsed().as_secs_f64() / 1e9,
+            cpu_s_per_gb: per_gb(cpu.seconds(), bytes),
+        }
+    }
+}
+
 /// Raw TCP loopback: the same bytes, in records of one page index, copied into a page-sized
 /// buffer on arrival (what landing does), with no protocol at all.
-pub async fn raw_tcp_baseline(total: u64, record: usize) -> std::io::Result<f64> {
+pub async fn raw_tcp_baseline(total: u64, record: usize) -> std::io::Result<RawRun> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let reader = tokio::spawn(async move {
@@ -19,10 +40,10 @@ pub async fn raw_tcp_baseline(total: u64, record: usize) -> std::io::Result<f64>
     });
     let mut s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
-    let start = Instant::now();
+    let (start, cpu) = (Instant::now(), CpuClock::start());
     raw_write(&mut s, total, record).await?;
     reader.await.map_err(std::io::Error::other)??;
-    Ok(total as f64 / start.elapsed().as_secs_f64() / 1e9)
+    Ok(RawRun::since(start, cpu, total))
 }
 
 pub(super) async fn raw_write(s: &mut TcpStream, total: u64, record: usize) -> std::io::Result<()> {
@@ -60,21 +81,24 @@ pub async fn raw_engine_baseline(
     pages: u32,
     src: Vec<u32>,
     dst: Vec<u32>,
-) -> std::io::Result<f64> {
+) -> std::io::Result<RawRun> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let dest = RawMemory::new(page, buffers, pages, 0xa5);
     let reader = tokio::spawn(async move {
         let (s, _) = listener.accept().await?;
-        engine_raw_read(s, dest, dst).await.map(|_| ())
+        engine_raw_read(s, dest, dst).await
     });
     let source = RawMemory::new(page, buffers, pages, 0x5a);
     let s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
-    let start = Instant::now();
-    let total = engine_raw_write(s, source, src).await?;
-    reader.await.map_err(std::io::Error::other)??;
-    Ok(total as f64 / start.elapsed().as_secs_f64() / 1e9)
+    let (start, cpu) = (Instant::now(), CpuClock::start());
+    let (total, source) = engine_raw_write(s, source, src).await?;
+    let dest = reader.await.map_err(std::io::Error::other)??;
+    let run = RawRun::since(start, cpu, total);
+    // Both memories are freed after the clock stopped, as kvwire's engines outlive theirs.
+    drop((source, dest));
+    Ok(run)
 }
 
 /// Pages per `writev` / `readv` in the engine raw baseline (times the buffers, at most 1024
@@ -113,12 +137,13 @@ fn blocking(s: TcpStream) -> std::io::Result<std::net::TcpStream> {
 }
 
 /// Writes page index `p` of every buffer, for each `p` of `pages`, in order, batched
-/// `writev`s on a blocking thread; returns the bytes written.
+/// `writev`s on a blocking thread; returns the bytes written and the memory (to be freed by
+/// the caller once its clock stopped).
 pub(super) async fn engine_raw_write(
     s: TcpStream,
     memory: RawMemory,
     pages: Vec<u32>,
-) -> std::io::Result<u64> {
+) -> std::io::Result<(u64, RawMemory)> {
     let mut s = blocking(s)?;
     tokio::task::spawn_blocking(move || {
         let n = memory.page;
@@ -131,7 +156,10 @@ pub(super) async fn engine_raw_write(
             write_all_vectored(&mut s, &mut slices)?;
         }
         s.flush()?;
-        Ok(pages.len() as u64 * (n * memory.buffers.len()) as u64)
+        Ok((
+            pages.len() as u64 * (n * memory.buffers.len()) as u64,
+            memory,
+        ))
     })
     .await
     .map_err(std::io::Error::other)?

@@ -40,7 +40,7 @@ pub fn table(report: &Report) -> String {
         report.transport, workload, verify
     );
     out += &format!(
-        "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8} {:>9} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6}  failures\n",
+        "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>8} {:>7}  failures\n",
         "page",
         "pages",
         "bufs",
@@ -50,10 +50,13 @@ pub fn table(report: &Report) -> String {
         "xfer/s",
         "p50 ms",
         "p99 ms",
+        "p99.9 ms",
         "verified",
         "checked",
         "raw GB/s",
-        "ratio"
+        "ratio",
+        "CPU s/GB",
+        "raw CPU"
     );
     for c in &report.cases {
         let failures = if c.failures.is_empty() {
@@ -66,7 +69,7 @@ pub fn table(report: &Report) -> String {
                 .join(",")
         };
         out += &format!(
-            "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8.3} {:>9.1} {:>8.2} {:>8.2} {:>9} {:>8} {:>8} {:>6}  {}\n",
+            "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8.3} {:>9.1} {:>8.2} {:>8.2} {:>9.2} {:>9} {:>8} {:>8} {:>6} {:>8} {:>7}  {}\n",
             human_bytes(u64::from(c.page_bytes)),
             c.pages,
             c.buffers,
@@ -76,10 +79,13 @@ pub fn table(report: &Report) -> String {
             c.transfers_per_s,
             c.p50_ms,
             c.p99_ms,
+            c.p999_ms,
             c.verified,
             c.bytes_checked,
             c.raw_gb_per_s.map_or("-".into(), |r| format!("{r:.3}")),
             c.ratio_to_raw.map_or("-".into(), |r| format!("{r:.2}")),
+            c.cpu_s_per_gb.map_or("-".into(), |r| format!("{r:.2}")),
+            c.raw_cpu_s_per_gb.map_or("-".into(), |r| format!("{r:.2}")),
             failures
         );
     }

@@ -30,6 +30,8 @@ use kvwire_proto::sender::PageWrite;
 use kvwire_proto::wire::{Frame, FrameType, TransferRef};
 
 use crate::memory::PagePool;
+mod receiver;
+
 use crate::transport::{
     Closed, Fence, ReceiverTransport, ScopeError, SenderTransport, Transport, TransportEvent,
 };
@@ -353,29 +355,6 @@ impl<T> FaultySender<T> {
     }
 }
 
-impl<T> FaultyReceiver<T> {
-    /// Wraps the decode end of a connection; `pool` is its destination memory (damaged by
-    /// the corruption and truncation faults after a page lands).
-    pub fn new(inner: T, plan: Arc<Mutex<FaultPlan>>, pool: Arc<PagePool>) -> Self {
-        Self(Core::new(inner, Side::Receiver, plan, Some(pool)))
-    }
-
-    /// The wrapped transport.
-    pub fn inner(&self) -> &T {
-        &self.0.inner
-    }
-
-    /// The wrapped transport, mutably.
-    pub fn inner_mut(&mut self) -> &mut T {
-        &mut self.0.inner
-    }
-
-    /// Marks this side crashed: nothing more leaves it.
-    pub fn crash(&mut self) {
-        self.0.crash();
-    }
-}
-
 impl<T> Core<T> {
     /// The connection is gone: writes still held back never land. Those not yet reported
     /// (late writes) are reported failed; those reported early are dropped.
@@ -593,109 +572,6 @@ impl<T: SenderTransport> SenderTransport for FaultySender<T> {
     }
 }
 
-impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
-    fn send_frame(&mut self, now: Instant, frame: &Frame) {
-        send_frame(&mut self.0, now, frame, |_, _| {});
-    }
-
-    fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {
-        let slow = &mut self.0.slow_fences;
-        for f in slow.iter_mut() {
-            f.at.get_or_insert(now + f.delay);
-        }
-        if let Some(i) = slow
-            .iter()
-            .position(|f| f.inner_done && f.at.is_some_and(|at| now >= at))
-        {
-            return Poll::Ready(TransportEvent::Fenced(slow.swap_remove(i).transfer));
-        }
-        let Some(e) = poll_common(&mut self.0, cx, now) else {
-            return Poll::Pending;
-        };
-        if let TransportEvent::Fenced(t) = &e {
-            if let Some(f) = self.0.slow_fences.iter_mut().find(|f| f.transfer == *t) {
-                // The inner fence completed; it is reported when the delay is over.
-                f.inner_done = true;
-                return self.poll_event(cx, now);
-            }
-        }
-        if let TransportEvent::Landed {
-            transfer,
-            ordinal,
-            page,
-        } = e
-        {
-            let damage = {
-                let mut plan = self.0.plan();
-                let i = plan
-                    .damage
-                    .iter()
-                    .position(|&(id, o, _)| id == transfer.transfer_id && o == ordinal);
-                i.map(|i| plan.damage.swap_remove(i).2)
-            };
-            if let (Some(d), Some(pool)) = (damage, &self.0.pool) {
-                damage_page(pool, page, d);
-            }
-        }
-        Poll::Ready(e)
-    }
-
-    fn close(&mut self, now: Instant) {
-        self.0.inner.close(now);
-    }
-
-    fn poll_timeout(&self) -> Option<Instant> {
-        timeout(&self.0)
-    }
-}
-
-impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {
-    fn open_scope(
-        &mut self,
-        transfer_id: TransferId,
-        pages: &[u32],
-    ) -> Result<Vec<u8>, ScopeError> {
-        self.0.inner.open_scope(transfer_id, pages)
-    }
-
-    fn bind_scope(&mut self, transfer: TransferRef) {
-        self.0.inner.bind_scope(transfer);
-    }
-
-    fn abandon_scope(&mut self, transfer_id: TransferId) {
-        self.0.inner.abandon_scope(transfer_id);
-    }
-
-    fn open_scopes(&self) -> usize {
-        self.0.inner.open_scopes()
-    }
-
-    fn reports_landings(&self) -> bool {
-        self.0.inner.reports_landings()
-    }
-
-    fn fence(&mut self, transfer: TransferRef) -> Fence {
-        let slow = self
-            .0
-            .plan()
-            .take(transfer.transfer_id, |f| matches!(f, Fault::SlowFence(_)));
-        let done = self.0.inner.fence(transfer) == Fence::Done;
-        match slow {
-            Some(Fault::SlowFence(delay)) => {
-                self.0.slow_fences.push(SlowFence {
-                    transfer,
-                    delay,
-                    at: None,
-                    inner_done: done,
-                });
-                Fence::Pending
-            }
-            _ if done => Fence::Done,
-            _ => Fence::Pending,
-        }
-    }
-}
-
 /// Sending a frame, for either role: triggers, then frame faults; `after` runs once the
 /// frame (or its first copy) went out.
 fn send_frame<T: Transport>(
@@ -830,25 +706,4 @@ fn timeout<T: Transport>(s: &Core<T>) -> Option<Instant> {
         .chain(fences)
         .chain(s.inner.poll_timeout())
         .min()
-}
-
-fn damage_page(pool: &PagePool, page: u32, damage: Damage) {
-    match damage {
-        Damage::CorruptByte { buffer, offset } => {
-            if let Some(mut bytes) = pool.raw_page_mut(page, buffer) {
-                if offset < bytes.len() {
-                    bytes[offset] ^= 0x01;
-                }
-            }
-        }
-        Damage::Truncated { keep } => {
-            for b in 0..pool.buffers() {
-                if let Some(mut bytes) = pool.raw_page_mut(page, b) {
-                    for (i, x) in bytes.iter_mut().enumerate().skip(keep) {
-                        *x = 0xA0 | (i as u8 & 0x0f);
-                    }
-                }
-            }
-        }
-    }
 }

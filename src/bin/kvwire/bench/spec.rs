@@ -1,0 +1,293 @@
+//! What a bench run is asked to do ([`BenchSpec`]) and what it reports ([`CaseResult`],
+//! [`Report`]).
+
+use std::sync::Arc;
+
+use kvwire_proto::wire::DigestAlgorithm;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+use kvwire::checksum::DigestMode;
+use kvwire::config::{EngineConfig, TransportConfig};
+use kvwire::engine::NodeConfig;
+use kvwire::memory::PoolGeometry;
+
+/// The transport a bench runs over.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchTransport {
+    /// TCP (the embedded default).
+    Tcp,
+    /// RDMA RC queue pairs.
+    Rdma {
+        /// The device (default: the first one).
+        device: Option<String>,
+        /// Queue pairs per connection.
+        queue_pairs: u16,
+        /// Busy-poll the completion queues.
+        busy_poll: bool,
+    },
+    /// The in-process loopback wire.
+    Loopback,
+}
+
+impl BenchTransport {
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            Self::Tcp => "tcp",
+            Self::Rdma { .. } => "rdma",
+            Self::Loopback => "loopback",
+        }
+    }
+}
+
+/// How transfers are verified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verify {
+    /// XXH3-64 page digests (the default).
+    Xxh3,
+    /// CRC-32 page digests.
+    Crc32,
+    /// No digests: **unverified**, only to measure the integrity tax.
+    None,
+}
+
+/// Whose memory and pages a case moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case", tag = "kind")]
+pub enum Workload {
+    /// kvwire's page pool chooses the pages on both sides (the default).
+    Pool,
+    /// Each engine's own registered memory of `memory` bytes, pages its allocator chose
+    /// (a random permutation), sent and received in place, or copied in and out with
+    /// `copy` (`engine.rs`).
+    Engine {
+        /// Bytes of KV memory per engine.
+        memory: u64,
+        /// Copy through kvwire's pool instead of in place (before zero copy).
+        copy: bool,
+    },
+}
+
+/// What to run.
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchSpec {
+    /// Whose memory and pages.
+    pub workload: Workload,
+    /// Bytes per page per buffer, one case each.
+    pub page_sizes: Vec<u32>,
+    /// Buffers (e.g. layers x K/V).
+    pub buffers: u32,
+    /// Pages per transfer.
+    pub pages: u32,
+    /// Tokens per page.
+    pub tokens_per_page: u32,
+    /// Payload bytes each case moves (sets the transfer count).
+    pub bytes_per_case: u64,
+    /// Transfers in flight.
+    pub concurrency: u32,
+    /// Verification.
+    pub verify: Verify,
+    /// Compare every delivered byte with what the sender wrote, too.
+    pub check_bytes: bool,
+    /// Transfers of at least this many bytes are digested on the blocking pool.
+    pub digest_offload_bytes: u64,
+    /// Where every connection of the run counts transfers, fences and pages.
+    #[serde(skip)]
+    pub metrics: Option<Arc<kvwire::metrics::Metrics>>,
+    /// Called after every transfer ends (e.g. to advance a progress bar).
+    #[serde(skip)]
+    pub on_transfer: Option<OnTransfer>,
+    /// Peer authentication of every connection (reported as "psk (key id ...)" or "off",
+    /// never the key). In one process, an ephemeral key serves both ends.
+    #[serde(serialize_with = "serialize_auth")]
+    pub auth: kvwire::engine::Auth,
+    /// The transport.
+    pub transport: BenchTransport,
+}
+
+fn serialize_auth<S: serde::Serializer>(a: &kvwire::engine::Auth, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&a.describe())
+}
+
+/// A callback run after every transfer ends.
+#[derive(Clone)]
+pub struct OnTransfer(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for OnTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnTransfer")
+    }
+}
+
+impl Default for BenchSpec {
+    fn default() -> Self {
+        Self {
+            workload: Workload::Pool,
+            page_sizes: vec![64 * 1024, 1024 * 1024],
+            buffers: 4,
+            pages: 8,
+            tokens_per_page: 16,
+            bytes_per_case: 1 << 30,
+            concurrency: 4,
+            verify: Verify::Xxh3,
+            check_bytes: false,
+            digest_offload_bytes: 8 << 20,
+            metrics: None,
+            on_transfer: None,
+            auth: kvwire::engine::Auth::ephemeral(),
+            transport: BenchTransport::Tcp,
+        }
+    }
+}
+
+/// One case's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct CaseResult {
+    /// Bytes per page per buffer.
+    pub page_bytes: u32,
+    /// Pages per transfer.
+    pub pages: u32,
+    /// Buffers.
+    pub buffers: u32,
+    /// Transfers attempted.
+    pub transfers: u64,
+    /// Transfers in flight.
+    pub concurrency: u32,
+    /// Payload bytes of verified transfers.
+    pub bytes: u64,
+    /// Wall time of the case.
+    pub seconds: f64,
+    /// Verified payload throughput, 10^9 bytes/s.
+    pub gb_per_s: f64,
+    /// Verified transfers per second.
+    pub transfers_per_s: f64,
+    /// Median latency, reservation to verified delivery, ms.
+    pub p50_ms: f64,
+    /// 99th percentile latency, ms.
+    pub p99_ms: f64,
+    /// 99.9th percentile latency, ms (the slowest transfer when fewer than 1,000 ran).
+    pub p999_ms: f64,
+    /// CPU-seconds this process used during the case (user + system, every thread; both
+    /// roles when both run in this process).
+    pub cpu_seconds: f64,
+    /// `cpu_seconds` per 10^9 bytes of verified payload.
+    pub cpu_s_per_gb: Option<f64>,
+    /// Transfers verified (digests over the landed memory matched).
+    pub verified: u64,
+    /// Transfers whose bytes were compared and matched (`--check-bytes`).
+    pub bytes_checked: u64,
+    /// Failures by reason.
+    pub failures: BTreeMap<String, u64>,
+    /// Raw TCP loopback throughput for the same bytes in the same run, 10^9 bytes/s.
+    pub raw_gb_per_s: Option<f64>,
+    /// `gb_per_s / raw_gb_per_s`.
+    pub ratio_to_raw: Option<f64>,
+    /// The raw baseline's CPU-seconds per 10^9 bytes, counted the same way.
+    pub raw_cpu_s_per_gb: Option<f64>,
+    /// `cpu_s_per_gb / raw_cpu_s_per_gb` (1.2 means kvwire spent 20% more CPU per byte).
+    pub cpu_ratio_to_raw: Option<f64>,
+    /// Receiver pool pages free once the case ended (decode side only).
+    pub pages_free_after: Option<u32>,
+    /// Receiver pool pages in all (decode side only).
+    pub pages_total: Option<u32>,
+}
+
+/// A whole run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// The spec.
+    pub spec: BenchSpec,
+    /// The transport.
+    pub transport: String,
+    /// The cases.
+    pub cases: Vec<CaseResult>,
+    /// The run's counters, in the Prometheus text format (when metrics were on).
+    pub metrics: Option<String>,
+}
+
+impl BenchSpec {
+    pub(super) fn transfer_bytes(&self, page: u32) -> u64 {
+        u64::from(page) * u64::from(self.buffers) * u64::from(self.pages)
+    }
+
+    /// Transfers in all cases of one run.
+    pub fn total_transfers(&self) -> u64 {
+        self.page_sizes.iter().map(|&p| self.transfers(p)).sum()
+    }
+
+    pub(super) fn transfers(&self, page: u32) -> u64 {
+        (self.bytes_per_case / self.transfer_bytes(page)).max(1)
+    }
+
+    /// The engine workload's memory per engine (0 for the pool workload).
+    pub(super) fn engine_memory(&self) -> u64 {
+        match self.workload {
+            Workload::Engine { memory, .. } => memory,
+            Workload::Pool => 0,
+        }
+    }
+
+    /// Whether the engine workload copies through kvwire's pool.
+    pub(super) fn engine_copy(&self) -> bool {
+        matches!(self.workload, Workload::Engine { copy: true, .. })
+    }
+
+    /// The node configuration for one case (both sides use the same one): a pool just
+    /// large enough for the transfers in flight.
+    pub fn node_config(&self, page: u32) -> NodeConfig {
+        self.node_config_with_pages(page, self.pages * self.concurrency * 2)
+    }
+
+    /// The node configuration for one case, with a pool of `pages` pages.
+    pub(super) fn node_config_with_pages(&self, page: u32, pages: u32) -> NodeConfig {
+        let mut c = NodeConfig::example();
+        c.pool = PoolGeometry {
+            tokens_per_page: self.tokens_per_page,
+            buffer_page_bytes: vec![page; self.buffers as usize],
+            pages,
+        };
+        c.engine = EngineConfig::new(u64::from(pages) * u64::from(self.tokens_per_page));
+        c.fingerprint = format!("kvwire-bench/{page}x{}x{}", self.buffers, self.pages).into_bytes();
+        let (digests, mode) = match self.verify {
+            Verify::Xxh3 => (vec![DigestAlgorithm::XXH3_64], DigestMode::Verify),
+            Verify::Crc32 => (vec![DigestAlgorithm::CRC32], DigestMode::Verify),
+            Verify::None => (
+                vec![DigestAlgorithm::XXH3_64],
+                DigestMode::UnverifiedBenchmarkOnly,
+            ),
+        };
+        c.digests = digests;
+        c.digest_mode = mode;
+        c.window = self.pages.max(1);
+        c.metrics = self.metrics.clone();
+        c.digest_offload_bytes = self.digest_offload_bytes;
+        c.auth = self.auth.clone();
+        c.transport = match &self.transport {
+            BenchTransport::Tcp | BenchTransport::Loopback => TransportConfig::Tcp,
+            BenchTransport::Rdma {
+                device,
+                queue_pairs,
+                busy_poll,
+            } => {
+                let mut t = TransportConfig::rdma(device.as_deref());
+                if let TransportConfig::Rdma {
+                    queue_pairs: q,
+                    busy_poll: b,
+                    ..
+                } = &mut t
+                {
+                    *q = (*queue_pairs).max(1);
+                    *b = *busy_poll;
+                }
+                t
+            }
+        };
+        c
+    }
+
+    pub(super) fn tokens(&self) -> u32 {
+        self.pages * self.tokens_per_page
+    }
+}
