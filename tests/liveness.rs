@@ -59,7 +59,8 @@ async fn peer_process() {
         .expect("run by sigstopped_receiver_is_found_and_outcomes_agree, not alone");
     assert_eq!(role, "receiver");
     let node = Node::new(config()).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let bind = std::env::var("KVWIRE_LIVENESS_BIND").unwrap_or_else(|_| "127.0.0.1:0".into());
+    let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
     println!("LISTEN {}", listener.local_addr().unwrap());
     for (first, count) in [(1, FIRST), (SECOND_BASE + 1, SECOND)] {
         let r = ReceiverConn::accept(&listener, &node).await.unwrap();
@@ -124,8 +125,19 @@ struct Peer {
 }
 
 impl Peer {
-    fn start() -> (Self, std::net::SocketAddr) {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+    /// Starts the peer process, under `prefix` (e.g. `ip netns exec NS`), listening on
+    /// `bind`.
+    fn start(prefix: &[&str], bind: &str) -> (Self, std::net::SocketAddr) {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let mut child = cmd
             .args([
                 "--exact",
                 "peer_process",
@@ -134,6 +146,7 @@ impl Peer {
                 "--test-threads=1",
             ])
             .env("KVWIRE_LIVENESS_PEER", "receiver")
+            .env("KVWIRE_LIVENESS_BIND", bind)
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -184,15 +197,41 @@ async fn send(s: &SenderConn, id: u64) -> Result<(), TransferError> {
         .await
 }
 
+/// What cuts the connection in the middle of the stream, and what undoes it.
+trait Disruption {
+    fn start(&mut self, peer: &Peer);
+    fn end(&mut self, peer: &Peer);
+}
+
+/// The receiver process is frozen (SIGSTOP) and thawed (SIGCONT).
+struct Freeze;
+
+impl Disruption for Freeze {
+    fn start(&mut self, peer: &Peer) {
+        peer.signal("-STOP");
+    }
+    fn end(&mut self, peer: &Peer) {
+        peer.signal("-CONT");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstopped_receiver_is_found_and_outcomes_agree() {
+    let (peer, addr) = Peer::start(&[], "127.0.0.1:0");
+    scenario(&peer, addr, &mut Freeze, "frozen receiver").await;
+}
+
+/// Runs transfers from this process to `peer` at `addr`, disrupts them, checks that the
+/// heartbeat finds it within the bound and that every transfer ends with agreeing outcomes,
+/// ends the disruption, and checks that a new connection serves new transfers and that every
+/// page is back on both sides.
+async fn scenario(peer: &Peer, addr: std::net::SocketAddr, how: &mut dyn Disruption, what: &str) {
     let config = config();
     let bound = config.liveness.timeout;
     assert!(
         bound <= Duration::from_secs(2),
         "the default bound is at most 2 s"
     );
-    let (peer, addr) = Peer::start();
     let node = Node::new(config.clone()).unwrap();
     let s = SenderConn::connect(addr, &node).await.unwrap();
 
@@ -233,7 +272,7 @@ async fn sigstopped_receiver_is_found_and_outcomes_agree() {
         mine.values().filter(|o| *o == "verified").count() > 0,
         "no transfer verified before the stop: {mine:?}"
     );
-    peer.signal("-STOP");
+    how.start(peer);
     let stopped = Instant::now();
 
     // The first transfer that ends after the stop ends because the peer is unresponsive.
@@ -241,7 +280,7 @@ async fn sigstopped_receiver_is_found_and_outcomes_agree() {
     while detected.is_none() {
         let (id, r, at) = tokio::time::timeout(Duration::from_secs(30), done_rx.recv())
             .await
-            .expect("nothing ended within 30 s of the stop: the frozen peer went unnoticed")
+            .expect("nothing ended within 30 s of the disruption: it went unnoticed")
             .unwrap();
         let unresponsive = matches!(&r, Err(e) if e.to_string().contains("unresponsive"));
         if unresponsive {
@@ -250,7 +289,7 @@ async fn sigstopped_receiver_is_found_and_outcomes_agree() {
         mine.insert(id, outcome_word(&r));
     }
     let detected = detected.unwrap();
-    println!("frozen receiver declared unresponsive {detected:?} after SIGSTOP (bound {bound:?})");
+    println!("{what}: declared unresponsive {detected:?} after the disruption (bound {bound:?})");
     assert!(
         detected < Duration::from_secs(10),
         "declared unresponsive only after {detected:?}"
@@ -265,7 +304,7 @@ async fn sigstopped_receiver_is_found_and_outcomes_agree() {
     {
         mine.insert(id, outcome_word(&r));
     }
-    peer.signal("-CONT");
+    how.end(peer);
 
     // A new connection to the same process serves new transfers.
     let s2 = SenderConn::connect(addr, &node).await.unwrap();
@@ -329,9 +368,180 @@ async fn sigstopped_receiver_is_found_and_outcomes_agree() {
     for id in SECOND_BASE + 1..=SECOND_BASE + SECOND {
         assert_eq!(theirs.get(&id).map(String::as_str), Some("verified"));
     }
-    println!("outcomes (sender, receiver): {counts:?}");
+    println!("{what}: outcomes (sender, receiver): {counts:?}");
     assert!(
         counts.keys().any(|(m, _)| m != "verified"),
         "no transfer was cut by the stop"
     );
+}
+
+/// A userspace TCP proxy in this process: forwards every connection to `target` both ways,
+/// and while paused forwards nothing (what it has read it holds; the kernels' buffers fill
+/// and the peers see a connection that stalls without closing).
+struct StallingProxy {
+    paused: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl StallingProxy {
+    async fn start(target: std::net::SocketAddr) -> (Self, std::net::SocketAddr) {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let paused = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let p = paused.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                for (mut from, mut to) in [(cr, sw), (sr, cw)].map(|(r, w)| {
+                    (
+                        Box::new(r) as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+                        w,
+                    )
+                }) {
+                    let p = p.clone();
+                    tokio::spawn(async move {
+                        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                        let mut buf = vec![0u8; 64 << 10];
+                        loop {
+                            let n = match from.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            while p.load(Ordering::SeqCst) {
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                            }
+                            if to.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown().await;
+                    });
+                }
+            }
+        });
+        (Self { paused }, addr)
+    }
+}
+
+impl Disruption for StallingProxy {
+    fn start(&mut self, _: &Peer) {
+        self.paused.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    fn end(&mut self, _: &Peer) {
+        self.paused
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A connection that stalls without closing (a proxy that stops forwarding both ways) is
+/// found by the heartbeat on both sides; the transfers end with agreeing outcomes, and once
+/// the proxy forwards again a new connection through it serves new transfers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_proxy_is_found_and_outcomes_agree() {
+    let (peer, target) = Peer::start(&[], "127.0.0.1:0");
+    let (mut proxy, addr) = StallingProxy::start(target).await;
+    scenario(&peer, addr, &mut proxy, "stalled proxy").await;
+}
+
+/// The peer process in its own network namespace, joined to this one by a veth pair whose
+/// link is taken down (partition) and up again; both deleted on drop.
+struct Partition {
+    ns: String,
+    link: String,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl Partition {
+    fn new() -> Result<Self, String> {
+        let id = std::process::id() % 100_000;
+        let p = Partition {
+            ns: format!("kvw-l-{id}"),
+            link: format!("kvl{id}"),
+        };
+        let inner = format!("kvn{id}");
+        ip(&["netns", "add", &p.ns])?;
+        ip(&[
+            "link", "add", &p.link, "type", "veth", "peer", "name", &inner,
+        ])?;
+        ip(&["link", "set", &inner, "netns", &p.ns])?;
+        ip(&["addr", "add", "10.78.0.2/24", "dev", &p.link])?;
+        ip(&["-n", &p.ns, "addr", "add", "10.78.0.1/24", "dev", &inner])?;
+        ip(&["link", "set", &p.link, "up"])?;
+        ip(&["-n", &p.ns, "link", "set", &inner, "up"])?;
+        ip(&["-n", &p.ns, "link", "set", "lo", "up"])?;
+        Ok(p)
+    }
+}
+
+impl Drop for Partition {
+    fn drop(&mut self) {
+        let _ = ip(&["link", "del", &self.link]);
+        let _ = ip(&["netns", "del", &self.ns]);
+    }
+}
+
+impl Disruption for Partition {
+    fn start(&mut self, _: &Peer) {
+        ip(&["link", "set", &self.link, "down"]).unwrap();
+    }
+    fn end(&mut self, _: &Peer) {
+        ip(&["link", "set", &self.link, "up"]).unwrap();
+    }
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// Two hosts (network namespaces) partitioned by taking their link down for a few seconds:
+/// both sides find the silent peer by the heartbeat, the transfers end with agreeing
+/// outcomes and every page returns; with the link up again a new connection serves new
+/// transfers. Needs root and `ip netns` (`.ci/run` requires it with KVWIRE_REQUIRE_NETNS=1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_network_partition_is_found_and_outcomes_agree() {
+    let required = std::env::var_os("KVWIRE_REQUIRE_NETNS").is_some();
+    let part = if is_root() {
+        Partition::new()
+    } else {
+        Err("not running as root".into())
+    };
+    let mut part = match part {
+        Ok(p) => p,
+        Err(why) if !required => {
+            println!("SKIPPED a_network_partition_is_found_and_outcomes_agree: {why} (set KVWIRE_REQUIRE_NETNS=1 to make this a failure)");
+            return;
+        }
+        Err(why) => {
+            panic!("network namespaces required (KVWIRE_REQUIRE_NETNS=1) but unavailable: {why}")
+        }
+    };
+    let ns = part.ns.clone();
+    let (peer, addr) = Peer::start(&["ip", "netns", "exec", &ns], "10.78.0.1:7401");
+    scenario(&peer, addr, &mut part, "partition").await;
 }
