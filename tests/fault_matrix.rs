@@ -110,6 +110,9 @@ enum End {
     Nacked,
     WriteFailed,
     PeerLost,
+    /// Sender: committed, and the connection ended before a verdict (SPEC §7.6): the
+    /// receiver may have delivered or failed.
+    Unconfirmed,
     Protocol,
     /// Crashed, or no outcome (a side that never had the transfer).
     Nothing,
@@ -148,6 +151,7 @@ fn end(reason: Option<&FailureReason>, verified: bool) -> End {
             FailureReason::Nacked { .. } => End::Nacked,
             FailureReason::WriteFailed => End::WriteFailed,
             FailureReason::PeerLost => End::PeerLost,
+            FailureReason::Unconfirmed { .. } => End::Unconfirmed,
             _ => End::Protocol,
         },
     }

@@ -127,6 +127,18 @@ pub enum FailureReason {
     WriteFailed,
     /// The connection to the peer was lost.
     PeerLost,
+    /// The peer stopped answering heartbeats within the liveness timeout (SPEC.md §8.3); the
+    /// connection was closed. Retryable, on a new connection.
+    PeerUnresponsive,
+    /// Sender only: the COMMIT was sent but no verdict (VERIFIED, NACK, the receiver's ABORT
+    /// or ABORT_ACK) came back before `cause` ended the transfer (a verdict or abort-ack
+    /// deadline, a lost or unresponsive peer). The receiver may have delivered the pages or
+    /// failed the transfer; only its side knows (SPEC.md §7.6). Never reported for a
+    /// transfer whose COMMIT was not sent: those failures are definite.
+    Unconfirmed {
+        /// What ended the wait.
+        cause: Box<FailureReason>,
+    },
     /// The peer broke the protocol.
     ProtocolViolation {
         /// What happened.
@@ -141,8 +153,13 @@ impl FailureReason {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            Self::WriteFailed | Self::PeerLost | Self::Timeout { .. }
+            Self::WriteFailed | Self::PeerLost | Self::PeerUnresponsive | Self::Timeout { .. }
         )
+    }
+
+    /// Whether this is [`FailureReason::Unconfirmed`]: the receiver may have delivered.
+    pub fn is_unconfirmed(&self) -> bool {
+        matches!(self, Self::Unconfirmed { .. })
     }
 
     /// The wire code for this reason.
@@ -163,6 +180,8 @@ impl FailureReason {
             Self::Timeout { .. } => ErrorCode::TIMEOUT,
             Self::WriteFailed => ErrorCode::WRITE_FAILED,
             Self::PeerLost => ErrorCode::SHUTDOWN,
+            Self::PeerUnresponsive => ErrorCode::PEER_UNRESPONSIVE,
+            Self::Unconfirmed { cause } => cause.code(),
             Self::ProtocolViolation { .. } => ErrorCode::PROTOCOL_VIOLATION,
         }
     }
@@ -227,6 +246,11 @@ impl fmt::Display for FailureReason {
             }
             Self::WriteFailed => write!(f, "a data write failed"),
             Self::PeerLost => write!(f, "connection to the peer lost"),
+            Self::PeerUnresponsive => write!(f, "peer unresponsive (no heartbeat answer)"),
+            Self::Unconfirmed { cause } => write!(
+                f,
+                "unconfirmed: committed, but no verdict came back ({cause}); the receiver may have delivered"
+            ),
             Self::ProtocolViolation { detail } => write!(f, "protocol violation: {detail}"),
         }
     }

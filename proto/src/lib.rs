@@ -10,6 +10,7 @@ pub mod auth;
 pub mod error;
 pub mod handshake;
 mod history;
+pub mod liveness;
 pub mod receiver;
 mod scope;
 mod timers;

@@ -117,6 +117,8 @@ fn exchange() -> Vec<(&'static str, From, Frame)> {
         ("reserve", From::Server, reserve()),
         ("commit", From::Client, commit()),
         ("verified", From::Server, Frame::Verified(REF)),
+        ("ping", From::Server, Frame::Ping(0x0102_0304_0506_0708)),
+        ("pong", From::Client, Frame::Pong(0x0102_0304_0506_0708)),
     ]
 }
 

@@ -362,6 +362,8 @@ fn frame() -> impl Strategy<Value = Frame> {
         hello().prop_map(Frame::Hello),
         hello().prop_map(Frame::HelloAck),
         Just(Frame::HelloConfirm),
+        any::<u64>().prop_map(Frame::Ping),
+        any::<u64>().prop_map(Frame::Pong),
         (error_code(), detail())
             .prop_map(|(code, detail)| Frame::HelloReject(HelloReject { code, detail })),
         reserve().prop_map(Frame::Reserve),
@@ -1505,6 +1507,8 @@ fn golden_frames() -> Vec<(&'static str, Frame)> {
             }),
         ),
         ("abort_ack", Frame::AbortAck(GOLDEN_REF)),
+        ("ping", Frame::Ping(0x0102_0304_0506_0708)),
+        ("pong", Frame::Pong(0x0102_0304_0506_0708)),
     ]
 }
 

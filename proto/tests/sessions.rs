@@ -301,3 +301,152 @@ fn sender_releases_source_only_after_the_digest_job_returns() {
     assert!(drain_actions(|| s.poll_action()).contains(&SenderAction::ReleaseSource(TransferId(1))));
     assert!(matches!(s.poll_transmit(), Some(Frame::Abort(a)) if a.completed_pages == 2));
 }
+
+/// A sender with one transfer of two pages reserved by nonce 9; `commit` says whether it
+/// also completes its writes and digests, so the COMMIT goes out (AwaitingVerdict).
+fn sender_with_transfer(now: Instant, commit: bool) -> (SenderSession, TransferRef) {
+    let mut s = SenderSession::new(&established(Role::SENDER, 1), SenderConfig::default());
+    let policy = AdmissionPolicy {
+        tokens_per_page: 16,
+        pool_pages: 64,
+        max_context_tokens: 1024,
+    };
+    let admitted = policy
+        .admit(Request {
+            transfer_id: TransferId(1),
+            tokens: 32,
+        })
+        .unwrap();
+    s.submit(now, admitted, vec![0, 1]).unwrap();
+    s.handle_frame(
+        now,
+        Frame::Reserve(Reserve {
+            transfer_id: TransferId(1),
+            nonce: 9,
+            tokens: 32,
+            digest: DigestAlgorithm::XXH3_64,
+            page_digests: false,
+            deadline_ms: 1000,
+            pages: vec![5, 6],
+            access: vec![],
+        }),
+    )
+    .unwrap();
+    let t = TransferRef {
+        transfer_id: TransferId(1),
+        nonce: 9,
+    };
+    drain_actions(|| s.poll_action());
+    if commit {
+        s.handle_write_outcome(now, t, WriteOutcome::Completed, 2);
+        let d = TransferDigests {
+            buffers: vec![Digest128([1; 16])],
+            pages: vec![],
+            aux: Digest128([2; 16]),
+        };
+        s.handle_digests(now, t, d);
+        assert!(
+            std::iter::from_fn(|| s.poll_transmit()).any(|f| matches!(f, Frame::Commit(_))),
+            "no COMMIT"
+        );
+    }
+    (s, t)
+}
+
+fn failure(s: &mut SenderSession) -> kvwire_proto::FailureReason {
+    std::iter::from_fn(|| s.poll_event())
+        .find_map(|e| match e {
+            kvwire_proto::sender::SenderEvent::Failed { reason, .. } => Some(reason),
+            _ => None,
+        })
+        .expect("no failure reported")
+}
+
+/// SPEC §7.6: a committed transfer that loses its peer before a verdict is `Unconfirmed`
+/// (the receiver may have delivered), never a plain failure; one whose COMMIT never left is
+/// a definite failure, with the peer-unresponsive reason when the heartbeat found it.
+#[test]
+fn a_committed_transfer_without_a_verdict_is_unconfirmed_an_uncommitted_one_failed() {
+    use kvwire_proto::FailureReason;
+    let now = Instant::now();
+    let (mut s, _) = sender_with_transfer(now, true);
+    s.handle_peer_unresponsive(now);
+    let r = failure(&mut s);
+    assert_eq!(
+        r,
+        FailureReason::Unconfirmed {
+            cause: Box::new(FailureReason::PeerUnresponsive)
+        }
+    );
+    assert!(!r.is_retryable());
+
+    let (mut s, _) = sender_with_transfer(now, false);
+    s.handle_peer_unresponsive(now);
+    s.handle_write_outcome(
+        now,
+        TransferRef {
+            transfer_id: TransferId(1),
+            nonce: 9,
+        },
+        WriteOutcome::Cancelled,
+        2,
+    );
+    s.handle_digests(
+        now,
+        TransferRef {
+            transfer_id: TransferId(1),
+            nonce: 9,
+        },
+        TransferDigests::default(),
+    );
+    let r = failure(&mut s);
+    assert_eq!(r, FailureReason::PeerUnresponsive);
+    assert!(r.is_retryable());
+}
+
+/// SPEC §7.6: the verdict deadline sends ABORT(TIMEOUT); if neither ABORT_ACK nor VERIFIED
+/// comes back, the outcome is `Unconfirmed`, not `Timeout` (the divergence SPEC §7.4 once
+/// described); an ABORT_ACK makes the failure definite.
+#[test]
+fn a_verdict_timeout_whose_abort_is_never_answered_is_unconfirmed() {
+    use kvwire_proto::{FailureReason, Wait};
+    let now = Instant::now();
+    let (mut s, t) = sender_with_transfer(now, true);
+    let later = now + Duration::from_secs(3600);
+    s.handle_timeout(later);
+    assert!(matches!(s.poll_transmit(), Some(Frame::Abort(_))));
+    s.handle_timeout(later + Duration::from_secs(3600));
+    let r = failure(&mut s);
+    assert_eq!(
+        r,
+        FailureReason::Unconfirmed {
+            cause: Box::new(FailureReason::Timeout {
+                waiting_for: Wait::Verdict
+            })
+        }
+    );
+
+    let (mut s, _) = sender_with_transfer(now, true);
+    s.handle_timeout(later);
+    assert!(matches!(s.poll_transmit(), Some(Frame::Abort(_))));
+    s.handle_frame(later, Frame::AbortAck(t)).unwrap();
+    assert_eq!(
+        failure(&mut s),
+        FailureReason::Timeout {
+            waiting_for: Wait::Verdict
+        }
+    );
+}
+
+/// PING / PONG reaching a session (the driver's Liveness takes them first) are dropped with
+/// Frame scope: they never close the connection.
+#[test]
+fn ping_and_pong_are_never_connection_errors_in_a_session() {
+    let now = Instant::now();
+    let (mut s, _) = sender_with_transfer(now, false);
+    let e = s.handle_frame(now, Frame::Ping(1)).unwrap_err();
+    assert_eq!(e.scope, kvwire_proto::Scope::Frame);
+    let mut r = ReceiverSession::new(&established(Role::RECEIVER, 1), ReceiverConfig::default());
+    let e = r.handle_frame(now, Frame::Pong(1)).unwrap_err();
+    assert_eq!(e.scope, kvwire_proto::Scope::Frame);
+}

@@ -100,3 +100,6 @@ write("abort", 0x0015,
       ref() + [u16(0x0401), u32(2), n, d])
 
 write("abort_ack", 0x0016, f"ABORT_ACK {REF_TEXT}", ref())
+
+write("ping", 0x0020, "PING, token 0x0102030405060708 (heartbeat, either direction)", [u64(0x0102030405060708)])
+write("pong", 0x0021, "PONG, token 0x0102030405060708 (the answer to ping.hex)", [u64(0x0102030405060708)])

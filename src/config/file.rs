@@ -28,6 +28,8 @@
 //! reservation_ms = 30000
 //! verdict_ms = 10000
 //! abort_ack_ms = 5000
+//! heartbeat_ms = 250           # PING interval (SPEC §8.3)
+//! peer_timeout_ms = 2000       # silence after which a peer is unresponsive
 //! ```
 
 use std::net::SocketAddr;
@@ -129,6 +131,10 @@ pub struct TimeoutSection {
     pub verdict_ms: Option<u64>,
     /// Abort to abort-ack.
     pub abort_ack_ms: Option<u64>,
+    /// Heartbeat interval.
+    pub heartbeat_ms: Option<u64>,
+    /// Silence after which a peer is unresponsive.
+    pub peer_timeout_ms: Option<u64>,
 }
 
 /// Why a configuration file is unusable.
@@ -265,6 +271,12 @@ impl ConfigFile {
         if let Some(v) = t.abort_ack_ms {
             c.sender.abort_ack_timeout = ms(v);
             c.receiver.abort_ack_timeout = ms(v);
+        }
+        if let Some(v) = t.heartbeat_ms {
+            c.liveness.interval = ms(v);
+        }
+        if let Some(v) = t.peer_timeout_ms {
+            c.liveness.timeout = ms(v);
         }
         Ok(c)
     }

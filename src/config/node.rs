@@ -37,6 +37,11 @@ pub struct NodeConfig {
     pub scrub: Scrub,
     /// How long the handshake may take.
     pub handshake_timeout: Duration,
+    /// Heartbeats on every connection (SPEC §8.3): a PING every `liveness.interval`
+    /// (default 250 ms); a peer from which nothing arrives for `liveness.timeout` (default
+    /// 2 s) is declared unresponsive, its connection closed and its transfers failed with a
+    /// retryable `PeerUnresponsive` (a committed one without a verdict: `Unconfirmed`).
+    pub liveness: kvwire_proto::liveness::LivenessConfig,
     /// Sender session settings.
     pub sender: SenderConfig,
     /// Receiver session settings.
@@ -178,6 +183,7 @@ impl NodeConfig {
             max_aux: 4096,
             scrub: Scrub::None,
             handshake_timeout: Duration::from_secs(10),
+            liveness: kvwire_proto::liveness::LivenessConfig::default(),
             sender: SenderConfig::default(),
             receiver: ReceiverConfig::default(),
             window: 16,
@@ -272,6 +278,12 @@ impl NodeConfigBuilder {
     /// How long a handshake may take.
     pub fn handshake_timeout(mut self, timeout: Duration) -> Self {
         self.config.handshake_timeout = timeout;
+        self
+    }
+
+    /// Heartbeats: the PING interval and the silence after which a peer is unresponsive.
+    pub fn liveness(mut self, liveness: kvwire_proto::liveness::LivenessConfig) -> Self {
+        self.config.liveness = liveness;
         self
     }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
+use kvwire_proto::liveness::{Liveness, LivenessConfig, LivenessEvent};
 use kvwire_proto::receiver::ReceiverSession;
 use kvwire_proto::sender::SenderSession;
 use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, Frame, TransferDigests, TransferRef};
@@ -25,6 +26,7 @@ pub(crate) trait Session {
     fn handle_chunk_digested(&mut self, _now: Instant, _transfer: TransferRef) {}
     fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError>;
     fn handle_peer_lost(&mut self, now: Instant);
+    fn handle_peer_unresponsive(&mut self, now: Instant);
     fn poll_timeout(&mut self) -> Option<Instant>;
 }
 
@@ -43,6 +45,9 @@ macro_rules! session {
             }
             fn handle_peer_lost(&mut self, now: Instant) {
                 <$t>::handle_peer_lost(self, now)
+            }
+            fn handle_peer_unresponsive(&mut self, now: Instant) {
+                <$t>::handle_peer_unresponsive(self, now)
             }
             fn poll_timeout(&mut self) -> Option<Instant> {
                 <$t>::poll_timeout(self)
@@ -66,6 +71,11 @@ pub(crate) struct Core<S, T> {
     pub(crate) pool: Arc<PagePool>,
     pub(crate) digests: Digests,
     pub(crate) closed: Option<Closed>,
+    /// Heartbeats (SPEC §8.3), when enabled.
+    pub(crate) liveness: Option<Liveness>,
+    /// The peer was declared unresponsive after this much silence; the connection is
+    /// closing and its end is reported as [`Closed::Unresponsive`].
+    unresponsive: Option<std::time::Duration>,
 }
 
 impl<S: Session, T: Transport> Core<S, T> {
@@ -76,14 +86,65 @@ impl<S: Session, T: Transport> Core<S, T> {
             pool,
             digests: Digests::new(DigestMode::Verify, DigestExecution::Inline),
             closed: None,
+            liveness: None,
+            unresponsive: None,
         }
     }
 
-    /// The session's next deadline or the transport's own wake-up, whichever is first.
+    /// Starts heartbeats on the connection (SPEC §8.3): PING every `config.interval`, and
+    /// a peer silent for `config.timeout` is declared unresponsive, the connection closed
+    /// and every transfer failed with `PeerUnresponsive` (or `Unconfirmed` around it).
+    pub(crate) fn enable_liveness(&mut self, now: Instant, config: LivenessConfig) {
+        self.liveness = Some(Liveness::new(now, config));
+    }
+
+    /// The session's next deadline, the heartbeat's, or the transport's own wake-up,
+    /// whichever is first.
     pub(crate) fn poll_timeout(&mut self) -> Option<Instant> {
         let session = self.session.poll_timeout();
         let transport = self.transport.poll_timeout();
-        session.into_iter().chain(transport).min()
+        let liveness = match (&self.liveness, &self.closed) {
+            (Some(l), None) => l.poll_timeout(),
+            _ => None,
+        };
+        session.into_iter().chain(transport).chain(liveness).min()
+    }
+
+    /// Heartbeat time: the next PING, or the verdict on a silent peer (then the connection
+    /// is closed; its end fails every transfer with `PeerUnresponsive`).
+    pub(crate) fn handle_liveness_timeout(&mut self, now: Instant) {
+        if self.closed.is_some() {
+            return;
+        }
+        let Some(l) = self.liveness.as_mut() else {
+            return;
+        };
+        l.handle_timeout(now);
+        while let Some(LivenessEvent::Unresponsive { silent_for }) = l.poll_event() {
+            if self.unresponsive.is_none() {
+                tracing::warn!(
+                    silent_ms = silent_for.as_millis() as u64,
+                    "peer unresponsive: no frame for {silent_for:?}; closing the connection"
+                );
+                self.unresponsive = Some(silent_for);
+                self.transport.close(now);
+            }
+        }
+    }
+
+    /// Moves the heartbeat's PING / PONG frames to the transport. Whether any moved.
+    pub(crate) fn flush_liveness(&mut self, now: Instant) -> bool {
+        let Some(l) = self.liveness.as_mut() else {
+            return false;
+        };
+        let mut moved = false;
+        while let Some(frame) = l.poll_transmit() {
+            moved = true;
+            if self.closed.is_none() {
+                self.transport.send_frame(now, &frame);
+            }
+        }
+        moved
     }
 
     /// Waits for the next input. A digest job finished elsewhere is handled here
@@ -111,6 +172,11 @@ impl<S: Session, T: Transport> Core<S, T> {
     ) -> Option<TransportEvent> {
         match event {
             TransportEvent::Frame(frame) => {
+                if let Some(l) = self.liveness.as_mut() {
+                    if l.handle_frame(now, &frame) {
+                        return None;
+                    }
+                }
                 if let Err(e) = self.session.handle_frame(now, frame) {
                     if e.scope == Scope::Connection {
                         tracing::warn!(error = %e, "protocol error on the connection: closing it");
@@ -123,10 +189,22 @@ impl<S: Session, T: Transport> Core<S, T> {
             }
             TransportEvent::Closed(why) => {
                 if self.closed.is_none() {
-                    self.closed = Some(why);
-                    self.session.handle_peer_lost(now);
+                    if let Some(silent_for) = self.unresponsive {
+                        self.closed = Some(Closed::Unresponsive { silent_for });
+                        self.session.handle_peer_unresponsive(now);
+                    } else {
+                        self.closed = Some(why);
+                        self.session.handle_peer_lost(now);
+                    }
                 }
                 None
+            }
+            TransportEvent::Landed { .. } => {
+                // A whole data record: only the peer can have sent it.
+                if let Some(l) = self.liveness.as_mut() {
+                    l.handle_activity(now);
+                }
+                Some(event)
             }
             other => Some(other),
         }
@@ -190,10 +268,29 @@ macro_rules! driver_common {
             self.core.digests.execution = execution;
         }
 
-        /// Handles the passage of time.
+        /// Handles the passage of time (protocol deadlines and heartbeats).
         pub fn handle_timeout(&mut self, now: Instant) {
+            self.core.handle_liveness_timeout(now);
             self.core.session.handle_timeout(now);
             self.process(now);
+        }
+
+        /// Starts heartbeats on the connection (SPEC §8.3): a PING every
+        /// `config.interval`; a peer from which nothing arrives for `config.timeout` is
+        /// declared unresponsive, the connection is closed and every open transfer fails
+        /// safely with [`FailureReason::PeerUnresponsive`](kvwire_proto::FailureReason::PeerUnresponsive)
+        /// (a committed one without a verdict: `Unconfirmed`).
+        pub fn enable_liveness(
+            &mut self,
+            now: Instant,
+            config: kvwire_proto::liveness::LivenessConfig,
+        ) {
+            self.core.enable_liveness(now, config);
+        }
+
+        /// The heartbeat state, when enabled.
+        pub fn liveness(&self) -> Option<&kvwire_proto::liveness::Liveness> {
+            self.core.liveness.as_ref()
         }
 
         /// When `handle_timeout` must next be called (the session's deadlines and the

@@ -383,6 +383,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 moved = true;
                 self.core.transport.send_frame(now, &frame);
             }
+            moved |= self.core.flush_liveness(now);
             while let Some(event) = self.core.session.poll_event() {
                 moved = true;
                 self.deliver(event);

@@ -351,6 +351,7 @@ impl<T: SenderTransport> SenderDriver<T> {
                 moved = true;
                 self.core.transport.send_frame(now, &frame);
             }
+            moved |= self.core.flush_liveness(now);
             if !moved {
                 return;
             }

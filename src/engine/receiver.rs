@@ -163,6 +163,7 @@ impl ReceiverConn {
         let mut rx_config = config.receiver.clone();
         rx_config.nonce_seed = fresh_seed();
         let mut driver = ReceiverDriver::new(&est, pool, &config.engine, rx_config, transport)?;
+        driver.enable_liveness(std::time::Instant::now(), config.liveness);
         driver.set_digest_mode(config.digest_mode);
         driver.set_digest_execution(DigestExecution::Offload {
             min_bytes: config.digest_offload_bytes,

@@ -115,6 +115,7 @@ impl SenderConn {
             config.window,
             transport,
         )?;
+        driver.enable_liveness(std::time::Instant::now(), config.liveness);
         driver.set_digest_mode(config.digest_mode);
         driver.set_digest_execution(DigestExecution::Offload {
             min_bytes: config.digest_offload_bytes,

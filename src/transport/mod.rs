@@ -94,6 +94,13 @@ pub enum Closed {
     LinkFailed(String),
     /// This side closed it.
     Local,
+    /// This side closed it because nothing arrived from the peer for `silent_for`, longer
+    /// than the liveness timeout (SPEC §8.3): the peer is unresponsive (stopped, partitioned,
+    /// or its host is down). Every transfer on it fails with a retryable reason.
+    Unresponsive {
+        /// How long the peer had been silent.
+        silent_for: std::time::Duration,
+    },
 }
 
 impl std::fmt::Display for Closed {
@@ -104,6 +111,11 @@ impl std::fmt::Display for Closed {
             Self::Malformed(why) => write!(f, "malformed bytes from the peer: {why}"),
             Self::LinkFailed(why) => write!(f, "link failed: {why}"),
             Self::Local => f.write_str("closed by this side"),
+            Self::Unresponsive { silent_for } => write!(
+                f,
+                "peer unresponsive: nothing received for {} ms",
+                silent_for.as_millis()
+            ),
         }
     }
 }

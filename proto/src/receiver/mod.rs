@@ -230,6 +230,11 @@ impl ReceiverSession {
             self.out.stats.dropped_frames += 1;
             return Err(FrameError::frame("frame after the connection was lost"));
         }
+        if matches!(frame, Frame::Ping(_) | Frame::Pong(_)) {
+            return Err(FrameError::frame(
+                "PING / PONG belong to the connection's Liveness, not to a session",
+            ));
+        }
         let Some(tref) = frame.transfer() else {
             return Err(FrameError::connection(format!(
                 "{} after the handshake",
@@ -396,6 +401,20 @@ impl ReceiverSession {
     /// The connection is gone: every open transfer fails with [`FailureReason::PeerLost`],
     /// fencing first where writes could still land. No frames are sent.
     pub fn handle_peer_lost(&mut self, now: Instant) {
+        self.lose(now, FailureReason::PeerLost);
+    }
+
+    /// The peer stopped answering heartbeats ([`crate::liveness::Liveness`]) and the driver
+    /// closed the connection: as [`ReceiverSession::handle_peer_lost`], with
+    /// [`FailureReason::PeerUnresponsive`].
+    pub fn handle_peer_unresponsive(&mut self, now: Instant) {
+        self.lose(now, FailureReason::PeerUnresponsive);
+    }
+
+    fn lose(&mut self, now: Instant, reason: FailureReason) {
+        if self.lost {
+            return;
+        }
         self.lost = true;
         self.out.transmit.clear();
         let open = std::mem::take(&mut self.transfers);
@@ -411,7 +430,7 @@ impl ReceiverSession {
                 s => self.out.fail(
                     &t.spec,
                     s.pending(),
-                    FailureReason::PeerLost,
+                    reason.clone(),
                     AfterFence::Nothing,
                     now,
                 ),

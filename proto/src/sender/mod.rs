@@ -147,6 +147,11 @@ impl SenderSession {
             self.out.stats.dropped_frames += 1;
             return Err(FrameError::frame("frame after the connection was lost"));
         }
+        if matches!(frame, Frame::Ping(_) | Frame::Pong(_)) {
+            return Err(FrameError::frame(
+                "PING / PONG belong to the connection's Liveness, not to a session",
+            ));
+        }
         let Some(tref) = frame.transfer() else {
             return Err(FrameError::connection(format!(
                 "{} after the handshake",
@@ -303,8 +308,11 @@ impl SenderSession {
                     timeout(Wait::Verdict),
                     AfterDrain::SendAbort(ErrorCode::TIMEOUT),
                 ),
-                // The peer never answered our ABORT: report why we abandoned the transfer.
-                State::AwaitingAbortAck(s) => Next::Done(Some(cx.report_failure(&t, s.reason))),
+                // The peer never answered our ABORT: report why we abandoned the transfer
+                // (unconfirmed if the COMMIT had gone: the receiver may have delivered).
+                State::AwaitingAbortAck(s) => {
+                    Next::Done(Some(cx.report_failure(&t, s.unanswered())))
+                }
                 other => Next::Stay(other),
             };
             self.settle(t, next);
@@ -312,8 +320,23 @@ impl SenderSession {
     }
 
     /// The connection is gone: stop every transfer; each fails with
-    /// [`FailureReason::PeerLost`] once its posted writes are drained.
+    /// [`FailureReason::PeerLost`] once its posted writes are drained ([`FailureReason::
+    /// Unconfirmed`] around it where the COMMIT was sent and no verdict came back).
     pub fn handle_peer_lost(&mut self, now: Instant) {
+        self.lose(now, FailureReason::PeerLost);
+    }
+
+    /// The peer stopped answering heartbeats ([`crate::liveness::Liveness`]) and the driver
+    /// closed the connection: as [`SenderSession::handle_peer_lost`], with
+    /// [`FailureReason::PeerUnresponsive`].
+    pub fn handle_peer_unresponsive(&mut self, now: Instant) {
+        self.lose(now, FailureReason::PeerUnresponsive);
+    }
+
+    fn lose(&mut self, now: Instant, reason: FailureReason) {
+        if self.lost {
+            return;
+        }
         self.lost = true;
         self.parked.clear();
         let open = std::mem::take(&mut self.transfers);
@@ -321,15 +344,22 @@ impl SenderSession {
             let state = t.take_state(now);
             let mut cx = self.ctx(now);
             let next = match state {
-                State::Writing(w) => cx.drain(&t, w, FailureReason::PeerLost, AfterDrain::Nothing),
+                State::Writing(w) => cx.drain(&t, w, reason.clone(), AfterDrain::Nothing),
                 State::Draining(mut d) => {
                     d.after = AfterDrain::Nothing;
                     Next::Stay(State::Draining(d))
                 }
-                State::AwaitingAbortAck(s) => Next::Done(Some(cx.report_failure(&t, s.reason))),
-                State::AwaitingReservation(_) | State::AwaitingVerdict(_) => {
-                    Next::Done(Some(cx.failed(&t, FailureReason::PeerLost)))
+                State::AwaitingAbortAck(s) => {
+                    Next::Done(Some(cx.report_failure(&t, s.unanswered())))
                 }
+                State::AwaitingReservation(_) => Next::Done(Some(cx.failed(&t, reason.clone()))),
+                // The COMMIT is out and no verdict came back: the receiver may have delivered.
+                State::AwaitingVerdict(_) => Next::Done(Some(cx.failed(
+                    &t,
+                    FailureReason::Unconfirmed {
+                        cause: Box::new(reason.clone()),
+                    },
+                ))),
             };
             self.settle(t, next);
         }

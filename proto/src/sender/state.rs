@@ -54,6 +54,8 @@ pub(super) struct Draining {
     pub(super) digest_jobs: u32,
     pub(super) reason: FailureReason,
     pub(super) after: AfterDrain,
+    /// The COMMIT was sent: an end without a verdict is [`FailureReason::Unconfirmed`].
+    pub(super) committed: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -67,6 +69,28 @@ pub(super) struct AwaitingAbortAck {
     /// Why the transfer was abandoned; reported when the abort resolves, unless the receiver
     /// answers VERIFIED (it had delivered before our ABORT arrived).
     pub(super) reason: FailureReason,
+    /// The COMMIT was sent before the ABORT: an end without the receiver's answer is
+    /// [`FailureReason::Unconfirmed`] (SPEC.md §7.6).
+    pub(super) committed: bool,
+}
+
+impl AwaitingAbortAck {
+    /// What to report when the abort ends without the receiver's answer (its deadline, or
+    /// the connection's end): unconfirmed when the COMMIT had been sent.
+    pub(super) fn unanswered(self) -> FailureReason {
+        unconfirmed_if(self.committed, self.reason)
+    }
+}
+
+/// `reason`, or [`FailureReason::Unconfirmed`] around it when the COMMIT had been sent.
+pub(super) fn unconfirmed_if(committed: bool, reason: FailureReason) -> FailureReason {
+    if committed {
+        FailureReason::Unconfirmed {
+            cause: Box::new(reason),
+        }
+    } else {
+        reason
+    }
 }
 
 #[derive(Clone, Debug)]

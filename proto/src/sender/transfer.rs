@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::state::{
-    AfterDrain, AwaitingAbortAck, AwaitingReservation, AwaitingVerdict, Draining, Reserved, State,
-    Writing,
+    unconfirmed_if, AfterDrain, AwaitingAbortAck, AwaitingReservation, AwaitingVerdict, Draining,
+    Reserved, State, Writing,
 };
 use super::{PageWrite, SenderAction, SenderConfig, SenderEvent, SenderStats};
 use crate::admission::Admitted;
@@ -128,6 +128,7 @@ impl Ctx<'_> {
             digest_jobs: w.digest_jobs,
             reason,
             after,
+            committed: false,
         };
         self.finish_drain(t, d)
     }
@@ -148,6 +149,7 @@ impl Ctx<'_> {
             digest_jobs: 0,
             reason,
             after,
+            committed: true,
         };
         self.finish_drain(t, d)
     }
@@ -172,6 +174,7 @@ impl Ctx<'_> {
                 Next::Stay(State::AwaitingAbortAck(AwaitingAbortAck {
                     deadline: self.now + self.config.abort_ack_timeout,
                     reason: d.reason,
+                    committed: d.committed,
                 }))
             }
             AfterDrain::SendAbortAck => {
@@ -179,7 +182,9 @@ impl Ctx<'_> {
                 self.out.transmit.push_back(Frame::AbortAck(t.transfer));
                 Next::Done(Some(done))
             }
-            AfterDrain::Nothing => Next::Done(Some(self.failed(t, d.reason))),
+            AfterDrain::Nothing => {
+                Next::Done(Some(self.failed(t, unconfirmed_if(d.committed, d.reason))))
+            }
         }
     }
 

@@ -80,6 +80,11 @@ wire_enum! {
         ABORT = 0x0015 => "ABORT",
         /// Either side: acknowledges an ABORT.
         ABORT_ACK = 0x0016 => "ABORT_ACK",
+        /// Either side, after the handshake: a heartbeat; the peer answers PONG with the same
+        /// token (SPEC.md §8.3).
+        PING = 0x0020 => "PING",
+        /// Either side: the answer to a PING, echoing its token.
+        PONG = 0x0021 => "PONG",
     }
 }
 
@@ -185,6 +190,9 @@ wire_enum! {
         PROTOCOL_VIOLATION = 0x0403 => "PROTOCOL_VIOLATION",
         /// The node is shutting down.
         SHUTDOWN = 0x0404 => "SHUTDOWN",
+        /// Local only, never sent: the peer stopped answering heartbeats (SPEC.md §8.3) and
+        /// the connection was closed.
+        PEER_UNRESPONSIVE = 0x0405 => "PEER_UNRESPONSIVE",
     }
 }
 

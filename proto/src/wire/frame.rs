@@ -168,6 +168,11 @@ pub enum Frame {
     Abort(Abort),
     /// Abort acknowledged.
     AbortAck(TransferRef),
+    /// Heartbeat (either side, after the handshake): the peer answers [`Frame::Pong`] with
+    /// the same token (SPEC.md §8.3).
+    Ping(u64),
+    /// The answer to a [`Frame::Ping`], echoing its token.
+    Pong(u64),
 }
 
 fn check_len(field: &'static str, len: usize, max: usize) -> Result<(), EncodeError> {
@@ -205,13 +210,20 @@ impl Frame {
             Self::Nack(_) => FrameType::NACK,
             Self::Abort(_) => FrameType::ABORT,
             Self::AbortAck(_) => FrameType::ABORT_ACK,
+            Self::Ping(_) => FrameType::PING,
+            Self::Pong(_) => FrameType::PONG,
         }
     }
 
     /// The transfer a per-transfer frame names; `None` for handshake frames.
     pub fn transfer(&self) -> Option<TransferRef> {
         match self {
-            Self::Hello(_) | Self::HelloAck(_) | Self::HelloReject(_) | Self::HelloConfirm => None,
+            Self::Hello(_)
+            | Self::HelloAck(_)
+            | Self::HelloReject(_)
+            | Self::HelloConfirm
+            | Self::Ping(_)
+            | Self::Pong(_) => None,
             Self::Reserve(r) => Some(TransferRef {
                 transfer_id: r.transfer_id,
                 nonce: r.nonce,
@@ -302,6 +314,7 @@ impl Frame {
                 w.bytes(&c.aux);
             }
             Self::Verified(t) | Self::AbortAck(t) => put_ref(w, *t),
+            Self::Ping(token) | Self::Pong(token) => w.u64(*token),
             Self::Nack(n) => {
                 put_ref(w, n.transfer);
                 w.u16(n.code.0);
@@ -574,6 +587,8 @@ fn decode_payload(t: FrameType, r: &mut Reader<'_>) -> Result<Frame, DecodeError
             detail: r.string(MAX_DETAIL, "detail")?,
         }),
         FrameType::ABORT_ACK => Frame::AbortAck(get_ref(r)?),
+        FrameType::PING => Frame::Ping(r.u64("token")?),
+        FrameType::PONG => Frame::Pong(r.u64("token")?),
         other => return Err(DecodeError::UnknownFrameType(other)),
     })
 }

@@ -68,3 +68,5 @@ sealed("hello_confirm", None, K_C2S, 0, "sealed HELLO_CONFIRM (empty payload), c
 sealed("reserve", "reserve", K_S2C, 0, "sealed RESERVE (reserve.hex's payload), server (receiver) to client, sequence number 0")
 sealed("commit", "commit", K_C2S, 1, "sealed COMMIT (commit.hex's payload), client (sender) to server, sequence number 1")
 sealed("verified", "verified", K_S2C, 1, "sealed VERIFIED (verified.hex's payload), server to client, sequence number 1")
+sealed("ping", "ping", K_S2C, 2, "sealed PING (ping.hex's payload), server to client, sequence number 2")
+sealed("pong", "pong", K_C2S, 2, "sealed PONG (pong.hex's payload), client to server, sequence number 2")
