@@ -94,6 +94,41 @@ async fn concurrent_transfers_verify_with_the_senders_bytes() {
     );
 }
 
+/// Over TCP the receiver verifies from the digests it took as each page landed (SPEC §6,
+/// digests at landing); turned off, it reads every transfer's memory after the fence. Both
+/// deliver the sender's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_verifies_from_digests_taken_at_landing_unless_turned_off() {
+    for at_landing in [true, false] {
+        let mut config = NodeConfig::example();
+        config.digest_at_landing = at_landing;
+        let (s, r) = pair(&config).await;
+        for id in 1..=4u64 {
+            let verified = r.reserve(params(id, 300));
+            send(&s, id, 300).await.unwrap();
+            let kv = verified.await.unwrap();
+            let mut want = vec![0u8; 4096];
+            for o in 0..kv.pages() {
+                for b in 0..kv.buffers() {
+                    kv_pattern(TransferId(id), o as u32, b, &mut want);
+                    assert!(
+                        *kv.page(o, b).unwrap() == want[..],
+                        "transfer {id} page {o}"
+                    );
+                }
+            }
+        }
+        let st = r.stats().await.unwrap();
+        assert_eq!(st.verified, 4);
+        assert_eq!(
+            st.digests_at_landing,
+            if at_landing { 4 } else { 0 },
+            "{st:?}"
+        );
+        assert_receiver_pool_full(&r).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn placeholder_is_rejected_at_admission_and_nothing_moves() {
     let mut config = NodeConfig::example();

@@ -66,10 +66,12 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 pub use kvwire_proto::wire::{Digest128, DigestAlgorithm, TransferDigests};
 
 mod job;
+mod landed;
 #[cfg(test)]
 mod tests;
 
 pub use job::{DigestJob, DigestJobError, DigestProgress, TransferDigester};
+pub use landed::LandedDigests;
 
 /// The 4-byte domain-separation prefix of every buffer digest input (ASCII `"KVWD"`).
 pub const BUFFER_DIGEST_DOMAIN: [u8; 4] = *b"KVWD";

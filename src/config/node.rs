@@ -57,6 +57,12 @@ pub struct NodeConfig {
     /// pool, so the connection keeps receiving (and sending) other transfers meanwhile;
     /// smaller ones inline, where a thread handoff costs more than it saves.
     pub digest_offload_bytes: u64,
+    /// Receivers digest each page right after it landed, while it is in cache, and verify
+    /// from those digests once the fence closed the scope (SPEC §6, digests at landing); only transports that
+    /// see landings can (TCP, loopback; RDMA always digests after the fence). Default on.
+    /// Off, every transfer's memory is read again after its fence, which also catches a
+    /// write into a leased page by something other than the transport (an engine bug).
+    pub digest_at_landing: bool,
     /// Peer authentication: a pre-shared key both ends must hold, or explicitly off.
     pub auth: Auth,
     /// The transport every connection of this node uses.
@@ -190,6 +196,7 @@ impl NodeConfig {
             digest_mode: DigestMode::Verify,
             metrics: None,
             digest_offload_bytes: 8 << 20,
+            digest_at_landing: true,
             auth: Auth::ephemeral(),
             transport: TransportConfig::Tcp,
         }

@@ -15,6 +15,7 @@
 
 mod core;
 mod digest;
+mod landing;
 mod receiver;
 mod sender;
 

@@ -23,6 +23,7 @@ use kvwire_proto::FailureReason;
 
 use super::core::{driver_common, impl_driver, Core};
 use super::digest::DigestExecution;
+use super::landing::Landings;
 use crate::checksum::DigestMode;
 use crate::config::{ConfigError, EngineConfig};
 use crate::memory::{Holder, PageLease, PagePool, PageRef, PoolError};
@@ -174,6 +175,9 @@ pub struct ReceiverDriverStats {
     /// Transfers failed because a reserved page did not receive all its bytes before the
     /// COMMIT (coverage, transports that see landings).
     pub coverage_failures: u64,
+    /// Transfers verified from the page digests taken as their pages landed (no pass over
+    /// the memory after the fence; SPEC §6, digests at landing).
+    pub verified_from_landing: u64,
 }
 
 /// Who waits for a fence that has not completed yet.
@@ -198,8 +202,10 @@ pub struct ReceiverDriver<T> {
     /// Transfers whose fence was started and has not completed, and who waits for it.
     fencing: BTreeMap<TransferId, (TransferRef, FenceWaiter)>,
     /// Coverage (transports that report landings): per open reservation, which ordinals
-    /// received all their bytes under its scope (SPEC §6).
-    coverage: BTreeMap<TransferId, (TransferRef, Vec<bool>)>,
+    /// received all their bytes under its scope (SPEC §6), and their digests at landing.
+    coverage: BTreeMap<TransferId, Landings>,
+    /// Digest pages as they land, when the transport reports landings (SPEC §6, digests at landing).
+    digest_at_landing: bool,
     outcomes: VecDeque<ReceiveOutcome>,
     stats: ReceiverDriverStats,
 }
@@ -223,12 +229,19 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             open: BTreeSet::new(),
             fencing: BTreeMap::new(),
             coverage: BTreeMap::new(),
+            digest_at_landing: true,
             outcomes: VecDeque::new(),
             stats: ReceiverDriverStats::default(),
         })
     }
 
     driver_common!();
+
+    /// Whether to digest pages as they land (on by default; only transports that report
+    /// landings can). Off, the receiver digests every transfer's memory after its fence.
+    pub fn set_digest_at_landing(&mut self, on: bool) {
+        self.digest_at_landing = on;
+    }
 
     /// Leases pages, has the transport open an access scope over exactly them, and sends
     /// RESERVE.
@@ -267,8 +280,15 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             Ok(transfer) => {
                 self.core.transport.bind_scope(transfer);
                 if self.core.transport.reports_landings() {
-                    self.coverage
-                        .insert(p.transfer_id, (transfer, vec![false; leases.len()]));
+                    let digest = (self.digest_at_landing
+                        && self.core.digests.mode == DigestMode::Verify)
+                        .then(|| self.core.session.digest_algorithm(transfer))
+                        .flatten();
+                    let buffers = self.core.pool.buffers();
+                    self.coverage.insert(
+                        p.transfer_id,
+                        Landings::new(transfer, leases.len(), buffers, digest),
+                    );
                 }
                 self.open.insert(p.transfer_id);
                 self.leases.insert(p.transfer_id, (transfer, leases));
@@ -320,13 +340,25 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         };
         match event {
             TransportEvent::Landed {
-                transfer, ordinal, ..
+                transfer,
+                ordinal,
+                page,
             } => {
                 self.stats.pages_landed += 1;
-                if let Some((t, landed)) = self.coverage.get_mut(&transfer.transfer_id) {
-                    if *t == transfer {
-                        if let Some(l) = landed.get_mut(ordinal as usize) {
-                            *l = true;
+                // Only the page reserved at that ordinal counts as its landing: bytes put
+                // elsewhere in the scope cover nothing and digest nothing for it.
+                let reserved = self
+                    .leases
+                    .get(&transfer.transfer_id)
+                    .filter(|(t, _)| *t == transfer)
+                    .and_then(|(_, ls)| ls.get(ordinal as usize))
+                    .map(PageLease::page);
+                if let Some(l) = self.coverage.get_mut(&transfer.transfer_id) {
+                    if l.transfer == transfer {
+                        if reserved == Some(page) {
+                            l.land(&self.core.pool, ordinal, page);
+                        } else {
+                            l.misplaced();
                         }
                     }
                 }
@@ -446,15 +478,23 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             } => {
                 // Coverage first: a reserved page that did not receive all its bytes for
                 // this reservation holds stale contents, whatever its digest (SPEC §6).
-                let missing = match self.coverage.remove(&transfer.transfer_id) {
-                    Some((t, landed)) if t == transfer => landed.iter().position(|l| !l),
-                    _ => None,
-                };
-                if let Some(ordinal) = missing {
+                let landings = self
+                    .coverage
+                    .remove(&transfer.transfer_id)
+                    .filter(|l| l.transfer == transfer);
+                if let Some(ordinal) = landings.as_ref().and_then(Landings::first_missing) {
                     self.stats.coverage_failures += 1;
                     self.core
                         .session
-                        .handle_missing_pages(now, transfer, ordinal as u32);
+                        .handle_missing_pages(now, transfer, ordinal);
+                    return;
+                }
+                // Every page was digested right after it last landed, and the fence closed
+                // the scope: no write can land any more, so these are the digests of the
+                // memory as it is now (SPEC §6, digests at landing), without reading it again.
+                if let Some(d) = landings.and_then(|l| l.digests(page_digests, &aux)) {
+                    self.stats.verified_from_landing += 1;
+                    self.core.session.handle_digests(now, transfer, d);
                     return;
                 }
                 let Some(leases) = self.leases_of(transfer) else {
@@ -501,7 +541,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         if self
             .coverage
             .get(&t.transfer_id)
-            .is_some_and(|(r, _)| *r == t)
+            .is_some_and(|l| l.transfer == t)
         {
             self.coverage.remove(&t.transfer_id);
         }

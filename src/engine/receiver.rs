@@ -47,6 +47,9 @@ pub struct ReceiverConnStats {
     pub bytes_landed: u64,
     /// Fences carried out.
     pub fences: u64,
+    /// Transfers whose digests were taken as their pages landed (TCP, loopback), not read
+    /// again after the fence (`NodeConfig::digest_at_landing`).
+    pub digests_at_landing: u64,
     /// Pages free in the connection's pool.
     pub pages_free: u32,
     /// Pages in the connection's pool.
@@ -168,6 +171,7 @@ impl ReceiverConn {
         driver.set_digest_execution(DigestExecution::Offload {
             min_bytes: config.digest_offload_bytes,
         });
+        driver.set_digest_at_landing(config.digest_at_landing);
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
         let task = Task {
             driver,
@@ -342,6 +346,7 @@ impl<T: ReceiverTransport> Task<T> {
                 s.pages_total = pool.capacity_pages();
                 s.pages_quarantined = pool.quarantined_pages();
                 s.fences = d.fences;
+                s.digests_at_landing = d.verified_from_landing;
                 s.peer_lost = self.driver.closed().is_some();
                 let _ = reply.send(s);
             }

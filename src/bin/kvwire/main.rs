@@ -152,6 +152,10 @@ struct BenchArgs {
     /// 2 MiB transfers and gains ~9% for 32 MiB ones (docs/BENCHMARKS.md).
     #[arg(long, default_value = "8M", value_parser = parse_size)]
     digest_offload: u64,
+    /// Receivers digest every transfer's memory after its fence instead of each page as it
+    /// lands (TCP, loopback; RDMA always digests after the fence), to measure the difference.
+    #[arg(long)]
+    digest_after_fence: bool,
     /// Serve Prometheus metrics on this address while the bench runs.
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
@@ -337,6 +341,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         },
         check_bytes: a.check_bytes,
         digest_offload_bytes: a.digest_offload,
+        digest_at_landing: !a.digest_after_fence,
         metrics: Some(kvwire::metrics::Metrics::new()),
         on_transfer: None,
         auth,

@@ -200,7 +200,7 @@ static NEXT_POOL_ID: AtomicU64 = AtomicU64::new(1);
 /// A pool is `Sync`: every method takes `&self`, so one pool (behind an `Arc`) can serve
 /// every connection of a node. The slot table sits behind a mutex held only for the
 /// bookkeeping of a call, never while bytes move; the bytes themselves are reached through
-/// per-page access guards ([`PageRef`], [`PageMut`]; `access.rs`).
+/// per-page access guards ([`PageRef`](super::PageRef), [`PageMut`]; `access.rs`).
 ///
 /// Generations are `u32` and wrap: a lease could only be mistaken for a current one if it
 /// were kept across 2^32 reuses of its page.

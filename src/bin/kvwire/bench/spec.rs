@@ -93,6 +93,8 @@ pub struct BenchSpec {
     pub check_bytes: bool,
     /// Transfers of at least this many bytes are digested on the blocking pool.
     pub digest_offload_bytes: u64,
+    /// Receivers digest pages as they land (TCP, loopback); false: after the fence.
+    pub digest_at_landing: bool,
     /// Where every connection of the run counts transfers, fences and pages.
     #[serde(skip)]
     pub metrics: Option<Arc<kvwire::metrics::Metrics>>,
@@ -134,6 +136,7 @@ impl Default for BenchSpec {
             verify: Verify::Xxh3,
             check_bytes: false,
             digest_offload_bytes: 8 << 20,
+            digest_at_landing: true,
             metrics: None,
             on_transfer: None,
             auth: kvwire::engine::Auth::ephemeral(),
@@ -263,6 +266,7 @@ impl BenchSpec {
         c.window = self.pages.max(1);
         c.metrics = self.metrics.clone();
         c.digest_offload_bytes = self.digest_offload_bytes;
+        c.digest_at_landing = self.digest_at_landing;
         c.auth = self.auth.clone();
         c.transport = match &self.transport {
             BenchTransport::Tcp | BenchTransport::Loopback => TransportConfig::Tcp,
