@@ -462,6 +462,14 @@ impl ReceiverSession {
             .next(|id| transfers.get(&id).and_then(|t| t.state.deadline()))
     }
 
+    /// The digest algorithm of `transfer` (fixed when it was reserved), while it is open.
+    pub fn digest_algorithm(&self, transfer: TransferRef) -> Option<DigestAlgorithm> {
+        self.transfers
+            .get(&transfer.transfer_id)
+            .filter(|t| t.spec.transfer == transfer)
+            .map(|t| t.spec.digest)
+    }
+
     /// Open transfers (not yet delivered, failed, or acknowledged).
     pub fn open_transfers(&self) -> usize {
         self.transfers.len()
