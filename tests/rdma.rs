@@ -772,6 +772,12 @@ mod two_processes {
                 "--bytes",
                 "64M",
                 "--json",
+                // Under TCG emulation rxe moves tens of MB/s and a PING waits behind the
+                // WRITEs posted before it on its queue pair (SPEC §8.3): a generous peer
+                // timeout, so a slow link is not taken for a dead peer. The killed sender is
+                // still found at once, by its bootstrap connection closing.
+                "--peer-timeout-ms",
+                "10000",
             ])
             .args(args)
             .env("KVWIRE_PSK", "72646d612d74776f2d70726f6365737365732d6b6579")

@@ -156,6 +156,15 @@ struct BenchArgs {
     /// lands (TCP, loopback; RDMA always digests after the fence), to measure the difference.
     #[arg(long)]
     digest_after_fence: bool,
+    /// Heartbeats (SPEC §8.3): milliseconds between PINGs on every connection.
+    #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u64).range(1..))]
+    heartbeat_ms: u64,
+    /// A peer from which nothing arrived for this many milliseconds is declared unresponsive
+    /// and its transfers fail (SPEC §8.3). Over RDMA a PING queues behind the WRITEs posted
+    /// before it on the same queue pair, so on a slow or emulated device (SoftRoCE under
+    /// TCG) allow for the time those take to drain.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    peer_timeout_ms: u64,
     /// Serve Prometheus metrics on this address while the bench runs.
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
@@ -342,6 +351,10 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         check_bytes: a.check_bytes,
         digest_offload_bytes: a.digest_offload,
         digest_at_landing: !a.digest_after_fence,
+        liveness: kvwire::proto::liveness::LivenessConfig {
+            interval: std::time::Duration::from_millis(a.heartbeat_ms),
+            timeout: std::time::Duration::from_millis(a.peer_timeout_ms),
+        },
         metrics: Some(kvwire::metrics::Metrics::new()),
         on_transfer: None,
         auth,

@@ -95,6 +95,9 @@ pub struct BenchSpec {
     pub digest_offload_bytes: u64,
     /// Receivers digest pages as they land (TCP, loopback); false: after the fence.
     pub digest_at_landing: bool,
+    /// Heartbeats of every connection of the run (SPEC §8.3).
+    #[serde(skip)]
+    pub liveness: kvwire::proto::liveness::LivenessConfig,
     /// Where every connection of the run counts transfers, fences and pages.
     #[serde(skip)]
     pub metrics: Option<Arc<kvwire::metrics::Metrics>>,
@@ -137,6 +140,7 @@ impl Default for BenchSpec {
             check_bytes: false,
             digest_offload_bytes: 8 << 20,
             digest_at_landing: true,
+            liveness: kvwire::proto::liveness::LivenessConfig::default(),
             metrics: None,
             on_transfer: None,
             auth: kvwire::engine::Auth::ephemeral(),
@@ -267,6 +271,7 @@ impl BenchSpec {
         c.metrics = self.metrics.clone();
         c.digest_offload_bytes = self.digest_offload_bytes;
         c.digest_at_landing = self.digest_at_landing;
+        c.liveness = self.liveness;
         c.auth = self.auth.clone();
         c.transport = match &self.transport {
             BenchTransport::Tcp | BenchTransport::Loopback => TransportConfig::Tcp,
