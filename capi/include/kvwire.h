@@ -175,7 +175,7 @@ typedef struct {
 } kvwire_config_t;
 
 // One of the engine's KV buffers: base pointer, length in bytes, bytes per page (SGLang's
-// kv_data_ptrs[i], kv_data_lens[i], kv_item_lens[i]). Every buffer holds the same number
+// `kv_data_ptrs[i]`, `kv_data_lens[i]`, `kv_item_lens[i]`). Every buffer holds the same number
 // of pages.
 typedef struct {
   // The buffer's first byte.

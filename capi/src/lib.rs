@@ -113,7 +113,7 @@ pub const KVWIRE_ROLE_DECODE: c_int = 2;
 // Types.
 
 /// One of the engine's KV buffers: base pointer, length in bytes, bytes per page (SGLang's
-/// kv_data_ptrs[i], kv_data_lens[i], kv_item_lens[i]). Every buffer holds the same number
+/// `kv_data_ptrs[i]`, `kv_data_lens[i]`, `kv_item_lens[i]`). Every buffer holds the same number
 /// of pages.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
