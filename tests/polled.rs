@@ -279,3 +279,73 @@ fn the_manager_checks_its_memory_and_its_peers() {
     assert!(decode.sender(TransferId(1), None).is_err());
     assert!(prefill.receiver(TransferId(1), None).is_err());
 }
+
+#[test]
+fn with_several_peers_a_transfer_names_its_peer() {
+    let auth = Auth::ephemeral();
+    let dc = Cache::new([0, 0]);
+    let decode = manager(Role::Decode, &dc, 1024, &auth);
+    let addr = decode.listen("127.0.0.1:0").unwrap().to_string();
+    let (ca, cb) = (Cache::new([0, 0]), Cache::new([0, 0]));
+    let a = manager(Role::Prefill, &ca, 1024, &auth);
+    let b = manager(Role::Prefill, &cb, 1024, &auth);
+    a.connect(&addr).unwrap();
+    b.connect(&addr).unwrap();
+    decode.wait_for_peers(2, WAIT).unwrap();
+    let mut peers = decode.peers();
+    peers.sort_unstable();
+    let mut want = vec![a.node_id(), b.node_id()];
+    want.sort_unstable();
+    assert_eq!(peers, want);
+
+    // Unnamed with two peers: refused, naming the way out.
+    let unnamed = decode.receiver(TransferId(1), None).unwrap();
+    unnamed.init(vec![0], 16, WAIT).unwrap();
+    assert_eq!(unnamed.poll(), KvPoll::Failed);
+    assert_eq!(
+        unnamed.failure().unwrap().kind(),
+        ErrorKind::InvalidArgument
+    );
+    unnamed.release().unwrap();
+
+    // The same room id from each peer, into different pages: each lands from its own peer.
+    let room = TransferId(5);
+    for (i, c) in [&ca, &cb].into_iter().enumerate() {
+        c.page(0, 1).fill(0x10 + i as u8);
+        c.page(1, 1).fill(0x20 + i as u8);
+    }
+    let rxs: Vec<_> = [&a, &b]
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let rx = decode.receiver(room, Some(m.node_id())).unwrap();
+            rx.init(vec![10 + i as u32], 16, WAIT).unwrap();
+            rx
+        })
+        .collect();
+    let txs: Vec<_> = [&a, &b]
+        .iter()
+        .map(|m| {
+            let tx = m.sender(room, None).unwrap();
+            tx.init(1, 16).unwrap();
+            tx.send(&[1], None).unwrap();
+            tx
+        })
+        .collect();
+    for (i, rx) in rxs.iter().enumerate() {
+        assert_eq!(rx.wait(WAIT), KvPoll::Success, "{:?}", rx.failure());
+        assert!(dc
+            .page(0, 10 + i as u32)
+            .iter()
+            .all(|&x| x == 0x10 + i as u8));
+        assert!(dc
+            .page(1, 10 + i as u32)
+            .iter()
+            .all(|&x| x == 0x20 + i as u8));
+        rx.release().unwrap();
+    }
+    for tx in &txs {
+        assert_eq!(tx.wait(WAIT), KvPoll::Success, "{:?}", tx.failure());
+        tx.clear().unwrap();
+    }
+}

@@ -110,7 +110,7 @@ static int decode(const char *addr_file) {
   kvwire_manager_t *m = manager(KVWIRE_ROLE_DECODE, bufs);
 
   /* Listen, and tell the prefill where (written whole, then renamed into place). */
-  char bound[64];
+  char bound[KVWIRE_ADDR_MAX];
   check(kvwire_manager_listen(m, "127.0.0.1:0", bound, sizeof bound), "kvwire_manager_listen");
   char tmp[4096];
   snprintf(tmp, sizeof tmp, "%s.tmp", addr_file);

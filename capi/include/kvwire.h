@@ -127,6 +127,9 @@
 // KVPoll: verified (final).
 #define KVWIRE_POLL_SUCCESS 4
 
+// Room for any socket address as text, with its NUL (kvwire_manager_listen's `bound`).
+#define KVWIRE_ADDR_MAX 64
+
 // The prefill side: sends KV pages.
 #define KVWIRE_ROLE_PREFILL 1
 
@@ -248,7 +251,8 @@ int kvwire_manager_new(const kvwire_config_t *config,
 void kvwire_manager_free(kvwire_manager_t *manager);
 
 // Listens on `addr` ("host:port"; port 0 for any) and accepts peers in the background;
-// writes the address bound (NUL-terminated) into `bound[0..cap]` unless `bound` is NULL.
+// writes the address bound (NUL-terminated) into `bound[0..cap]` unless `bound` is NULL
+// (`cap` at least KVWIRE_ADDR_MAX).
 //
 // # Safety
 // `manager` is a live handle, `addr` a NUL-terminated string, `bound` null or valid for

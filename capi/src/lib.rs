@@ -104,6 +104,9 @@ pub const KVWIRE_POLL_TRANSFERRING: c_int = 3;
 /// KVPoll: verified (final).
 pub const KVWIRE_POLL_SUCCESS: c_int = 4;
 
+/// Room for any socket address as text, with its NUL (kvwire_manager_listen's `bound`).
+pub const KVWIRE_ADDR_MAX: usize = 64;
+
 /// The prefill side: sends KV pages.
 pub const KVWIRE_ROLE_PREFILL: c_int = 1;
 /// The decode side: reserves pages and verifies what lands.
@@ -564,7 +567,8 @@ pub unsafe extern "C" fn kvwire_manager_free(manager: *mut kvwire_manager_t) {
 }
 
 /// Listens on `addr` ("host:port"; port 0 for any) and accepts peers in the background;
-/// writes the address bound (NUL-terminated) into `bound[0..cap]` unless `bound` is NULL.
+/// writes the address bound (NUL-terminated) into `bound[0..cap]` unless `bound` is NULL
+/// (`cap` at least KVWIRE_ADDR_MAX).
 ///
 /// # Safety
 /// `manager` is a live handle, `addr` a NUL-terminated string, `bound` null or valid for
@@ -580,6 +584,13 @@ pub unsafe extern "C" fn kvwire_manager_listen(
         // SAFETY: the caller's contract.
         let (m, addr) = unsafe { (handle(manager)?, string(addr, "addr")?) };
         let addr = addr.ok_or_else(|| invalid("addr: null pointer"))?;
+        // Checked before listening, so that a short buffer does not leave a listener whose
+        // address the caller never learns (the longest socket address text is 47 bytes).
+        if !bound.is_null() && cap < KVWIRE_ADDR_MAX {
+            return Err(invalid(format!(
+                "bound: {cap} bytes; KVWIRE_ADDR_MAX ({KVWIRE_ADDR_MAX}) needed"
+            )));
+        }
         let local = m.manager.listen(addr)?.to_string();
         if bound.is_null() {
             return Ok(());
@@ -1224,6 +1235,12 @@ mod tests {
             assert!(last_error().contains("64"), "{}", last_error());
             config.max_context_tokens = 32;
             assert_eq!(kvwire_manager_new(&config, &buf, 1, &mut m), KVWIRE_OK);
+            // A buffer too short for the address is refused before listening.
+            let mut short = [0 as c_char; 8];
+            assert_eq!(
+                kvwire_manager_listen(m, c"127.0.0.1:0".as_ptr(), short.as_mut_ptr(), 8),
+                KVWIRE_ERR_INVALID_ARGUMENT
+            );
             let mut node = 0;
             assert_eq!(kvwire_manager_node_id(m, &mut node), KVWIRE_OK);
             assert_ne!(node, 0);
