@@ -753,3 +753,12 @@ impl<T> Shared<T> {
         }
     }
 }
+
+/// Every handle may be shared between threads (the C ABI's promise rests on this).
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<Manager>();
+    send_sync::<ReceiverTransfer>();
+    send_sync::<SenderTransfer>();
+    send_sync::<Error>();
+};
