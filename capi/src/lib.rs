@@ -1296,4 +1296,123 @@ mod tests {
             assert_eq!(name.to_bytes(), b"DigestMismatch");
         }
     }
+
+    /// A manager over a fresh leaked cache of 64 pages x 2 buffers of 4 KiB.
+    ///
+    /// # Safety
+    /// `psk` is a NUL-terminated string.
+    unsafe fn manager(role: c_int, context: u64, psk: *const c_char) -> *mut kvwire_manager_t {
+        let bufs: Vec<kvwire_buffer_t> = (0..2)
+            .map(|_| {
+                let mem: &'static mut [u8] = Box::leak(vec![0u8; 64 * 4096].into_boxed_slice());
+                kvwire_buffer_t {
+                    ptr: mem.as_mut_ptr().cast(),
+                    len: mem.len(),
+                    page_bytes: 4096,
+                }
+            })
+            .collect();
+        let mut c = std::mem::MaybeUninit::<kvwire_config_t>::uninit();
+        // SAFETY: every pointer is valid; the buffers are leaked (live for the process).
+        unsafe {
+            assert_eq!(kvwire_config_init(c.as_mut_ptr()), KVWIRE_OK);
+            let mut c = c.assume_init();
+            c.role = role;
+            c.tokens_per_page = 16;
+            c.max_context_tokens = context;
+            c.psk_hex = psk;
+            let mut m = std::ptr::null_mut();
+            assert_eq!(
+                kvwire_manager_new(&c, bufs.as_ptr(), 2, &mut m),
+                KVWIRE_OK,
+                "{}",
+                last_error()
+            );
+            m
+        }
+    }
+
+    #[test]
+    fn a_rejection_reaches_both_c_callers_with_the_original_wire_code() {
+        let psk = CString::new(kvwire::config::auth::generate_hex().unwrap()).unwrap();
+        // SAFETY: every pointer is valid or a live handle of this test.
+        unsafe {
+            let decode = manager(KVWIRE_ROLE_DECODE, 1024, psk.as_ptr());
+            let prefill = manager(KVWIRE_ROLE_PREFILL, 512, psk.as_ptr());
+            let mut bound = [0 as c_char; KVWIRE_ADDR_MAX];
+            assert_eq!(
+                kvwire_manager_listen(
+                    decode,
+                    c"127.0.0.1:0".as_ptr(),
+                    bound.as_mut_ptr(),
+                    bound.len()
+                ),
+                KVWIRE_OK
+            );
+            let mut peer = 0;
+            assert_eq!(
+                kvwire_manager_connect(prefill, bound.as_ptr(), &mut peer),
+                KVWIRE_OK
+            );
+            let mut decode_id = 0;
+            assert_eq!(kvwire_manager_node_id(decode, &mut decode_id), KVWIRE_OK);
+            assert_eq!(peer, decode_id);
+            assert_eq!(kvwire_manager_wait_peers(decode, 1, 10_000), KVWIRE_OK);
+            // 600 tokens: more than the prefill's 512-token context.
+            let pages: Vec<u32> = (0..38).collect();
+            let mut r = std::ptr::null_mut();
+            assert_eq!(kvwire_receiver_new(decode, 9, 0, &mut r), KVWIRE_OK);
+            assert_eq!(
+                kvwire_receiver_init(r, pages.as_ptr(), pages.len(), 600, 10_000),
+                KVWIRE_OK
+            );
+            let mut s = std::ptr::null_mut();
+            assert_eq!(kvwire_sender_new(prefill, 9, 0, &mut s), KVWIRE_OK);
+            assert_eq!(kvwire_sender_init(s, 38, 600), KVWIRE_OK);
+            let mut state = -1;
+            assert_eq!(kvwire_sender_poll(s, &mut state), KVWIRE_OK);
+            assert_eq!(state, KVWIRE_POLL_FAILED);
+            assert_eq!(
+                kvwire_sender_send(s, pages.as_ptr(), 1, std::ptr::null(), 0),
+                KVWIRE_ERR_REJECTED
+            );
+            let mut f = kvwire_failure_t::default();
+            assert_eq!(
+                kvwire_sender_failure(s, &mut f, std::ptr::null_mut(), 0),
+                KVWIRE_OK
+            );
+            assert_eq!(
+                (f.code, f.wire_code, f.retryable),
+                (KVWIRE_ERR_REJECTED, 0x0101, 0)
+            );
+            assert_eq!(kvwire_receiver_wait(r, 10_000, &mut state), KVWIRE_OK);
+            assert_eq!(state, KVWIRE_POLL_FAILED);
+            let mut msg = [0 as c_char; 256];
+            assert_eq!(
+                kvwire_receiver_failure(r, &mut f, msg.as_mut_ptr(), msg.len()),
+                KVWIRE_OK
+            );
+            assert_eq!(
+                (f.code, f.wire_code, f.retryable),
+                (KVWIRE_ERR_REJECTED, 0x0101, 0)
+            );
+            let msg = CStr::from_ptr(msg.as_ptr()).to_string_lossy();
+            assert!(msg.contains("PROMPT_EXCEEDS_CONTEXT"), "{msg}");
+            let mut len = 0;
+            assert_eq!(
+                kvwire_receiver_aux(r, std::ptr::null_mut(), 0, &mut len),
+                KVWIRE_ERR_INVALID_STATE
+            );
+            assert_eq!(kvwire_receiver_release(r), KVWIRE_OK);
+            assert_eq!(
+                kvwire_manager_check_free(decode, pages.as_ptr(), pages.len()),
+                KVWIRE_OK
+            );
+            assert_eq!(kvwire_sender_clear(s), KVWIRE_OK);
+            kvwire_receiver_free(r);
+            kvwire_sender_free(s);
+            kvwire_manager_free(prefill);
+            kvwire_manager_free(decode);
+        }
+    }
 }
