@@ -48,7 +48,8 @@
 //! The layers, bottom up (each imports only those below it): [`proto`] (wire format and
 //! sans-IO sessions), [`memory`] (registered KV memory, the page pool, access scopes) and
 //! [`checksum`], [`transport`] (the seam, and the loopback, TCP and RDMA transports),
-//! [`driver`] (one driver per role over any transport), [`engine`] (the async API);
+//! [`driver`] (one driver per role over any transport), [`engine`] (the async API),
+//! [`polled`] (a poll-style synchronous facade over it, for scheduler loops and the C ABI);
 //! [`config`] describes a node; [`discovery`] finds peers (an embedded bootstrap server, or
 //! etcd with the `etcd` feature); [`gpu`] computes the same digests on a GPU (feature `cuda`
 //! for the device side; the kernel source and its CPU test are always built).
@@ -66,6 +67,7 @@ pub mod gpu;
 pub mod host;
 pub mod memory;
 pub mod metrics;
+pub mod polled;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod transport;

@@ -1,0 +1,246 @@
+//! The decode side of one request: a reservation into the engine's chosen pages, polled.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvwire_proto::wire::{ErrorCode, TransferId};
+
+use super::{Conn, Error, KvPoll, Manager, Shared};
+use crate::driver::ReserveParams;
+use crate::engine::{ReceiverConn, Verified};
+use crate::memory::Holder;
+
+/// What a verified transfer delivered, kept until the engine releases it.
+#[derive(Debug)]
+struct Delivered {
+    /// The verified handle: kvwire holds its pages for the engine until released.
+    verified: Option<Verified>,
+    pages: Vec<u32>,
+    aux: Vec<u8>,
+}
+
+#[derive(Debug)]
+struct Init {
+    pages: Vec<u32>,
+    tokens: u32,
+    timeout: Duration,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    /// What `init` asked for, until the reservation is made.
+    init: Option<Init>,
+    /// The reserved pages, once reserved.
+    reserved: Option<Vec<u32>>,
+    conn: Option<ReceiverConn>,
+    released: bool,
+}
+
+/// The decode side of one request ([`Manager::receiver`]): SGLang's `KVReceiver`.
+///
+/// [`init`](Self::init) with the engine's destination pages reserves them on the
+/// connection to the peer (at once, or at the first `poll` after the connection exists);
+/// [`poll`](Self::poll) says where the transfer is; after [`KvPoll::Success`] the pages
+/// hold the sender's bytes, verified by digest over the memory that landed, and
+/// [`page_indices`](Self::page_indices) and [`aux`](Self::aux) say what arrived;
+/// [`release`](Self::release) gives the pages back to the engine. Dropping the transfer
+/// aborts it if it is still open and releases its pages (without waiting for them).
+#[derive(Debug)]
+pub struct ReceiverTransfer {
+    manager: Manager,
+    room: TransferId,
+    peer: Option<u64>,
+    shared: Arc<Shared<Delivered>>,
+    slot: Mutex<Slot>,
+}
+
+impl ReceiverTransfer {
+    pub(super) fn new(manager: Manager, room: TransferId, peer: Option<u64>) -> Self {
+        Self {
+            manager,
+            room,
+            peer,
+            shared: Shared::new(),
+            slot: Mutex::default(),
+        }
+    }
+
+    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The request's id.
+    pub fn room(&self) -> TransferId {
+        self.room
+    }
+
+    /// Reserves `pages` (the engine's destination page indices, one per `tokens_per_page`
+    /// tokens, in transfer order) for `tokens` tokens; the sender must commit within
+    /// `timeout`. Reserved at once if the connection to the peer exists, else at the first
+    /// `poll` after it does. kvwire holds the pages from here until [`Self::release`]
+    /// returned. Fails at once for a page count that does not fit the tokens, or when
+    /// called twice.
+    pub fn init(&self, pages: Vec<u32>, tokens: u32, timeout: Duration) -> Result<(), Error> {
+        let tpp = self.manager.config().tokens_per_page;
+        let need = tokens.div_ceil(tpp.max(1)) as usize;
+        if tokens == 0 || pages.len() != need {
+            return Err(Error::invalid(format!(
+                "{tokens} tokens need {need} pages of {tpp} tokens, {} given",
+                pages.len()
+            )));
+        }
+        {
+            let mut slot = self.slot();
+            if slot.init.is_some() || slot.reserved.is_some() || slot.released {
+                return Err(Error::state("init was already called"));
+            }
+            if self.shared.poll().is_final() {
+                return Err(Error::state("the transfer already ended"));
+            }
+            slot.init = Some(Init {
+                pages,
+                tokens,
+                timeout,
+            });
+        }
+        self.advance();
+        Ok(())
+    }
+
+    /// Reserves, if `init` was called and the connection to the peer exists.
+    fn advance(&self) {
+        let mut slot = self.slot();
+        if slot.init.is_none() || self.shared.poll().is_final() {
+            return;
+        }
+        let conn = match self.manager.conn(self.peer) {
+            Ok(Some(Conn::Receiver(c))) => c,
+            Ok(_) => return,
+            Err(e) => {
+                self.shared.fail(e);
+                return;
+            }
+        };
+        let Some(init) = slot.init.take() else { return };
+        let params =
+            ReserveParams::new(self.room, init.tokens, init.timeout).into_pages(init.pages.clone());
+        // The reservation is sent to the connection's task here; the future only waits.
+        let verdict = conn.reserve(params);
+        slot.reserved = Some(init.pages);
+        slot.conn = Some(conn);
+        self.shared.lock().settled = false;
+        self.shared.advance(KvPoll::WaitingForInput);
+        let shared = self.shared.clone();
+        self.manager.spawn(async move {
+            let outcome = verdict.await.map_err(|e| Error::from_transfer(&e));
+            shared.settle(outcome.map(|v| Delivered {
+                pages: v.page_indices(),
+                aux: v.aux().to_vec(),
+                verified: Some(v),
+            }));
+        });
+    }
+
+    /// The state, at once (never blocks). [`KvPoll::Bootstrapping`] until the reservation
+    /// is made, [`KvPoll::WaitingForInput`] until the verdict, then
+    /// [`KvPoll::Success`] or [`KvPoll::Failed`].
+    pub fn poll(&self) -> KvPoll {
+        if self.shared.poll() == KvPoll::Bootstrapping {
+            self.advance();
+        }
+        self.shared.poll()
+    }
+
+    /// Blocks until the transfer ended or `timeout` passed; returns the state then.
+    pub fn wait(&self, timeout: Duration) -> KvPoll {
+        self.shared.wait_until(timeout, |s| s.poll.is_final(), &|| {
+            self.poll();
+        });
+        self.shared.poll()
+    }
+
+    /// Why the transfer failed (`None` unless [`KvPoll::Failed`]).
+    pub fn failure(&self) -> Option<Error> {
+        self.shared.lock().error.clone()
+    }
+
+    /// Aborts the transfer: it fails at once with [`ErrorKind::Aborted`](super::ErrorKind)
+    /// (`CANCELLED`); kvwire fences the reservation (no write for it can land any more) and
+    /// tells the sender. Nothing happens to a transfer that already ended.
+    pub fn abort(&self) {
+        let slot = self.slot();
+        if self.shared.poll().is_final() {
+            return;
+        }
+        if let Some(conn) = &slot.conn {
+            conn.abort(self.room, ErrorCode::CANCELLED);
+        }
+        self.shared.fail(Error::aborted());
+    }
+
+    /// The destination page indices that hold the verified KV, in transfer order (after
+    /// [`KvPoll::Success`]).
+    pub fn page_indices(&self) -> Result<Vec<u32>, Error> {
+        let s = self.shared.lock();
+        match &s.result {
+            Some(d) => Ok(d.pages.clone()),
+            None => Err(Error::state("no verified transfer (poll until Success)")),
+        }
+    }
+
+    /// The auxiliary record delivered with the pages (e.g. the first output token),
+    /// verified against its digest; empty if the sender sent none (after
+    /// [`KvPoll::Success`]).
+    pub fn aux(&self) -> Result<Vec<u8>, Error> {
+        let s = self.shared.lock();
+        match &s.result {
+            Some(d) => Ok(d.aux.clone()),
+            None => Err(Error::state("no verified transfer (poll until Success)")),
+        }
+    }
+
+    /// Gives the pages back to the engine: returns only once kvwire holds none of them (a
+    /// verified transfer's handle released; a failed or aborted one fenced and released).
+    /// A transfer still open is aborted first. After it returned the engine may write and
+    /// reuse the pages. Calling it again does nothing.
+    pub fn release(&self) -> Result<(), Error> {
+        let timeout = self.manager.config().release_timeout;
+        self.abort();
+        let settled = self.shared.wait_until(timeout, |s| s.settled, &|| {});
+        if !settled {
+            return Err(Error::new(
+                super::ErrorKind::WaitTimedOut,
+                format!("the transfer's outcome did not arrive within {timeout:?}"),
+            ));
+        }
+        let verified = self
+            .shared
+            .lock()
+            .result
+            .as_mut()
+            .and_then(|d| d.verified.take());
+        if let Some(v) = verified {
+            v.release().map_err(|e| Error::state(e.to_string()))?;
+        }
+        let reserved = {
+            let mut slot = self.slot();
+            slot.released = true;
+            slot.init = None;
+            slot.reserved.clone()
+        };
+        match reserved {
+            Some(pages) => self
+                .manager
+                .wait_pages_free(Holder::Receiving(self.room), Some(&pages)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ReceiverTransfer {
+    fn drop(&mut self) {
+        self.abort();
+        // A verified handle still held is dropped with the shared state (its pages go back
+        // to the pool); a reservation still open is fenced and released by its connection.
+    }
+}

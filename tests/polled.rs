@@ -1,0 +1,351 @@
+//! The poll-style facade (`kvwire::polled`) end to end over TCP loopback, from plain threads
+//! (no async anywhere in the test): a chunked transfer into the decode engine's chosen,
+//! scattered pages with every byte read back from the engine's own memory, a rejection
+//! reaching both sides as Failed with the original reason, aborts from either side, and
+//! the configuration checks at start.
+
+use std::time::Duration;
+
+use kvwire::polled::{ErrorKind, KvBuffer, KvPoll, Manager, ManagerConfig, Role};
+use kvwire::{Auth, ErrorCode, TransferId};
+
+const PAGES: usize = 64;
+const PAGE_BYTES: usize = 4096;
+const TPP: u32 = 16;
+const WAIT: Duration = Duration::from_secs(20);
+
+/// An engine's KV cache: two buffers it reads and writes through its own pointers. Leaked:
+/// the memory must outlive the manager, as an engine's cache does.
+#[derive(Clone, Copy)]
+struct Cache {
+    bufs: [*mut u8; 2],
+}
+
+impl Cache {
+    fn new(fill: [u8; 2]) -> Self {
+        let alloc = |f| Box::leak(vec![f; PAGES * PAGE_BYTES].into_boxed_slice()).as_mut_ptr();
+        Self {
+            bufs: [alloc(fill[0]), alloc(fill[1])],
+        }
+    }
+
+    fn buffers(&self) -> Vec<KvBuffer> {
+        self.bufs
+            .iter()
+            .map(|&ptr| KvBuffer {
+                ptr,
+                len: PAGES * PAGE_BYTES,
+                page_bytes: PAGE_BYTES,
+            })
+            .collect()
+    }
+
+    fn page(&self, buffer: usize, page: u32) -> &'static mut [u8] {
+        // SAFETY: in bounds of a leaked buffer; the tests write only pages kvwire does not
+        // hold, and read any page (allowed by the engine contract).
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.bufs[buffer].add(page as usize * PAGE_BYTES),
+                PAGE_BYTES,
+            )
+        }
+    }
+}
+
+fn kv(room: u64, ordinal: usize, buffer: usize) -> Vec<u8> {
+    (0..PAGE_BYTES)
+        .map(|i| (room as usize * 31 + ordinal * 17 + buffer * 7 + i / 5) as u8)
+        .collect()
+}
+
+fn manager(role: Role, cache: &Cache, context: u64, auth: &Auth) -> Manager {
+    let config = ManagerConfig::new(role, TPP, context, auth.clone()).fingerprint("polled/tp0");
+    // SAFETY: the buffers are leaked (live for the process) and do not overlap.
+    unsafe { Manager::new(config, &cache.buffers()) }.unwrap()
+}
+
+/// A decode and a prefill manager over their own caches, connected (prefill connects).
+fn pair(prefill_context: u64) -> (Manager, Cache, Manager, Cache) {
+    let auth = Auth::ephemeral();
+    let (dc, pc) = (Cache::new([0xAA, 0xBB]), Cache::new([0, 0]));
+    let decode = manager(Role::Decode, &dc, 1024, &auth);
+    let prefill = manager(Role::Prefill, &pc, prefill_context, &auth);
+    let addr = decode.listen("127.0.0.1:0").unwrap();
+    let peer = prefill.connect(&addr.to_string()).unwrap();
+    assert_eq!(peer, decode.node_id());
+    decode.wait_for_peers(1, WAIT).unwrap();
+    (decode, dc, prefill, pc)
+}
+
+#[test]
+fn a_chunked_transfer_lands_in_the_chosen_pages_with_its_aux_record() {
+    let (decode, dc, prefill, pc) = pair(1024);
+    let room = TransferId(7);
+    // 70 tokens = 5 pages: the decode engine's scattered choice, the prefill's own pages.
+    let dst = vec![50, 3, 41, 17, 8];
+    let src = [9u32, 10, 2, 33, 60];
+    for (o, &p) in src.iter().enumerate() {
+        for b in 0..2 {
+            pc.page(b, p).copy_from_slice(&kv(room.get(), o, b));
+        }
+    }
+    let rx = decode.receiver(room, None).unwrap();
+    assert_eq!(rx.poll(), KvPoll::Bootstrapping);
+    rx.init(dst.clone(), 70, WAIT).unwrap();
+    assert_eq!(rx.poll(), KvPoll::WaitingForInput);
+    assert!(matches!(rx.page_indices(), Err(e) if e.kind() == ErrorKind::InvalidState));
+
+    let tx = prefill.sender(room, None).unwrap();
+    tx.init(5, 70).unwrap();
+    assert_eq!(tx.poll(), KvPoll::WaitingForInput);
+    // The aux record goes with the final chunk only; a refused chunk changes nothing.
+    let early = tx.send(&src[..3], Some(b"x")).unwrap_err();
+    assert_eq!(early.kind(), ErrorKind::InvalidArgument);
+    tx.send(&src[..3], None).unwrap();
+    assert_eq!(tx.poll(), KvPoll::WaitingForInput);
+    tx.send(&src[3..], Some(b"first-token:4242")).unwrap();
+    assert_ne!(tx.poll(), KvPoll::WaitingForInput);
+
+    assert_eq!(rx.wait(WAIT), KvPoll::Success, "{:?}", rx.failure());
+    assert_eq!(tx.wait(WAIT), KvPoll::Success, "{:?}", tx.failure());
+    assert!(rx.failure().is_none() && tx.failure().is_none());
+    assert_eq!(rx.page_indices().unwrap(), dst);
+    assert_eq!(rx.aux().unwrap(), b"first-token:4242");
+    // kvwire holds the pages for the engine until released.
+    assert!(decode.node().pool().check_engine_free(&dst).is_err());
+    rx.release().unwrap();
+    assert!(decode.node().pool().check_engine_free(&dst).is_ok());
+    tx.clear().unwrap();
+    assert!(prefill.node().pool().held_pages().is_empty());
+    // Every byte, read from the decode engine's own memory; nothing else touched.
+    for (o, &p) in dst.iter().enumerate() {
+        for b in 0..2 {
+            assert!(
+                dc.page(b, p) == &kv(room.get(), o, b)[..],
+                "page {p} buffer {b} is not ordinal {o}"
+            );
+        }
+    }
+    for p in (0..PAGES as u32).filter(|p| !dst.contains(p)) {
+        assert!(dc.page(0, p).iter().all(|&x| x == 0xAA), "page {p} touched");
+        assert!(dc.page(1, p).iter().all(|&x| x == 0xBB), "page {p} touched");
+    }
+    // Released twice: nothing happens.
+    rx.release().unwrap();
+}
+
+#[test]
+fn a_rejection_reaches_both_sides_as_failed_with_the_original_reason() {
+    // The prefill serves 512-token contexts; the decode reserves 600 tokens.
+    let (decode, _, prefill, _) = pair(512);
+    let room = TransferId(9);
+    let dst: Vec<u32> = (10..48).collect(); // 38 pages
+    let rx = decode.receiver(room, None).unwrap();
+    rx.init(dst.clone(), 600, WAIT).unwrap();
+    let tx = prefill.sender(room, None).unwrap();
+    tx.init(38, 600).unwrap();
+    assert_eq!(tx.poll(), KvPoll::Failed);
+    let e = tx.failure().unwrap();
+    assert_eq!(e.kind(), ErrorKind::Rejected, "{e}");
+    assert_eq!(e.wire_code(), Some(ErrorCode::PROMPT_EXCEEDS_CONTEXT));
+    assert!(!e.is_retryable());
+    assert_eq!(tx.send(&[1], None).unwrap_err().kind(), ErrorKind::Rejected);
+
+    assert_eq!(rx.wait(WAIT), KvPoll::Failed);
+    let e = rx.failure().unwrap();
+    assert_eq!(e.kind(), ErrorKind::Rejected, "{e}");
+    assert_eq!(e.wire_code(), Some(ErrorCode::PROMPT_EXCEEDS_CONTEXT));
+    assert!(!e.is_retryable());
+    rx.release().unwrap();
+    assert!(decode.node().pool().check_engine_free(&dst).is_ok());
+    tx.clear().unwrap();
+}
+
+#[test]
+fn the_decode_side_aborts_and_both_sides_fail() {
+    let (decode, _, prefill, _) = pair(1024);
+    let room = TransferId(11);
+    let dst = vec![5, 6, 7, 8];
+    let rx = decode.receiver(room, None).unwrap();
+    rx.init(dst.clone(), 64, WAIT).unwrap();
+    let tx = prefill.sender(room, None).unwrap();
+    tx.init(4, 64).unwrap();
+    tx.send(&[1, 2], None).unwrap();
+    rx.abort();
+    assert_eq!(rx.poll(), KvPoll::Failed);
+    assert_eq!(rx.failure().unwrap().kind(), ErrorKind::Aborted);
+    // release returns only once the reservation is fenced and its pages are free.
+    rx.release().unwrap();
+    assert!(decode.node().pool().check_engine_free(&dst).is_ok());
+    assert_eq!(tx.wait(WAIT), KvPoll::Failed);
+    let e = tx.failure().unwrap();
+    assert_eq!(e.kind(), ErrorKind::PeerAborted, "{e}");
+    assert_eq!(e.wire_code(), Some(ErrorCode::CANCELLED));
+    tx.clear().unwrap();
+    assert!(prefill.node().pool().held_pages().is_empty());
+}
+
+#[test]
+fn the_prefill_side_aborts_and_both_sides_fail() {
+    let (decode, _, prefill, _) = pair(1024);
+    let room = TransferId(12);
+    let dst = vec![20, 2, 30];
+    let rx = decode.receiver(room, None).unwrap();
+    rx.init(dst.clone(), 48, WAIT).unwrap();
+    let tx = prefill.sender(room, None).unwrap();
+    tx.init(3, 48).unwrap();
+    tx.send(&[4], None).unwrap();
+    tx.abort();
+    assert_eq!(tx.poll(), KvPoll::Failed);
+    assert_eq!(tx.failure().unwrap().kind(), ErrorKind::Aborted);
+    tx.clear().unwrap();
+    assert!(prefill.node().pool().held_pages().is_empty());
+    assert_eq!(rx.wait(WAIT), KvPoll::Failed);
+    let e = rx.failure().unwrap();
+    // The sender's ABORT, or, when its abort came before the reservation reached it, its
+    // REJECT of the reservation: with the abort's code either way.
+    assert!(
+        matches!(e.kind(), ErrorKind::PeerAborted | ErrorKind::Rejected),
+        "{e}"
+    );
+    assert_eq!(e.wire_code(), Some(ErrorCode::CANCELLED));
+    rx.release().unwrap();
+    assert!(decode.node().pool().check_engine_free(&dst).is_ok());
+}
+
+#[test]
+fn a_transfer_bootstraps_until_the_peer_connects() {
+    let auth = Auth::ephemeral();
+    let (dc, pc) = (Cache::new([0, 0]), Cache::new([1, 2]));
+    let decode = manager(Role::Decode, &dc, 1024, &auth);
+    let prefill = manager(Role::Prefill, &pc, 1024, &auth);
+    let room = TransferId(3);
+    let rx = decode.receiver(room, None).unwrap();
+    rx.init(vec![1], 10, WAIT).unwrap();
+    let tx = prefill.sender(room, None).unwrap();
+    tx.init(1, 10).unwrap();
+    assert_eq!(rx.poll(), KvPoll::Bootstrapping);
+    assert_eq!(tx.poll(), KvPoll::Bootstrapping);
+    assert_eq!(
+        tx.send(&[0], None).unwrap_err().kind(),
+        ErrorKind::InvalidState
+    );
+    assert_eq!(rx.wait(Duration::from_millis(20)), KvPoll::Bootstrapping);
+    // Decode connects to the listening prefill this time.
+    let addr = prefill.listen("127.0.0.1:0").unwrap();
+    decode.connect(&addr.to_string()).unwrap();
+    prefill.wait_for_peers(1, WAIT).unwrap();
+    assert_eq!(tx.poll(), KvPoll::WaitingForInput);
+    tx.send(&[0], None).unwrap();
+    assert_eq!(rx.wait(WAIT), KvPoll::Success, "{:?}", rx.failure());
+    assert_eq!(tx.wait(WAIT), KvPoll::Success);
+    assert_eq!(rx.aux().unwrap(), b"");
+    assert!(dc.page(1, 1).iter().all(|&x| x == 2));
+    rx.release().unwrap();
+    tx.clear().unwrap();
+}
+
+#[test]
+fn the_manager_checks_its_memory_and_its_peers() {
+    let auth = Auth::ephemeral();
+    let cache = Cache::new([0, 0]);
+    // 64 pages x 16 tokens = 1024 tokens: a 4096-token context does not fit.
+    let config = ManagerConfig::new(Role::Decode, TPP, 4096, auth.clone());
+    // SAFETY: leaked, non-overlapping buffers.
+    let e = unsafe { Manager::new(config, &cache.buffers()) }.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ConfigError);
+    assert!(
+        e.message().contains("1024") && e.message().contains("4096"),
+        "{e}"
+    );
+    let mut bad = cache.buffers();
+    bad[1].len -= 1;
+    let config = ManagerConfig::new(Role::Decode, TPP, 1024, auth.clone());
+    // SAFETY: as above (a shorter length of the same buffer).
+    let e = unsafe { Manager::new(config.clone(), &bad) }.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    bad[1].ptr = std::ptr::null_mut();
+    // SAFETY: refused before any use of the pointers.
+    let e = unsafe { Manager::new(config, &bad) }.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+
+    // A prefill with another key is refused at the handshake.
+    let decode = manager(Role::Decode, &cache, 1024, &auth);
+    let other = Cache::new([0, 0]);
+    let prefill = manager(Role::Prefill, &other, 1024, &Auth::ephemeral());
+    let addr = decode.listen("127.0.0.1:0").unwrap();
+    let e = prefill.connect(&addr.to_string()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unauthenticated, "{e}");
+    assert!(decode.sender(TransferId(1), None).is_err());
+    assert!(prefill.receiver(TransferId(1), None).is_err());
+}
+
+#[test]
+fn with_several_peers_a_transfer_names_its_peer() {
+    let auth = Auth::ephemeral();
+    let dc = Cache::new([0, 0]);
+    let decode = manager(Role::Decode, &dc, 1024, &auth);
+    let addr = decode.listen("127.0.0.1:0").unwrap().to_string();
+    let (ca, cb) = (Cache::new([0, 0]), Cache::new([0, 0]));
+    let a = manager(Role::Prefill, &ca, 1024, &auth);
+    let b = manager(Role::Prefill, &cb, 1024, &auth);
+    a.connect(&addr).unwrap();
+    b.connect(&addr).unwrap();
+    decode.wait_for_peers(2, WAIT).unwrap();
+    let mut peers = decode.peers();
+    peers.sort_unstable();
+    let mut want = vec![a.node_id(), b.node_id()];
+    want.sort_unstable();
+    assert_eq!(peers, want);
+
+    // Unnamed with two peers: refused, naming the way out.
+    let unnamed = decode.receiver(TransferId(1), None).unwrap();
+    unnamed.init(vec![0], 16, WAIT).unwrap();
+    assert_eq!(unnamed.poll(), KvPoll::Failed);
+    assert_eq!(
+        unnamed.failure().unwrap().kind(),
+        ErrorKind::InvalidArgument
+    );
+    unnamed.release().unwrap();
+
+    // The same room id from each peer, into different pages: each lands from its own peer.
+    let room = TransferId(5);
+    for (i, c) in [&ca, &cb].into_iter().enumerate() {
+        c.page(0, 1).fill(0x10 + i as u8);
+        c.page(1, 1).fill(0x20 + i as u8);
+    }
+    let rxs: Vec<_> = [&a, &b]
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let rx = decode.receiver(room, Some(m.node_id())).unwrap();
+            rx.init(vec![10 + i as u32], 16, WAIT).unwrap();
+            rx
+        })
+        .collect();
+    let txs: Vec<_> = [&a, &b]
+        .iter()
+        .map(|m| {
+            let tx = m.sender(room, None).unwrap();
+            tx.init(1, 16).unwrap();
+            tx.send(&[1], None).unwrap();
+            tx
+        })
+        .collect();
+    for (i, rx) in rxs.iter().enumerate() {
+        assert_eq!(rx.wait(WAIT), KvPoll::Success, "{:?}", rx.failure());
+        assert!(dc
+            .page(0, 10 + i as u32)
+            .iter()
+            .all(|&x| x == 0x10 + i as u8));
+        assert!(dc
+            .page(1, 10 + i as u32)
+            .iter()
+            .all(|&x| x == 0x20 + i as u8));
+        rx.release().unwrap();
+    }
+    for tx in &txs {
+        assert_eq!(tx.wait(WAIT), KvPoll::Success, "{:?}", tx.failure());
+        tx.clear().unwrap();
+    }
+}
