@@ -196,17 +196,19 @@ impl SenderSession {
                 let d = cx.drain(&t, w, FailureReason::WriteFailed, after);
                 match d {
                     Next::Stay(State::Draining(mut d)) => {
-                        d.accounted = d.accounted.saturating_add(pages);
+                        d.accounted = d.accounted.saturating_add(pages).min(d.posted);
                         cx.finish_drain(&t, d)
                     }
                     other => other,
                 }
             }
             (State::Draining(mut d), outcome) => {
+                // Capped at the pages posted (SPEC §5.3.3): a driver that over-reports
+                // cannot make ABORT's `completed_pages` exceed them.
                 if outcome == WriteOutcome::Completed {
-                    d.completed = d.completed.saturating_add(pages);
+                    d.completed = d.completed.saturating_add(pages).min(d.posted);
                 }
-                d.accounted = d.accounted.saturating_add(pages);
+                d.accounted = d.accounted.saturating_add(pages).min(d.posted);
                 cx.finish_drain(&t, d)
             }
             (other, _) => Next::Stay(other),
