@@ -150,5 +150,8 @@ fn over_reported_outcomes_while_draining_are_capped_at_the_posted_pages() {
             _ => None,
         })
         .expect("no ABORT");
-    assert_eq!(abort.completed_pages, 2, "completed_pages beyond the posted pages");
+    assert_eq!(
+        abort.completed_pages, 2,
+        "completed_pages beyond the posted pages"
+    );
 }

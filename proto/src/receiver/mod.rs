@@ -389,9 +389,7 @@ impl ReceiverSession {
                     now,
                 ),
                 // The peer never acknowledged our abort; pages were released long ago.
-                State::AwaitingAbortAck(_) => {
-                    Next::Done(Some((ErrorCode::TIMEOUT, "abort unacknowledged".into())))
-                }
+                State::AwaitingAbortAck(s) => Next::Done(Some(s.outcome)),
                 other => Next::Stay(other),
             };
             self.settle(t.spec, next);
@@ -420,9 +418,7 @@ impl ReceiverSession {
         let open = std::mem::take(&mut self.transfers);
         for (_, t) in open {
             let next = match t.state {
-                State::AwaitingAbortAck(_) => {
-                    Next::Done(Some((ErrorCode::SHUTDOWN, "peer lost".into())))
-                }
+                State::AwaitingAbortAck(s) => Next::Done(Some(s.outcome)),
                 State::Failing(mut f) => {
                     f.after = AfterFence::Nothing;
                     Next::Stay(State::Failing(f))
@@ -483,5 +479,72 @@ impl ReceiverSession {
     /// The session's configuration.
     pub fn config(&self) -> &ReceiverConfig {
         &self.config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{Hello, Role};
+    use std::time::Duration;
+
+    fn session() -> ReceiverSession {
+        let hello = |role| Hello {
+            node_id: 1,
+            role,
+            layout: KvLayout {
+                tokens_per_page: 16,
+                buffer_page_bytes: vec![64],
+                fingerprint: vec![],
+            },
+            digests: vec![DigestAlgorithm::XXH3_64],
+            transport_params: vec![],
+            max_aux: 0,
+        };
+        let est = Established {
+            local: hello(Role::RECEIVER),
+            peer: hello(Role::SENDER),
+            digests: vec![DigestAlgorithm::XXH3_64],
+        };
+        ReceiverSession::new(&est, ReceiverConfig::default())
+    }
+
+    /// SPEC §7.3 (was Q15): a transfer that ends through AwaitingAbortAck is remembered with
+    /// the reason it failed for (here TIMEOUT), not CANCELLED, however the abort resolves.
+    #[test]
+    fn an_abort_that_resolves_keeps_the_original_failure_in_the_history() {
+        for resolve in 0..3 {
+            let now = Instant::now();
+            let mut r = session();
+            let t = r
+                .reserve(
+                    now,
+                    ReservationRequest {
+                        transfer_id: TransferId(1),
+                        tokens: 16,
+                        pages: vec![0],
+                        digest: None,
+                        page_digests: false,
+                        timeout: Duration::from_millis(10),
+                        access: vec![],
+                    },
+                )
+                .unwrap();
+            let later = now + Duration::from_secs(1);
+            r.handle_timeout(later);
+            r.handle_fenced(later, t);
+            match resolve {
+                0 => r.handle_frame(later, Frame::AbortAck(t)).unwrap(),
+                1 => r.handle_timeout(later + Duration::from_secs(60)),
+                _ => r.handle_peer_lost(later),
+            }
+            assert_eq!(r.open_transfers(), 0);
+            let code = r.history.get(TransferId(1)).and_then(|f| f.failure.clone());
+            assert_eq!(
+                code.map(|c| c.0),
+                Some(ErrorCode::TIMEOUT),
+                "resolve {resolve}"
+            );
+        }
     }
 }
