@@ -155,3 +155,99 @@ fn over_reported_outcomes_while_draining_are_capped_at_the_posted_pages() {
         "completed_pages beyond the posted pages"
     );
 }
+
+/// SPEC §7.3 / §7.4 (was Q8): an ABORT for another reservation of an open transfer id is
+/// acknowledged (ABORT_ACK echoing its TransferRef) on both sides, and the open transfer is
+/// unaffected; on the sender a nonce-0 ABORT after a reservation was accepted is such an
+/// ABORT.
+#[test]
+fn an_abort_for_another_reservation_of_an_open_id_is_acknowledged_and_changes_nothing() {
+    let now = Instant::now();
+    let (mut r, t) = receiver(now);
+    let abort = |nonce| {
+        Frame::Abort(Abort {
+            transfer: tref(nonce),
+            code: ErrorCode::TIMEOUT,
+            completed_pages: 0,
+            detail: String::new(),
+        })
+    };
+    let other = t.nonce ^ 0x55;
+    r.handle_frame(now, abort(other)).unwrap();
+    assert_eq!(frames_r(&mut r), vec![Frame::AbortAck(tref(other))]);
+    assert_eq!(r.open_transfers(), 1);
+    assert!(r.poll_event().is_none());
+
+    let mut s = sender(now, Some(9));
+    for nonce in [77, 0] {
+        s.handle_frame(now, abort(nonce)).unwrap();
+        assert_eq!(frames_s(&mut s), vec![Frame::AbortAck(tref(nonce))]);
+        assert_eq!(s.open_transfers(), 1);
+    }
+    assert!(s.poll_event().is_none());
+}
+
+/// SPEC §7.3 (was Q8): a receiver that reserved a verified id afresh still answers a late
+/// ABORT for the verified reservation with VERIFIED, never ABORT_ACK (which would tell the
+/// sender it did not deliver, §7.6).
+#[test]
+fn an_abort_for_a_verified_reservation_of_a_reserved_again_id_gets_verified() {
+    use kvwire_proto::wire::Commit;
+    let now = Instant::now();
+    let (mut r, t) = receiver(now);
+    let (b, a) = (Digest128::from_u128(5), Digest128::from_u128(6));
+    r.handle_frame(
+        now,
+        Frame::Commit(Commit {
+            transfer: t,
+            tokens: 32,
+            pages: 2,
+            bytes: 2 * 4096,
+            digest: DigestAlgorithm::XXH3_64,
+            buffer_digests: vec![b],
+            page_digests: vec![],
+            aux_digest: a,
+            aux: vec![],
+        }),
+    )
+    .unwrap();
+    r.handle_fenced(now, t);
+    r.handle_digests(
+        now,
+        t,
+        TransferDigests {
+            buffers: vec![b],
+            pages: vec![],
+            aux: a,
+        },
+    );
+    assert_eq!(frames_r(&mut r), vec![Frame::Verified(t)]);
+    let again = r
+        .reserve(
+            now,
+            ReservationRequest {
+                transfer_id: ID,
+                tokens: 32,
+                pages: vec![3, 4],
+                digest: None,
+                page_digests: false,
+                timeout: Duration::from_secs(1),
+                access: vec![],
+            },
+        )
+        .unwrap();
+    assert_ne!(again.nonce, t.nonce);
+    frames_r(&mut r);
+    r.handle_frame(
+        now,
+        Frame::Abort(Abort {
+            transfer: t,
+            code: ErrorCode::TIMEOUT,
+            completed_pages: 2,
+            detail: String::new(),
+        }),
+    )
+    .unwrap();
+    assert_eq!(frames_r(&mut r), vec![Frame::Verified(t)]);
+    assert_eq!(r.open_transfers(), 1);
+}

@@ -137,8 +137,9 @@ impl ReceiverSession {
         if !self.digests.contains(&digest) {
             return Err(ReserveError::DigestNotAgreed(digest));
         }
-        // A new reservation for an id seen before starts afresh (with a new nonce).
-        self.history.remove(req.transfer_id);
+        // A new reservation for an id seen before starts afresh (with a new nonce). The
+        // history entry of the earlier one stays until this one ends (and replaces it), so a
+        // late ABORT for the earlier reservation still gets the truth (SPEC §7.3).
         let transfer = TransferRef {
             transfer_id: req.transfer_id,
             nonce: self.fresh_nonce(),
@@ -253,6 +254,16 @@ impl ReceiverSession {
         let Some(t) = self.transfers.remove(&tref.transfer_id) else {
             return self.handle_closed_transfer(frame, tref);
         };
+        if let Frame::Abort(a) = &frame {
+            let current = t.spec.transfer.nonce;
+            if a.transfer.nonce != current && a.transfer.nonce != 0 {
+                // An ABORT for another (earlier) reservation of an open id: answered as for a
+                // finished one (VERIFIED if the history says it verified, else ABORT_ACK);
+                // the open reservation is unaffected (SPEC §7.3, §7.4).
+                self.transfers.insert(tref.transfer_id, t);
+                return self.handle_closed_transfer(frame, tref);
+            }
+        }
         let (next, spec, result) = t.on_frame(frame, now, &mut self.out);
         self.settle(spec, next);
         result

@@ -456,6 +456,14 @@ impl Transfer {
                 };
                 (next, Ok(()))
             }
+            (state, Frame::Abort(a)) => {
+                // An ABORT for another reservation of this id (an earlier one, or nonce 0 once
+                // one is accepted): acknowledged, as for a finished transfer, so the aborting
+                // side need not wait out its abort-ack deadline; this transfer is unaffected
+                // (SPEC §7.3, §7.4).
+                cx.out.transmit.push_back(Frame::AbortAck(a.transfer));
+                (Next::Stay(state), Ok(()))
+            }
             (state @ State::Writing(_), frame @ Frame::Verified(t)) if matches(t) => {
                 let e = unexpected(&frame, name, SENDER_ACCEPTS).to_string();
                 (
