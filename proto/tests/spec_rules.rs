@@ -251,3 +251,33 @@ fn an_abort_for_a_verified_reservation_of_a_reserved_again_id_gets_verified() {
     assert_eq!(frames_r(&mut r), vec![Frame::Verified(t)]);
     assert_eq!(r.open_transfers(), 1);
 }
+
+/// SPEC §5.1 / §8.1 (was Q11): a parked RESERVE's `deadline_ms` counts from its receipt, not
+/// from the later submit that takes it.
+#[test]
+fn a_parked_reservations_deadline_counts_from_its_receipt() {
+    use kvwire_proto::sender::SenderAction;
+    let t0 = Instant::now();
+    let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
+    s.handle_frame(t0, Frame::Reserve(reserve(9))).unwrap(); // parked
+    let submit_at = t0 + Duration::from_millis(800);
+    let admitted = policy()
+        .admit(Request {
+            transfer_id: ID,
+            tokens: 32,
+        })
+        .unwrap();
+    s.submit(submit_at, admitted, vec![0, 1]).unwrap();
+    let posted: Vec<_> = std::iter::from_fn(|| s.poll_action()).collect();
+    assert!(posted
+        .iter()
+        .any(|a| matches!(a, SenderAction::PostWrites { .. })));
+    assert_eq!(s.poll_timeout(), Some(t0 + Duration::from_millis(1000)));
+    s.handle_timeout(t0 + Duration::from_millis(1000));
+    let actions: Vec<_> = std::iter::from_fn(|| s.poll_action()).collect();
+    assert!(
+        actions.contains(&SenderAction::CancelWrites(tref(9))),
+        "the writes deadline did not fire {} ms after the RESERVE's receipt: {actions:?}",
+        1000
+    );
+}

@@ -52,7 +52,8 @@ pub struct SenderSession {
     config: SenderConfig,
     transfers: BTreeMap<TransferId, Transfer>,
     /// Reservations naming no known request, held briefly (the request may be on its way).
-    parked: BTreeMap<TransferId, (Reserve, Instant)>,
+    /// Each with its park deadline and the instant it was received.
+    parked: BTreeMap<TransferId, (Reserve, Instant, Instant)>,
     history: History,
     timers: Timers,
     out: Out,
@@ -86,6 +87,7 @@ impl SenderSession {
             buffers: self.buffers,
             peer_max_aux: self.peer_max_aux,
             now,
+            reserve_received: now,
         }
     }
 
@@ -113,7 +115,7 @@ impl SenderSession {
         let detail = rejected.error.to_string();
         self.history
             .insert(id, Finished::ended(0, Some((code, detail.clone()))));
-        if let Some((r, _)) = self.parked.remove(&id) {
+        if let Some((r, _, _)) = self.parked.remove(&id) {
             self.reject_reservation(&r, code, detail);
         }
     }
@@ -281,7 +283,7 @@ impl SenderSession {
                 .or_else(|| parked.get(&id).map(|p| p.1))
         });
         for id in expired {
-            if let Some((r, _)) = self.parked.remove(&id) {
+            if let Some((r, _, _)) = self.parked.remove(&id) {
                 self.reject_reservation(
                     &r,
                     ErrorCode::UNKNOWN_REQUEST,

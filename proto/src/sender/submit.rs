@@ -85,9 +85,16 @@ impl SenderSession {
             t,
             Next::Stay(State::AwaitingReservation(AwaitingReservation { deadline })),
         );
-        if let Some((r, _)) = self.parked.remove(&id) {
-            // Cannot fail with a connection-scope error: it is a RESERVE for an open transfer.
-            let _ = self.handle_frame(now, Frame::Reserve(r));
+        if let Some((r, _, received)) = self.parked.remove(&id) {
+            // Processed as if it had just arrived, except that its `deadline_ms` counts from
+            // its receipt, as the receiver's deadline does (SPEC §5.1). Cannot fail with a
+            // connection-scope error: it is a RESERVE for an open transfer.
+            if let Some(t) = self.transfers.remove(&id) {
+                let mut cx = self.ctx(now);
+                cx.reserve_received = received;
+                let (next, t, _) = t.on_frame(Frame::Reserve(r), &mut cx);
+                self.settle(t, next);
+            }
         }
         Ok(())
     }

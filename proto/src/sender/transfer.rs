@@ -71,6 +71,9 @@ pub(super) struct Ctx<'a> {
     /// The receiver's `max_aux`: the longest aux record it accepts.
     pub(super) peer_max_aux: u32,
     pub(super) now: Instant,
+    /// When the RESERVE being handled was received: `now`, or earlier for a parked one.
+    /// Its `deadline_ms` counts from here (SPEC §5.1, §8.1).
+    pub(super) reserve_received: Instant,
 }
 
 impl Ctx<'_> {
@@ -359,7 +362,8 @@ impl Transfer {
                     }
                     Ok(()) => {
                         self.transfer.nonce = r.nonce;
-                        let deadline = cx.now + Duration::from_millis(u64::from(r.deadline_ms));
+                        let deadline =
+                            cx.reserve_received + Duration::from_millis(u64::from(r.deadline_ms));
                         let mut w = Writing {
                             deadline,
                             reserved: Reserved {
