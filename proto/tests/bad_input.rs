@@ -434,9 +434,13 @@ fn commit_for_a_finished_transfer() {
     assert!(matches!(r.poll_transmit(), Some(Frame::Abort(_))));
     r.handle_frame(now, Frame::AbortAck(t)).unwrap();
     assert_eq!(r.open_transfers(), 0);
-    // Dropped without a reply (SPEC §7.3, Q12), and nothing else happens.
+    // Answered with the outcome it had (SPEC §7.3): NACK with the code it failed with; nothing
+    // else happens.
     let e = r.handle_frame(now, Frame::Commit(commit(t))).unwrap_err();
     assert_eq!(e.scope, Scope::Frame);
+    assert!(
+        matches!(r.poll_transmit(), Some(Frame::Nack(n)) if n.code == ErrorCode::CANCELLED && n.transfer == t)
+    );
     assert!(r.poll_transmit().is_none());
     assert!(r.poll_action().is_none());
 }

@@ -281,3 +281,60 @@ fn a_parked_reservations_deadline_counts_from_its_receipt() {
         1000
     );
 }
+
+/// SPEC §7.3 (was Q12): a COMMIT for a finished transfer is answered: the same reservation
+/// with its outcome again (VERIFIED, or NACK with the code it failed with), another
+/// reservation of the id with NACK(STALE_NONCE).
+#[test]
+fn a_commit_for_a_finished_transfer_gets_its_outcome_or_stale_nonce() {
+    use kvwire_proto::wire::{Commit, Nack, NONE_INDEX};
+    let commit = |t: TransferRef| {
+        Frame::Commit(Commit {
+            transfer: t,
+            tokens: 32,
+            pages: 2,
+            bytes: 2 * 4096,
+            digest: DigestAlgorithm::XXH3_64,
+            buffer_digests: vec![Digest128::from_u128(5)],
+            page_digests: vec![],
+            aux_digest: Digest128::from_u128(6),
+            aux: vec![],
+        })
+    };
+    let now = Instant::now();
+    // Verified, then the same COMMIT again.
+    let (mut r, t) = receiver(now);
+    r.handle_frame(now, commit(t)).unwrap();
+    r.handle_fenced(now, t);
+    r.handle_digests(
+        now,
+        t,
+        TransferDigests {
+            buffers: vec![Digest128::from_u128(5)],
+            pages: vec![],
+            aux: Digest128::from_u128(6),
+        },
+    );
+    assert_eq!(frames_r(&mut r), vec![Frame::Verified(t)]);
+    let _ = r.handle_frame(now, commit(t));
+    assert_eq!(frames_r(&mut r), vec![Frame::Verified(t)]);
+    // Another reservation of the finished id.
+    let other = tref(t.nonce ^ 1);
+    let _ = r.handle_frame(now, commit(other));
+    assert!(matches!(
+        &frames_r(&mut r)[..],
+        [Frame::Nack(Nack { transfer, code: ErrorCode::STALE_NONCE, buffer: NONE_INDEX, page: NONE_INDEX, .. })] if *transfer == other
+    ));
+    // Failed (aborted locally, ABORT acknowledged), then its COMMIT arrives.
+    let (mut r, t) = receiver(now);
+    assert!(r.abort(now, ID, ErrorCode::CANCELLED));
+    r.handle_fenced(now, t);
+    frames_r(&mut r);
+    r.handle_frame(now, Frame::AbortAck(t)).unwrap();
+    assert_eq!(r.open_transfers(), 0);
+    let _ = r.handle_frame(now, commit(t));
+    assert!(matches!(
+        &frames_r(&mut r)[..],
+        [Frame::Nack(Nack { transfer, code: ErrorCode::CANCELLED, .. })] if *transfer == t
+    ));
+}
