@@ -329,7 +329,12 @@ pub struct Handshake {
     state: State,
     transmit: Option<Frame>,
     outcome: Option<Result<Established, HandshakeError>>,
+    timeout: Duration,
 }
+
+/// The default handshake timeout (SPEC.md §4.6): how long a node waits for the handshake to
+/// finish, from its start. The engine's `NodeConfig::handshake_timeout` defaults to it.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Handshake {
     /// Starts a client handshake: the HELLO is ready to transmit.
@@ -342,6 +347,7 @@ impl Handshake {
                 confirm: false,
             }),
             outcome: None,
+            timeout,
         }
     }
 
@@ -355,6 +361,7 @@ impl Handshake {
                 confirm: false,
             }),
             outcome: None,
+            timeout,
         }
     }
 
@@ -412,18 +419,25 @@ impl Handshake {
         self.outcome = Some(Err(HandshakeError::Refused(r)));
     }
 
-    /// Handles the passage of time.
+    /// Handles the passage of time. At the deadline the handshake fails with
+    /// [`HandshakeError::Timeout`] and a HELLO_REJECT(`HANDSHAKE_TIMEOUT`) naming what it
+    /// waited for is queued (SPEC.md §4.6): send it, then close.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let expired = match &self.state {
-            State::AwaitingAck(s) => now >= s.deadline,
-            State::AwaitingHello(s) => now >= s.deadline,
-            State::AwaitingConfirm(s) => now >= s.deadline,
-            State::Done => false,
+        let waited_for = match &self.state {
+            State::AwaitingAck(s) if now >= s.deadline => "HELLO_ACK",
+            State::AwaitingHello(s) if now >= s.deadline => "HELLO",
+            State::AwaitingConfirm(s) if now >= s.deadline => "HELLO_CONFIRM",
+            _ => return,
         };
-        if expired {
-            self.state = State::Done;
-            self.outcome = Some(Err(HandshakeError::Timeout));
-        }
+        self.state = State::Done;
+        self.transmit = Some(Frame::HelloReject(HelloReject {
+            code: ErrorCode::HANDSHAKE_TIMEOUT,
+            detail: format!(
+                "no {waited_for} within the handshake timeout of {} ms",
+                self.timeout.as_millis()
+            ),
+        }));
+        self.outcome = Some(Err(HandshakeError::Timeout));
     }
 
     /// Handles the loss of the connection.

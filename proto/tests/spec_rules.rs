@@ -7,12 +7,11 @@ use std::time::{Duration, Instant};
 use kvwire_proto::admission::{AdmissionPolicy, Request};
 use kvwire_proto::handshake::Established;
 use kvwire_proto::receiver::{ReceiverConfig, ReceiverSession, ReservationRequest};
-use kvwire_proto::sender::{SenderConfig, SenderEvent, SenderSession, WriteOutcome};
+use kvwire_proto::sender::{SenderConfig, SenderSession, WriteOutcome};
 use kvwire_proto::wire::{
     Abort, Digest128, DigestAlgorithm, ErrorCode, Frame, Hello, KvLayout, Reserve, Role,
     TransferDigests, TransferRef,
 };
-use kvwire_proto::FailureReason;
 
 const ID: TransferId = TransferId(1);
 
@@ -100,15 +99,6 @@ fn sender(now: Instant, nonce: Option<u64>) -> SenderSession {
         std::iter::from_fn(|| s.poll_action()).for_each(drop);
     }
     s
-}
-
-fn sender_failure(s: &mut SenderSession) -> FailureReason {
-    std::iter::from_fn(|| s.poll_event())
-        .find_map(|e| match e {
-            SenderEvent::Failed { reason, .. } => Some(reason),
-            _ => None,
-        })
-        .expect("no failure reported")
 }
 
 fn receiver(now: Instant) -> (ReceiverSession, TransferRef) {
@@ -337,4 +327,92 @@ fn a_commit_for_a_finished_transfer_gets_its_outcome_or_stale_nonce() {
         &frames_r(&mut r)[..],
         [Frame::Nack(Nack { transfer, code: ErrorCode::CANCELLED, .. })] if *transfer == t
     ));
+}
+
+/// SPEC §4.6 (was Q14): at the handshake deadline a node queues HELLO_REJECT
+/// (HANDSHAKE_TIMEOUT) naming what it waited for, and reports `Timeout` only once the frame
+/// was taken for transmission; the default timeout is 10 s.
+#[test]
+fn a_handshake_that_times_out_sends_hello_reject_handshake_timeout() {
+    use kvwire_proto::handshake::{Handshake, HandshakeError, DEFAULT_HANDSHAKE_TIMEOUT};
+    assert_eq!(DEFAULT_HANDSHAKE_TIMEOUT, Duration::from_secs(10));
+    let now = Instant::now();
+    let timeout = Duration::from_millis(1500);
+    let mut client = Handshake::client(now, hello(Role::SENDER), timeout);
+    assert!(matches!(client.poll_transmit(), Some(Frame::Hello(_))));
+    let mut server = Handshake::server(now, hello(Role::RECEIVER), timeout);
+    for (hs, waited) in [(&mut client, "HELLO_ACK"), (&mut server, "HELLO")] {
+        hs.handle_timeout(now + timeout - Duration::from_millis(1));
+        assert!(hs.poll_outcome().is_none() && hs.poll_transmit().is_none());
+        hs.handle_timeout(now + timeout);
+        assert!(
+            hs.poll_outcome().is_none(),
+            "outcome before the reply was taken"
+        );
+        match hs.poll_transmit() {
+            Some(Frame::HelloReject(r)) => {
+                assert_eq!(r.code, ErrorCode::HANDSHAKE_TIMEOUT);
+                assert!(
+                    r.detail.contains(waited) && r.detail.contains("1500 ms"),
+                    "{}",
+                    r.detail
+                );
+            }
+            other => panic!("no HELLO_REJECT(HANDSHAKE_TIMEOUT): {other:?}"),
+        }
+        assert_eq!(hs.poll_outcome(), Some(Err(HandshakeError::Timeout)));
+    }
+}
+
+/// SPEC §3.9 (was Q14): SENDER_OUT_OF_PAGES is engine-chosen: aborting a submitted request
+/// with it before a reservation sends nothing, and the RESERVE that comes later is refused
+/// with it.
+#[test]
+fn sender_out_of_pages_reaches_the_receiver_through_abort_and_the_history() {
+    let now = Instant::now();
+    let mut s = sender(now, None);
+    assert!(s.abort(now, ID, ErrorCode::SENDER_OUT_OF_PAGES));
+    assert!(
+        frames_s(&mut s).is_empty(),
+        "an ABORT with no reservation to name"
+    );
+    s.handle_frame(now, Frame::Reserve(reserve(9))).unwrap();
+    assert!(matches!(
+        &frames_s(&mut s)[..],
+        [Frame::Reject(r)] if r.code == ErrorCode::SENDER_OUT_OF_PAGES && r.transfer == tref(9)
+    ));
+}
+
+/// SPEC §5.2.5 (was Q14), by design: a COMMIT under another algorithm than reserved is
+/// PROTOCOL_VIOLATION (not DIGEST_UNSUPPORTED), and one with more buffer digests than
+/// buffers is MISSING_DIGEST, like one with fewer.
+#[test]
+fn commit_algorithm_and_digest_count_failures_have_their_deliberate_codes() {
+    use kvwire_proto::wire::Commit;
+    let now = Instant::now();
+    for (digest, buffers, want) in [
+        (DigestAlgorithm::CRC32, 1, ErrorCode::PROTOCOL_VIOLATION),
+        (DigestAlgorithm::XXH3_64, 2, ErrorCode::MISSING_DIGEST),
+        (DigestAlgorithm::XXH3_64, 0, ErrorCode::MISSING_DIGEST),
+    ] {
+        let (mut r, t) = receiver(now);
+        let _ = r.handle_frame(
+            now,
+            Frame::Commit(Commit {
+                transfer: t,
+                tokens: 32,
+                pages: 2,
+                bytes: 2 * 4096,
+                digest,
+                buffer_digests: vec![Digest128::from_u128(5); buffers],
+                page_digests: vec![],
+                aux_digest: Digest128::from_u128(6),
+                aux: vec![],
+            }),
+        );
+        assert!(
+            matches!(&frames_r(&mut r)[..], [Frame::Nack(n)] if n.code == want),
+            "{digest} with {buffers} buffer digests"
+        );
+    }
 }
