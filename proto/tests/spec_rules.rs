@@ -416,3 +416,27 @@ fn commit_algorithm_and_digest_count_failures_have_their_deliberate_codes() {
         );
     }
 }
+
+/// SPEC §3.3 (was Q17), by design: the header (magic, version, length) is judged before the
+/// CRC, so a frame whose header bytes were corrupted on the way is reported by what the
+/// header now says, not as `BadCrc`: a decoder never waits for (or allocates) a bogus frame
+/// length, and never reads a payload under a version it does not speak.
+#[test]
+fn header_checks_come_before_the_crc_by_design() {
+    use kvwire_proto::wire::{DecodeError, MAX_PAYLOAD};
+    let good = Frame::Verified(tref(9)).to_bytes().unwrap();
+    // A bit flip in the version field: the CRC no longer matches, the version is reported.
+    let mut v = good.clone();
+    v[4] ^= 0x01;
+    assert_eq!(Frame::decode(&v), Err(DecodeError::UnsupportedVersion(3)));
+    // A bit flip in the length's high byte: too large, reported from the header.
+    let mut l = good.clone();
+    l[11] ^= 0x80;
+    let len = u32::from_le_bytes([l[8], l[9], l[10], l[11]]);
+    assert!(len > MAX_PAYLOAD);
+    assert_eq!(Frame::decode(&l), Err(DecodeError::PayloadTooLarge { len }));
+    // A bit flip in the frame type: checked only after the CRC, so it is a CRC error.
+    let mut t = good.clone();
+    t[6] ^= 0x40;
+    assert!(matches!(Frame::decode(&t), Err(DecodeError::BadCrc { .. })));
+}
