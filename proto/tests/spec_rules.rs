@@ -440,3 +440,41 @@ fn header_checks_come_before_the_crc_by_design() {
     t[6] ^= 0x40;
     assert!(matches!(Frame::decode(&t), Err(DecodeError::BadCrc { .. })));
 }
+
+/// SPEC §5.1 (was Q18): `retire` of an id with an open transfer is refused and changes
+/// nothing (the open transfer is served); a later submission of a retired id supersedes the
+/// retirement (the engine admitted the id again), so its next RESERVE is served, not refused.
+#[test]
+fn retire_refuses_an_open_id_and_a_later_submit_supersedes_a_retirement() {
+    use kvwire_proto::sender::{RetireError, SenderAction};
+    let now = Instant::now();
+    let rejected = || {
+        policy()
+            .admit(Request {
+                transfer_id: ID,
+                tokens: 0,
+            })
+            .unwrap_err()
+    };
+    let mut s = sender(now, None);
+    assert!(matches!(s.retire(rejected()), Err(RetireError::Open(_))));
+    s.handle_frame(now, Frame::Reserve(reserve(9))).unwrap();
+    assert!(frames_s(&mut s).is_empty(), "the open transfer was refused");
+    assert!(std::iter::from_fn(|| s.poll_action())
+        .any(|a| matches!(a, SenderAction::PostWrites { .. })));
+
+    let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
+    s.retire(rejected()).unwrap();
+    let admitted = policy()
+        .admit(Request {
+            transfer_id: ID,
+            tokens: 32,
+        })
+        .unwrap();
+    s.submit(now, admitted, vec![0, 1]).unwrap();
+    s.handle_frame(now, Frame::Reserve(reserve(9))).unwrap();
+    assert!(
+        frames_s(&mut s).is_empty(),
+        "the resubmitted id was refused"
+    );
+}

@@ -174,7 +174,9 @@ impl SenderRig {
                             self.tx.submit(transfer_id, pages);
                         }
                     }
-                    Err(rejected) => self.s.retire(rejected),
+                    Err(rejected) => {
+                        let _ = self.s.retire(rejected);
+                    }
                 }
             }
             1 => {

@@ -37,8 +37,8 @@ use state::{AfterDrain, State};
 use transfer::{Ctx, Next, Out, Transfer};
 
 pub use types::{
-    ChunkError, PageWrite, SenderAction, SenderConfig, SenderEvent, SenderStats, SubmitError,
-    WriteOutcome,
+    ChunkError, PageWrite, RetireError, SenderAction, SenderConfig, SenderEvent, SenderStats,
+    SubmitError, WriteOutcome,
 };
 
 /// The sender side of one connection: all its transfers.
@@ -108,9 +108,13 @@ impl SenderSession {
 
     /// Retires a rejected request: any reservation for it (already parked or still to come)
     /// is answered with REJECT carrying the original error. Nothing is allocated or sent
-    /// otherwise.
-    pub fn retire(&mut self, rejected: Rejected) {
+    /// otherwise. Refused, changing nothing, if a transfer with the id is open (SPEC.md
+    /// §5.1): a rejection never rewrites the record of a transfer under way.
+    pub fn retire(&mut self, rejected: Rejected) -> Result<(), RetireError> {
         let id = rejected.transfer_id;
+        if self.transfers.contains_key(&id) {
+            return Err(RetireError::Open(rejected));
+        }
         let code = rejected.error.code();
         let detail = rejected.error.to_string();
         self.history
@@ -118,6 +122,7 @@ impl SenderSession {
         if let Some((r, _, _)) = self.parked.remove(&id) {
             self.reject_reservation(&r, code, detail);
         }
+        Ok(())
     }
 
     /// Aborts a transfer from the sender side: stop posting, drain, then ABORT with the

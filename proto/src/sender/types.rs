@@ -4,7 +4,7 @@
 use crate::wire::TransferId;
 use std::time::Duration;
 
-use crate::admission::Admitted;
+use crate::admission::{Admitted, Rejected};
 use crate::error::FailureReason;
 use crate::wire::{DigestAlgorithm, ErrorCode, TransferRef};
 
@@ -119,6 +119,29 @@ pub enum SenderEvent {
         reason: FailureReason,
     },
 }
+
+/// Why [`SenderSession::retire`](super::SenderSession::retire) refused to retire a request.
+#[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RetireError {
+    /// A transfer with this id is open: a rejection cannot retire it (SPEC.md §5.1). Nothing
+    /// changed; end the open transfer with `abort` if that is what the engine means.
+    Open(Rejected),
+}
+
+impl std::fmt::Display for RetireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Open(r) => write!(
+                f,
+                "transfer {} is open; its rejection ({}) retires nothing",
+                r.transfer_id, r.error
+            ),
+        }
+    }
+}
+
+impl std::error::Error for RetireError {}
 
 /// Why [`SenderSession::submit`](super::SenderSession::submit) refused an admitted request.
 #[derive(Debug, PartialEq, Eq)]
