@@ -478,3 +478,35 @@ fn retire_refuses_an_open_id_and_a_later_submit_supersedes_a_retirement() {
         "the resubmitted id was refused"
     );
 }
+
+/// SPEC §4.2 (was Q20): a server established at its HELLO_ACK whose client then refuses
+/// (HELLO_REJECT) closes the connection (Connection scope) and gets the client's refusal
+/// typed, code and detail, to report as a refusal by the peer, in either role.
+#[test]
+fn hello_reject_after_hello_ack_is_reported_as_the_peers_refusal() {
+    use kvwire_proto::wire::HelloReject;
+    let now = Instant::now();
+    let reject = HelloReject {
+        code: ErrorCode::NO_COMMON_DIGEST,
+        detail: "local digests [CRC32], peer digests [XXH3_64]".into(),
+    };
+    let (mut r, _) = receiver(now);
+    let e = r
+        .handle_frame(now, Frame::HelloReject(reject.clone()))
+        .unwrap_err();
+    assert_eq!(e.scope, kvwire_proto::Scope::Connection);
+    assert_eq!(e.refused_by_peer.as_ref(), Some(&reject));
+    assert!(e.detail.contains("NO_COMMON_DIGEST"), "{}", e.detail);
+    let mut s = sender(now, None);
+    let e = s
+        .handle_frame(now, Frame::HelloReject(reject.clone()))
+        .unwrap_err();
+    assert_eq!(e.scope, kvwire_proto::Scope::Connection);
+    assert_eq!(e.refused_by_peer, Some(reject));
+    // Other handshake frames are plain connection errors.
+    let e = s.handle_frame(now, Frame::HelloConfirm).unwrap_err();
+    assert_eq!(
+        (e.scope, e.refused_by_peer),
+        (kvwire_proto::Scope::Connection, None)
+    );
+}

@@ -237,10 +237,7 @@ impl ReceiverSession {
             ));
         }
         let Some(tref) = frame.transfer() else {
-            return Err(FrameError::connection(format!(
-                "{} after the handshake",
-                frame.frame_type()
-            )));
+            return Err(FrameError::without_transfer(&frame));
         };
         if matches!(
             frame,

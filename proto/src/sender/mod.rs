@@ -160,10 +160,7 @@ impl SenderSession {
             ));
         }
         let Some(tref) = frame.transfer() else {
-            return Err(FrameError::connection(format!(
-                "{} after the handshake",
-                frame.frame_type()
-            )));
+            return Err(FrameError::without_transfer(&frame));
         };
         if matches!(frame, Frame::Commit(_) | Frame::Reject(_)) {
             return Err(FrameError::connection(format!(
