@@ -510,3 +510,41 @@ fn hello_reject_after_hello_ack_is_reported_as_the_peers_refusal() {
         (kvwire_proto::Scope::Connection, None)
     );
 }
+
+/// SPEC §3.5.8 / §5.3.5 (was Q13): a sender aborting before any reservation sends no ABORT
+/// (no nonce-0 ABORT ever leaves the reference); the RESERVE that comes later is refused
+/// with the abort's code. A receiver still takes a nonce-0 ABORT as naming its open
+/// reservation: it fails it, fence first, and acknowledges it with its own TransferRef.
+#[test]
+fn no_nonce_zero_abort_is_sent_but_a_receiver_accepts_one() {
+    use kvwire_proto::receiver::{ReceiverAction, ReceiverEvent};
+    let now = Instant::now();
+    let mut s = sender(now, None);
+    assert!(s.abort(now, ID, ErrorCode::CANCELLED));
+    assert!(frames_s(&mut s).is_empty());
+    s.handle_frame(now, Frame::Reserve(reserve(9))).unwrap();
+    assert!(matches!(
+        &frames_s(&mut s)[..],
+        [Frame::Reject(r)] if r.code == ErrorCode::CANCELLED
+    ));
+
+    let (mut r, t) = receiver(now);
+    r.handle_frame(
+        now,
+        Frame::Abort(Abort {
+            transfer: tref(0),
+            code: ErrorCode::CANCELLED,
+            completed_pages: 0,
+            detail: String::new(),
+        }),
+    )
+    .unwrap();
+    let actions: Vec<_> = std::iter::from_fn(|| r.poll_action()).collect();
+    assert_eq!(
+        actions,
+        vec![ReceiverAction::Quarantine(t), ReceiverAction::Fence(t)]
+    );
+    r.handle_fenced(now, t);
+    assert_eq!(frames_r(&mut r), vec![Frame::AbortAck(t)]);
+    assert!(matches!(r.poll_event(), Some(ReceiverEvent::Failed { .. })));
+}
