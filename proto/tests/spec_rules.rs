@@ -548,3 +548,72 @@ fn no_nonce_zero_abort_is_sent_but_a_receiver_accepts_one() {
     assert_eq!(frames_r(&mut r), vec![Frame::AbortAck(t)]);
     assert!(matches!(r.poll_event(), Some(ReceiverEvent::Failed { .. })));
 }
+
+/// SPEC §5.1 (was Q7): an admission policy whose `tokens_per_page` is not the layout's is
+/// caught at submit (the page count disagrees with the layout), naming both numbers, instead
+/// of every reservation failing with PAGE_COUNT_MISMATCH; a request beyond the wire's
+/// limits but within the pool is refused as such (still PROMPT_EXCEEDS_POOL).
+#[test]
+fn admission_must_use_the_layouts_tokens_per_page_and_names_wire_limits() {
+    use kvwire_proto::admission::AdmissionError;
+    use kvwire_proto::sender::SubmitError;
+    let now = Instant::now();
+    let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
+    let wrong = AdmissionPolicy {
+        tokens_per_page: 8, // the layout has 16
+        ..policy()
+    };
+    let admitted = wrong
+        .admit(Request {
+            transfer_id: ID,
+            tokens: 32,
+        })
+        .unwrap();
+    match s.submit(now, admitted, vec![0, 1, 2, 3]) {
+        Err(
+            e @ SubmitError::LayoutMismatch {
+                layout_pages: 2, ..
+            },
+        ) => {
+            assert!(e.to_string().contains("4 pages"), "{e}");
+        }
+        other => panic!("not refused as a layout mismatch: {other:?}"),
+    }
+    assert_eq!(s.open_transfers(), 0);
+    // Zero is read as one token per page: caught the same way against this layout.
+    let zero = AdmissionPolicy {
+        tokens_per_page: 0,
+        ..policy()
+    };
+    let admitted = zero
+        .admit(Request {
+            transfer_id: ID,
+            tokens: 2,
+        })
+        .unwrap();
+    assert!(matches!(
+        s.open(now, admitted),
+        Err(SubmitError::LayoutMismatch {
+            layout_pages: 1,
+            ..
+        })
+    ));
+
+    let huge = AdmissionPolicy {
+        tokens_per_page: 1 << 20,
+        pool_pages: u32::MAX,
+        max_context_tokens: u64::MAX,
+    };
+    let e = huge
+        .admit(Request {
+            transfer_id: ID,
+            tokens: 1 << 33,
+        })
+        .unwrap_err();
+    assert!(
+        matches!(e.error, AdmissionError::ExceedsWire { .. }),
+        "{e:?}"
+    );
+    assert_eq!(e.error.code(), ErrorCode::PROMPT_EXCEEDS_POOL);
+    assert!(e.error.to_string().contains("wire"), "{}", e.error);
+}

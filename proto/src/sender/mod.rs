@@ -47,6 +47,7 @@ pub struct SenderSession {
     digests: Vec<DigestAlgorithm>,
     bytes_per_page_index: u64,
     buffers: usize,
+    tokens_per_page: u32,
     /// The receiver's `max_aux` (its hello): the longest aux record it accepts.
     peer_max_aux: u32,
     config: SenderConfig,
@@ -67,6 +68,7 @@ impl SenderSession {
             digests: established.digests.clone(),
             bytes_per_page_index: established.layout().bytes_per_page_index(),
             buffers: established.layout().buffers(),
+            tokens_per_page: established.layout().tokens_per_page,
             peer_max_aux: established.peer.max_aux,
             history: History::new(config.history),
             config,

@@ -57,6 +57,16 @@ impl SenderSession {
         if self.transfers.contains_key(&id) {
             return Err(SubmitError::DuplicateTransfer(admitted));
         }
+        // Admitted under another tokens-per-page than the layout: every reservation would
+        // be refused (SPEC §5.1). Refused here, at once, naming both numbers.
+        let layout_pages =
+            u64::from(admitted.tokens()).div_ceil(u64::from(self.tokens_per_page.max(1)));
+        if layout_pages != u64::from(admitted.pages()) {
+            return Err(SubmitError::LayoutMismatch {
+                admitted,
+                layout_pages,
+            });
+        }
         // The receiver aborted a reservation for this id while it was parked: it has given
         // up on this request; fail at once rather than wait for a reservation (SPEC §5.1).
         if let Some(f) = self.history.get(id) {
