@@ -51,7 +51,11 @@ fn established(role: Role) -> Established {
 
 /// A receiver with one open reservation of pages [3, 4] for transfer 1.
 fn receiver(now: Instant) -> (ReceiverSession, TransferRef) {
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let t = r
         .reserve(
             now,
@@ -342,7 +346,11 @@ fn duplicate_pages_in_one_reservation() {
     );
     assert_eq!(s.open_transfers(), 0);
     // The receiver refuses to send such a reservation at all.
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let req = ReservationRequest {
         transfer_id: TransferId(2),
         tokens: 32,
@@ -389,7 +397,11 @@ fn reservation_larger_than_the_pool() {
         .unwrap_err();
     assert_eq!(rejected.error.code(), ErrorCode::PROMPT_EXCEEDS_POOL);
     // A receiver cannot reserve more than the wire allows.
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let n = MAX_PAGES as u32 + 1;
     let req = ReservationRequest {
         transfer_id: TransferId(4),

@@ -102,7 +102,11 @@ fn sender(now: Instant, nonce: Option<u64>) -> SenderSession {
 }
 
 fn receiver(now: Instant) -> (ReceiverSession, TransferRef) {
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let t = r
         .reserve(
             now,
@@ -616,4 +620,47 @@ fn admission_must_use_the_layouts_tokens_per_page_and_names_wire_limits() {
     );
     assert_eq!(e.error.code(), ErrorCode::PROMPT_EXCEEDS_POOL);
     assert!(e.error.to_string().contains("wire"), "{}", e.error);
+}
+
+/// SPEC §5.2.1 (was Q5): the nonce seed is an argument of `ReceiverSession::new`, not a
+/// configuration field with a constant default (a `compile_fail` doc test on
+/// `ReceiverConfig` pins that no `nonce_seed` field exists): sessions with different seeds
+/// draw different nonces for the same transfer; nonces are never 0 and never repeat.
+#[test]
+fn the_nonce_seed_is_given_per_session_and_drives_the_nonces() {
+    let now = Instant::now();
+    let request = || ReservationRequest {
+        transfer_id: ID,
+        tokens: 32,
+        pages: vec![3, 4],
+        digest: None,
+        page_digests: false,
+        timeout: Duration::from_secs(1),
+        access: vec![],
+    };
+    let nonces = |seed| {
+        let mut r = ReceiverSession::new(
+            &established(Role::RECEIVER),
+            ReceiverConfig::default(),
+            seed,
+        );
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let t = r.reserve(now, request()).unwrap();
+            assert!(r.abort(now, ID, ErrorCode::CANCELLED));
+            r.handle_fenced(now, t);
+            r.handle_frame(now, Frame::AbortAck(t)).unwrap();
+            seen.push(t.nonce);
+        }
+        seen
+    };
+    let (a, b) = (nonces(1), nonces(2));
+    assert_ne!(a, b);
+    assert_eq!(a, nonces(1));
+    for n in a.iter().chain(&b) {
+        assert_ne!(*n, 0);
+    }
+    let mut sorted = a.clone();
+    sorted.dedup();
+    assert_eq!(sorted.len(), 3);
 }

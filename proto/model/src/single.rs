@@ -658,8 +658,8 @@ pub fn run_receiver(data: &[u8]) -> Result<(), Violation> {
             ReceiverConfig {
                 history: 3,
                 abort_ack_timeout: Duration::from_millis(100),
-                ..ReceiverConfig::default()
             },
+            crate::world::MODEL_NONCE_SEED,
         ),
         rx: RxDriver::new(8, layout().buffers()),
         refs: Vec::new(),

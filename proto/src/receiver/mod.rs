@@ -65,13 +65,18 @@ fn mix(mut z: u64) -> u64 {
 
 impl ReceiverSession {
     /// A session over an established connection on which this node is the receiver.
-    pub fn new(established: &Established, config: ReceiverConfig) -> Self {
+    ///
+    /// `nonce_seed` seeds the reservation nonces (SPEC.md §5.2.1). The crate has no source of
+    /// randomness (sans-IO): the caller MUST draw it afresh for every connection, from a
+    /// random source, so nonces differ across connections and cannot be predicted. A fixed
+    /// seed is for deterministic tests only.
+    pub fn new(established: &Established, config: ReceiverConfig, nonce_seed: u64) -> Self {
         let history = History::new(config.history);
         Self {
             layout: established.layout().clone(),
             digests: established.digests.clone(),
             max_aux: established.local.max_aux,
-            nonce_counter: config.nonce_seed,
+            nonce_counter: nonce_seed,
             out: Out {
                 abort_ack_timeout: config.abort_ack_timeout,
                 ..Out::default()
@@ -514,7 +519,7 @@ mod tests {
             peer: hello(Role::SENDER),
             digests: vec![DigestAlgorithm::XXH3_64],
         };
-        ReceiverSession::new(&est, ReceiverConfig::default())
+        ReceiverSession::new(&est, ReceiverConfig::default(), 1)
     }
 
     /// SPEC §7.3 (was Q15): a transfer that ends through AwaitingAbortAck is remembered with
