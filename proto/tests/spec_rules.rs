@@ -664,3 +664,33 @@ fn the_nonce_seed_is_given_per_session_and_drives_the_nonces() {
     sorted.dedup();
     assert_eq!(sorted.len(), 3);
 }
+
+/// SPEC §5.3.1 #7: a sender that knows the receiver's page count (its transport advertised
+/// it, §9.1) refuses a RESERVE naming a page index beyond it with BAD_RESERVATION, naming
+/// both numbers, and writes nothing.
+#[test]
+fn a_reservation_naming_a_page_beyond_the_receivers_pool_is_refused() {
+    use kvwire_proto::sender::SenderAction;
+    let now = Instant::now();
+    let mut s = sender(now, None);
+    s.limit_destination_pages(6);
+    s.handle_frame(now, Frame::Reserve(reserve(9))).unwrap_err(); // pages [5, 6]
+    match &frames_s(&mut s)[..] {
+        [Frame::Reject(r)] => {
+            assert_eq!(r.code, ErrorCode::BAD_RESERVATION);
+            assert!(
+                r.detail.contains('6') && r.detail.contains("beyond"),
+                "{}",
+                r.detail
+            );
+        }
+        other => panic!("not refused: {other:?}"),
+    }
+    assert!(!std::iter::from_fn(|| s.poll_action())
+        .any(|a| matches!(a, SenderAction::PostWrites { .. })));
+    // Within the bound it is served.
+    let mut s = sender(now, None);
+    s.limit_destination_pages(7);
+    s.handle_frame(now, Frame::Reserve(reserve(9))).unwrap();
+    assert!(frames_s(&mut s).is_empty());
+}

@@ -129,8 +129,12 @@ impl<T: SenderTransport> SenderDriver<T> {
         engine.validate(&pool)?;
         crate::config::check_layout(&pool, established.layout())?;
         let admission = admission_policy(&pool, engine);
+        let mut session = SenderSession::new(established, config);
+        if let Some(pages) = transport.destination_pages() {
+            session.limit_destination_pages(pages);
+        }
         Ok(Self {
-            core: Core::new(SenderSession::new(established, config), transport, pool),
+            core: Core::new(session, transport, pool),
             admission,
             window: window.max(1),
             sources: BTreeMap::new(),

@@ -170,6 +170,13 @@ pub trait SenderTransport: Transport {
     /// Page writes that may be posted now without overrunning the transport's queues.
     fn write_credit(&self) -> usize;
 
+    /// The receiver's page slots per buffer, when its transport parameters advertise them
+    /// (TCP, SPEC §9.1): the sender then refuses a reservation naming a page beyond them
+    /// (§5.3.1 #7).
+    fn destination_pages(&self) -> Option<u32> {
+        None
+    }
+
     /// Posts page writes of `transfer` into the destinations its receiver's `access`
     /// descriptor (from RESERVE) grants. Every page's outcome is reported exactly once as
     /// [`TransportEvent::WritesDone`] (refused pages, e.g. outside the descriptor, as failed).

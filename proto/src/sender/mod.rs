@@ -50,6 +50,8 @@ pub struct SenderSession {
     tokens_per_page: u32,
     /// The receiver's `max_aux` (its hello): the longest aux record it accepts.
     peer_max_aux: u32,
+    /// The receiver's page slots per buffer, when its transport advertised them.
+    destination_pages: Option<u32>,
     config: SenderConfig,
     transfers: BTreeMap<TransferId, Transfer>,
     /// Reservations naming no known request, held briefly (the request may be on its way).
@@ -70,6 +72,7 @@ impl SenderSession {
             buffers: established.layout().buffers(),
             tokens_per_page: established.layout().tokens_per_page,
             peer_max_aux: established.peer.max_aux,
+            destination_pages: None,
             history: History::new(config.history),
             config,
             transfers: BTreeMap::new(),
@@ -88,6 +91,7 @@ impl SenderSession {
             bytes_per_page_index: self.bytes_per_page_index,
             buffers: self.buffers,
             peer_max_aux: self.peer_max_aux,
+            destination_pages: self.destination_pages,
             now,
             reserve_received: now,
         }
@@ -106,6 +110,15 @@ impl SenderSession {
                 .history
                 .insert(id, Finished::ended(t.transfer.nonce, failure)),
         }
+    }
+
+    /// Bounds the destination page indices a reservation may name: the receiver has `pages`
+    /// page slots per buffer, as its transport advertised them (SPEC.md §5.3.1 #7; TCP:
+    /// the transport parameters of §9.1). A RESERVE naming a page index `>= pages` is then
+    /// refused with BAD_RESERVATION before anything is written. Without a bound (the
+    /// default) the range is left to the transport's access check.
+    pub fn limit_destination_pages(&mut self, pages: u32) {
+        self.destination_pages = Some(pages);
     }
 
     /// Retires a rejected request: any reservation for it (already parked or still to come)

@@ -70,6 +70,8 @@ pub(super) struct Ctx<'a> {
     pub(super) buffers: usize,
     /// The receiver's `max_aux`: the longest aux record it accepts.
     pub(super) peer_max_aux: u32,
+    /// The receiver's page slots per buffer, when advertised (SPEC §5.3.1 #7).
+    pub(super) destination_pages: Option<u32>,
     pub(super) now: Instant,
     /// When the RESERVE being handled was received: `now`, or earlier for a parked one.
     /// Its `deadline_ms` counts from here (SPEC §5.1, §8.1).
@@ -240,6 +242,16 @@ impl Ctx<'_> {
                 ErrorCode::BAD_RESERVATION,
                 format!("page {} reserved twice", w[0]),
             ));
+        }
+        if let (Some(limit), Some(&last)) = (self.destination_pages, sorted.last()) {
+            if last >= limit {
+                return Err((
+                    ErrorCode::BAD_RESERVATION,
+                    format!(
+                        "page index {last} is beyond the receiver's advertised {limit} pages (0..{limit})"
+                    ),
+                ));
+            }
         }
         Ok(())
     }
