@@ -1522,7 +1522,10 @@ fn golden_vectors_cover_every_frame_type_and_nothing_else() {
     // SPEC §3.6: an unsealed HELLO_CONFIRM is never valid, so no plain vector shows one; its
     // only vector is the sealed one.
     assert!(!vectors_dir().join("hello_confirm.hex").exists());
-    assert!(vectors_dir().join("auth").join("hello_confirm.hex").exists());
+    assert!(vectors_dir()
+        .join("auth")
+        .join("hello_confirm.hex")
+        .exists());
 
     let mut on_disk: Vec<String> = std::fs::read_dir(vectors_dir())
         .unwrap()

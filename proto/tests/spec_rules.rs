@@ -694,3 +694,66 @@ fn a_reservation_naming_a_page_beyond_the_receivers_pool_is_refused() {
     s.handle_frame(now, Frame::Reserve(reserve(9))).unwrap();
     assert!(frames_s(&mut s).is_empty());
 }
+
+/// SPEC §4.3 "Details": a HELLO_REJECT names both sides' values in human form: whole
+/// layouts, fingerprints as text with a digest of all their bytes (two fingerprints equal in
+/// their first 16 bytes are still told apart), the algorithms each side offers, versions.
+#[test]
+fn hello_reject_details_name_both_sides_in_human_form() {
+    use kvwire_proto::handshake::{check_peer, show_fingerprint, version_reject};
+    let local = hello(Role::RECEIVER);
+    let refuse = |peer: Hello| check_peer(&local, &peer).unwrap_err();
+
+    let mut peer = hello(Role::SENDER);
+    peer.layout.tokens_per_page = 32;
+    peer.layout.buffer_page_bytes = vec![4096, 2048];
+    let r = refuse(peer);
+    assert_eq!(r.code, ErrorCode::LAYOUT_MISMATCH);
+    for want in [
+        "local 16, peer 32",
+        "local layout 16 tokens/page, 1 buffers of 4096 bytes/page",
+        "peer layout 32 tokens/page, 2 buffers of [4096, 2048] bytes/page",
+    ] {
+        assert!(r.detail.contains(want), "{:?} lacks {want:?}", r.detail);
+    }
+
+    // Equal in their first 16 bytes: a truncated hex would print the same for both.
+    let (a, b) = (
+        b"meta-llama/Llama-3-70B/tp0of8".to_vec(),
+        b"meta-llama/Llama-3-70B/tp1of8".to_vec(),
+    );
+    let mut l = hello(Role::RECEIVER);
+    l.layout.fingerprint = a.clone();
+    let mut peer = hello(Role::SENDER);
+    peer.layout.fingerprint = b.clone();
+    let r = check_peer(&l, &peer).unwrap_err();
+    assert_eq!(r.code, ErrorCode::FINGERPRINT_MISMATCH);
+    assert_ne!(show_fingerprint(&a), show_fingerprint(&b));
+    for want in [show_fingerprint(&a), show_fingerprint(&b)] {
+        assert!(r.detail.contains(&want), "{:?} lacks {want:?}", r.detail);
+    }
+    assert!(
+        r.detail.contains("\"meta-llama/Llama-3-70B/tp1of8\""),
+        "{}",
+        r.detail
+    );
+    assert!(r.detail.contains("sha256 "), "{}", r.detail);
+
+    let mut peer = hello(Role::SENDER);
+    peer.digests = vec![DigestAlgorithm::CRC32, DigestAlgorithm(9)];
+    let r = refuse(peer);
+    assert_eq!(r.code, ErrorCode::NO_COMMON_DIGEST);
+    for want in [
+        "local offers [XXH3_64]",
+        "peer offers [CRC32, Unknown(0x9)]",
+    ] {
+        assert!(r.detail.contains(want), "{:?} lacks {want:?}", r.detail);
+    }
+
+    let r = version_reject(1);
+    assert!(
+        r.detail.contains("version 1") && r.detail.contains("version 2"),
+        "{}",
+        r.detail
+    );
+}
