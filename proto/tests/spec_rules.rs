@@ -757,3 +757,24 @@ fn hello_reject_details_name_both_sides_in_human_form() {
         r.detail
     );
 }
+
+/// SPEC §7.2: bytes in errors are shown as hex and ASCII: an HTTP request where a frame
+/// was expected reads as `47 45 54 20 "GET "`, not as a list of decimal numbers.
+#[test]
+fn bad_bytes_in_errors_are_shown_as_hex_and_ascii() {
+    use kvwire_proto::wire::{show_bytes, DecodeError};
+    let e = Frame::decode(b"GET / HTTP/1.0\r\n\r\n").unwrap_err();
+    assert_eq!(e, DecodeError::BadMagic(*b"GET "));
+    let text = e.to_string();
+    assert!(text.contains(r#"47 45 54 20 "GET ""#), "{text}");
+    assert!(text.contains(r#"4b 56 57 52 "KVWR""#), "{text}");
+    assert_eq!(
+        show_bytes(&[0x00, b'A', 0xff, b'"']),
+        r#"00 41 ff 22 ".A..""#
+    );
+    // Seen before the whole magic arrived: the bytes seen, zero-padded.
+    assert!(Frame::decode(b"X")
+        .unwrap_err()
+        .to_string()
+        .contains(r#"58 00 00 00 "X...""#));
+}

@@ -75,7 +75,12 @@ pub enum StreamError {
     #[error("control frame refused: {0}")]
     Open(OpenError),
     /// A record starts with neither magic.
-    #[error("unknown record magic {0:02x?}")]
+    #[error(
+        "unknown record magic {} (expected a frame, {}, or a data record, {})",
+        kvwire_proto::wire::show_bytes(.0),
+        kvwire_proto::wire::show_bytes(&MAGIC),
+        kvwire_proto::wire::show_bytes(&DATA_MAGIC)
+    )]
     BadMagic([u8; 4]),
     /// A data record whose access key names an open scope but which does not match that
     /// scope's reservation: another transfer id or nonce, an ordinal beyond its pages, or a
@@ -385,6 +390,32 @@ mod tests {
             }
         }
         Ok(out)
+    }
+
+    /// SPEC §7.2 / §9.1: a record with neither magic ends the connection, its bytes named
+    /// as hex and ASCII.
+    #[test]
+    fn an_unknown_record_magic_is_named_in_hex_and_ascii() {
+        let pool = PagePool::new(
+            PoolGeometry {
+                tokens_per_page: 1,
+                buffer_page_bytes: vec![8],
+                pages: 1,
+            },
+            Scrub::None,
+        )
+        .unwrap();
+        let mut reader = StreamReader::new(&[8]);
+        let e = feed(
+            &mut reader,
+            &pool,
+            &ScopeTable::default(),
+            b"GET / HTTP/1.0\r\n",
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains(r#"47 45 54 20 "GET ""#), "{text}");
+        assert!(text.contains(r#"4b 56 44 54 "KVDT""#), "{text}");
     }
 
     /// SPEC §9.1: under an open scope a data record MUST be that reservation's (transfer id

@@ -284,7 +284,8 @@ impl TcpSender {
         if self.rbuf[..4] != MAGIC {
             let magic = [self.rbuf[0], self.rbuf[1], self.rbuf[2], self.rbuf[3]];
             self.shut(Closed::Malformed(format!(
-                "a record from the receiver starts with {magic:02x?}, not a frame"
+                "a record from the receiver starts with {}, not a frame",
+                kvwire_proto::wire::show_bytes(&magic)
             )));
             return None;
         }
