@@ -298,9 +298,10 @@ fn counts_that_overflow() {
 
 #[test]
 fn page_index_outside_the_pool() {
-    // The sender cannot know the receiver's pool: it accepts the RESERVE (SPEC §5.3.1,
-    // range not checked) and the transport refuses the write outside the scope; the
-    // transfer drains and aborts with WRITE_FAILED, and the source comes back.
+    // A sender given no bound on the receiver's pages (SPEC §5.3.1 #7 applies only when the
+    // transport advertised one; TCP always does, see spec_rules.rs) accepts the RESERVE, and
+    // the transport refuses the write outside the scope; the transfer drains and aborts with
+    // WRITE_FAILED, and the source comes back.
     let now = Instant::now();
     let mut s = sender(now);
     s.handle_frame(now, reserve_frame(9, vec![u32::MAX, 7]))
