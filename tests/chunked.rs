@@ -75,7 +75,7 @@ fn run(algorithm: DigestAlgorithm, page_digests: bool) {
     let now = Instant::now();
     let (r_est, s_est) = in_memory(now, hello(Role::RECEIVER), hello(Role::SENDER)).unwrap();
     let mut s = SenderSession::new(&s_est, SenderConfig::default());
-    let mut r = ReceiverSession::new(&r_est, ReceiverConfig::default());
+    let mut r = ReceiverSession::new(&r_est, ReceiverConfig::default(), 0x6b76_7769_7265_0001);
     // Source pages 10.. of the sender's pool; destination pages chosen by the receiver,
     // which hold another tenant's bytes (pages are not zeroed).
     let source: Vec<u32> = (10..10 + PAGES).collect();

@@ -144,6 +144,7 @@ fn receiver_driver(now: Instant) -> (ReceiverDriver<LoopbackReceiver>, LoopbackS
         pool,
         &EngineConfig::new(1024),
         ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
         r,
     )
     .unwrap();
@@ -445,6 +446,7 @@ fn pool_that_differs_from_the_negotiated_layout_refuses_to_start() {
         pool,
         &EngineConfig::new(1024),
         ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
         r,
     ) {
         Err(e @ ConfigError::PoolLayoutMismatch { .. }) => {

@@ -141,3 +141,27 @@ async fn stalled_clients_cannot_hold_the_accept_loop() {
     assert!(r.is_some());
     assert!(listener.stats().failed >= 1, "{:?}", listener.stats());
 }
+
+/// SPEC §4.6: a client that connects and says nothing is told why it is dropped: at the
+/// handshake deadline the listener sends HELLO_REJECT(HANDSHAKE_TIMEOUT), then closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_client_is_sent_hello_reject_handshake_timeout() {
+    use kvwire::proto::wire::{ErrorCode, Frame};
+    let decode = Node::new(config()).unwrap();
+    let _listener = Listener::receivers("127.0.0.1:0", &decode, ListenerConfig::default())
+        .await
+        .unwrap();
+    let mut stalled = TcpStream::connect(_listener.local_addr()).await.unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stalled.read_to_end(&mut got))
+        .await
+        .expect("the listener never closed the stalled connection")
+        .unwrap();
+    match Frame::decode(&got) {
+        Ok((Frame::HelloReject(r), _)) => {
+            assert_eq!(r.code, ErrorCode::HANDSHAKE_TIMEOUT);
+            assert!(r.detail.contains("HELLO"), "{}", r.detail);
+        }
+        other => panic!("expected HELLO_REJECT(HANDSHAKE_TIMEOUT), got {other:?} from {got:02x?}"),
+    }
+}

@@ -400,3 +400,24 @@ async fn a_broken_connection_fails_retryably_and_a_new_one_over_the_same_nodes_s
     assert!(nodes.1.pool().held_pages().is_empty());
     assert!(nodes.0.pool().held_pages().is_empty());
 }
+
+/// SPEC §7.2: a server that answers in another protocol is named by its bytes, as hex and
+/// ASCII, in the connect error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_kvwire_server_is_named_by_its_bytes_in_hex_and_ascii() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut c, _) = l.accept().await.unwrap();
+        let mut sink = [0u8; 256];
+        let _ = c.read(&mut sink).await;
+        let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").await;
+    });
+    let node = Node::new(NodeConfig::example()).unwrap();
+    let e = SenderConn::connect(addr, &node)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(r#"48 54 54 50 "HTTP""#), "{e}");
+}

@@ -22,7 +22,10 @@ use core::fmt;
 use crate::wire::ErrorCode;
 
 /// The limits admission enforces, taken from the running engine (the pool as built, not
-/// the configured numbers).
+/// the configured numbers). `tokens_per_page` MUST be the connection layout's (SPEC.md
+/// §5.1): [`crate::sender::SenderSession::submit`] refuses an [`Admitted`] whose page count
+/// disagrees with the layout (`0` is read as 1, and is refused there unless the layout has
+/// one token per page).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AdmissionPolicy {
     /// Tokens per page.
@@ -66,6 +69,15 @@ pub enum AdmissionError {
         /// Tokens the pool holds.
         pool_tokens: u64,
     },
+    /// Fits the pool but not the wire: more than `2^32 − 1` tokens or more than
+    /// [`MAX_PAGES`](crate::wire::MAX_PAGES) pages, which no RESERVE can carry (SPEC.md
+    /// §5.1). Carried as `PROMPT_EXCEEDS_POOL`, the code for "can never be served".
+    ExceedsWire {
+        /// Tokens requested.
+        tokens: u64,
+        /// Pages those tokens need.
+        pages_needed: u64,
+    },
 }
 
 impl AdmissionError {
@@ -74,7 +86,7 @@ impl AdmissionError {
         match self {
             Self::Empty => ErrorCode::EMPTY_REQUEST,
             Self::ExceedsContext { .. } => ErrorCode::PROMPT_EXCEEDS_CONTEXT,
-            Self::ExceedsPool { .. } => ErrorCode::PROMPT_EXCEEDS_POOL,
+            Self::ExceedsPool { .. } | Self::ExceedsWire { .. } => ErrorCode::PROMPT_EXCEEDS_POOL,
         }
     }
 }
@@ -98,6 +110,15 @@ impl fmt::Display for AdmissionError {
             } => write!(
                 f,
                 "prompt of {tokens} tokens needs {pages_needed} pages but the KV pool has {pool_pages} pages ({pool_tokens} tokens)"
+            ),
+            Self::ExceedsWire {
+                tokens,
+                pages_needed,
+            } => write!(
+                f,
+                "prompt of {tokens} tokens ({pages_needed} pages) exceeds the wire's limits of {} tokens and {} pages per transfer",
+                u32::MAX,
+                crate::wire::MAX_PAGES
             ),
         }
     }
@@ -171,12 +192,18 @@ impl AdmissionPolicy {
         let pages_needed = req.tokens.div_ceil(tpp);
         let fits_wire =
             u32::try_from(req.tokens).is_ok() && pages_needed <= crate::wire::MAX_PAGES as u64;
-        if pages_needed > u64::from(self.pool_pages) || !fits_wire {
+        if pages_needed > u64::from(self.pool_pages) {
             return reject(AdmissionError::ExceedsPool {
                 tokens: req.tokens,
                 pages_needed,
                 pool_pages: self.pool_pages,
                 pool_tokens: u64::from(self.pool_pages) * tpp,
+            });
+        }
+        if !fits_wire {
+            return reject(AdmissionError::ExceedsWire {
+                tokens: req.tokens,
+                pages_needed,
             });
         }
         Ok(Admitted {

@@ -101,19 +101,34 @@ pub fn check_peer(local: &Hello, peer: &Hello) -> Result<Vec<DigestAlgorithm>, H
             );
         }
     }
+    // Every refusal names both sides' values in human form (SPEC.md §4.3).
+    let layouts = || {
+        format!(
+            "local layout {}; peer layout {}",
+            show_layout(l),
+            show_layout(p)
+        )
+    };
     if l.tokens_per_page != p.tokens_per_page {
         return refuse(
             ErrorCode::LAYOUT_MISMATCH,
             format!(
-                "tokens per page: local {}, peer {}",
-                l.tokens_per_page, p.tokens_per_page
+                "tokens per page: local {}, peer {} ({})",
+                l.tokens_per_page,
+                p.tokens_per_page,
+                layouts()
             ),
         );
     }
     if l.buffers() != p.buffers() {
         return refuse(
             ErrorCode::LAYOUT_MISMATCH,
-            format!("buffer count: local {}, peer {}", l.buffers(), p.buffers()),
+            format!(
+                "buffer count: local {}, peer {} ({})",
+                l.buffers(),
+                p.buffers(),
+                layouts()
+            ),
         );
     }
     if let Some((i, (a, b))) = l
@@ -125,7 +140,10 @@ pub fn check_peer(local: &Hello, peer: &Hello) -> Result<Vec<DigestAlgorithm>, H
     {
         return refuse(
             ErrorCode::LAYOUT_MISMATCH,
-            format!("bytes per page of buffer {i}: local {a}, peer {b}"),
+            format!(
+                "bytes per page of buffer {i}: local {a}, peer {b} ({})",
+                layouts()
+            ),
         );
     }
     if l.fingerprint != p.fingerprint {
@@ -133,8 +151,8 @@ pub fn check_peer(local: &Hello, peer: &Hello) -> Result<Vec<DigestAlgorithm>, H
             ErrorCode::FINGERPRINT_MISMATCH,
             format!(
                 "model fingerprint: local {}, peer {}",
-                hex(&l.fingerprint),
-                hex(&p.fingerprint)
+                show_fingerprint(&l.fingerprint),
+                show_fingerprint(&p.fingerprint)
             ),
         );
     }
@@ -148,30 +166,83 @@ pub fn check_peer(local: &Hello, peer: &Hello) -> Result<Vec<DigestAlgorithm>, H
         return refuse(
             ErrorCode::NO_COMMON_DIGEST,
             format!(
-                "local digests {:?}, peer digests {:?}",
-                local.digests, peer.digests
+                "no digest algorithm in common: local offers {}, peer offers {} (this node implements {})",
+                show_digests(&local.digests),
+                show_digests(&peer.digests),
+                show_digests(
+                    &local
+                        .digests
+                        .iter()
+                        .copied()
+                        .filter(|d| d.is_known())
+                        .collect::<Vec<_>>()
+                )
             ),
         );
     }
     Ok(common)
 }
 
-fn hex(b: &[u8]) -> String {
-    let mut s: String = b.iter().take(16).map(|x| format!("{x:02x}")).collect();
-    if b.len() > 16 {
-        s.push_str("...");
+/// A layout for humans: `16 tokens/page, 2 buffers of [65536, 32768] bytes/page`.
+fn show_layout(l: &KvLayout) -> String {
+    let b = &l.buffer_page_bytes;
+    let bytes = match b.first() {
+        None => "no buffers".to_string(),
+        Some(first) if b.iter().all(|x| x == first) => {
+            format!("{} buffers of {first} bytes/page", b.len())
+        }
+        Some(_) if b.len() <= 8 => format!("{} buffers of {b:?} bytes/page", b.len()),
+        Some(_) => format!(
+            "{} buffers of {:?}... bytes/page (sum {})",
+            b.len(),
+            &b[..8],
+            b.iter().map(|&x| u64::from(x)).sum::<u64>()
+        ),
+    };
+    format!("{} tokens/page, {bytes}", l.tokens_per_page)
+}
+
+/// A fingerprint for humans: its text when it is printable (at most 64 characters shown;
+/// otherwise hex, at most 16 bytes shown), its length, and a digest of **all** its bytes (the first 8 bytes of its SHA-256), so two
+/// fingerprints that differ anywhere, also past what is shown, are told apart.
+pub fn show_fingerprint(f: &[u8]) -> String {
+    use sha2::Digest;
+    if f.is_empty() {
+        return "(empty)".into();
     }
-    if s.is_empty() {
-        s.push_str("(empty)");
+    let digest: String = sha2::Sha256::digest(f)[..8]
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect();
+    match std::str::from_utf8(f) {
+        Ok(t) if !t.chars().any(char::is_control) => {
+            let shown: String = t.chars().take(64).collect();
+            let more = if shown.len() < t.len() { "..." } else { "" };
+            format!("\"{shown}{more}\" ({} bytes, sha256 {digest})", f.len())
+        }
+        _ => {
+            let hex: String = f.iter().take(16).map(|x| format!("{x:02x}")).collect();
+            let more = if f.len() > 16 { "..." } else { "" };
+            format!("{hex}{more} ({} bytes, not text, sha256 {digest})", f.len())
+        }
     }
-    s
+}
+
+/// Digest algorithms for humans: `[XXH3_64, CRC32]`, unknown ones as `Unknown(0x9)`.
+fn show_digests(d: &[DigestAlgorithm]) -> String {
+    if d.is_empty() {
+        return "none".into();
+    }
+    format!("{d:?}")
 }
 
 /// The HELLO_REJECT a node sends when a frame arrives with a version it does not speak.
 pub fn version_reject(peer_version: u16) -> HelloReject {
     HelloReject {
         code: ErrorCode::VERSION_MISMATCH,
-        detail: format!("peer speaks version {peer_version}, this node speaks only {VERSION}"),
+        detail: format!(
+            "protocol version: the peer sent a frame of version {peer_version}, this node speaks only version {VERSION}"
+        ),
     }
 }
 
@@ -329,7 +400,12 @@ pub struct Handshake {
     state: State,
     transmit: Option<Frame>,
     outcome: Option<Result<Established, HandshakeError>>,
+    timeout: Duration,
 }
+
+/// The default handshake timeout (SPEC.md §4.6): how long a node waits for the handshake to
+/// finish, from its start. The engine's `NodeConfig::handshake_timeout` defaults to it.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Handshake {
     /// Starts a client handshake: the HELLO is ready to transmit.
@@ -342,6 +418,7 @@ impl Handshake {
                 confirm: false,
             }),
             outcome: None,
+            timeout,
         }
     }
 
@@ -355,6 +432,7 @@ impl Handshake {
                 confirm: false,
             }),
             outcome: None,
+            timeout,
         }
     }
 
@@ -412,18 +490,25 @@ impl Handshake {
         self.outcome = Some(Err(HandshakeError::Refused(r)));
     }
 
-    /// Handles the passage of time.
+    /// Handles the passage of time. At the deadline the handshake fails with
+    /// [`HandshakeError::Timeout`] and a HELLO_REJECT(`HANDSHAKE_TIMEOUT`) naming what it
+    /// waited for is queued (SPEC.md §4.6): send it, then close.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let expired = match &self.state {
-            State::AwaitingAck(s) => now >= s.deadline,
-            State::AwaitingHello(s) => now >= s.deadline,
-            State::AwaitingConfirm(s) => now >= s.deadline,
-            State::Done => false,
+        let waited_for = match &self.state {
+            State::AwaitingAck(s) if now >= s.deadline => "HELLO_ACK",
+            State::AwaitingHello(s) if now >= s.deadline => "HELLO",
+            State::AwaitingConfirm(s) if now >= s.deadline => "HELLO_CONFIRM",
+            _ => return,
         };
-        if expired {
-            self.state = State::Done;
-            self.outcome = Some(Err(HandshakeError::Timeout));
-        }
+        self.state = State::Done;
+        self.transmit = Some(Frame::HelloReject(HelloReject {
+            code: ErrorCode::HANDSHAKE_TIMEOUT,
+            detail: format!(
+                "no {waited_for} within the handshake timeout of {} ms",
+                self.timeout.as_millis()
+            ),
+        }));
+        self.outcome = Some(Err(HandshakeError::Timeout));
     }
 
     /// Handles the loss of the connection.

@@ -43,13 +43,16 @@ impl History {
         }
     }
 
+    /// Records how a transfer ended. An id already remembered is updated **and** becomes the
+    /// newest entry (SPEC.md §7.3): its eviction position is that of its latest end.
     pub(crate) fn insert(&mut self, transfer_id: TransferId, finished: Finished) {
-        if self.entries.insert(transfer_id, finished).is_none() {
-            self.order.push_back(transfer_id);
-            while self.order.len() > self.capacity {
-                if let Some(old) = self.order.pop_front() {
-                    self.entries.remove(&old);
-                }
+        if self.entries.insert(transfer_id, finished).is_some() {
+            self.order.retain(|&t| t != transfer_id);
+        }
+        self.order.push_back(transfer_id);
+        while self.order.len() > self.capacity {
+            if let Some(old) = self.order.pop_front() {
+                self.entries.remove(&old);
             }
         }
     }
@@ -62,5 +65,27 @@ impl History {
         let f = self.entries.remove(&transfer_id)?;
         self.order.retain(|&t| t != transfer_id);
         Some(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SPEC §7.3 (was Q15): re-inserting a remembered id refreshes its eviction position, so
+    /// the entry of a transfer that just ended is not the next one forgotten.
+    #[test]
+    fn reinserting_an_id_makes_it_the_newest_entry() {
+        let mut h = History::new(2);
+        h.insert(TransferId(1), Finished::ended(1, None));
+        h.insert(TransferId(2), Finished::ended(2, None));
+        h.insert(TransferId(1), Finished::ended(3, None));
+        h.insert(TransferId(3), Finished::ended(4, None));
+        assert_eq!(h.get(TransferId(1)).map(|f| f.nonce), Some(3));
+        assert!(
+            h.get(TransferId(2)).is_none(),
+            "the oldest end is forgotten first"
+        );
+        assert!(h.get(TransferId(3)).is_some());
     }
 }

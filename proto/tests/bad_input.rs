@@ -51,7 +51,11 @@ fn established(role: Role) -> Established {
 
 /// A receiver with one open reservation of pages [3, 4] for transfer 1.
 fn receiver(now: Instant) -> (ReceiverSession, TransferRef) {
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let t = r
         .reserve(
             now,
@@ -294,9 +298,10 @@ fn counts_that_overflow() {
 
 #[test]
 fn page_index_outside_the_pool() {
-    // The sender cannot know the receiver's pool: it accepts the RESERVE (SPEC §5.3.1,
-    // range not checked) and the transport refuses the write outside the scope; the
-    // transfer drains and aborts with WRITE_FAILED, and the source comes back.
+    // A sender given no bound on the receiver's pages (SPEC §5.3.1 #7 applies only when the
+    // transport advertised one; TCP always does, see spec_rules.rs) accepts the RESERVE, and
+    // the transport refuses the write outside the scope; the transfer drains and aborts with
+    // WRITE_FAILED, and the source comes back.
     let now = Instant::now();
     let mut s = sender(now);
     s.handle_frame(now, reserve_frame(9, vec![u32::MAX, 7]))
@@ -342,7 +347,11 @@ fn duplicate_pages_in_one_reservation() {
     );
     assert_eq!(s.open_transfers(), 0);
     // The receiver refuses to send such a reservation at all.
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let req = ReservationRequest {
         transfer_id: TransferId(2),
         tokens: 32,
@@ -389,7 +398,11 @@ fn reservation_larger_than_the_pool() {
         .unwrap_err();
     assert_eq!(rejected.error.code(), ErrorCode::PROMPT_EXCEEDS_POOL);
     // A receiver cannot reserve more than the wire allows.
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let n = MAX_PAGES as u32 + 1;
     let req = ReservationRequest {
         transfer_id: TransferId(4),
@@ -434,9 +447,13 @@ fn commit_for_a_finished_transfer() {
     assert!(matches!(r.poll_transmit(), Some(Frame::Abort(_))));
     r.handle_frame(now, Frame::AbortAck(t)).unwrap();
     assert_eq!(r.open_transfers(), 0);
-    // Dropped without a reply (SPEC §7.3, Q12), and nothing else happens.
+    // Answered with the outcome it had (SPEC §7.3): NACK with the code it failed with; nothing
+    // else happens.
     let e = r.handle_frame(now, Frame::Commit(commit(t))).unwrap_err();
     assert_eq!(e.scope, Scope::Frame);
+    assert!(
+        matches!(r.poll_transmit(), Some(Frame::Nack(n)) if n.code == ErrorCode::CANCELLED && n.transfer == t)
+    );
     assert!(r.poll_transmit().is_none());
     assert!(r.poll_action().is_none());
 }

@@ -337,7 +337,11 @@ fn a_drain_waits_for_every_chunk_digest_job() {
 
 /// A receiver with a reservation of `pages` pages for transfer 1.
 fn receiver(now: Instant, pages: u32) -> (ReceiverSession, TransferRef) {
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let t = r
         .reserve(
             now,

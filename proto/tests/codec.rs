@@ -1426,7 +1426,6 @@ fn golden_frames() -> Vec<(&'static str, Frame)> {
                 detail: "tokens per page: local 16, peer 32".into(),
             }),
         ),
-        ("hello_confirm", Frame::HelloConfirm),
         (
             "reserve",
             Frame::Reserve(Reserve {
@@ -1516,9 +1515,17 @@ fn golden_frames() -> Vec<(&'static str, Frame)> {
 fn golden_vectors_cover_every_frame_type_and_nothing_else() {
     let frames = golden_frames();
     let mut types: Vec<FrameType> = frames.iter().map(|(_, f)| f.frame_type()).collect();
+    types.push(FrameType::HELLO_CONFIRM); // only sealed: auth/hello_confirm.hex (below)
     types.sort();
     types.dedup();
     assert_eq!(types, FrameType::KNOWN);
+    // SPEC §3.6: an unsealed HELLO_CONFIRM is never valid, so no plain vector shows one; its
+    // only vector is the sealed one.
+    assert!(!vectors_dir().join("hello_confirm.hex").exists());
+    assert!(vectors_dir()
+        .join("auth")
+        .join("hello_confirm.hex")
+        .exists());
 
     let mut on_disk: Vec<String> = std::fs::read_dir(vectors_dir())
         .unwrap()

@@ -378,6 +378,10 @@ fn client_times_out() {
     assert!(client.poll_outcome().is_none(), "not yet");
     assert_eq!(client.poll_timeout(), Some(now + TIMEOUT));
     client.handle_timeout(now + TIMEOUT);
+    // SPEC §4.6: HELLO_REJECT(HANDSHAKE_TIMEOUT) first, then the outcome.
+    assert!(
+        matches!(client.poll_transmit(), Some(Frame::HelloReject(r)) if r.code == ErrorCode::HANDSHAKE_TIMEOUT)
+    );
     assert_eq!(client.poll_outcome(), Some(Err(HandshakeError::Timeout)));
     assert_eq!(client.poll_timeout(), None);
 
@@ -392,6 +396,9 @@ fn server_times_out() {
     let now = Instant::now();
     let mut server = Handshake::server(now, receiver(), TIMEOUT);
     server.handle_timeout(now + Duration::from_secs(60));
+    assert!(
+        matches!(server.poll_transmit(), Some(Frame::HelloReject(r)) if r.code == ErrorCode::HANDSHAKE_TIMEOUT)
+    );
     assert_eq!(server.poll_outcome(), Some(Err(HandshakeError::Timeout)));
     server.handle_frame(Frame::Hello(sender()));
     assert!(server.poll_transmit().is_none());

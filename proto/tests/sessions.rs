@@ -156,7 +156,11 @@ fn degenerate_layouts_are_refused_at_the_handshake() {
 #[test]
 fn a_reservation_whose_commit_cannot_fit_is_refused() {
     let now = Instant::now();
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER, 64), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER, 64),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let req = |page_digests| ReservationRequest {
         transfer_id: TransferId(1),
         tokens: 2048 * 16,
@@ -180,7 +184,11 @@ fn drain_actions<A>(mut poll: impl FnMut() -> Option<A>) -> Vec<A> {
 fn receiver_verifying(now: Instant) -> (ReceiverSession, TransferRef) {
     use kvwire_proto::receiver::ReceiverAction;
     use kvwire_proto::wire::Commit;
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER, 1), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER, 1),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let t = r
         .reserve(
             now,
@@ -446,7 +454,11 @@ fn ping_and_pong_are_never_connection_errors_in_a_session() {
     let (mut s, _) = sender_with_transfer(now, false);
     let e = s.handle_frame(now, Frame::Ping(1)).unwrap_err();
     assert_eq!(e.scope, kvwire_proto::Scope::Frame);
-    let mut r = ReceiverSession::new(&established(Role::RECEIVER, 1), ReceiverConfig::default());
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER, 1),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
     let e = r.handle_frame(now, Frame::Pong(1)).unwrap_err();
     assert_eq!(e.scope, kvwire_proto::Scope::Frame);
 }

@@ -60,9 +60,10 @@ n, d = str16("tokens per page: local 16, peer 32")
 write("hello_reject", 0x0003,
       "HELLO_REJECT LAYOUT_MISMATCH (0x0003), detail \"tokens per page: local 16, peer 32\"",
       [u16(0x0003), n, d])
-write("hello_confirm", 0x0004,
-      "HELLO_CONFIRM (empty payload). Valid only sealed (see auth/hello_confirm.hex); shown plain for the frame-type table",
-      [])
+# No plain HELLO_CONFIRM vector: an unsealed HELLO_CONFIRM is never valid on a connection
+# (SPEC.md §3.6, §4.8), so the only HELLO_CONFIRM vector is the sealed auth/hello_confirm.hex
+# (auth/gen.py builds it from the type and the empty payload). An older run wrote one here.
+(HERE / "hello_confirm.hex").unlink(missing_ok=True)
 
 write("reserve", 0x0010,
       f"RESERVE {REF_TEXT}, 40 tokens, digest XXH3_64, page digests on, deadline 5000 ms, pages [7, 3, 0x12345], access de ad be ef 00 01",

@@ -188,7 +188,7 @@ impl NodeConfig {
             digests: vec![DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32],
             max_aux: 4096,
             scrub: Scrub::None,
-            handshake_timeout: Duration::from_secs(10),
+            handshake_timeout: kvwire_proto::handshake::DEFAULT_HANDSHAKE_TIMEOUT,
             liveness: kvwire_proto::liveness::LivenessConfig::default(),
             sender: SenderConfig::default(),
             receiver: ReceiverConfig::default(),

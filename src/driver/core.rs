@@ -76,6 +76,9 @@ pub(crate) struct Core<S, T> {
     /// The peer was declared unresponsive after this much silence; the connection is
     /// closing and its end is reported as [`Closed::Unresponsive`].
     unresponsive: Option<std::time::Duration>,
+    /// The peer's HELLO_REJECT after HELLO_ACK (SPEC §4.2): the connection is closing and
+    /// its end is reported as [`Closed::RefusedByPeer`].
+    refused_by_peer: Option<kvwire_proto::wire::HelloReject>,
 }
 
 impl<S: Session, T: Transport> Core<S, T> {
@@ -88,6 +91,7 @@ impl<S: Session, T: Transport> Core<S, T> {
             closed: None,
             liveness: None,
             unresponsive: None,
+            refused_by_peer: None,
         }
     }
 
@@ -180,6 +184,9 @@ impl<S: Session, T: Transport> Core<S, T> {
                 if let Err(e) = self.session.handle_frame(now, frame) {
                     if e.scope == Scope::Connection {
                         tracing::warn!(error = %e, "protocol error on the connection: closing it");
+                        if let Some(r) = e.refused_by_peer {
+                            self.refused_by_peer = Some(r);
+                        }
                         self.transport.close(now);
                     } else {
                         tracing::debug!(error = %e, "frame dropped");
@@ -193,7 +200,11 @@ impl<S: Session, T: Transport> Core<S, T> {
                         self.closed = Some(Closed::Unresponsive { silent_for });
                         self.session.handle_peer_unresponsive(now);
                     } else {
-                        self.closed = Some(why);
+                        // A HELLO_REJECT after HELLO_ACK: report the peer's refusal (SPEC §4.2).
+                        self.closed = Some(match self.refused_by_peer.take() {
+                            Some(r) => Closed::RefusedByPeer(r),
+                            None => why,
+                        });
                         self.session.handle_peer_lost(now);
                     }
                 }

@@ -219,12 +219,17 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         pool: Arc<PagePool>,
         engine: &EngineConfig,
         config: ReceiverConfig,
+        nonce_seed: u64,
         transport: T,
     ) -> Result<Self, ConfigError> {
         engine.validate(&pool)?;
         crate::config::check_layout(&pool, established.layout())?;
         Ok(Self {
-            core: Core::new(ReceiverSession::new(established, config), transport, pool),
+            core: Core::new(
+                ReceiverSession::new(established, config, nonce_seed),
+                transport,
+                pool,
+            ),
             leases: BTreeMap::new(),
             open: BTreeSet::new(),
             fencing: BTreeMap::new(),

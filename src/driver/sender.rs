@@ -15,8 +15,8 @@ use std::time::Instant;
 use kvwire_proto::admission::{AdmissionError, AdmissionPolicy, Admitted, Rejected, Request};
 use kvwire_proto::handshake::Established;
 use kvwire_proto::sender::{
-    ChunkError, PageWrite, SenderAction, SenderConfig, SenderEvent, SenderSession, SubmitError,
-    WriteOutcome,
+    ChunkError, PageWrite, RetireError, SenderAction, SenderConfig, SenderEvent, SenderSession,
+    SubmitError, WriteOutcome,
 };
 use kvwire_proto::wire::{ErrorCode, TransferRef};
 
@@ -129,8 +129,12 @@ impl<T: SenderTransport> SenderDriver<T> {
         engine.validate(&pool)?;
         crate::config::check_layout(&pool, established.layout())?;
         let admission = admission_policy(&pool, engine);
+        let mut session = SenderSession::new(established, config);
+        if let Some(pages) = transport.destination_pages() {
+            session.limit_destination_pages(pages);
+        }
         Ok(Self {
-            core: Core::new(SenderSession::new(established, config), transport, pool),
+            core: Core::new(session, transport, pool),
             admission,
             window: window.max(1),
             sources: BTreeMap::new(),
@@ -144,10 +148,12 @@ impl<T: SenderTransport> SenderDriver<T> {
 
     /// Retires a request rejected at admission elsewhere (e.g. in the engine's thread, with
     /// the same [`admission_policy`]): a reservation for it gets REJECT carrying its error.
-    pub fn retire(&mut self, now: Instant, rejected: Rejected) {
+    /// Refused, changing nothing, while a transfer with the same id is open (SPEC §5.1).
+    pub fn retire(&mut self, now: Instant, rejected: Rejected) -> Result<(), RetireError> {
         self.stats.rejected_at_admission += 1;
-        self.core.session.retire(rejected);
+        let r = self.core.session.retire(rejected);
         self.process(now);
+        r
     }
 
     /// Admits a request, or rejects it with its original error. A rejected request is
@@ -157,7 +163,9 @@ impl<T: SenderTransport> SenderDriver<T> {
         let r = self.admission.admit(req).map_err(|rejected| {
             self.stats.rejected_at_admission += 1;
             let error = rejected.error.clone();
-            self.core.session.retire(rejected);
+            // An id with an open transfer is not retired (SPEC §5.1): the open transfer goes
+            // on, and the caller still gets the rejection.
+            let _ = self.core.session.retire(rejected);
             error
         });
         self.process(now);

@@ -6,7 +6,7 @@ use tokio::net::TcpStream;
 
 use super::{handshake, EngineError, Node, ReceiverConn, SenderConn};
 use crate::config::TransportConfig;
-use crate::transport::tcp::{TcpReceiver, TcpSender};
+use crate::transport::tcp::{self, TcpReceiver, TcpSender};
 
 /// The prefill end of a connection on `stream` (client or server side of the handshake).
 pub(crate) async fn sender(
@@ -18,10 +18,16 @@ pub(crate) async fn sender(
     let pool = node.pool().clone();
     match &config.transport {
         TransportConfig::Tcp => {
+            let params = tcp::transport_params(pool.capacity_pages());
             let (stream, est, channel) =
-                handshake(stream, config, client, Role::SENDER, Vec::new()).await?;
+                handshake(stream, config, client, Role::SENDER, params).await?;
+            // The receiver's page count bounds the pages a reservation may name (SPEC §9.1).
+            let pages = tcp::parse_transport_params(&est.peer.transport_params).map_err(|e| {
+                EngineError::Transport(format!("the receiver's TCP transport parameters: {e}"))
+            })?;
             let (sealer, opener) = channel.split();
-            let t = TcpSender::new(stream, sealer, opener, pool.clone());
+            let t =
+                TcpSender::new(stream, sealer, opener, pool.clone()).with_destination_pages(pages);
             SenderConn::run(est, pool, t, config)
         }
         #[cfg(feature = "rdma")]
@@ -72,8 +78,9 @@ pub(crate) async fn receiver(
     let pool = node.pool().clone();
     match &config.transport {
         TransportConfig::Tcp => {
+            let params = tcp::transport_params(pool.capacity_pages());
             let (stream, est, channel) =
-                handshake(stream, config, client, Role::RECEIVER, Vec::new()).await?;
+                handshake(stream, config, client, Role::RECEIVER, params).await?;
             let (sealer, opener) = channel.split();
             let t = TcpReceiver::new(stream, sealer, opener, pool.clone());
             ReceiverConn::run(est, pool, t, config)

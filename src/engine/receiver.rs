@@ -163,9 +163,15 @@ impl ReceiverConn {
         transport: T,
         config: &NodeConfig,
     ) -> Result<Self, EngineError> {
-        let mut rx_config = config.receiver.clone();
-        rx_config.nonce_seed = fresh_seed();
-        let mut driver = ReceiverDriver::new(&est, pool, &config.engine, rx_config, transport)?;
+        // A fresh nonce seed for every connection, whatever the transport (SPEC §5.2.1).
+        let mut driver = ReceiverDriver::new(
+            &est,
+            pool,
+            &config.engine,
+            config.receiver.clone(),
+            fresh_seed(),
+            transport,
+        )?;
         driver.enable_liveness(std::time::Instant::now(), config.liveness);
         driver.set_digest_mode(config.digest_mode);
         driver.set_digest_execution(DigestExecution::Offload {

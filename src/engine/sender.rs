@@ -331,7 +331,9 @@ impl<T: SenderTransport> Task<T> {
                     m.rejected_at_admission.inc();
                 }
                 tracing::info!(transfer_id = rejected.transfer_id.0, peer = self.peer, error = %rejected.error, "request rejected at admission");
-                self.driver.retire(now, rejected);
+                if let Err(e) = self.driver.retire(now, rejected) {
+                    tracing::warn!(peer = self.peer, error = %e, "rejection not retired");
+                }
             }
             Cmd::Send {
                 admitted,

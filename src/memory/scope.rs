@@ -51,12 +51,19 @@ pub struct AccessScope {
     pub transfer: TransferRef,
     /// Its pages, sorted.
     pages: Vec<u32>,
+    /// Its pages in ordinal order (as reserved).
+    by_ordinal: Vec<u32>,
 }
 
 impl AccessScope {
     /// Whether `page` is in scope.
     pub fn contains(&self, page: u32) -> bool {
         self.pages.binary_search(&page).is_ok()
+    }
+
+    /// The page reserved at `ordinal`, if the reservation has that many pages.
+    pub fn page_at(&self, ordinal: u32) -> Option<u32> {
+        self.by_ordinal.get(ordinal as usize).copied()
     }
 }
 
@@ -84,6 +91,7 @@ impl ScopeTable {
                     nonce: 0,
                 },
                 pages: sorted,
+                by_ordinal: pages.to_vec(),
             },
         );
         if let Some(old) = self.by_transfer.insert(transfer_id, key) {
@@ -111,6 +119,11 @@ impl ScopeTable {
         } else {
             Err(AccessError::OutOfScope { key, page })
         }
+    }
+
+    /// The open scope with this key, if any.
+    pub fn get(&self, key: AccessKey) -> Option<&AccessScope> {
+        self.open.get(&key)
     }
 
     /// Fences a transfer: after this returns, no write for it is accepted. Returns whether a

@@ -33,6 +33,11 @@ use crate::transport::loopback::{
 };
 use crate::transport::{ReceiverTransport, SenderTransport};
 
+/// The nonce seed of every [`Pair`]'s receiver: fixed, so a pair's runs (and the fault
+/// matrix's pinned tables) are deterministic. Real connections draw a fresh seed each
+/// (SPEC §5.2.1; the engine does).
+pub const PAIR_NONCE_SEED: u64 = 0x6b76_7769_7265_0001;
+
 /// How to build a [`Pair`].
 #[derive(Clone, Debug)]
 pub struct PairConfig {
@@ -239,6 +244,7 @@ impl<S: SenderTransport, R: ReceiverTransport> Pair<S, R> {
             r_pool,
             &config.receiver_engine,
             config.receiver.clone(),
+            PAIR_NONCE_SEED,
             r,
         )?;
         Ok(Self {

@@ -94,6 +94,9 @@ pub enum Closed {
     LinkFailed(String),
     /// This side closed it.
     Local,
+    /// The peer refused the handshake after this node (the server) had accepted it and sent
+    /// HELLO_ACK (SPEC §4.2): its HELLO_REJECT's code and detail.
+    RefusedByPeer(kvwire_proto::wire::HelloReject),
     /// This side closed it because nothing arrived from the peer for `silent_for`, longer
     /// than the liveness timeout (SPEC §8.3): the peer is unresponsive (stopped, partitioned,
     /// or its host is down). Every transfer on it fails with a retryable reason.
@@ -111,6 +114,11 @@ impl std::fmt::Display for Closed {
             Self::Malformed(why) => write!(f, "malformed bytes from the peer: {why}"),
             Self::LinkFailed(why) => write!(f, "link failed: {why}"),
             Self::Local => f.write_str("closed by this side"),
+            Self::RefusedByPeer(r) => write!(
+                f,
+                "the peer refused the handshake after HELLO_ACK: {}: {}",
+                r.code, r.detail
+            ),
             Self::Unresponsive { silent_for } => write!(
                 f,
                 "peer unresponsive: nothing received for {} ms",
@@ -161,6 +169,13 @@ pub trait Transport: Send {
 pub trait SenderTransport: Transport {
     /// Page writes that may be posted now without overrunning the transport's queues.
     fn write_credit(&self) -> usize;
+
+    /// The receiver's page slots per buffer, when its transport parameters advertise them
+    /// (TCP, SPEC §9.1): the sender then refuses a reservation naming a page beyond them
+    /// (§5.3.1 #7).
+    fn destination_pages(&self) -> Option<u32> {
+        None
+    }
 
     /// Posts page writes of `transfer` into the destinations its receiver's `access`
     /// descriptor (from RESERVE) grants. Every page's outcome is reported exactly once as

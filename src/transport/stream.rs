@@ -67,6 +67,9 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     }
 }
 
+/// How long a node whose handshake timed out tries to send its HELLO_REJECT.
+const REJECT_SEND_LIMIT: Duration = Duration::from_millis(200);
+
 /// Runs a handshake on a fresh stream.
 pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
@@ -109,7 +112,18 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     match tokio::time::timeout(timeout, work).await {
         Ok(r) => r,
         Err(_) => {
+            // SPEC §4.6: tell the peer why before closing (HELLO_REJECT(HANDSHAKE_TIMEOUT)),
+            // without waiting long on a peer that does not read.
             hs.handle_timeout(Instant::now() + timeout);
+            if let Some(f) = hs.poll_transmit() {
+                if let Ok(bytes) = channel.seal_to_vec(&f) {
+                    let send = async {
+                        stream.write_all(&bytes).await?;
+                        stream.flush().await
+                    };
+                    let _ = tokio::time::timeout(REJECT_SEND_LIMIT, send).await;
+                }
+            }
             Err(HandshakeError::Timeout.into())
         }
     }

@@ -174,7 +174,9 @@ impl SenderRig {
                             self.tx.submit(transfer_id, pages);
                         }
                     }
-                    Err(rejected) => self.s.retire(rejected),
+                    Err(rejected) => {
+                        let _ = self.s.retire(rejected);
+                    }
                 }
             }
             1 => {
@@ -656,8 +658,8 @@ pub fn run_receiver(data: &[u8]) -> Result<(), Violation> {
             ReceiverConfig {
                 history: 3,
                 abort_ack_timeout: Duration::from_millis(100),
-                ..ReceiverConfig::default()
             },
+            crate::world::MODEL_NONCE_SEED,
         ),
         rx: RxDriver::new(8, layout().buffers()),
         refs: Vec::new(),

@@ -22,6 +22,10 @@ use crate::digest;
 use crate::driver::{self, RxDriver, RxOutcome, TxDriver, TxOutcome};
 use crate::{ensure, established, Violation, TOKENS_PER_PAGE};
 
+/// The nonce seed of the model's receiver sessions: fixed, so runs are deterministic (a real
+/// driver draws a fresh one per connection, SPEC §5.2.1).
+pub const MODEL_NONCE_SEED: u64 = 0x6b76_7769_7265_0001;
+
 /// The bounds of one model.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Bounds {
@@ -162,14 +166,17 @@ impl World {
         let receiver_config = ReceiverConfig {
             abort_ack_timeout: Duration::from_millis(50),
             history: 16,
-            ..ReceiverConfig::default()
         };
         let buffers = crate::layout().buffers();
         Self {
             now: base,
             transfers: bounds.transfers.clone(),
             sender: SenderSession::new(&established(Role::SENDER), sender_config),
-            receiver: ReceiverSession::new(&established(Role::RECEIVER), receiver_config),
+            receiver: ReceiverSession::new(
+                &established(Role::RECEIVER),
+                receiver_config,
+                MODEL_NONCE_SEED,
+            ),
             to_receiver: VecDeque::new(),
             to_sender: VecDeque::new(),
             rx: RxDriver::new(bounds.pool_pages, buffers),

@@ -40,6 +40,36 @@ impl ReceiverSession {
                 self.out.stats.dropped_frames += 1;
                 Err(FrameError::frame("COMMIT for an unknown transfer"))
             }
+            Frame::Commit(c) => {
+                // A COMMIT for a finished transfer (SPEC §7.3): the same reservation gets its
+                // outcome again (VERIFIED, or NACK with the code it failed with); another
+                // reservation of the id gets STALE_NONCE. Never silence: the sender would
+                // wait out its verdict deadline.
+                let finished = self.history.get(tref.transfer_id).cloned();
+                let reply = match finished {
+                    Some(f) if f.nonce == c.transfer.nonce => match f.failure {
+                        None => Frame::Verified(c.transfer),
+                        Some((code, detail)) => Frame::Nack(Nack {
+                            transfer: c.transfer,
+                            code,
+                            buffer: NONE_INDEX,
+                            page: NONE_INDEX,
+                            detail: format!("transfer already failed: {detail}"),
+                        }),
+                    },
+                    _ => Frame::Nack(Nack {
+                        transfer: c.transfer,
+                        code: ErrorCode::STALE_NONCE,
+                        buffer: NONE_INDEX,
+                        page: NONE_INDEX,
+                        detail: "nonce names no current reservation (the transfer has ended)"
+                            .into(),
+                    }),
+                };
+                self.out.transmit.push_back(reply);
+                self.out.stats.dropped_frames += 1;
+                Err(FrameError::frame("COMMIT for a finished transfer"))
+            }
             other => {
                 self.out.stats.dropped_frames += 1;
                 let what = if known { "finished" } else { "unknown" };

@@ -65,13 +65,18 @@ fn mix(mut z: u64) -> u64 {
 
 impl ReceiverSession {
     /// A session over an established connection on which this node is the receiver.
-    pub fn new(established: &Established, config: ReceiverConfig) -> Self {
+    ///
+    /// `nonce_seed` seeds the reservation nonces (SPEC.md §5.2.1). The crate has no source of
+    /// randomness (sans-IO): the caller MUST draw it afresh for every connection, from a
+    /// random source, so nonces differ across connections and cannot be predicted. A fixed
+    /// seed is for deterministic tests only.
+    pub fn new(established: &Established, config: ReceiverConfig, nonce_seed: u64) -> Self {
         let history = History::new(config.history);
         Self {
             layout: established.layout().clone(),
             digests: established.digests.clone(),
             max_aux: established.local.max_aux,
-            nonce_counter: config.nonce_seed,
+            nonce_counter: nonce_seed,
             out: Out {
                 abort_ack_timeout: config.abort_ack_timeout,
                 ..Out::default()
@@ -137,8 +142,9 @@ impl ReceiverSession {
         if !self.digests.contains(&digest) {
             return Err(ReserveError::DigestNotAgreed(digest));
         }
-        // A new reservation for an id seen before starts afresh (with a new nonce).
-        self.history.remove(req.transfer_id);
+        // A new reservation for an id seen before starts afresh (with a new nonce). The
+        // history entry of the earlier one stays until this one ends (and replaces it), so a
+        // late ABORT for the earlier reservation still gets the truth (SPEC §7.3).
         let transfer = TransferRef {
             transfer_id: req.transfer_id,
             nonce: self.fresh_nonce(),
@@ -236,10 +242,7 @@ impl ReceiverSession {
             ));
         }
         let Some(tref) = frame.transfer() else {
-            return Err(FrameError::connection(format!(
-                "{} after the handshake",
-                frame.frame_type()
-            )));
+            return Err(FrameError::without_transfer(&frame));
         };
         if matches!(
             frame,
@@ -253,6 +256,16 @@ impl ReceiverSession {
         let Some(t) = self.transfers.remove(&tref.transfer_id) else {
             return self.handle_closed_transfer(frame, tref);
         };
+        if let Frame::Abort(a) = &frame {
+            let current = t.spec.transfer.nonce;
+            if a.transfer.nonce != current && a.transfer.nonce != 0 {
+                // An ABORT for another (earlier) reservation of an open id: answered as for a
+                // finished one (VERIFIED if the history says it verified, else ABORT_ACK);
+                // the open reservation is unaffected (SPEC §7.3, §7.4).
+                self.transfers.insert(tref.transfer_id, t);
+                return self.handle_closed_transfer(frame, tref);
+            }
+        }
         let (next, spec, result) = t.on_frame(frame, now, &mut self.out);
         self.settle(spec, next);
         result
@@ -389,9 +402,7 @@ impl ReceiverSession {
                     now,
                 ),
                 // The peer never acknowledged our abort; pages were released long ago.
-                State::AwaitingAbortAck(_) => {
-                    Next::Done(Some((ErrorCode::TIMEOUT, "abort unacknowledged".into())))
-                }
+                State::AwaitingAbortAck(s) => Next::Done(Some(s.outcome)),
                 other => Next::Stay(other),
             };
             self.settle(t.spec, next);
@@ -420,9 +431,7 @@ impl ReceiverSession {
         let open = std::mem::take(&mut self.transfers);
         for (_, t) in open {
             let next = match t.state {
-                State::AwaitingAbortAck(_) => {
-                    Next::Done(Some((ErrorCode::SHUTDOWN, "peer lost".into())))
-                }
+                State::AwaitingAbortAck(s) => Next::Done(Some(s.outcome)),
                 State::Failing(mut f) => {
                     f.after = AfterFence::Nothing;
                     Next::Stay(State::Failing(f))
@@ -483,5 +492,72 @@ impl ReceiverSession {
     /// The session's configuration.
     pub fn config(&self) -> &ReceiverConfig {
         &self.config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{Hello, Role};
+    use std::time::Duration;
+
+    fn session() -> ReceiverSession {
+        let hello = |role| Hello {
+            node_id: 1,
+            role,
+            layout: KvLayout {
+                tokens_per_page: 16,
+                buffer_page_bytes: vec![64],
+                fingerprint: vec![],
+            },
+            digests: vec![DigestAlgorithm::XXH3_64],
+            transport_params: vec![],
+            max_aux: 0,
+        };
+        let est = Established {
+            local: hello(Role::RECEIVER),
+            peer: hello(Role::SENDER),
+            digests: vec![DigestAlgorithm::XXH3_64],
+        };
+        ReceiverSession::new(&est, ReceiverConfig::default(), 1)
+    }
+
+    /// SPEC §7.3 (was Q15): a transfer that ends through AwaitingAbortAck is remembered with
+    /// the reason it failed for (here TIMEOUT), not CANCELLED, however the abort resolves.
+    #[test]
+    fn an_abort_that_resolves_keeps_the_original_failure_in_the_history() {
+        for resolve in 0..3 {
+            let now = Instant::now();
+            let mut r = session();
+            let t = r
+                .reserve(
+                    now,
+                    ReservationRequest {
+                        transfer_id: TransferId(1),
+                        tokens: 16,
+                        pages: vec![0],
+                        digest: None,
+                        page_digests: false,
+                        timeout: Duration::from_millis(10),
+                        access: vec![],
+                    },
+                )
+                .unwrap();
+            let later = now + Duration::from_secs(1);
+            r.handle_timeout(later);
+            r.handle_fenced(later, t);
+            match resolve {
+                0 => r.handle_frame(later, Frame::AbortAck(t)).unwrap(),
+                1 => r.handle_timeout(later + Duration::from_secs(60)),
+                _ => r.handle_peer_lost(later),
+            }
+            assert_eq!(r.open_transfers(), 0);
+            let code = r.history.get(TransferId(1)).and_then(|f| f.failure.clone());
+            assert_eq!(
+                code.map(|c| c.0),
+                Some(ErrorCode::TIMEOUT),
+                "resolve {resolve}"
+            );
+        }
     }
 }

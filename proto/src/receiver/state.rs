@@ -61,6 +61,9 @@ pub(super) struct Failing {
 #[derive(Clone, Debug)]
 pub(super) struct AwaitingAbortAck {
     pub(super) deadline: Instant,
+    /// The failure already reported (code, detail): what the history records however the
+    /// abort resolves (SPEC.md §7.3).
+    pub(super) outcome: (ErrorCode, String),
 }
 
 #[derive(Clone, Debug)]

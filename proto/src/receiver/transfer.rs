@@ -108,6 +108,7 @@ impl Out {
                 }));
                 Next::Stay(State::AwaitingAbortAck(AwaitingAbortAck {
                     deadline: now + self.abort_ack_timeout,
+                    outcome: (code, detail),
                 }))
             }
             AfterFence::SendAbortAck => {
@@ -201,19 +202,15 @@ impl Transfer {
                     Ok(()),
                 )
             }
-            (State::AwaitingAbortAck(_), Frame::AbortAck(t)) if t.nonce == spec.transfer.nonce => (
-                Next::Done(Some((ErrorCode::CANCELLED, "aborted".into()))),
-                Ok(()),
-            ),
-            (State::AwaitingAbortAck(_), Frame::Abort(a))
+            (State::AwaitingAbortAck(s), Frame::AbortAck(t)) if t.nonce == spec.transfer.nonce => {
+                (Next::Done(Some(s.outcome)), Ok(()))
+            }
+            (State::AwaitingAbortAck(s), Frame::Abort(a))
                 if a.transfer.nonce == spec.transfer.nonce || a.transfer.nonce == 0 =>
             {
                 // Crossed aborts: the peer's ABORT also ends our wait.
                 out.transmit.push_back(Frame::AbortAck(spec.transfer));
-                (
-                    Next::Done(Some((ErrorCode::CANCELLED, "aborted".into()))),
-                    Ok(()),
-                )
+                (Next::Done(Some(s.outcome)), Ok(()))
             }
             (state, Frame::Abort(a))
                 if a.transfer.nonce == spec.transfer.nonce || a.transfer.nonce == 0 =>

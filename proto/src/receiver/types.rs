@@ -7,11 +7,16 @@ use std::time::Duration;
 use crate::error::FailureReason;
 use crate::wire::{DigestAlgorithm, TransferRef};
 
-/// Receiver session settings.
+/// Receiver session settings. The nonce seed is not among them: it is an argument of
+/// [`ReceiverSession::new`](super::ReceiverSession::new), fresh per connection (SPEC.md
+/// §5.2.1), so no configuration can carry a constant one to every connection.
+///
+/// ```compile_fail
+/// // There is no nonce seed to forget in the configuration (SPEC.md §5.2.1).
+/// let _ = kvwire_proto::receiver::ReceiverConfig::default().nonce_seed;
+/// ```
 #[derive(Clone, Debug)]
 pub struct ReceiverConfig {
-    /// Seed for reservation nonces; use a fresh random value per connection.
-    pub nonce_seed: u64,
     /// How many finished transfers to remember for late frames.
     pub history: usize,
     /// How long to wait for ABORT_ACK after sending ABORT.
@@ -21,7 +26,6 @@ pub struct ReceiverConfig {
 impl Default for ReceiverConfig {
     fn default() -> Self {
         Self {
-            nonce_seed: 0x6b76_7769_7265_0001,
             history: 4096,
             abort_ack_timeout: Duration::from_secs(5),
         }

@@ -50,7 +50,7 @@ impl SenderSession {
             (Frame::Abort(a), _) => {
                 // The receiver gave up on a reservation we hold parked: drop it, and remember
                 // the abort so a later submit of the id fails at once (SPEC §5.1).
-                let parked_nonce = self.parked.get(&id).map(|(r, _)| r.nonce);
+                let parked_nonce = self.parked.get(&id).map(|(r, _, _)| r.nonce);
                 if let Some(nonce) = parked_nonce.filter(|&n| tref.nonce == n || tref.nonce == 0) {
                     self.parked.remove(&id);
                     self.history.insert(
@@ -79,7 +79,7 @@ impl SenderSession {
     /// Parks a RESERVE naming no request this session knows (it may be on its way): a
     /// newer one for the same id supersedes it; beyond `max_parked` it is refused at once.
     fn park(&mut self, now: Instant, r: Reserve) {
-        if let Some((old, _)) = self.parked.remove(&r.transfer_id) {
+        if let Some((old, _, _)) = self.parked.remove(&r.transfer_id) {
             self.reject_reservation(&old, ErrorCode::DUPLICATE_TRANSFER, "superseded".into());
         } else if self.parked.len() >= self.config.max_parked {
             self.reject_reservation(
@@ -94,6 +94,6 @@ impl SenderSession {
         }
         let deadline = now + self.config.parked_reservation_timeout;
         self.timers.arm(deadline, r.transfer_id);
-        self.parked.insert(r.transfer_id, (r, deadline));
+        self.parked.insert(r.transfer_id, (r, deadline, now));
     }
 }

@@ -37,8 +37,8 @@ use state::{AfterDrain, State};
 use transfer::{Ctx, Next, Out, Transfer};
 
 pub use types::{
-    ChunkError, PageWrite, SenderAction, SenderConfig, SenderEvent, SenderStats, SubmitError,
-    WriteOutcome,
+    ChunkError, PageWrite, RetireError, SenderAction, SenderConfig, SenderEvent, SenderStats,
+    SubmitError, WriteOutcome,
 };
 
 /// The sender side of one connection: all its transfers.
@@ -47,12 +47,16 @@ pub struct SenderSession {
     digests: Vec<DigestAlgorithm>,
     bytes_per_page_index: u64,
     buffers: usize,
+    tokens_per_page: u32,
     /// The receiver's `max_aux` (its hello): the longest aux record it accepts.
     peer_max_aux: u32,
+    /// The receiver's page slots per buffer, when its transport advertised them.
+    destination_pages: Option<u32>,
     config: SenderConfig,
     transfers: BTreeMap<TransferId, Transfer>,
     /// Reservations naming no known request, held briefly (the request may be on its way).
-    parked: BTreeMap<TransferId, (Reserve, Instant)>,
+    /// Each with its park deadline and the instant it was received.
+    parked: BTreeMap<TransferId, (Reserve, Instant, Instant)>,
     history: History,
     timers: Timers,
     out: Out,
@@ -66,7 +70,9 @@ impl SenderSession {
             digests: established.digests.clone(),
             bytes_per_page_index: established.layout().bytes_per_page_index(),
             buffers: established.layout().buffers(),
+            tokens_per_page: established.layout().tokens_per_page,
             peer_max_aux: established.peer.max_aux,
+            destination_pages: None,
             history: History::new(config.history),
             config,
             transfers: BTreeMap::new(),
@@ -85,7 +91,9 @@ impl SenderSession {
             bytes_per_page_index: self.bytes_per_page_index,
             buffers: self.buffers,
             peer_max_aux: self.peer_max_aux,
+            destination_pages: self.destination_pages,
             now,
+            reserve_received: now,
         }
     }
 
@@ -104,18 +112,32 @@ impl SenderSession {
         }
     }
 
+    /// Bounds the destination page indices a reservation may name: the receiver has `pages`
+    /// page slots per buffer, as its transport advertised them (SPEC.md §5.3.1 #7; TCP:
+    /// the transport parameters of §9.1). A RESERVE naming a page index `>= pages` is then
+    /// refused with BAD_RESERVATION before anything is written. Without a bound (the
+    /// default) the range is left to the transport's access check.
+    pub fn limit_destination_pages(&mut self, pages: u32) {
+        self.destination_pages = Some(pages);
+    }
+
     /// Retires a rejected request: any reservation for it (already parked or still to come)
     /// is answered with REJECT carrying the original error. Nothing is allocated or sent
-    /// otherwise.
-    pub fn retire(&mut self, rejected: Rejected) {
+    /// otherwise. Refused, changing nothing, if a transfer with the id is open (SPEC.md
+    /// §5.1): a rejection never rewrites the record of a transfer under way.
+    pub fn retire(&mut self, rejected: Rejected) -> Result<(), RetireError> {
         let id = rejected.transfer_id;
+        if self.transfers.contains_key(&id) {
+            return Err(RetireError::Open(rejected));
+        }
         let code = rejected.error.code();
         let detail = rejected.error.to_string();
         self.history
             .insert(id, Finished::ended(0, Some((code, detail.clone()))));
-        if let Some((r, _)) = self.parked.remove(&id) {
+        if let Some((r, _, _)) = self.parked.remove(&id) {
             self.reject_reservation(&r, code, detail);
         }
+        Ok(())
     }
 
     /// Aborts a transfer from the sender side: stop posting, drain, then ABORT with the
@@ -153,10 +175,7 @@ impl SenderSession {
             ));
         }
         let Some(tref) = frame.transfer() else {
-            return Err(FrameError::connection(format!(
-                "{} after the handshake",
-                frame.frame_type()
-            )));
+            return Err(FrameError::without_transfer(&frame));
         };
         if matches!(frame, Frame::Commit(_) | Frame::Reject(_)) {
             return Err(FrameError::connection(format!(
@@ -196,17 +215,19 @@ impl SenderSession {
                 let d = cx.drain(&t, w, FailureReason::WriteFailed, after);
                 match d {
                     Next::Stay(State::Draining(mut d)) => {
-                        d.accounted = d.accounted.saturating_add(pages);
+                        d.accounted = d.accounted.saturating_add(pages).min(d.posted);
                         cx.finish_drain(&t, d)
                     }
                     other => other,
                 }
             }
             (State::Draining(mut d), outcome) => {
+                // Capped at the pages posted (SPEC §5.3.3): a driver that over-reports
+                // cannot make ABORT's `completed_pages` exceed them.
                 if outcome == WriteOutcome::Completed {
-                    d.completed = d.completed.saturating_add(pages);
+                    d.completed = d.completed.saturating_add(pages).min(d.posted);
                 }
-                d.accounted = d.accounted.saturating_add(pages);
+                d.accounted = d.accounted.saturating_add(pages).min(d.posted);
                 cx.finish_drain(&t, d)
             }
             (other, _) => Next::Stay(other),
@@ -279,7 +300,7 @@ impl SenderSession {
                 .or_else(|| parked.get(&id).map(|p| p.1))
         });
         for id in expired {
-            if let Some((r, _)) = self.parked.remove(&id) {
+            if let Some((r, _, _)) = self.parked.remove(&id) {
                 self.reject_reservation(
                     &r,
                     ErrorCode::UNKNOWN_REQUEST,

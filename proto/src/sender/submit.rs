@@ -57,6 +57,16 @@ impl SenderSession {
         if self.transfers.contains_key(&id) {
             return Err(SubmitError::DuplicateTransfer(admitted));
         }
+        // Admitted under another tokens-per-page than the layout: every reservation would
+        // be refused (SPEC §5.1). Refused here, at once, naming both numbers.
+        let layout_pages =
+            u64::from(admitted.tokens()).div_ceil(u64::from(self.tokens_per_page.max(1)));
+        if layout_pages != u64::from(admitted.pages()) {
+            return Err(SubmitError::LayoutMismatch {
+                admitted,
+                layout_pages,
+            });
+        }
         // The receiver aborted a reservation for this id while it was parked: it has given
         // up on this request; fail at once rather than wait for a reservation (SPEC §5.1).
         if let Some(f) = self.history.get(id) {
@@ -85,9 +95,16 @@ impl SenderSession {
             t,
             Next::Stay(State::AwaitingReservation(AwaitingReservation { deadline })),
         );
-        if let Some((r, _)) = self.parked.remove(&id) {
-            // Cannot fail with a connection-scope error: it is a RESERVE for an open transfer.
-            let _ = self.handle_frame(now, Frame::Reserve(r));
+        if let Some((r, _, received)) = self.parked.remove(&id) {
+            // Processed as if it had just arrived, except that its `deadline_ms` counts from
+            // its receipt, as the receiver's deadline does (SPEC §5.1). Cannot fail with a
+            // connection-scope error: it is a RESERVE for an open transfer.
+            if let Some(t) = self.transfers.remove(&id) {
+                let mut cx = self.ctx(now);
+                cx.reserve_received = received;
+                let (next, t, _) = t.on_frame(Frame::Reserve(r), &mut cx);
+                self.settle(t, next);
+            }
         }
         Ok(())
     }

@@ -70,7 +70,12 @@ pub(super) struct Ctx<'a> {
     pub(super) buffers: usize,
     /// The receiver's `max_aux`: the longest aux record it accepts.
     pub(super) peer_max_aux: u32,
+    /// The receiver's page slots per buffer, when advertised (SPEC §5.3.1 #7).
+    pub(super) destination_pages: Option<u32>,
     pub(super) now: Instant,
+    /// When the RESERVE being handled was received: `now`, or earlier for a parked one.
+    /// Its `deadline_ms` counts from here (SPEC §5.1, §8.1).
+    pub(super) reserve_received: Instant,
 }
 
 impl Ctx<'_> {
@@ -238,6 +243,16 @@ impl Ctx<'_> {
                 format!("page {} reserved twice", w[0]),
             ));
         }
+        if let (Some(limit), Some(&last)) = (self.destination_pages, sorted.last()) {
+            if last >= limit {
+                return Err((
+                    ErrorCode::BAD_RESERVATION,
+                    format!(
+                        "page index {last} is beyond the receiver's advertised {limit} pages (0..{limit})"
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -359,7 +374,8 @@ impl Transfer {
                     }
                     Ok(()) => {
                         self.transfer.nonce = r.nonce;
-                        let deadline = cx.now + Duration::from_millis(u64::from(r.deadline_ms));
+                        let deadline =
+                            cx.reserve_received + Duration::from_millis(u64::from(r.deadline_ms));
                         let mut w = Writing {
                             deadline,
                             reserved: Reserved {
@@ -455,6 +471,14 @@ impl Transfer {
                     }
                 };
                 (next, Ok(()))
+            }
+            (state, Frame::Abort(a)) => {
+                // An ABORT for another reservation of this id (an earlier one, or nonce 0 once
+                // one is accepted): acknowledged, as for a finished transfer, so the aborting
+                // side need not wait out its abort-ack deadline; this transfer is unaffected
+                // (SPEC §7.3, §7.4).
+                cx.out.transmit.push_back(Frame::AbortAck(a.transfer));
+                (Next::Stay(state), Ok(()))
             }
             (state @ State::Writing(_), frame @ Frame::Verified(t)) if matches(t) => {
                 let e = unexpected(&frame, name, SENDER_ACCEPTS).to_string();

@@ -4,7 +4,7 @@
 use crate::wire::TransferId;
 use std::time::Duration;
 
-use crate::admission::Admitted;
+use crate::admission::{Admitted, Rejected};
 use crate::error::FailureReason;
 use crate::wire::{DigestAlgorithm, ErrorCode, TransferRef};
 
@@ -120,6 +120,29 @@ pub enum SenderEvent {
     },
 }
 
+/// Why [`SenderSession::retire`](super::SenderSession::retire) refused to retire a request.
+#[derive(Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RetireError {
+    /// A transfer with this id is open: a rejection cannot retire it (SPEC.md §5.1). Nothing
+    /// changed; end the open transfer with `abort` if that is what the engine means.
+    Open(Rejected),
+}
+
+impl std::fmt::Display for RetireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Open(r) => write!(
+                f,
+                "transfer {} is open; its rejection ({}) retires nothing",
+                r.transfer_id, r.error
+            ),
+        }
+    }
+}
+
+impl std::error::Error for RetireError {}
+
 /// Why [`SenderSession::submit`](super::SenderSession::submit) refused an admitted request.
 #[derive(Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -135,6 +158,15 @@ pub enum SubmitError {
     },
     /// The connection is lost.
     PeerLost(Admitted),
+    /// The request was admitted with another `tokens_per_page` than the connection's layout:
+    /// its page count is not `ceil(tokens / tokens_per_page)` of the layout, so every
+    /// reservation for it would be refused (SPEC.md §5.1).
+    LayoutMismatch {
+        /// The request.
+        admitted: Admitted,
+        /// Pages the layout gives for its tokens.
+        layout_pages: u64,
+    },
     /// The receiver aborted this transfer's reservation while it was parked (before the
     /// request was submitted here): nothing is written; `code` is the abort's.
     AbortedByPeer {
@@ -155,6 +187,15 @@ impl std::fmt::Display for SubmitError {
                 admitted.pages()
             ),
             Self::PeerLost(_) => write!(f, "the connection is lost"),
+            Self::LayoutMismatch {
+                admitted,
+                layout_pages,
+            } => write!(
+                f,
+                "admitted as {} pages for {} tokens, but the connection's layout needs {layout_pages}: the admission policy's tokens per page is not the layout's",
+                admitted.pages(),
+                admitted.tokens()
+            ),
             Self::AbortedByPeer { admitted, code } => write!(
                 f,
                 "the receiver aborted transfer {}'s reservation before it was submitted: {code}",

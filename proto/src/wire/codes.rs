@@ -124,7 +124,7 @@ wire_enum! {
         FINGERPRINT_MISMATCH = 0x0004 => "FINGERPRINT_MISMATCH",
         /// No digest algorithm is supported by both peers.
         NO_COMMON_DIGEST = 0x0005 => "NO_COMMON_DIGEST",
-        /// The handshake did not finish in time.
+        /// The handshake did not finish in time (sent at the handshake deadline, SPEC.md §4.6).
         HANDSHAKE_TIMEOUT = 0x0006 => "HANDSHAKE_TIMEOUT",
         /// One node authenticates its frames and the other does not (a pre-shared key on one
         /// side only).
@@ -141,7 +141,8 @@ wire_enum! {
         EMPTY_REQUEST = 0x0102 => "EMPTY_REQUEST",
         /// The sender has no request with this transfer id.
         UNKNOWN_REQUEST = 0x0103 => "UNKNOWN_REQUEST",
-        /// The sender's pool has too few free pages right now.
+        /// The sender's pool has too few free pages right now. Engine-chosen: passed to the
+        /// sender's `abort` (admission never produces it, SPEC.md §3.9).
         SENDER_OUT_OF_PAGES = 0x0104 => "SENDER_OUT_OF_PAGES",
         /// The request was cancelled by the sender's engine before a reservation arrived.
         REQUEST_CANCELLED = 0x0105 => "REQUEST_CANCELLED",
@@ -155,7 +156,9 @@ wire_enum! {
         DIGEST_UNSUPPORTED = 0x0202 => "DIGEST_UNSUPPORTED",
         /// A reservation for a transfer id that already has one.
         DUPLICATE_TRANSFER = 0x0203 => "DUPLICATE_TRANSFER",
-        /// The reservation is malformed (duplicate pages, no pages, bad access descriptor).
+        /// The reservation is malformed (nonce 0, a page index twice, a COMMIT that could not
+        /// fit, a page index beyond the receiver's advertised pages; SPEC.md §5.3.1). An access
+        /// descriptor the transport cannot use fails the writes instead (WRITE_FAILED, §9).
         BAD_RESERVATION = 0x0204 => "BAD_RESERVATION",
         /// The sender holds as many parked reservations (naming no request it knows yet) as
         /// it allows; this one is refused at once.

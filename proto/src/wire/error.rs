@@ -3,8 +3,24 @@
 
 use core::fmt;
 
-use super::limits::{MAX_PAYLOAD, VERSION};
+use super::limits::{MAGIC, MAX_PAYLOAD, VERSION};
 use super::FrameType;
+
+/// Bytes for humans, as hex and as ASCII (SPEC.md §7.2): `47 45 54 20 "GET "`. Bytes that
+/// are not printable ASCII show as `.` in the quoted part; a `"` or `\\` shows as `.` too, so
+/// the quoted part never needs escaping.
+pub fn show_bytes(bytes: &[u8]) -> String {
+    let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let ascii: String = bytes
+        .iter()
+        .map(|&b| match b {
+            b'"' | b'\\' => '.',
+            0x20..=0x7e => b as char,
+            _ => '.',
+        })
+        .collect();
+    format!("{} \"{ascii}\"", hex.join(" "))
+}
 
 /// Why a byte string is not a frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,7 +86,12 @@ impl fmt::Display for DecodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Incomplete { needed } => write!(f, "incomplete frame: {needed} bytes needed"),
-            Self::BadMagic(m) => write!(f, "bad magic {m:02x?}"),
+            Self::BadMagic(m) => write!(
+                f,
+                "bad magic {} (expected {}): not a kvwire frame",
+                show_bytes(m),
+                show_bytes(&MAGIC)
+            ),
             Self::UnsupportedVersion(v) => {
                 write!(
                     f,

@@ -132,7 +132,10 @@ pub struct Nack {
 /// ABORT: the transfer is abandoned by the side that sends it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Abort {
-    /// The reservation abandoned (nonce 0 when the sender aborts before any reservation).
+    /// The reservation abandoned: the aborting side's current TransferRef. A sender that
+    /// aborts before any reservation sends no ABORT at all (the RESERVE that comes later is
+    /// answered with REJECT carrying the abort's code, SPEC.md §5.3.5); a receiver still
+    /// accepts an ABORT with nonce 0 from a sender as naming its open reservation (§7.4).
     pub transfer: TransferRef,
     /// Why.
     pub code: ErrorCode,

@@ -11,7 +11,7 @@ pub(crate) mod limits;
 
 pub use codes::{DigestAlgorithm, ErrorCode, FrameType, Role};
 pub use digest::{Digest128, TransferDigests};
-pub use error::{DecodeError, EncodeError};
+pub use error::{show_bytes, DecodeError, EncodeError};
 pub use frame::{Abort, Commit, Frame, Hello, HelloReject, Nack, Reject, Reserve, TransferRef};
 pub use ids::TransferId;
 pub use layout::KvLayout;

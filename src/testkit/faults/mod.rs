@@ -467,6 +467,10 @@ impl<T: SenderTransport> SenderTransport for FaultySender<T> {
         self.0.inner.write_credit()
     }
 
+    fn destination_pages(&self) -> Option<u32> {
+        self.0.inner.destination_pages()
+    }
+
     fn post_writes(
         &mut self,
         now: Instant,

@@ -37,3 +37,63 @@ pub use records::{
     DATA_MAGIC,
 };
 pub use sender::TcpSender;
+
+/// The `kind` of the TCP transport parameters (SPEC §9.1; RDMA's are kind 1, §9.2).
+pub const TCP_PARAMS_KIND: u16 = 2;
+
+/// A TCP node's HELLO transport parameters (SPEC §9.1): kind 2, length 4, then the node's
+/// page slots per buffer (u32 LE), which bound the destination pages a reservation may name.
+pub fn transport_params(pages: u32) -> Vec<u8> {
+    let mut b = Vec::with_capacity(8);
+    b.extend_from_slice(&TCP_PARAMS_KIND.to_le_bytes());
+    b.extend_from_slice(&4u16.to_le_bytes());
+    b.extend_from_slice(&pages.to_le_bytes());
+    b
+}
+
+/// The page count a TCP peer advertised in its transport parameters (SPEC §9.1); an error
+/// naming what is wrong with them otherwise.
+pub fn parse_transport_params(b: &[u8]) -> Result<u32, String> {
+    match b {
+        [k0, k1, l0, l1, p @ ..] if u16::from_le_bytes([*k0, *k1]) == TCP_PARAMS_KIND => {
+            let len = u16::from_le_bytes([*l0, *l1]);
+            match <[u8; 4]>::try_from(p) {
+                Ok(pages) if len == 4 => Ok(u32::from_le_bytes(pages)),
+                _ => Err(format!(
+                    "TCP transport parameters of length {len} with {} bytes after the header (expected length 4: the page count)",
+                    p.len()
+                )),
+            }
+        }
+        [k0, k1, ..] => Err(format!(
+            "transport parameters of kind {} (expected {TCP_PARAMS_KIND}, TCP)",
+            u16::from_le_bytes([*k0, *k1])
+        )),
+        _ => Err(format!(
+            "{} bytes of transport parameters (expected 8: kind 2, length 4, page count)",
+            b.len()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod params_tests {
+    use super::*;
+
+    /// SPEC §9.1: the TCP transport parameters round-trip, and anything else is refused
+    /// naming what is wrong.
+    #[test]
+    fn tcp_transport_params_round_trip_and_refuse_malformed() {
+        assert_eq!(transport_params(0x0102_0304), vec![2, 0, 4, 0, 4, 3, 2, 1]);
+        assert_eq!(parse_transport_params(&transport_params(77)), Ok(77));
+        for bad in [
+            &[][..],
+            &[2, 0, 4, 0, 1, 2, 3][..],
+            &[2, 0, 5, 0, 1, 2, 3, 4][..],
+            &[1, 0, 4, 0, 1, 2, 3, 4][..],
+            &[2, 0, 4, 0, 1, 2, 3, 4, 5][..],
+        ] {
+            assert!(parse_transport_params(bad).is_err(), "{bad:?}");
+        }
+    }
+}

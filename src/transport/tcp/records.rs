@@ -75,8 +75,35 @@ pub enum StreamError {
     #[error("control frame refused: {0}")]
     Open(OpenError),
     /// A record starts with neither magic.
-    #[error("unknown record magic {0:02x?}")]
+    #[error(
+        "unknown record magic {} (expected a frame, {}, or a data record, {})",
+        kvwire_proto::wire::show_bytes(.0),
+        kvwire_proto::wire::show_bytes(&MAGIC),
+        kvwire_proto::wire::show_bytes(&DATA_MAGIC)
+    )]
     BadMagic([u8; 4]),
+    /// A data record whose access key names an open scope but which does not match that
+    /// scope's reservation: another transfer id or nonce, an ordinal beyond its pages, or a
+    /// destination page other than the one reserved at its ordinal (SPEC §9.1). A protocol
+    /// violation: the connection is closed and every transfer fails safely.
+    #[error(
+        "data record for transfer {} nonce {:#x}, ordinal {} -> page {} under the access key of transfer {} nonce {:#x}, which reserved {} at that ordinal",
+        .header.transfer.transfer_id.0,
+        .header.transfer.nonce,
+        .header.ordinal,
+        .header.dst_page,
+        .scope.transfer_id.0,
+        .scope.nonce,
+        .reserved.map_or("no page".to_string(), |p| format!("page {p}"))
+    )]
+    RecordMismatch {
+        /// The record's header.
+        header: DataHeader,
+        /// The reservation the key belongs to.
+        scope: TransferRef,
+        /// The page that reservation has at the record's ordinal.
+        reserved: Option<u32>,
+    },
     /// A data record's length is not the layout's bytes per page index.
     #[error("data record of {got} bytes, the layout's pages are {expected} bytes")]
     BadDataLength {
@@ -276,9 +303,22 @@ impl StreamReader {
                         expected: expected as u64,
                     });
                 }
-                self.state = match scopes.check(header.key, header.dst_page) {
-                    Ok(_) => ReadState::Land { header, done: 0 },
-                    Err(_) => ReadState::Discard { header, done: 0 },
+                // A key naming no open scope is a late record (its transfer was fenced) or a
+                // stray one: its bytes are discarded. Under an open scope the record MUST be
+                // that reservation's, at the page reserved for its ordinal (SPEC §9.1).
+                self.state = match scopes.get(header.key) {
+                    None => ReadState::Discard { header, done: 0 },
+                    Some(scope) => {
+                        let reserved = scope.page_at(header.ordinal);
+                        if scope.transfer != header.transfer || reserved != Some(header.dst_page) {
+                            return Err(StreamError::RecordMismatch {
+                                header,
+                                scope: scope.transfer,
+                                reserved,
+                            });
+                        }
+                        ReadState::Land { header, done: 0 }
+                    }
                 };
                 Ok(None)
             }
@@ -320,5 +360,134 @@ impl StreamReader {
                 Ok(Some(Record::Refused(header)))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{PoolGeometry, Scrub};
+
+    /// Feeds `bytes` to the reader as a stream would, collecting whole records.
+    fn feed(
+        reader: &mut StreamReader,
+        pool: &PagePool,
+        scopes: &ScopeTable,
+        mut bytes: &[u8],
+    ) -> Result<Vec<Record>, StreamError> {
+        let mut out = Vec::new();
+        while !bytes.is_empty() {
+            let n = {
+                let mut target = reader.target(pool, scopes);
+                let t = target.bytes();
+                let n = t.len().min(bytes.len());
+                t[..n].copy_from_slice(&bytes[..n]);
+                n
+            };
+            bytes = &bytes[n..];
+            if let Some(r) = reader.advance(n, scopes)? {
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+
+    /// SPEC §7.2 / §9.1: a record with neither magic ends the connection, its bytes named
+    /// as hex and ASCII.
+    #[test]
+    fn an_unknown_record_magic_is_named_in_hex_and_ascii() {
+        let pool = PagePool::new(
+            PoolGeometry {
+                tokens_per_page: 1,
+                buffer_page_bytes: vec![8],
+                pages: 1,
+            },
+            Scrub::None,
+        )
+        .unwrap();
+        let mut reader = StreamReader::new(&[8]);
+        let e = feed(
+            &mut reader,
+            &pool,
+            &ScopeTable::default(),
+            b"GET / HTTP/1.0\r\n",
+        )
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains(r#"47 45 54 20 "GET ""#), "{text}");
+        assert!(text.contains(r#"4b 56 44 54 "KVDT""#), "{text}");
+    }
+
+    /// SPEC §9.1: under an open scope a data record MUST be that reservation's (transfer id
+    /// and nonce) and write the page reserved at its ordinal; one that is not is a protocol
+    /// violation that ends the connection, before any of its bytes lands. A record under a
+    /// closed (fenced) key is discarded.
+    #[test]
+    fn a_record_that_does_not_match_its_scopes_reservation_ends_the_connection() {
+        let pool = PagePool::new(
+            PoolGeometry {
+                tokens_per_page: 1,
+                buffer_page_bytes: vec![8],
+                pages: 8,
+            },
+            Scrub::None,
+        )
+        .unwrap();
+        let t = TransferRef {
+            transfer_id: TransferId(7),
+            nonce: 0x1234,
+        };
+        let mut scopes = ScopeTable::default();
+        let key = scopes.open(t.transfer_id, &[5, 2]);
+        scopes.bind(t);
+        let record = |transfer, ordinal, dst_page| {
+            let mut b = DataHeader {
+                transfer,
+                key,
+                ordinal,
+                dst_page,
+                len: 8,
+            }
+            .encode()
+            .to_vec();
+            b.extend_from_slice(&[0xAB; 8]);
+            b
+        };
+        // The reservation's own record lands.
+        let mut reader = StreamReader::new(&[8]);
+        let got = feed(&mut reader, &pool, &scopes, &record(t, 1, 2)).unwrap();
+        assert!(matches!(&got[..], [Record::Landed(h)] if h.dst_page == 2));
+        for (transfer, ordinal, dst_page) in [
+            (TransferRef { nonce: 0x9999, ..t }, 1, 2),
+            (
+                TransferRef {
+                    transfer_id: TransferId(8),
+                    ..t
+                },
+                1,
+                2,
+            ),
+            (t, 0, 2), // a page of the scope, but not the one reserved at ordinal 0
+            (t, 2, 2), // an ordinal beyond the reservation
+            (t, 0, 6), // a page outside the scope
+        ] {
+            let mut reader = StreamReader::new(&[8]);
+            let e = feed(
+                &mut reader,
+                &pool,
+                &scopes,
+                &record(transfer, ordinal, dst_page),
+            )
+            .unwrap_err();
+            assert!(
+                matches!(e, StreamError::RecordMismatch { scope, .. } if scope == t),
+                "{e}"
+            );
+        }
+        // After the fence the key is dead: a late record is discarded, not an error.
+        scopes.close(t.transfer_id);
+        let mut reader = StreamReader::new(&[8]);
+        let got = feed(&mut reader, &pool, &scopes, &record(t, 0, 5)).unwrap();
+        assert!(matches!(&got[..], [Record::Refused(_)]));
     }
 }

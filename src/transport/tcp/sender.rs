@@ -66,6 +66,8 @@ pub struct TcpSender {
     events: VecDeque<TransportEvent>,
     closed: bool,
     stats: TcpSenderStats,
+    /// The receiver's page slots per buffer, from its transport parameters (SPEC §9.1).
+    destination_pages: Option<u32>,
 }
 
 impl TcpSender {
@@ -88,7 +90,15 @@ impl TcpSender {
             events: VecDeque::new(),
             closed: false,
             stats: TcpSenderStats::default(),
+            destination_pages: None,
         }
+    }
+
+    /// The receiver advertised `pages` page slots per buffer (its TCP transport parameters,
+    /// SPEC §9.1): reservations naming a page beyond them are refused (§5.3.1 #7).
+    pub fn with_destination_pages(mut self, pages: u32) -> Self {
+        self.destination_pages = Some(pages);
+        self
     }
 
     /// Counters.
@@ -274,7 +284,8 @@ impl TcpSender {
         if self.rbuf[..4] != MAGIC {
             let magic = [self.rbuf[0], self.rbuf[1], self.rbuf[2], self.rbuf[3]];
             self.shut(Closed::Malformed(format!(
-                "a record from the receiver starts with {magic:02x?}, not a frame"
+                "a record from the receiver starts with {}, not a frame",
+                kvwire_proto::wire::show_bytes(&magic)
             )));
             return None;
         }
@@ -349,6 +360,10 @@ impl SenderTransport for TcpSender {
         }
     }
 
+    fn destination_pages(&self) -> Option<u32> {
+        self.destination_pages
+    }
+
     fn post_writes(
         &mut self,
         _now: Instant,
@@ -389,5 +404,67 @@ fn push_part<'a>(slices: &mut Vec<IoSlice<'a>>, skip: &mut usize, part: &'a [u8]
     } else {
         slices.push(IoSlice::new(&part[*skip..]));
         *skip = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{PoolGeometry, Scrub};
+    use kvwire_proto::auth::AuthChannel;
+    use kvwire_proto::wire::TransferId;
+
+    /// SPEC §9.1: a TCP access descriptor is exactly 4 bytes; a sender given any other
+    /// length writes nothing for the reservation and reports every page write failed.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_tcp_access_descriptor_of_the_wrong_length_fails_the_writes() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (a, b) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let (a, _b) = (a.unwrap(), b.unwrap().0);
+        let pool = Arc::new(
+            PagePool::new(
+                PoolGeometry {
+                    tokens_per_page: 1,
+                    buffer_page_bytes: vec![8],
+                    pages: 4,
+                },
+                Scrub::None,
+            )
+            .unwrap(),
+        );
+        let (sealer, opener) = AuthChannel::off().split();
+        let mut s = TcpSender::new(a, sealer, opener, pool);
+        let t = TransferRef {
+            transfer_id: TransferId(1),
+            nonce: 9,
+        };
+        let writes = [
+            PageWrite {
+                ordinal: 0,
+                src_page: 0,
+                dst_page: 0,
+            },
+            PageWrite {
+                ordinal: 1,
+                src_page: 1,
+                dst_page: 1,
+            },
+        ];
+        for access in [&[1u8, 0, 0][..], &[1, 0, 0, 0, 0][..], &[][..]] {
+            let access: Arc<[u8]> = access.into();
+            s.post_writes(Instant::now(), t, &access, &writes);
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            match s.poll_event(&mut cx, Instant::now()) {
+                Poll::Ready(TransportEvent::WritesDone {
+                    transfer,
+                    pages: 2,
+                    ok: false,
+                }) => assert_eq!(transfer, t),
+                other => panic!("descriptor of {} bytes: {other:?}", access.len()),
+            }
+        }
+        assert_eq!(s.stats().records, 0, "a data record was written");
+        assert_eq!(s.data_queued, 0);
     }
 }
