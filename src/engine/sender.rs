@@ -493,6 +493,26 @@ impl OutgoingTransfer {
         });
     }
 
+    /// The transfer's outcome as a future that borrows nothing, so the engine can wait for it
+    /// (e.g. on another task) while it still sends chunks and may abort through `self`: a
+    /// failure before the final chunk (an abort by the receiver, a lost peer) resolves it at
+    /// once. It resolves like [`OutgoingTransfer::outcome`]; take it once: afterwards
+    /// `outcome` and a second `take_outcome` resolve with
+    /// [`TransferError::ConnectionClosed`].
+    pub fn take_outcome(
+        &mut self,
+    ) -> impl std::future::Future<Output = Result<(), TransferError>> + Send + 'static {
+        let (_, spent) = oneshot::channel();
+        let rx = std::mem::replace(&mut self.outcome, spent);
+        let sent = std::mem::replace(&mut self.sent, false);
+        async move {
+            if !sent {
+                return Err(TransferError::ConnectionClosed);
+            }
+            rx.await.map_err(|_| TransferError::ConnectionClosed)?
+        }
+    }
+
     /// Waits until the receiver verified the transfer, or the typed reason it failed
     /// (reported only once nothing reads its source pages any more).
     pub async fn outcome(self) -> Result<(), TransferError> {
