@@ -100,6 +100,10 @@ impl ErrInfo {
 fn reason_kind(r: &FailureReason) -> &'static str {
     use FailureReason as F;
     match r {
+        // The prefill's engine cancelled the request before writing anything: kvwire answers
+        // the reservation with REJECT carrying CANCELLED. To the decode engine that is the
+        // peer's abort.
+        F::Rejected { code, .. } if *code == ErrorCode::CANCELLED => "PeerAborted",
         F::Rejected { .. } => "Rejected",
         F::ReservationRefused { .. } => "ReservationRefused",
         F::CountMismatch { .. } => "CountMismatch",
@@ -507,9 +511,15 @@ impl Engine {
                 .transport(transport)
                 .sender(sender)
                 .liveness(liveness);
-        if let Some(id) = node_id {
-            builder = builder.node_id(id);
-        }
+        // Node ids tell a prefill's decode peers apart: random unless given.
+        let node_id = match node_id {
+            Some(id) => id,
+            None => u64::from_ne_bytes(
+                kvwire::engine::random_bytes()
+                    .map_err(|e| PyRuntimeError::new_err(format!("random source: {e}")))?,
+            ),
+        };
+        builder = builder.node_id(node_id);
         let mut config = builder
             .build()
             .map_err(|e| raise(py, ErrInfo::new("ConfigError", e.to_string(), false)))?;
@@ -587,7 +597,24 @@ impl Engine {
                             p.senders.push((id, conn));
                         }
                         Ok(None) => return,
-                        Err(_) => {}
+                        Err(_) => {
+                            // Forget connections whose peer is gone (a restarted decode node
+                            // comes back as a new connection).
+                            let conns: Vec<(u64, SenderConn)> = peers2
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .senders
+                                .clone();
+                            for (id, c) in conns {
+                                if c.stats().await.map_or(true, |s| s.peer_lost) {
+                                    peers2
+                                        .lock()
+                                        .unwrap_or_else(|p| p.into_inner())
+                                        .senders
+                                        .retain(|(i, _)| *i != id);
+                                }
+                            }
+                        }
                     }
                 }
             });
@@ -955,38 +982,46 @@ impl Sender {
         self.tx.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The connection to the decode node this request goes to: the one named, or the only
+    /// one (several without a name fail the request).
+    fn connection(&self) -> Option<SenderConn> {
+        let peers = self.inner.peers();
+        match self.peer {
+            Some(id) => peers
+                .senders
+                .iter()
+                .find(|(i, _)| *i == id)
+                .map(|(_, c)| c.clone()),
+            None => match peers.senders.len() {
+                1 => Some(peers.senders[0].1.clone()),
+                0 => None,
+                _ => {
+                    drop(peers);
+                    self.state.fail(ErrInfo::new(
+                        "InvalidRequest",
+                        "several decode nodes are connected: name the destination (peer=node id)",
+                        false,
+                    ));
+                    None
+                }
+            },
+        }
+    }
+
     /// Opens the transfer once a connection to the decode node exists.
     fn try_open(&self, slot: &mut SenderSlot) {
-        let Some((pages, tokens, _)) = slot.planned else {
-            return;
-        };
         if slot.tx.is_some() || self.state.is_final() {
             return;
         }
-        let conn = {
-            let peers = self.inner.peers();
-            match self.peer {
-                Some(id) => peers
-                    .senders
-                    .iter()
-                    .find(|(i, _)| *i == id)
-                    .map(|(_, c)| c.clone()),
-                None => match peers.senders.len() {
-                    1 => Some(peers.senders[0].1.clone()),
-                    0 => None,
-                    _ => {
-                        drop(peers);
-                        self.state.fail(ErrInfo::new(
-                            "InvalidRequest",
-                            "several decode nodes are connected: name the destination (peer=node id)",
-                            false,
-                        ));
-                        return;
-                    }
-                },
-            }
+        let Some(conn) = self.connection() else {
+            return;
         };
-        let Some(conn) = conn else { return };
+        // Connected: ready for `init` (SGLang's WaitingForInput), and opened once planned.
+        self.state
+            .advance(poll::BOOTSTRAPPING, poll::WAITING_FOR_INPUT);
+        let Some((pages, tokens, _)) = slot.planned else {
+            return;
+        };
         let id = TransferId(self.room);
         let admitted = match conn.admit(Request {
             transfer_id: id,
