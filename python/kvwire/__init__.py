@@ -275,7 +275,9 @@ class KVManager:
     def resolve_prefill(self, rank: int = 0, *, cached: bool = True) -> str:
         """The address of prefill ``rank`` (the first registered node of that rank)."""
         key = (self.cluster, rank)
-        if cached and key in self._resolved:
+        # A cached address serves while kvwire's connection to it is up; a lost one (the
+        # prefill died or moved) is resolved again.
+        if cached and key in self._resolved and self._engine.link_up(self._resolved[key]):
             return self._resolved[key]
         peers = self.resolve("prefill", rank)
         if not peers:

@@ -620,7 +620,30 @@ impl Engine {
             });
             (Some(addr), Some(task))
         } else {
-            (None, None)
+            // Forget connections whose peer is gone, so the next receiver reconnects (or
+            // re-resolves the prefill through discovery).
+            let peers2 = peers.clone();
+            let task = rt.spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let up: Vec<(String, ReceiverConn)> = peers2
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .links
+                        .iter()
+                        .filter_map(|(a, l)| match l {
+                            Link::Up(c) => Some((a.clone(), c.clone())),
+                            _ => None,
+                        })
+                        .collect();
+                    for (address, c) in up {
+                        if c.stats().await.map_or(true, |s| s.peer_lost) {
+                            forget(&peers2, &address);
+                        }
+                    }
+                }
+            });
+            (None, Some(task))
         };
         Ok(Self {
             inner: Arc::new(Inner {
@@ -712,6 +735,11 @@ impl Engine {
     /// up or on its way (returns at once).
     fn connect(&self, address: String) {
         connect(&self.inner, &address, false);
+    }
+
+    /// Decode: whether a connection to `address` is up now.
+    fn link_up(&self, address: &str) -> bool {
+        matches!(self.inner.peers().links.get(address), Some(Link::Up(_)))
     }
 
     /// A sender for request `room` (prefill).
@@ -1212,7 +1240,8 @@ struct Receiver {
 impl Receiver {
     /// Follows the connection; reserves once it is up and metadata was given.
     fn progress(&self) {
-        if self.state.is_final() {
+        // Once reserved (Transferring) or ended, the reservation's own future decides.
+        if self.state.get() >= poll::TRANSFERRING || self.state.is_final() {
             return;
         }
         let link = self.inner.peers().links.get(&self.address).cloned();
