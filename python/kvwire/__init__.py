@@ -176,7 +176,7 @@ class KVManager:
             worker_threads=worker_threads,
             keepalive=keepalive,
         )
-        self._resolved: Dict[Tuple[str, int], str] = {}
+        self._resolved: Dict[Tuple[str, str, int], str] = {}
 
     @classmethod
     def from_arrays(
@@ -260,11 +260,19 @@ class KVManager:
     def deregister(self) -> None:
         self._engine.deregister()
 
-    def resolve(self, role: str = "prefill", rank: Optional[int] = None, *, check_layout: bool = True) -> List[Dict[str, Any]]:
-        """Peers registered in this manager's cluster (dicts with node_id, rank, address, ...).
-        A peer with another layout fingerprint raises :class:`LayoutMismatch`."""
+    def resolve(
+        self,
+        role: str = "prefill",
+        rank: Optional[int] = None,
+        *,
+        check_layout: bool = True,
+        server: Optional[str] = None,
+    ) -> List[Dict[str, Any]]:
+        """Peers registered in this manager's cluster (dicts with node_id, rank, address, ...),
+        through its bootstrap server or etcd (or the bootstrap server ``server``). A peer
+        with another layout fingerprint raises :class:`LayoutMismatch`."""
         return self._engine.resolve(
-            self.bootstrap,
+            server or self.bootstrap,
             self.cluster,
             role,
             rank,
@@ -272,14 +280,14 @@ class KVManager:
             etcd_endpoints=self.etcd_endpoints,
         )
 
-    def resolve_prefill(self, rank: int = 0, *, cached: bool = True) -> str:
+    def resolve_prefill(self, rank: int = 0, *, cached: bool = True, server: Optional[str] = None) -> str:
         """The address of prefill ``rank`` (the first registered node of that rank)."""
-        key = (self.cluster, rank)
+        key = (server or self.bootstrap or "", self.cluster, rank)
         # A cached address serves while kvwire's connection to it is up; a lost one (the
         # prefill died or moved) is resolved again.
         if cached and key in self._resolved and self._engine.link_up(self._resolved[key]):
             return self._resolved[key]
-        peers = self.resolve("prefill", rank)
+        peers = self.resolve("prefill", rank, server=server)
         if not peers:
             raise DiscoveryError(f"no prefill node of rank {rank} registered in cluster {self.cluster!r}")
         self._resolved[key] = peers[0]["address"]
@@ -367,7 +375,8 @@ class KVSender(_Transfer):
 class KVReceiver(_Transfer):
     """Decode side of one request: ``bootstrap_addr`` is the prefill node's kvwire address,
     or, for a manager with discovery (``bootstrap=`` / ``etcd_endpoints=``), None or the
-    bootstrap server, with ``prefill_rank`` resolved through it."""
+    bootstrap server, with ``prefill_rank`` resolved through it (``via_bootstrap=True``:
+    ``bootstrap_addr`` is a bootstrap server even if the manager has none, as in SGLang)."""
 
     def __init__(
         self,
@@ -375,15 +384,18 @@ class KVReceiver(_Transfer):
         bootstrap_addr: Optional[str],
         bootstrap_room: int,
         prefill_rank: Optional[int] = None,
+        *,
+        via_bootstrap: bool = False,
         **_: Any,
     ) -> None:
         self.mgr = mgr
         address = bootstrap_addr
         discovered = mgr.bootstrap is not None or mgr.etcd_endpoints is not None
         self._early: Optional[TransferError] = None
-        if discovered and (prefill_rank is not None or bootstrap_addr in (None, mgr.bootstrap)):
+        if via_bootstrap or (discovered and (prefill_rank is not None or bootstrap_addr in (None, mgr.bootstrap))):
             try:
-                address = mgr.resolve_prefill(prefill_rank or 0)
+                server = bootstrap_addr if via_bootstrap else None
+                address = mgr.resolve_prefill(prefill_rank or 0, server=server)
             except TransferError as e:
                 self._early = e
                 address = None
