@@ -815,14 +815,23 @@ impl Engine {
         Ok(())
     }
 
-    /// Removes this node's records now (they also go when the engine is dropped).
-    fn deregister(&self) {
-        let _guard = self.inner.rt.enter();
-        self.inner
-            .registrations
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
+    /// Removes this node's records now and waits until they are gone (at most a few
+    /// seconds; they also go, without waiting, when the engine is dropped).
+    fn deregister(&self, py: Python<'_>) {
+        let regs: Vec<Registration> = std::mem::take(
+            &mut *self
+                .inner
+                .registrations
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        py.allow_threads(|| {
+            self.inner.rt.block_on(async {
+                for r in regs {
+                    let _ = tokio::time::timeout(Duration::from_secs(5), r.deregister()).await;
+                }
+            })
+        });
     }
 
     /// The peers of `role` ("prefill" or "decode") registered in `cluster` (optionally of

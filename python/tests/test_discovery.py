@@ -29,6 +29,9 @@ def _discovered_transfer(psk, backend_args, decode_kw):
     p = Peer("prefill", "--psk", psk.hex(), "--cluster", "disc", "--rank", "3", "--ttl", str(TTL), *backend_args)
     try:
         mgr, kv, aux = common.manager("decode", psk, fill=SENTINEL, cluster="disc", **decode_kw)
+        # A live prefill keeps its record past the TTL (refreshed), so the expiry below is
+        # its death, not the clock.
+        time.sleep(TTL * 1.5)
         found = mgr.resolve("prefill", 3)
         assert [f["address"] for f in found] == [p.hello["address"]]
         assert found[0]["node_id"] == p.hello["node_id"]
@@ -69,6 +72,12 @@ def test_embedded_bootstrap_server():
     try:
         _discovered_transfer(psk, ["--bootstrap", server.address], {"bootstrap": server.address})
         assert server.record_count() == 0
+        # A clean shutdown deregisters at once (no TTL wait).
+        mgr, _, _ = common.manager("prefill", psk, bootstrap=server.address, cluster="disc")
+        mgr.register(5, ttl_s=30)
+        assert [f["address"] for f in mgr.resolve("prefill", 5)] == [mgr.address]
+        mgr.close()
+        assert mgr.resolve("prefill", 5) == [] and server.record_count() == 0
     finally:
         server.close()
 
