@@ -79,9 +79,16 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
         self.is_mla_backend = is_mla_backend
         self.is_prefill = _role(disaggregation_mode)
         bootstrap = kwargs.pop("bootstrap", None) or _bootstrap_of(server_args)
+        # SGLang's KVArgs carries no page size: it is the server's.
+        if not getattr(args, "page_size", None):
+            try:
+                args.page_size = int(getattr(server_args, "page_size", None) or 1)
+            except AttributeError:  # a frozen args object: wrap it
+                args = KVArgs(**{k: getattr(args, k) for k in KVArgs.__dataclass_fields__ if hasattr(args, k) and k != "page_size"},
+                              page_size=int(getattr(server_args, "page_size", None) or 1))
         self.inner = KVManager(args, self.is_prefill, bootstrap=bootstrap, **kwargs)
         if self.is_prefill and (bootstrap or self.inner.etcd_endpoints):
-            self.inner.register(args.engine_rank)
+            self.inner.register(getattr(args, "engine_rank", 0))
 
 
 class KvwireKVSender(BaseKVSender):  # type: ignore[misc,valid-type]
@@ -130,7 +137,7 @@ class KvwireKVReceiver(BaseKVReceiver):  # type: ignore[misc,valid-type]
         prefill_dp_rank: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
-        rank = mgr.kv_args.engine_rank if prefill_dp_rank is None else prefill_dp_rank
+        rank = getattr(mgr.kv_args, "engine_rank", 0) if prefill_dp_rank is None else prefill_dp_rank
         self.t = KVReceiver(mgr.inner, bootstrap_addr, int(bootstrap_room or 0), prefill_rank=rank, via_bootstrap=True)
 
     def init(self, kv_indices: Any = None, aux_index: Optional[int] = None) -> None:

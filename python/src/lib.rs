@@ -762,7 +762,7 @@ impl Engine {
         if self.inner.prefill {
             return Err(PyValueError::new_err("a prefill engine has no receivers"));
         }
-        connect(&self.inner, &address, false);
+        connect(&self.inner, &address, true);
         Ok(Receiver {
             inner: self.inner.clone(),
             room,
@@ -958,13 +958,14 @@ fn backend(
     Ok(Arc::new(EmbeddedDiscovery::from_host(server).with_ttl(ttl)))
 }
 
-/// Decode: a connection to `address` is up, on its way, or started now (`retry`: replace a
-/// failed or dead one).
+/// Decode: a connection to `address` is up, on its way, or started now (`retry`: also
+/// replace one that failed to open, for a new receiver; the receivers that saw it fail keep
+/// their failure).
 fn connect(inner: &Arc<Inner>, address: &str, retry: bool) {
     let mut peers = inner.peers();
     match peers.links.get(address) {
-        Some(Link::Connecting) => return,
-        Some(Link::Up(_)) | Some(Link::Failed(_)) if !retry => return,
+        Some(Link::Connecting) | Some(Link::Up(_)) => return,
+        Some(Link::Failed(_)) if !retry => return,
         _ => {}
     }
     peers.links.insert(address.to_string(), Link::Connecting);

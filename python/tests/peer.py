@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -34,6 +35,7 @@ def main() -> None:
     mgr, kv, aux = common.manager(
         a.role, psk, pages=a.pages, fill=a.fill, bootstrap=a.bootstrap,
         etcd_endpoints=[a.etcd] if a.etcd else None, cluster=a.cluster, fingerprint=a.fingerprint,
+        **({"listen": os.environ["KVWIRE_TEST_LISTEN"]} if a.role == "prefill" and os.environ.get("KVWIRE_TEST_LISTEN") else {}),
     )
     if a.bootstrap or a.etcd:
         mgr.register(a.rank, ttl_s=a.ttl)

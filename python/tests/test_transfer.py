@@ -236,3 +236,27 @@ def test_the_byte_check_catches_one_flipped_byte():
     aux[1][1][7] ^= 0x80
     assert common.check_landed(kv, aux, 5, [3, 4], 1) == ["page 4 (ordinal 1) buffer 2", common.check_landed(kv, aux, 5, [3, 4], 1)[1]]
     assert common.check_landed(kv, aux, 5, [3, 4], 1)[1].startswith("aux slot 1")
+
+
+def test_nobody_listening_fails_typed_and_a_later_receiver_connects(psk):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mgr, kv, aux = decode_manager(psk)
+    r = KVReceiver(mgr, f"127.0.0.1:{port}", 60)
+    st, _ = wait_state(r, FINAL, 10)
+    assert st == KVPoll.Failed and isinstance(r.error, kvwire.ConnectFailed), r.error
+    assert r.error.retryable
+    # The prefill comes up there later: a new receiver connects (the failure is not cached).
+    p = Peer("prefill", "--psk", psk.hex(), env={"KVWIRE_TEST_LISTEN": f"127.0.0.1:{port}"})
+    try:
+        r2 = KVReceiver(mgr, p.hello["address"], 61)
+        r2.send_metadata(np.array([4, 5]))
+        rep = p.call(op="send", room=61, src=[0, 1])
+        assert rep["error"] is None, rep
+        assert r2.wait(10) == KVPoll.Success, r2.error
+        assert common.check_landed(kv, aux, 61, [4, 5], None) == []
+    finally:
+        p.close()
