@@ -120,6 +120,11 @@ class KVManager:
     runtime. kvwire writes only pages reserved for a transfer and reads only pages being
     sent; the engine must not write a page while kvwire holds it (``held_pages()``).
 
+    Timeouts: ``reserve_timeout_s`` (decode: how long the prefill has to deliver a
+    reservation), ``reservation_wait_s`` (prefill: how long an ``init``-ed request waits for
+    the decode's reservation), ``parked_reservation_s`` (prefill: how long a reservation that
+    arrived before ``init`` is held), ``liveness_timeout_s`` (a silent peer is lost).
+
     Discovery: ``bootstrap`` (an embedded bootstrap server's ``host:port``) or
     ``etcd_endpoints``, with ``cluster``: a prefill manager registers itself
     (``register()``), and a decode manager's receivers resolve the prefill by rank.
@@ -140,6 +145,7 @@ class KVManager:
         liveness_timeout_s: float = 2.0,
         reserve_timeout_s: float = 30.0,
         reservation_wait_s: float = 30.0,
+        parked_reservation_s: float = 30.0,
         worker_threads: int = 2,
         bootstrap: Optional[str] = None,
         etcd_endpoints: Optional[Sequence[str]] = None,
@@ -173,6 +179,7 @@ class KVManager:
             liveness_timeout_s=liveness_timeout_s,
             reserve_timeout_s=reserve_timeout_s,
             reservation_wait_s=reservation_wait_s,
+            parked_reservation_s=parked_reservation_s,
             worker_threads=worker_threads,
             keepalive=keepalive,
         )

@@ -32,6 +32,7 @@ class Engine:
         liveness_timeout_s: float = 2.0,
         reserve_timeout_s: float = 30.0,
         reservation_wait_s: float = 30.0,
+        parked_reservation_s: float = 30.0,
         worker_threads: int = 2,
         keepalive: Any = None,
     ) -> None: ...

@@ -409,7 +409,7 @@ impl Engine {
     /// reads and writes of its length for as long as this engine and everything made from
     /// it live, the buffers do not overlap, and the engine writes no page kvwire holds.
     #[new]
-    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, worker_threads=2, keepalive=None))]
+    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, parked_reservation_s=30.0, worker_threads=2, keepalive=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -432,6 +432,7 @@ impl Engine {
         liveness_timeout_s: f64,
         reserve_timeout_s: f64,
         reservation_wait_s: f64,
+        parked_reservation_s: f64,
         worker_threads: usize,
         keepalive: Option<PyObject>,
     ) -> PyResult<Self> {
@@ -498,6 +499,9 @@ impl Engine {
         let sender = {
             let mut c = kvwire::proto::sender::SenderConfig::default();
             c.reservation_timeout = secs(reservation_wait_s)?;
+            // A decode node's reservation usually arrives before the prefill's scheduler
+            // calls `init` (its queue may take a while): hold it that long.
+            c.parked_reservation_timeout = secs(parked_reservation_s)?;
             c
         };
         let liveness = kvwire::proto::liveness::LivenessConfig {

@@ -260,3 +260,30 @@ def test_nobody_listening_fails_typed_and_a_later_receiver_connects(psk):
         assert common.check_landed(kv, aux, 61, [4, 5], None) == []
     finally:
         p.close()
+
+
+def test_a_reservation_that_arrives_long_before_init_is_held(prefill, psk):
+    # The decode node reserves; the prefill's scheduler calls init 5.5 s later (past kvwire's
+    # default 5 s for a reservation naming no known request): still delivered.
+    mgr, kv, aux = decode_manager(psk)
+    r = KVReceiver(mgr, prefill.hello["address"], 62)
+    r.send_metadata(np.array([30, 31]), aux_index=7)
+    assert wait_state(r, {KVPoll.Transferring}, 5)[0] == KVPoll.Transferring
+    time.sleep(5.5)
+    rep = prefill.call(op="send", room=62, src=[40, 41], aux_index=7)
+    assert rep["error"] is None, rep
+    assert r.wait(10) == KVPoll.Success, r.error
+    assert common.check_landed(kv, aux, 62, [30, 31], 7) == []
+
+
+def test_poll_returns_at_once_while_a_transfer_is_open(prefill, psk):
+    mgr, kv, aux = decode_manager(psk)
+    r = KVReceiver(mgr, prefill.hello["address"], 63)
+    r.send_metadata(np.array([1]))
+    wait_state(r, {KVPoll.Transferring}, 5)
+    start = time.perf_counter()
+    for _ in range(10_000):
+        assert r.poll() == KVPoll.Transferring  # nobody sends: it stays open
+    per_poll = (time.perf_counter() - start) / 10_000
+    assert per_poll < 1e-3, per_poll
+    r.abort()
