@@ -406,9 +406,13 @@ class KVReceiver(_Transfer):
             except TransferError as e:
                 self._early = e
                 address = None
-        if address is None and self._early is None:
+        self._native: Any
+        if self._early is not None:
+            self._native = _FailedNative(bootstrap_room, self._early)
+        elif address is None:
             raise ValueError("no prefill address: pass bootstrap_addr or configure discovery")
-        self._native = _FailedNative(bootstrap_room, self._early) if self._early else mgr._engine.receiver(int(bootstrap_room), address)
+        else:
+            self._native = mgr._engine.receiver(int(bootstrap_room), address)
 
     def init(self, kv_indices: Any = None, aux_index: Optional[int] = None, num_tokens: Optional[int] = None) -> None:
         """SGLang's older entry point: with ``kv_indices``, the same as :meth:`send_metadata`."""

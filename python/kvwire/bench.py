@@ -54,8 +54,8 @@ def run_case(page_bytes: int, args: argparse.Namespace) -> dict:
     # allocation is) and no page fault lands in the timed loop.
     pkv = [np.empty((pages, words), np.uint64) for _ in range(args.buffers)]
     dkv = [np.empty((pages, words), np.uint64) for _ in range(args.buffers)]
-    for b in pkv + dkv:
-        b.fill(0)
+    for buf in pkv + dkv:
+        buf.fill(0)
     common = dict(page_size=args.tokens_per_page, psk=psk, worker_threads=args.threads)
     pre = KVManager.from_arrays("prefill", pkv, **common)
     dec = KVManager.from_arrays("decode", dkv, **common)
