@@ -414,3 +414,53 @@ async fn a_decode_abort_before_the_prefill_submits_fails_the_late_submit_at_once
         );
     }
 }
+
+/// `OutgoingTransfer::take_outcome`: the outcome can be awaited elsewhere while chunks still
+/// go through the handle, and a decode abort after the first chunk resolves it at once,
+/// before the prefill sends its final chunk; a second take (and `outcome`) is
+/// `ConnectionClosed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_outcome_sees_a_decode_abort_before_the_final_chunk() {
+    let config = config();
+    let decode_kv = EngineKv::new(&config);
+    let decode = decode_kv.register(&config);
+    let prefill_kv = EngineKv::new(&config);
+    let prefill = prefill_kv.register(&config);
+    let (s, r) = connect(&prefill, &decode).await;
+    let id = TransferId(51);
+    let reserved = r
+        .reserve(ReserveParams::new(id, 64, Duration::from_secs(10)).into_pages(vec![3, 9, 27, 5]));
+    let admitted = s
+        .admit(Request {
+            transfer_id: id,
+            tokens: 64,
+        })
+        .unwrap();
+    let mut tx = s.open(admitted);
+    let outcome = tokio::spawn(tx.take_outcome());
+    for (o, p) in [1u32, 2].into_iter().enumerate() {
+        prefill_kv.write(p, id, o as u32);
+    }
+    tx.send_chunk(vec![1, 2], None).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    r.abort(id, kvwire::ErrorCode::CANCELLED);
+    assert!(reserved.await.is_err());
+    let got = tokio::time::timeout(Duration::from_secs(5), outcome)
+        .await
+        .expect("the taken outcome resolves before the final chunk")
+        .unwrap();
+    match &got {
+        Err(TransferError::Failed(kvwire::FailureReason::PeerAbort { code, .. })) => {
+            assert_eq!(*code, kvwire::ErrorCode::CANCELLED)
+        }
+        other => panic!("expected the decode's abort, got {other:?}"),
+    }
+    assert!(matches!(
+        tx.take_outcome().await,
+        Err(TransferError::ConnectionClosed)
+    ));
+    assert!(matches!(
+        tx.outcome().await,
+        Err(TransferError::ConnectionClosed)
+    ));
+}
