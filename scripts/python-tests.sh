@@ -9,6 +9,9 @@
 #   bash scripts/python-tests.sh            # release wheel with etcd; etcd tests required
 #   KVWIRE_PY_FEATURES= bash scripts/...    # without etcd (its test skips with a reason)
 #   KVWIRE_PY_PROFILE=debug bash scripts/...
+#   KVWIRE_PY_FEATURES=etcd,rdma bash ...   # also the RDMA transport (needs cmake, libclang-dev);
+#                                           # the SoftRoCE lane runs a test with it in its VM
+#   KVWIRE_PY_BUILD_ONLY=1 bash scripts/... # the venv and the wheel, no pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +30,9 @@ need=()
 if [[ ",$FEATURES," == *",etcd,"* ]]; then
   command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
   command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+fi
+if [[ ",$FEATURES," == *",rdma,"* ]]; then
+  for p in cmake libclang-dev; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
 fi
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
@@ -48,6 +54,11 @@ args=(build --locked -i "$VENV/bin/python" -o "$OUT")
 rm -rf "$OUT"
 (cd python && "$VENV/bin/maturin" "${args[@]}")
 "$VENV/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$OUT"/kvwire-*.whl
+
+if [ -n "${KVWIRE_PY_BUILD_ONLY:-}" ]; then
+  echo "python-tests: built and installed into $VENV (KVWIRE_PY_BUILD_ONLY: no pytest)"
+  exit 0
+fi
 
 echo "== python: pytest"
 if [[ ",$FEATURES," == *",etcd,"* ]]; then

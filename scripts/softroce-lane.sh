@@ -2,7 +2,8 @@
 # The SoftRoCE lane: kvwire's RDMA tests (feature `rdma`) on a real verbs stack (rdma_rxe,
 # device rxe0), where a missing device is a failure (KVWIRE_REQUIRE_RDMA=1): the device, the
 # verbs primitives, the drivers (incidents, abort in flight, late write and recovery), two
-# processes with a killed sender; then kvwire bench --transport rdma beside ib_write_bw, and
+# processes with a killed sender; the Python package's verified-transfer test over RDMA (two
+# processes, the same test that runs over TCP); then kvwire bench --transport rdma beside ib_write_bw, and
 # their ratio (a failed bench case fails the lane).
 # Runs the host-built binaries inside scripts/softroce-vm.sh (or on the host when its kernel
 # has rdma_rxe).
@@ -21,6 +22,12 @@ cargo test --quiet -p kvwire --features rdma --lib -- transport::rdma
 cargo build --quiet --features rdma --bin kvwire --example quickstart --example engine_integration
 # The RDMA bench is measured with the optimized binary.
 cargo build --quiet --release --features rdma --bin kvwire
+# The Python wheel with the RDMA transport: .ci/run builds it (scripts/python-tests.sh with
+# KVWIRE_PY_FEATURES=etcd,rdma) and tests it over TCP first; build it here when run alone.
+pyvenv=target/python-venv
+if ! "$pyvenv/bin/python" -c 'import kvwire' >/dev/null 2>&1; then
+  KVWIRE_PY_FEATURES=etcd,rdma KVWIRE_PY_BUILD_ONLY=1 bash scripts/python-tests.sh
+fi
 out=target/softroce-bench
 rm -rf "$out" && mkdir -p "$out"
 tests=$(cargo test --quiet --features rdma --test rdma --no-run --message-format=json \
@@ -41,6 +48,9 @@ target/debug/examples/quickstart --connect 127.0.0.1:7411 --rdma rxe0
 wait \$!
 echo '== engine integration over RDMA: one decode and two prefill engines, their own allocators, chunked sends'
 target/debug/examples/engine_integration --rdma rxe0
+echo '== Python: the verified chunked transfer between two processes, over RDMA'
+KVWIRE_PY_TRANSPORT=rdma KVWIRE_PY_IB_DEVICE=rxe0 $pyvenv/bin/python -m pytest -q -rs \\
+  python/tests/test_transfer.py -k test_chunked_transfer_every_byte_at_the_chosen_pages
 echo '== kvwire bench --transport rdma beside ib_write_bw (same VM run, same sizes and bytes)'
 bash scripts/rdma-bench.sh $out"
 python3 scripts/rdma-ratio.py "$out"

@@ -42,10 +42,23 @@ def buffers(pages: int = PAGES, fill: int = 0):
     return kv, aux
 
 
+# The transport every manager of a test run uses, and so every peer process (they inherit
+# the environment): tcp by default; the SoftRoCE lane runs the verified-transfer test again
+# with KVWIRE_PY_TRANSPORT=rdma KVWIRE_PY_IB_DEVICE=rxe0 (scripts/softroce-lane.sh).
+TRANSPORT = os.environ.get("KVWIRE_PY_TRANSPORT", "tcp")
+IB_DEVICE = os.environ.get("KVWIRE_PY_IB_DEVICE") or None
+
+
 def manager(role: str, psk: Optional[bytes], pages: int = PAGES, fill: int = 0, **kw: Any):
     kv, aux = buffers(pages, fill)
     if psk is None:
         kw.setdefault("insecure_no_auth", True)
+    if TRANSPORT != "tcp":
+        kw.setdefault("transport", TRANSPORT)
+        kw.setdefault("ib_device", IB_DEVICE)
+        # Emulated RDMA (rxe under TCG) is slow and a PING waits behind the WRITEs queued
+        # before it on its queue pair (SPEC §8.3): a generous peer timeout.
+        kw.setdefault("liveness_timeout_s", 10.0)
     kw.setdefault("liveness_timeout_s", 1.0)
     mgr = kvwire.KVManager.from_arrays(role, kv, aux, page_size=PAGE_SIZE, psk=psk, **kw)
     return mgr, kv, aux
