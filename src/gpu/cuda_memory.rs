@@ -70,6 +70,9 @@ impl PinnedBuffer for CudaPinned {
     fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr
     }
+    fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
     fn len(&self) -> usize {
         self.len
     }

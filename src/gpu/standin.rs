@@ -235,6 +235,9 @@ impl PinnedBuffer for StandInPinned {
     fn as_mut_ptr(&mut self) -> *mut u8 {
         self.0.as_mut_ptr()
     }
+    fn as_ptr(&self) -> *const u8 {
+        self.0.as_ptr()
+    }
     fn len(&self) -> usize {
         self.0.len()
     }

@@ -107,6 +107,8 @@ pub struct CopyTicket(pub u64);
 pub trait PinnedBuffer: Send + fmt::Debug {
     /// The start of the buffer (valid for [`PinnedBuffer::len`] bytes while it lives).
     fn as_mut_ptr(&mut self) -> *mut u8;
+    /// The start of the buffer, for reading.
+    fn as_ptr(&self) -> *const u8;
     /// Its length in bytes.
     fn len(&self) -> usize;
     /// Whether it is empty.

@@ -27,6 +27,7 @@
 
 pub mod loopback;
 pub mod rdma;
+pub(crate) mod staging;
 pub(crate) mod stream;
 pub mod tcp;
 
@@ -40,6 +41,7 @@ use kvwire_proto::sender::PageWrite;
 use kvwire_proto::wire::{Frame, TransferRef};
 
 pub use crate::memory::{AccessError, AccessKey, AccessScope, ScopeTable};
+pub use staging::StagingStats;
 pub use stream::ConnectError;
 
 /// What a transport reports to its driver.
@@ -216,6 +218,14 @@ pub trait TableScoped: Transport {
 
     /// Called with a reservation's pages just before its scope opens.
     fn scope_opening(&mut self, _pages: &[u32]) {}
+
+    /// Called when `transfer`'s scope was just closed (the fence): whether writes already
+    /// accepted under it are still being placed in its pages (a staging pipeline's copies
+    /// into device memory). If so the fence is [`Fence::Pending`] and the transport reports
+    /// [`TransportEvent::Fenced`] once they completed.
+    fn fence_pending(&mut self, _transfer: TransferRef) -> bool {
+        false
+    }
 }
 
 impl<T: TableScoped> ReceiverTransport for T {
@@ -246,6 +256,10 @@ impl<T: TableScoped> ReceiverTransport for T {
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {
         self.scopes_mut().close(transfer.transfer_id);
-        Fence::Done
+        if self.fence_pending(transfer) {
+            Fence::Pending
+        } else {
+            Fence::Done
+        }
     }
 }
