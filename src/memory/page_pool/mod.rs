@@ -251,7 +251,7 @@ impl PagePool {
             )));
         }
         for b in 0..geometry.buffers() {
-            let len = memory.region(b).map_or(0, |r| r.1);
+            let len = memory.buffer_len(b).unwrap_or(0);
             if Some(len) != geometry.buffer_len(b) {
                 return Err(PoolError::BadGeometry(format!(
                     "memory buffer {b} is {len} bytes, the geometry needs {:?}",
