@@ -10,7 +10,8 @@
 //! * A **gate** lets a test hold copies back and let them through one by one
 //!   ([`HostStandIn::hold_copies`], [`HostStandIn::allow_copies`],
 //!   [`HostStandIn::open_copies`]): the order of events in a staging pipeline is then
-//!   observable without timing. Counters ([`HostStandIn::stats`]) say what was queued and
+//!   observable without timing. A blocking [`CopyQueue::synchronize`] forces the held copies
+//!   of its queue through (it never waits on the gate). Counters ([`HostStandIn::stats`]) say what was queued and
 //!   completed.
 //! * Digests are computed over the simulated device memory with the CPU reference
 //!   (`checksum::digest_transfer`), and the stand-in counts a digest that ran while a copy
@@ -453,8 +454,13 @@ impl CopyQueue for StandInQueue {
         Ok(false)
     }
 
+    /// Waits for every queued copy; a held gate does not hold them back (a blocking wait
+    /// forces them through, so a pipeline that synchronises while a test holds copies shows
+    /// as wrong results, not as a hang).
     fn synchronize(&mut self) -> Result<(), DeviceError> {
         let t = self.mark()?;
+        self.bypass.store(true, Ordering::Release);
+        self.standin.shared.gate_cv.notify_all();
         let mut st = lock(&self.completion.0);
         while st.done < t.0 {
             st = self
@@ -463,6 +469,7 @@ impl CopyQueue for StandInQueue {
                 .wait(st)
                 .unwrap_or_else(|p| p.into_inner());
         }
+        self.bypass.store(false, Ordering::Release);
         st.error.clone().map_or(Ok(()), Err)
     }
 }
