@@ -520,3 +520,116 @@ async fn an_abort_mid_pipeline_releases_pages_only_after_the_copies_completed() 
     );
     let _ = sent.await.unwrap();
 }
+
+/// A node with buffer 0 in host memory and buffer 1 in device memory (mixed), host bytes
+/// `fill`. The host buffer is leaked: it must outlive every connection task.
+fn mixed_node(config: &NodeConfig, dev: &HostStandIn, fill: u8) -> Node {
+    let len = config.pool.buffer_len(0).unwrap();
+    let host: &'static mut [u8] = Box::leak(vec![fill; len].into_boxed_slice());
+    let buffers = vec![
+        KvBuffer::Host {
+            ptr: std::ptr::NonNull::new(host.as_mut_ptr()).unwrap(),
+            len,
+        },
+        KvBuffer::Device {
+            ptr: dev.alloc(config.pool.buffer_len(1).unwrap(), fill),
+            len: config.pool.buffer_len(1).unwrap(),
+        },
+    ];
+    // SAFETY: a leaked host allocation and a stand-in device allocation of exactly these
+    // lengths, alive for the process / as long as the stand-in; the test writes no page
+    // kvwire holds.
+    let memory =
+        unsafe { KvMemory::from_buffers_in(&config.pool, buffers, Some(dev.ops())) }.unwrap();
+    assert_eq!(memory.kind(0), Some(MemoryKind::Host));
+    assert_eq!(memory.kind(1), Some(MemoryKind::Device { ordinal: 3 }));
+    Node::with_memory(config.clone(), memory).unwrap()
+}
+
+/// The other ways in: a mixed memory (host buffer 0, device buffer 1) receiving from a
+/// device sender; a send whose KV is copied in by a fill closure (through a host buffer into
+/// the device pages); a transfer sent in chunks (its digests streamed from the device's page
+/// digests chunk by chunk); pages poisoned on release through the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_memory_fill_copies_chunks_and_device_scrub() {
+    let mut config = config();
+    config.scrub = kvwire::memory::Scrub::Poison;
+    let (pdev, ddev) = (HostStandIn::new(0), HostStandIn::new(3));
+    let prefill = device_node(&config, &pdev, pdev.ops(), 0x11);
+    let decode = mixed_node(&config, &ddev, 0xEE);
+    let (s, r) = connect(&prefill, &decode).await;
+
+    // A fill-copy send: kvwire allocates the source pages and the closure writes the KV.
+    let verified = r.reserve(
+        ReserveParams::new(TransferId(20), 48, Duration::from_secs(10)).into_pages(vec![1, 2, 3]),
+    );
+    let admitted = s.admit(request(20, 3)).unwrap();
+    s.send(admitted, |ordinal, b, page: &mut [u8]| {
+        page.copy_from_slice(&kv_bytes(20, ordinal as usize, b))
+    })
+    .await
+    .unwrap();
+    let kv = verified.await.unwrap();
+    assert!(
+        kv.page(0, 0).is_ok(),
+        "the host buffer is readable in place"
+    );
+    assert!(kv.page(0, 1).is_err(), "the device buffer is not");
+    // Read before the release (which poisons them).
+    for (ordinal, page) in [1u32, 2, 3].into_iter().enumerate() {
+        for b in 0..BUFFERS {
+            assert!(
+                read_page(&decode, page, b) == kv_bytes(20, ordinal, b),
+                "page {page} buffer {b}"
+            );
+        }
+    }
+    kv.release().unwrap();
+    for b in 0..BUFFERS {
+        assert!(
+            read_page(&decode, 1, b)
+                .iter()
+                .all(|&x| x == kvwire::memory::POISON_BYTE),
+            "released page 1 of buffer {b} (host, then device) is poisoned"
+        );
+    }
+
+    // A chunked send from the engine's own device pages.
+    let src = vec![7u32, 8, 9, 10, 11];
+    fill_source(&prefill, 21, &src);
+    let dst = vec![30u32, 29, 28, 27, 26];
+    let verified = r.reserve(
+        ReserveParams::new(TransferId(21), 80, Duration::from_secs(10))
+            .into_pages(dst.clone())
+            .with_page_digests(),
+    );
+    let out = s.open(s.admit(request(21, 5)).unwrap());
+    out.send_chunk(src[..2].to_vec(), None).await.unwrap();
+    out.send_chunk(src[2..4].to_vec(), None).await.unwrap();
+    out.send_chunk(src[4..].to_vec(), Some(b"first token".to_vec()))
+        .await
+        .unwrap();
+    out.outcome().await.unwrap();
+    let kv = verified.await.unwrap();
+    assert_eq!(kv.aux(), b"first token");
+    for (ordinal, &page) in dst.iter().enumerate() {
+        for b in 0..BUFFERS {
+            assert!(
+                read_page(&decode, page, b) == kv_bytes(21, ordinal, b),
+                "page {page} buffer {b}"
+            );
+        }
+    }
+    kv.release().unwrap();
+
+    // Scrub-on-release reached the device: the prefill's fill-copy source pages (released
+    // after the transfer) are poisoned in device memory.
+    assert!(pdev.stats().fills > 0, "{:?}", pdev.stats());
+    let poisoned = (0..PAGES).any(|p| {
+        read_page(&prefill, p, 1)
+            .iter()
+            .all(|&x| x == kvwire::memory::POISON_BYTE)
+    });
+    assert!(poisoned, "no source page was scrubbed through the device");
+    assert_eq!(ddev.stats().digests_racing_copies, 0);
+}
