@@ -200,33 +200,23 @@ impl DigestJob {
         let memory = self.pages.memory();
         let n = self.pages.pages();
         let mut out = vec![0u64; memory.buffers() * n];
-        let device: Vec<(usize, crate::memory::DeviceSlots)> = (0..memory.buffers())
-            .filter_map(|b| memory.device_slots(b).map(|s| (b, s)))
+        let device: Vec<usize> = (0..memory.buffers())
+            .filter(|&b| memory.device_slots(b).is_some())
             .collect();
-        if let Some(ops) = memory.device_ops() {
-            let slots: Vec<_> = device.iter().map(|&(_, s)| s).collect();
-            // SAFETY: the slots are of registered device buffers, and the view pins the
-            // pages (read-locked: the pool refuses writers and releases) until it drops, and
-            // the transports write a page only while it is in an open scope, which the fence
-            // closed before any digest job over it (receiver) or never opens (sender).
-            let d = unsafe {
-                ops.digest(
-                    self.algorithm,
-                    self.transfer,
-                    &slots,
-                    self.pages.page_indices(),
-                    true,
-                )
-            }?;
-            if d.pages.len() != slots.len() * n {
+        if !device.is_empty() {
+            // In device memory, where the pages are (pinned by the view).
+            let d = self
+                .pages
+                .digest_device_pages(self.algorithm, self.transfer)?;
+            if d.pages.len() != device.len() * n {
                 return Err(DeviceError::Digest(format!(
                     "{} page digests for {} buffers of {n} pages",
                     d.pages.len(),
-                    slots.len()
+                    device.len()
                 ))
                 .into());
             }
-            for (k, &(b, _)) in device.iter().enumerate() {
+            for (k, &b) in device.iter().enumerate() {
                 out[b * n..(b + 1) * n].copy_from_slice(&d.pages[k * n..(k + 1) * n]);
             }
         }

@@ -274,6 +274,29 @@ impl SharedPages {
         &self.pages
     }
 
+    /// The page digests (buffer-major, every device buffer in order, page digests included)
+    /// of the view's pages in the memory's **device** buffers, computed in device memory by
+    /// its [`DeviceMemoryOps`](super::DeviceMemoryOps), bound to `transfer`; empty digests when
+    /// the memory has no device buffer. Blocks until done.
+    pub fn digest_device_pages(
+        &self,
+        algorithm: kvwire_proto::wire::DigestAlgorithm,
+        transfer: kvwire_proto::wire::TransferRef,
+    ) -> Result<kvwire_proto::wire::TransferDigests, super::DeviceError> {
+        let Some(ops) = self.memory.device_ops() else {
+            return Ok(kvwire_proto::wire::TransferDigests::default());
+        };
+        let slots: Vec<_> = (0..self.memory.buffers())
+            .filter_map(|b| self.memory.device_slots(b))
+            .collect();
+        // SAFETY: the slots are of the memory's registered device buffers (its registration
+        // contract), and the view read-locks (pins) its pages until it drops: the pool refuses
+        // to write or release them meanwhile. The transports write a page only under an open
+        // scope, and a receiver digests a transfer only after its fence, which (on a staging
+        // path) completes only once the copies into its pages completed.
+        unsafe { ops.digest(algorithm, transfer, &slots, &self.pages, true) }
+    }
+
     /// The bytes of the view's page `ordinal` in `buffer`.
     ///
     /// # Panics
