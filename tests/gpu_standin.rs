@@ -633,3 +633,104 @@ async fn mixed_memory_fill_copies_chunks_and_device_scrub() {
     assert!(poisoned, "no source page was scrubbed through the device");
     assert_eq!(ddev.stats().digests_racing_copies, 0);
 }
+
+/// The sender's side of an abort mid-pipeline: the prefill engine aborts while copies out of
+/// its source pages into staging are held. Its source pages stay held (the engine must not
+/// reuse them under a running copy) until the copies completed, then go back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_abort_mid_pipeline_keeps_source_pages_until_the_copies_completed() {
+    let config = config();
+    let (pdev, ddev) = (HostStandIn::new(0), HostStandIn::new(1));
+    let prefill = device_node(&config, &pdev, pdev.ops(), 0x11);
+    let decode = device_node(&config, &ddev, ddev.ops(), 0xEE);
+    let (s, r) = connect(&prefill, &decode).await;
+    let src = vec![20u32, 21, 22, 23];
+    fill_source(&prefill, 10, &src);
+    let before = pdev.stats();
+    pdev.hold_copies();
+    let verified = r.reserve(
+        ReserveParams::new(TransferId(10), 64, Duration::from_secs(10))
+            .into_pages(vec![0, 1, 2, 3]),
+    );
+    let admitted = s.admit(request(10, 4)).unwrap();
+    let s = Arc::new(s);
+    let sender = s.clone();
+    let sent = tokio::spawn(async move { sender.send_pages(admitted, src).await });
+    let b = BUFFERS as u64;
+    wait_for(&pdev, "copies out of the source pages in flight", |x| {
+        x.to_host_queued - before.to_host_queued >= 2 * b
+    })
+    .await;
+    s.abort(TransferId(10), ErrorCode::CANCELLED);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for p in [20u32, 21] {
+        assert!(
+            !prefill.pool().holders(p).is_empty(),
+            "source page {p} released while a copy out of it is in flight: {:?}",
+            pdev.stats()
+        );
+    }
+    pdev.open_copies();
+    assert!(sent.await.unwrap().is_err(), "the aborted send fails");
+    assert!(verified.await.is_err(), "and so does the reservation");
+    let start = Instant::now();
+    while !prefill.pool().held_pages().is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            prefill.pool().held_pages()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let p = pdev.stats();
+    assert_eq!(p.to_host_done, p.to_host_queued, "{p:?}");
+}
+
+/// A transfer of 8 MiB (64 pages of 2 x 64 KiB), above the digest offload threshold set here
+/// (1 MiB), so both sides' digest jobs are handed to tokio's blocking pool: they still digest
+/// in device memory, and the transfer verifies byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_transfer_verifies_with_digest_jobs_on_the_blocking_pool() {
+    let mut config = NodeConfig::example();
+    config.digest_offload_bytes = 1 << 20;
+    config.pool.pages = 80;
+    config.pool.buffer_page_bytes = vec![64 << 10; BUFFERS];
+    config.engine.max_context_tokens = 80 * u64::from(config.pool.tokens_per_page);
+    let (pdev, ddev) = (HostStandIn::new(0), HostStandIn::new(1));
+    let prefill = device_node(&config, &pdev, pdev.ops(), 0x11);
+    let decode = device_node(&config, &ddev, ddev.ops(), 0xEE);
+    let (s, r) = connect(&prefill, &decode).await;
+    let page = |id: usize, ordinal: usize, b: usize| -> Vec<u8> {
+        (0..64usize << 10)
+            .map(|i| (id * 31 + ordinal * 7 + b * 3 + i / 5) as u8)
+            .collect()
+    };
+    let src: Vec<u32> = (0..64).map(|i| (i * 7) % 80).collect();
+    let dst: Vec<u32> = (0..64).map(|i| 79 - i).collect();
+    for (ordinal, &p) in src.iter().enumerate() {
+        for b in 0..BUFFERS {
+            prefill
+                .pool()
+                .engine_write(p, b, &page(11, ordinal, b))
+                .unwrap();
+        }
+    }
+    let verified = r.reserve(
+        ReserveParams::new(TransferId(11), 64 * 16, Duration::from_secs(30))
+            .into_pages(dst.clone()),
+    );
+    let admitted = s.admit(request(11, 64)).unwrap();
+    s.send_pages(admitted, src).await.unwrap();
+    let kv = verified.await.unwrap();
+    let mut got = vec![0u8; 64 << 10];
+    for (ordinal, &p) in dst.iter().enumerate() {
+        for b in 0..BUFFERS {
+            decode.pool().engine_read(p, b, &mut got).unwrap();
+            assert!(got == page(11, ordinal, b), "page {p} buffer {b}");
+        }
+    }
+    kv.release().unwrap();
+    let d = ddev.stats();
+    assert_eq!(d.pages_digested, 64, "{d:?}");
+    assert_eq!(d.digests_racing_copies, 0);
+}
