@@ -21,6 +21,9 @@
 //! one outcome per posted write, and a COMMIT that reaches the receiver only after the writes
 //! it covers.
 //!
+//! Over KV memory in device (GPU) memory, TCP moves page bytes through a double-buffered
+//! staging pipeline (`staging.rs`); loopback and RDMA refuse such memory for now.
+//!
 //! Transports are polled: [`Transport::poll_event`] never blocks; when it returns
 //! `Poll::Pending` it has arranged for the task's waker to be woken when it may have more
 //! (socket readiness, a completion channel's file descriptor, the loopback link).
