@@ -8,7 +8,7 @@ use super::{
     aux_digest, placeholder_digests, BufferDigester, DigestAlgorithm, DigestBinding, DigestMode,
     Kind, TransferDigests, UnsupportedAlgorithm,
 };
-use crate::memory::SharedPages;
+use crate::memory::{DeviceError, SharedPages};
 
 /// The digests of one transfer, fed chunk by chunk in ordinal order and finished once with
 /// the aux record: equal to [`super::digest_transfer`] over all the pages plus
@@ -117,6 +117,34 @@ impl TransferDigester {
         self.pages = total;
     }
 
+    /// Folds in the next `pages` pages by their page digests, computed elsewhere (in device
+    /// memory): `digest(b, i)` is the page digest of the chunk's `i`-th page in buffer `b`.
+    /// Same effect as [`update`](Self::update) over bytes with those page digests.
+    ///
+    /// # Panics
+    ///
+    /// If the transfer would exceed `u32::MAX` pages.
+    pub fn update_from_page_digests<F>(&mut self, pages: usize, mut digest: F)
+    where
+        F: FnMut(usize, usize) -> u64,
+    {
+        let added = u32::try_from(pages).expect("more than u32::MAX pages");
+        let total = self
+            .pages
+            .checked_add(added)
+            .expect("more than u32::MAX pages");
+        for (b, digester) in self.buffers.iter_mut().enumerate() {
+            for i in 0..pages {
+                let d = digest(b, i);
+                digester.push_page_digest(d);
+                if let Some(per_buffer) = self.page_digests.as_mut() {
+                    per_buffer[b].push(d);
+                }
+            }
+        }
+        self.pages = total;
+    }
+
     /// The transfer's digests: buffer digests, page digests (buffer-major) if asked for, and
     /// the aux digest of `aux`.
     #[must_use]
@@ -145,9 +173,12 @@ impl TransferDigester {
 }
 
 /// Why a chunk's digest job could not run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DigestJobError {
+    /// The pages are device memory and the device could not digest them.
+    #[error("digest in device memory: {0}")]
+    Device(#[from] DeviceError),
     /// The algorithm is not supported here.
     #[error(transparent)]
     Unsupported(#[from] UnsupportedAlgorithm),
@@ -160,6 +191,42 @@ pub enum DigestJobError {
         /// Pages digested before it.
         covered: u32,
     },
+}
+
+impl DigestJob {
+    /// Page digests of the chunk, buffer-major: device buffers digested in device memory
+    /// (one call for all of them), host buffers (of a mixed memory) on the host.
+    fn page_digests_in_place(&self) -> Result<Vec<u64>, DigestJobError> {
+        let memory = self.pages.memory();
+        let n = self.pages.pages();
+        let mut out = vec![0u64; memory.buffers() * n];
+        let device: Vec<usize> = (0..memory.buffers())
+            .filter(|&b| memory.device_slots(b).is_some())
+            .collect();
+        if !device.is_empty() {
+            // In device memory, where the pages are (pinned by the view).
+            let d = self
+                .pages
+                .digest_device_pages(self.algorithm, self.transfer)?;
+            if d.pages.len() != device.len() * n {
+                return Err(DeviceError::Digest(format!(
+                    "{} page digests for {} buffers of {n} pages",
+                    d.pages.len(),
+                    device.len()
+                ))
+                .into());
+            }
+            for (k, &b) in device.iter().enumerate() {
+                out[b * n..(b + 1) * n].copy_from_slice(&d.pages[k * n..(k + 1) * n]);
+            }
+        }
+        for b in (0..memory.buffers()).filter(|b| memory.device_slots(*b).is_none()) {
+            for i in 0..n {
+                out[b * n + i] = super::page_digest(self.algorithm, self.pages.page(i, b))?;
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// What a chunk's job leaves.
@@ -249,7 +316,18 @@ impl DigestJob {
                 covered: state.pages(),
             });
         }
-        state.update(self.pages.pages(), |b, i| self.pages.page(i, b));
+        if !self.pages.memory().has_device_memory() {
+            state.update(self.pages.pages(), |b, i| self.pages.page(i, b));
+        } else if self.mode == DigestMode::UnverifiedBenchmarkOnly {
+            state.update_from_page_digests(self.pages.pages(), |_, _| 0);
+        } else {
+            // Device memory is digested where it is, never read through a host reference;
+            // the buffer digests fold in the page digests on the host (SPEC §6: they are a
+            // function of the page digests alone).
+            let digests = self.page_digests_in_place()?;
+            let n = self.pages.pages();
+            state.update_from_page_digests(n, |b, i| digests[b * n + i]);
+        }
         Ok(match &self.aux {
             Some(aux) => DigestProgress::Done(state.finish(aux)),
             None => DigestProgress::Partial(state),

@@ -285,10 +285,14 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             Ok(transfer) => {
                 self.core.transport.bind_scope(transfer);
                 if self.core.transport.reports_landings() {
+                    // Device pages are never digested at landing (they are not readable on
+                    // the host): they are digested in device memory after the fence, which
+                    // on a staging path completes only after the last copy into them did.
                     let digest = (self.digest_at_landing
-                        && self.core.digests.mode == DigestMode::Verify)
-                        .then(|| self.core.session.digest_algorithm(transfer))
-                        .flatten();
+                        && self.core.digests.mode == DigestMode::Verify
+                        && !self.core.pool.memory().has_device_memory())
+                    .then(|| self.core.session.digest_algorithm(transfer))
+                    .flatten();
                     let buffers = self.core.pool.buffers();
                     self.coverage.insert(
                         p.transfer_id,

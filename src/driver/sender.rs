@@ -187,10 +187,26 @@ impl<T: SenderTransport> SenderDriver<T> {
             Ok(l) => l,
             Err(source) => return Err(StartError::OutOfPages { admitted, source }),
         };
+        // Device buffers are filled through a host buffer (one per call, reused for every
+        // page) and copied to the device: their pages are never written through a host
+        // reference.
+        let mut staging = Vec::new();
         for (ordinal, lease) in (0u32..).zip(&leases) {
             for b in 0..self.core.pool.buffers() {
                 if let Ok(mut page) = self.core.pool.page_mut(lease, b) {
                     fill(ordinal, b, &mut page);
+                } else if self
+                    .core
+                    .pool
+                    .memory()
+                    .device_page(lease.page(), b)
+                    .is_some()
+                {
+                    staging.resize(self.core.pool.geometry().buffer_page_bytes[b] as usize, 0);
+                    fill(ordinal, b, &mut staging);
+                    if let Err(e) = self.core.pool.write_page(lease, b, &staging) {
+                        tracing::error!(page = lease.page(), buffer = b, error = %e, "device page fill failed");
+                    }
                 }
             }
         }
@@ -471,6 +487,7 @@ impl<T: SenderTransport> SenderDriver<T> {
     /// Writes into every *free* source page (for example to initialise KV memory);
     /// `f(page, buffer, bytes)`. Pages leased to a transfer are not touched.
     pub fn fill_free_pages(&mut self, mut f: impl FnMut(u32, usize, &mut [u8])) {
+        let mut staging = Vec::new();
         for p in 0..self.core.pool.capacity_pages() {
             if self.core.pool.state(p) != Some(PageState::Free) {
                 continue;
@@ -478,6 +495,13 @@ impl<T: SenderTransport> SenderDriver<T> {
             for b in 0..self.core.pool.buffers() {
                 if let Some(mut page) = self.core.pool.raw_page_mut(p, b) {
                     f(p, b, &mut page);
+                } else if self.core.pool.memory().device_page(p, b).is_some() {
+                    // Device memory: through a host buffer, copied to the device.
+                    staging.resize(self.core.pool.geometry().buffer_page_bytes[b] as usize, 0);
+                    f(p, b, &mut staging);
+                    if let Err(e) = self.core.pool.engine_write(p, b, &staging) {
+                        tracing::error!(page = p, buffer = b, error = %e, "device page fill failed");
+                    }
                 }
             }
         }

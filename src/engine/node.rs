@@ -8,6 +8,12 @@
 //! memory region per buffer), on the first connection over that device, and shared by the
 //! connections after it; memory windows are still bound per reservation.
 //!
+//! KV memory may be GPU memory: register device buffers with
+//! [`KvMemory::from_buffers_in`] (a [`MemoryKind`](crate::memory::MemoryKind) per buffer, and
+//! the device's [`DeviceMemoryOps`](crate::memory::DeviceMemoryOps)). kvwire never dereferences
+//! them on the host; TCP moves them through pinned staging buffers and the receiver digests
+//! them in device memory (docs/GPU.md). Loopback and RDMA refuse device memory for now.
+//!
 //! Engines without an allocator of their own let kvwire allocate and choose pages
 //! ([`Node::new`]; the embedded page pool).
 //!

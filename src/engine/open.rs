@@ -154,6 +154,13 @@ pub fn loopback(prefill: &Node, decode: &Node) -> Result<(SenderConn, ReceiverCo
             "loopback needs two nodes: a node cannot send into its own memory".into(),
         ));
     }
+    if source.memory().has_device_memory() || dest.memory().has_device_memory() {
+        // The in-process wire copies page bytes with the CPU; device memory goes over TCP
+        // (its staging pipeline), docs/GPU.md.
+        return Err(EngineError::Transport(
+            "loopback moves host memory only: a node with device memory connects over TCP".into(),
+        ));
+    }
     let (s, r) = loopback::connect(source.clone(), dest.clone(), std::time::Duration::ZERO);
     let receiver = ReceiverConn::run(client, dest, r, decode.config())?;
     let sender = SenderConn::run(server, source, s, prefill.config())?;

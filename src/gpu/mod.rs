@@ -61,7 +61,13 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+mod cuda_memory;
+mod standin;
+#[cfg(feature = "cuda")]
 pub use cuda::GpuDigester;
+#[cfg(feature = "cuda")]
+pub use cuda_memory::CudaMemoryOps;
+pub use standin::{HostStandIn, StandInStats};
 
 pub use crate::checksum::TransferDigests;
 use crate::checksum::UnsupportedAlgorithm;

@@ -41,7 +41,7 @@ impl PageLocks {
     }
 
     /// Takes a read lock on `page` (in range); false if a writer holds it.
-    fn try_read(&self, page: u32) -> bool {
+    pub(super) fn try_read(&self, page: u32) -> bool {
         let word = &self.0[page as usize];
         let mut v = word.load(Ordering::Acquire);
         loop {
@@ -55,18 +55,18 @@ impl PageLocks {
         }
     }
 
-    fn unlock_read(&self, page: u32) {
+    pub(super) fn unlock_read(&self, page: u32) {
         self.0[page as usize].fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Takes the write lock on `page` (in range); false if anyone holds it.
-    fn try_write(&self, page: u32) -> bool {
+    pub(super) fn try_write(&self, page: u32) -> bool {
         self.0[page as usize]
             .compare_exchange(0, WRITER, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
     }
 
-    fn unlock_write(&self, page: u32) {
+    pub(super) fn unlock_write(&self, page: u32) {
         self.0[page as usize].fetch_and(!WRITER, Ordering::AcqRel);
     }
 
@@ -128,6 +128,9 @@ impl<'a> PageRef<'a> {
         page: u32,
         buffer: usize,
     ) -> Result<Self, PoolError> {
+        if !memory.is_host(buffer) {
+            return Err(PoolError::DeviceMemory { buffer });
+        }
         if !locks.try_read(page) {
             return Err(PoolError::Busy { page });
         }
@@ -175,6 +178,9 @@ impl<'a> PageMut<'a> {
         page: u32,
         buffer: usize,
     ) -> Result<Self, PoolError> {
+        if !memory.is_host(buffer) {
+            return Err(PoolError::DeviceMemory { buffer });
+        }
         if !locks.try_write(page) {
             return Err(if locks.read_locked(page) {
                 PoolError::Pinned { page }
@@ -258,10 +264,44 @@ impl SharedPages {
             * self.pages.len() as u64
     }
 
+    /// The memory the view is of (its kinds, its device operations).
+    pub fn memory(&self) -> &KvMemory {
+        &self.memory
+    }
+
+    /// The slot indices of the view's pages, in ordinal order.
+    pub fn page_indices(&self) -> &[u32] {
+        &self.pages
+    }
+
+    /// The page digests (buffer-major, every device buffer in order, page digests included)
+    /// of the view's pages in the memory's **device** buffers, computed in device memory by
+    /// its [`DeviceMemoryOps`](super::DeviceMemoryOps), bound to `transfer`; empty digests when
+    /// the memory has no device buffer. Blocks until done.
+    pub fn digest_device_pages(
+        &self,
+        algorithm: kvwire_proto::wire::DigestAlgorithm,
+        transfer: kvwire_proto::wire::TransferRef,
+    ) -> Result<kvwire_proto::wire::TransferDigests, super::DeviceError> {
+        let Some(ops) = self.memory.device_ops() else {
+            return Ok(kvwire_proto::wire::TransferDigests::default());
+        };
+        let slots: Vec<_> = (0..self.memory.buffers())
+            .filter_map(|b| self.memory.device_slots(b))
+            .collect();
+        // SAFETY: the slots are of the memory's registered device buffers (its registration
+        // contract), and the view read-locks (pins) its pages until it drops: the pool refuses
+        // to write or release them meanwhile. The transports write a page only under an open
+        // scope, and a receiver digests a transfer only after its fence, which (on a staging
+        // path) completes only once the copies into its pages completed.
+        unsafe { ops.digest(algorithm, transfer, &slots, &self.pages, true) }
+    }
+
     /// The bytes of the view's page `ordinal` in `buffer`.
     ///
     /// # Panics
-    /// If `ordinal` or `buffer` is out of range.
+    /// If `ordinal` or `buffer` is out of range, or `buffer` is device memory (see
+    /// [`SharedPages::memory`]: digest device pages in place).
     pub fn page(&self, ordinal: usize, buffer: usize) -> &[u8] {
         let range = self.memory.range(self.pages[ordinal], buffer);
         // SAFETY: the page is in range (checked by the pool) and read-locked while this view

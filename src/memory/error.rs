@@ -123,6 +123,22 @@ pub enum PoolError {
         /// The page.
         page: u32,
     },
+    /// Buffer `buffer` is device memory: its bytes are not reachable from the host (read
+    /// them through the memory's device operations, e.g. [`PagePool::engine_read`](super::PagePool::engine_read)).
+    #[error("buffer {buffer} is device memory: not reachable from the host")]
+    DeviceMemory {
+        /// The buffer.
+        buffer: usize,
+    },
+    /// Buffer `buffer` is device memory and no device operations were registered for it.
+    #[error("buffer {buffer} is device memory, and no device operations were given")]
+    NoDeviceOps {
+        /// The buffer.
+        buffer: usize,
+    },
+    /// A device operation (copy, fill) failed.
+    #[error("device memory: {0}")]
+    Device(#[from] super::DeviceError),
     /// The memory for a buffer could not be allocated.
     #[error("could not allocate {bytes} bytes for pool buffer {buffer}")]
     OutOfMemory {

@@ -3,6 +3,9 @@
 //!
 //! * [`KvMemory`] (`region.rs`) is the bytes: one region per buffer, allocated here or
 //!   registered by the engine. With the RDMA transport it is the only place with `unsafe`.
+//! * [`MemoryKind`] and [`DeviceMemoryOps`] (`device.rs`): a buffer may be device (GPU)
+//!   memory, never dereferenced on the host; its bytes move through the device's copy
+//!   engines and are digested in place.
 //! * [`PagePool`] hands out page slots as generation-checked [`PageLease`]s.
 //! * [`ScopeTable`] (`scope.rs`) is the fence primitive of the in-process and TCP transports:
 //!   the scope a reservation opens over exactly its pages, closed before they are verified or
@@ -39,6 +42,7 @@
 //! indices and the slot table a flat vector; nothing is allocated per page.
 
 mod access;
+mod device;
 mod error;
 mod geometry;
 mod lease;
@@ -47,9 +51,13 @@ mod region;
 mod scope;
 
 pub use access::{PageMut, PageRef, SharedPages};
+pub use device::{
+    CopyQueue, CopyTicket, DeviceError, DeviceMemoryOps, DevicePtr, DeviceSlots, MemoryKind,
+    PinnedBuffer,
+};
 pub use error::PoolError;
 pub use geometry::PoolGeometry;
 pub use lease::{Holder, PageLease, RawLease};
 pub use page_pool::{PagePool, PageState, PoolStats, Scrub, POISON_BYTE};
-pub use region::{KvMemory, ALIGN};
+pub use region::{KvBuffer, KvMemory, ALIGN};
 pub use scope::{AccessError, AccessKey, AccessScope, ScopeTable};

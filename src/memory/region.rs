@@ -15,6 +15,9 @@ use std::fmt;
 use std::ops::Range;
 use std::ptr::NonNull;
 
+use std::sync::Arc;
+
+use crate::memory::device::{DeviceError, DeviceMemoryOps, DevicePtr, DeviceSlots, MemoryKind};
 use crate::memory::{PoolError, PoolGeometry};
 
 /// Alignment of memory allocated here: a cache line. Not 4 KiB: with every buffer 4 KiB
@@ -34,9 +37,42 @@ enum Owner {
 }
 
 struct Region {
+    /// Host memory: the start. For a device buffer, a dangling placeholder never
+    /// dereferenced (`device` holds the address).
     ptr: NonNull<u8>,
     len: usize,
     owner: Owner,
+    /// `Some` for device memory: its address (never dereferenced on the host).
+    device: Option<DevicePtr>,
+}
+
+/// One buffer of an engine's KV memory, for [`KvMemory::from_buffers_in`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KvBuffer {
+    /// Host memory at `ptr`, `len` bytes.
+    Host {
+        /// The start.
+        ptr: NonNull<u8>,
+        /// Its length.
+        len: usize,
+    },
+    /// Device memory at `ptr` (of the device the [`DeviceMemoryOps`] given with it drive),
+    /// `len` bytes.
+    Device {
+        /// The device address.
+        ptr: DevicePtr,
+        /// Its length.
+        len: usize,
+    },
+}
+
+impl KvBuffer {
+    fn len(&self) -> usize {
+        match *self {
+            Self::Host { len, .. } | Self::Device { len, .. } => len,
+        }
+    }
 }
 
 /// The memory of every buffer of a pool.
@@ -44,6 +80,8 @@ pub struct KvMemory {
     regions: Vec<Region>,
     pub(super) page_bytes: Vec<usize>,
     pages: usize,
+    /// The device of the device buffers (if any).
+    device: Option<Arc<dyn DeviceMemoryOps>>,
 }
 
 // SAFETY: a KvMemory owns its regions (or, for `from_raw_parts`, the caller promised that
@@ -58,6 +96,7 @@ impl fmt::Debug for KvMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KvMemory")
             .field("buffers", &self.regions.len())
+            .field("kinds", &self.kinds().collect::<Vec<_>>())
             .field("pages", &self.pages)
             .field("page_bytes", &self.page_bytes)
             .finish()
@@ -86,6 +125,7 @@ impl KvMemory {
                 .map(|&b| b as usize)
                 .collect(),
             pages: geometry.pages as usize,
+            device: None,
         }
     }
 
@@ -113,6 +153,7 @@ impl KvMemory {
                 ptr,
                 len,
                 owner: Owner::Allocated(layout),
+                device: None,
             });
         }
         Ok(Self::shape(geometry, regions))
@@ -145,6 +186,7 @@ impl KvMemory {
                     ptr: NonNull::new(raw).unwrap_or(NonNull::dangling()),
                     len,
                     owner: Owner::Boxed,
+                    device: None,
                 }
             })
             .collect();
@@ -187,9 +229,133 @@ impl KvMemory {
                 ptr,
                 len,
                 owner: Owner::Foreign,
+                device: None,
             });
         }
         Ok(Self::shape(geometry, regions))
+    }
+
+    /// Registers memory the engine already owns, host or device, one [`KvBuffer`] per
+    /// buffer (each exactly the geometry's size); never freed here. Device buffers are
+    /// memory of the device `device` drives (required when there is one): kvwire never
+    /// dereferences them on the host, it reaches their bytes only through `device` (copies
+    /// into and out of pinned staging, digests in device memory, fills).
+    ///
+    /// # Safety
+    ///
+    /// As for [`KvMemory::from_raw_parts`], for every buffer: host buffers valid for reads
+    /// and writes of their length, device buffers allocated memory of `device`'s device of
+    /// their length, for as long as the returned memory (and everything built over it)
+    /// lives; no two overlap; and the engine follows the same contract (it writes no page
+    /// kvwire holds, by any means: kernels included).
+    pub unsafe fn from_buffers_in(
+        geometry: &PoolGeometry,
+        buffers: Vec<KvBuffer>,
+        device: Option<Arc<dyn DeviceMemoryOps>>,
+    ) -> Result<Self, PoolError> {
+        geometry.validate()?;
+        if buffers.len() != geometry.buffers() {
+            return Err(PoolError::BadGeometry(format!(
+                "{} buffers given, the geometry has {}",
+                buffers.len(),
+                geometry.buffers()
+            )));
+        }
+        let mut regions = Vec::with_capacity(buffers.len());
+        for (b, buffer) in buffers.into_iter().enumerate() {
+            check_len(geometry, b, buffer.len())?;
+            regions.push(match buffer {
+                KvBuffer::Host { ptr, len } => Region {
+                    ptr,
+                    len,
+                    owner: Owner::Foreign,
+                    device: None,
+                },
+                KvBuffer::Device { ptr, len } => {
+                    if device.is_none() {
+                        return Err(PoolError::NoDeviceOps { buffer: b });
+                    }
+                    Region {
+                        ptr: NonNull::dangling(),
+                        len,
+                        owner: Owner::Foreign,
+                        device: Some(ptr),
+                    }
+                }
+            });
+        }
+        let mut memory = Self::shape(geometry, regions);
+        if memory.regions.iter().any(|r| r.device.is_some()) {
+            memory.device = device;
+        }
+        Ok(memory)
+    }
+
+    /// Where buffer `buffer`'s bytes live.
+    pub fn kind(&self, buffer: usize) -> Option<MemoryKind> {
+        let r = self.regions.get(buffer)?;
+        Some(match (r.device, &self.device) {
+            (Some(_), Some(ops)) => MemoryKind::Device {
+                ordinal: ops.ordinal(),
+            },
+            _ => MemoryKind::Host,
+        })
+    }
+
+    /// Every buffer's kind, in order.
+    pub fn kinds(&self) -> impl Iterator<Item = MemoryKind> + '_ {
+        (0..self.regions.len()).map(|b| self.kind(b).unwrap_or_default())
+    }
+
+    /// Whether any buffer is device memory.
+    pub fn has_device_memory(&self) -> bool {
+        self.device.is_some()
+    }
+
+    /// The operations of the device holding the device buffers, if there are any.
+    pub fn device_ops(&self) -> Option<&Arc<dyn DeviceMemoryOps>> {
+        self.device.as_ref()
+    }
+
+    /// The device address of slot `page` of device buffer `buffer` (`None` for host memory
+    /// or out of range).
+    pub fn device_page(&self, page: u32, buffer: usize) -> Option<DevicePtr> {
+        let r = self.regions.get(buffer)?;
+        let base = r.device?;
+        let range = self.range(page, buffer);
+        (range.end <= r.len).then(|| base.offset(range.start))
+    }
+
+    /// Device buffer `buffer` as a digest target (`None` for host memory).
+    pub fn device_slots(&self, buffer: usize) -> Option<DeviceSlots> {
+        Some(DeviceSlots {
+            ptr: self.regions.get(buffer)?.device?,
+            page_bytes: self.page_bytes[buffer] as u32,
+        })
+    }
+
+    /// Fills slot `page` of device buffer `buffer` with `byte` through the device.
+    ///
+    /// # Safety
+    ///
+    /// In range, and nothing else reads or writes the slot until this returns.
+    pub(crate) unsafe fn fill_device_page(
+        &self,
+        page: u32,
+        buffer: usize,
+        byte: u8,
+    ) -> Result<(), DeviceError> {
+        let (Some(ptr), Some(ops)) = (self.device_page(page, buffer), &self.device) else {
+            return Err(DeviceError::BadAddress { addr: 0, len: 0 });
+        };
+        // SAFETY: a slot of a registered device buffer (the registration's contract), not
+        // accessed by anyone else meanwhile (caller).
+        unsafe { ops.fill(ptr, self.page_bytes[buffer], byte) }
+    }
+
+    /// Whether buffer `buffer` is host memory kvwire may reach directly.
+    pub(crate) fn is_host(&self, buffer: usize) -> bool {
+        self.regions.get(buffer).is_some_and(|r| r.device.is_none())
     }
 
     /// Buffers.
@@ -197,13 +363,23 @@ impl KvMemory {
         self.regions.len()
     }
 
-    /// The start of `buffer` and its length, e.g. to register it with a NIC.
+    /// The start of host buffer `buffer` and its length, e.g. to register it with a NIC
+    /// (`None` for a device buffer: see [`KvMemory::device_page`]).
     pub fn region(&self, buffer: usize) -> Option<(NonNull<u8>, usize)> {
-        self.regions.get(buffer).map(|r| (r.ptr, r.len))
+        self.regions
+            .get(buffer)
+            .filter(|r| r.device.is_none())
+            .map(|r| (r.ptr, r.len))
+    }
+
+    /// The length of buffer `buffer`, host or device.
+    pub fn buffer_len(&self, buffer: usize) -> Option<usize> {
+        self.regions.get(buffer).map(|r| r.len)
     }
 
     /// The byte range of page `page` within `buffer`.
     pub(crate) fn range(&self, page: u32, buffer: usize) -> Range<usize> {
+        // (Host or device: an offset into the buffer, never a dereference.)
         let n = self.page_bytes[buffer];
         let start = page as usize * n;
         start..start + n
@@ -213,10 +389,11 @@ impl KvMemory {
     ///
     /// # Safety
     ///
-    /// `buffer` and `range` must be in bounds, and no `&mut` to any of these bytes may be
-    /// live for the returned lifetime.
+    /// `buffer` must be a host buffer ([`MemoryKind::Host`]), `buffer` and `range` in
+    /// bounds, and no `&mut` to any of these bytes may be live for the returned lifetime.
     pub(crate) unsafe fn bytes(&self, buffer: usize, range: Range<usize>) -> &[u8] {
         let r = &self.regions[buffer];
+        assert!(r.device.is_none(), "host access to device buffer {buffer}");
         debug_assert!(range.end <= r.len && range.start <= range.end);
         // SAFETY: in bounds of a live region (caller), and no aliasing `&mut` (caller).
         unsafe {
@@ -228,11 +405,13 @@ impl KvMemory {
     ///
     /// # Safety
     ///
-    /// `buffer` and `range` must be in bounds, and no other reference to any of these bytes
-    /// may be live for the returned lifetime.
+    /// `buffer` must be a host buffer ([`MemoryKind::Host`]), `buffer` and `range` in
+    /// bounds, and no other reference to any of these bytes may be live for the returned
+    /// lifetime.
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn bytes_mut(&self, buffer: usize, range: Range<usize>) -> &mut [u8] {
         let r = &self.regions[buffer];
+        assert!(r.device.is_none(), "host access to device buffer {buffer}");
         debug_assert!(range.end <= r.len && range.start <= range.end);
         // SAFETY: in bounds of a live region (caller), and exclusive for the lifetime (caller).
         unsafe {
@@ -293,6 +472,68 @@ mod tests {
             .unwrap_err();
         assert!(err.to_string().contains("buffer 1 has 100 bytes"), "{err}");
         assert!(KvMemory::from_buffers(&g, vec![vec![0; 4096 * 8].into()]).is_err());
+    }
+
+    /// Device buffers are registered with their kind, never reachable through host
+    /// references, and need the device's operations.
+    #[test]
+    fn device_buffers_are_registered_by_kind_and_refused_on_the_host() {
+        use crate::gpu::HostStandIn;
+        use crate::memory::PagePool;
+
+        let g = geometry();
+        let dev = HostStandIn::new(2);
+        let mut host = vec![7u8; 4096 * 8];
+        let device = dev.alloc(512 * 8, 9);
+        let buffers = vec![
+            KvBuffer::Host {
+                ptr: NonNull::new(host.as_mut_ptr()).unwrap(),
+                len: host.len(),
+            },
+            KvBuffer::Device {
+                ptr: device,
+                len: 512 * 8,
+            },
+        ];
+        // SAFETY: `host` outlives the memory and is not touched meanwhile; `device` is the
+        // stand-in's allocation of that length.
+        let missing = unsafe { KvMemory::from_buffers_in(&g, buffers.clone(), None) };
+        assert_eq!(missing.unwrap_err(), PoolError::NoDeviceOps { buffer: 1 });
+        // SAFETY: as above.
+        let m = unsafe { KvMemory::from_buffers_in(&g, buffers, Some(dev.ops())) }.unwrap();
+        assert_eq!(m.kind(0), Some(MemoryKind::Host));
+        assert_eq!(m.kind(1), Some(MemoryKind::Device { ordinal: 2 }));
+        assert!(m.has_device_memory());
+        assert_eq!(m.region(1), None, "no host region for a device buffer");
+        assert_eq!(m.device_page(3, 1), Some(device.offset(3 * 512)));
+        assert_eq!(m.device_page(3, 0), None);
+        let pool = PagePool::with_memory(g, m, crate::memory::Scrub::Zero).unwrap();
+        assert!(pool.raw_page(3, 1).is_none());
+        assert_eq!(
+            pool.engine_page(3, 1).unwrap_err(),
+            PoolError::DeviceMemory { buffer: 1 }
+        );
+        assert!(pool.engine_page(3, 0).is_ok());
+        let mut out = vec![0u8; 512];
+        pool.engine_read(3, 1, &mut out).unwrap();
+        assert!(out.iter().all(|&x| x == 9));
+        pool.engine_write(3, 1, &[5u8; 512]).unwrap();
+        assert_eq!(
+            dev.read_vec(device.offset(3 * 512), 512).unwrap(),
+            vec![5u8; 512]
+        );
+        // A leased page is not the engine's to write; released, it is scrubbed on the device.
+        let lease = pool.lease_pages(&[3]).unwrap().pop().unwrap();
+        assert!(pool.engine_write(3, 1, &[6u8; 512]).is_err());
+        pool.write_page(&lease, 1, &[6u8; 512]).unwrap();
+        pool.release(lease).unwrap();
+        assert_eq!(
+            dev.read_vec(device.offset(3 * 512), 512).unwrap(),
+            vec![0u8; 512]
+        );
+        assert_eq!(dev.stats().fills, 1);
+        drop(pool);
+        assert!(host.iter().take(4096 * 3).all(|&x| x == 7));
     }
 
     #[test]

@@ -21,12 +21,16 @@
 //! one outcome per posted write, and a COMMIT that reaches the receiver only after the writes
 //! it covers.
 //!
+//! Over KV memory in device (GPU) memory, TCP moves page bytes through a double-buffered
+//! staging pipeline (`staging.rs`); loopback and RDMA refuse such memory for now.
+//!
 //! Transports are polled: [`Transport::poll_event`] never blocks; when it returns
 //! `Poll::Pending` it has arranged for the task's waker to be woken when it may have more
 //! (socket readiness, a completion channel's file descriptor, the loopback link).
 
 pub mod loopback;
 pub mod rdma;
+pub(crate) mod staging;
 pub(crate) mod stream;
 pub mod tcp;
 
@@ -40,6 +44,7 @@ use kvwire_proto::sender::PageWrite;
 use kvwire_proto::wire::{Frame, TransferRef};
 
 pub use crate::memory::{AccessError, AccessKey, AccessScope, ScopeTable};
+pub use staging::StagingStats;
 pub use stream::ConnectError;
 
 /// What a transport reports to its driver.
@@ -231,6 +236,14 @@ pub trait TableScoped: Transport {
 
     /// Called with a reservation's pages just before its scope opens.
     fn scope_opening(&mut self, _pages: &[u32]) {}
+
+    /// Called when `transfer`'s scope was just closed (the fence): whether writes already
+    /// accepted under it are still being placed in its pages (a staging pipeline's copies
+    /// into device memory). If so the fence is [`Fence::Pending`] and the transport reports
+    /// [`TransportEvent::Fenced`] once they completed.
+    fn fence_pending(&mut self, _transfer: TransferRef) -> bool {
+        false
+    }
 }
 
 impl<T: TableScoped> ReceiverTransport for T {
@@ -261,6 +274,10 @@ impl<T: TableScoped> ReceiverTransport for T {
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {
         self.scopes_mut().close(transfer.transfer_id);
-        Fence::Done
+        if self.fence_pending(transfer) {
+            Fence::Pending
+        } else {
+            Fence::Done
+        }
     }
 }

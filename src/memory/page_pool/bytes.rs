@@ -70,6 +70,113 @@ impl PagePool {
         PageMut::new(&self.memory, &self.locks, page, buffer)
     }
 
+    /// Copies `src` (the page's size) into the leased page in `buffer`, host or device memory
+    /// alike (through the device for a device buffer: a blocking copy). Fails as
+    /// [`PagePool::page_mut`] does.
+    pub fn write_page(
+        &self,
+        lease: &PageLease,
+        buffer: usize,
+        src: &[u8],
+    ) -> Result<(), PoolError> {
+        if let SlotState::Reading(_) = self.check_usable(lease, buffer)? {
+            return Err(PoolError::SharedLease { page: lease.page() });
+        }
+        let page = lease.page();
+        let want = self.memory.page_bytes[buffer];
+        if src.len() != want {
+            return Err(PoolError::BadGeometry(format!(
+                "{} bytes to write into page {page} of buffer {buffer}, the page has {want}",
+                src.len()
+            )));
+        }
+        let (Some(ptr), Some(ops)) = (
+            self.memory.device_page(page, buffer),
+            self.memory.device_ops(),
+        ) else {
+            PageMut::new(&self.memory, &self.locks, page, buffer)?.copy_from_slice(src);
+            return Ok(());
+        };
+        if !self.locks.try_write(page) {
+            return Err(if self.locks.read_locked(page) {
+                PoolError::Pinned { page }
+            } else {
+                PoolError::Busy { page }
+            });
+        }
+        // SAFETY: a slot of a registered device buffer, leased to the caller (checked) and
+        // write-locked: nothing of kvwire's reads or writes it until the copy returned.
+        let r = unsafe { ops.write(ptr, src) };
+        self.locks.unlock_write(page);
+        r.map_err(PoolError::from)
+    }
+
+    /// The engine copies page `page` of `buffer` of its own memory into `dst` (the page's
+    /// size), host or device memory alike: what [`PagePool::engine_page`] allows, through the
+    /// device for a device buffer (a blocking copy).
+    pub fn engine_read(&self, page: u32, buffer: usize, dst: &mut [u8]) -> Result<(), PoolError> {
+        self.check_range(page, buffer)?;
+        let want = self.memory.page_bytes[buffer];
+        if dst.len() != want {
+            return Err(PoolError::BadGeometry(format!(
+                "{} bytes to read page {page} of buffer {buffer} into, the page has {want}",
+                dst.len()
+            )));
+        }
+        let (Some(ptr), Some(ops)) = (
+            self.memory.device_page(page, buffer),
+            self.memory.device_ops(),
+        ) else {
+            dst.copy_from_slice(&self.engine_page(page, buffer)?);
+            return Ok(());
+        };
+        if !self.locks.try_read(page) {
+            return Err(PoolError::Busy { page });
+        }
+        // SAFETY: a slot of a registered device buffer; the read lock keeps kvwire's own
+        // writers (fills) out until the blocking copy returned.
+        let r = unsafe { ops.read(ptr, dst) };
+        self.locks.unlock_read(page);
+        r.map_err(PoolError::from)
+    }
+
+    /// The engine writes `src` (the page's size) into page `page` of `buffer` of its own
+    /// memory, host or device: allowed when [`PagePool::engine_page_mut`] is (kvwire holds
+    /// nothing on the page), through the device for a device buffer (a blocking copy).
+    pub fn engine_write(&self, page: u32, buffer: usize, src: &[u8]) -> Result<(), PoolError> {
+        self.check_range(page, buffer)?;
+        let want = self.memory.page_bytes[buffer];
+        if src.len() != want {
+            return Err(PoolError::BadGeometry(format!(
+                "{} bytes to write into page {page} of buffer {buffer}, the page has {want}",
+                src.len()
+            )));
+        }
+        let (Some(ptr), Some(ops)) = (
+            self.memory.device_page(page, buffer),
+            self.memory.device_ops(),
+        ) else {
+            self.engine_page_mut(page, buffer)?.copy_from_slice(src);
+            return Ok(());
+        };
+        let t = self.table();
+        if t.slots[page as usize].state != SlotState::Free {
+            return Err(PoolError::HeldByKvwire {
+                page,
+                holders: Self::holders_of(&t, page),
+            });
+        }
+        if !self.locks.try_write(page) {
+            return Err(PoolError::Busy { page });
+        }
+        // SAFETY: a slot of a registered device buffer, free (checked under the table lock,
+        // held until the copy returned) and write-locked: nothing of kvwire's touches it.
+        let r = unsafe { ops.write(ptr, src) };
+        self.locks.unlock_write(page);
+        drop(t);
+        r.map_err(PoolError::from)
+    }
+
     fn check_range(&self, page: u32, buffer: usize) -> Result<(), PoolError> {
         if page >= self.geometry.pages {
             return Err(PoolError::PageOutOfRange {

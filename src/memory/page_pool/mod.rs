@@ -251,7 +251,7 @@ impl PagePool {
             )));
         }
         for b in 0..geometry.buffers() {
-            let len = memory.region(b).map_or(0, |r| r.1);
+            let len = memory.buffer_len(b).unwrap_or(0);
             if Some(len) != geometry.buffer_len(b) {
                 return Err(PoolError::BadGeometry(format!(
                     "memory buffer {b} is {len} bytes, the geometry needs {:?}",
@@ -600,6 +600,20 @@ impl PagePool {
                 // Nobody holds the page (checked above, under the table lock, and new guards
                 // need a current lease or go through the transports, which write only pages
                 // leased to an open scope).
+                if !self.memory.is_host(buffer) {
+                    // Device memory: filled by the device (never through a host reference),
+                    // under the page's write lock like a host fill.
+                    if self.locks.try_write(page) {
+                        // SAFETY: in range; the write lock and the table lock exclude every
+                        // other user of the slot until the blocking fill returned.
+                        let r = unsafe { self.memory.fill_device_page(page, buffer, byte) };
+                        self.locks.unlock_write(page);
+                        if let Err(e) = r {
+                            tracing::error!(pool = self.id, page, buffer, error = %e, "device scrub failed");
+                        }
+                    }
+                    continue;
+                }
                 if let Ok(mut bytes) = PageMut::new(&self.memory, &self.locks, page, buffer) {
                     bytes.fill(byte);
                 }

@@ -43,6 +43,13 @@ pub enum RdmaError {
     /// No RoCE v2 GID usable for IPv4 on the port.
     #[error("device {0}: no usable RoCE v2 GID on port 1")]
     NoUsableGid(String),
+    /// Buffer `buffer` is device (GPU) memory: registering it needs dma-buf or
+    /// nvidia-peermem (docs/GPU.md, "RDMA into GPU memory"), not built yet.
+    #[error("buffer {buffer} is device memory: RDMA registration of GPU memory is not built yet (docs/GPU.md)")]
+    DeviceMemory {
+        /// The buffer.
+        buffer: usize,
+    },
     /// A verbs call failed.
     #[error("{call}: {detail}")]
     Verbs {
@@ -169,7 +176,7 @@ impl RdmaDevice {
         let mut mrs = Vec::with_capacity(memory.buffers());
         for b in 0..memory.buffers() {
             let Some((ptr, len)) = memory.region(b) else {
-                continue;
+                return Err(RdmaError::DeviceMemory { buffer: b });
             };
             // SAFETY: the region is valid for `len` bytes and lives as long as `memory`, which
             // the returned RegisteredMemory keeps alive (dropping the MRs first).

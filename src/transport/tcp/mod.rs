@@ -26,6 +26,10 @@
 //! slices, checking the access scope (its [`ScopeTable`](crate::memory::ScopeTable)) before
 //! every read into a page; a write refused at its header, or whose scope closes part-way (the
 //! fence), is read into a fixed scratch buffer and dropped.
+//!
+//! Over device (GPU) memory, both ends move records through pinned staging buffers and the
+//! device's copy engines instead (`transport/staging.rs`; docs/GPU.md): a record is landed when
+//! its copy into the page completed, and a fence waits for the copies into its pages.
 
 mod receiver;
 mod records;

@@ -12,8 +12,11 @@ use kvwire_proto::wire::Frame;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use super::records::{Record, StreamError, StreamReader, StreamStats};
+use kvwire_proto::wire::TransferRef;
+
+use super::records::{DataHeader, Record, StreamError, StreamReader, StreamStats};
 use crate::memory::{PagePool, ScopeTable};
+use crate::transport::staging::{Staging, StagingStats, STAGING_BUFFERS};
 use crate::transport::{Closed, TableScoped, Transport, TransportEvent};
 
 /// The decode end of a TCP connection (after the handshake).
@@ -29,6 +32,10 @@ pub struct TcpReceiver {
     front_written: usize,
     events: VecDeque<TransportEvent>,
     closed: bool,
+    /// Device memory: records whose copy staging → device runs (in order), and their slot.
+    copying: VecDeque<(DataHeader, usize)>,
+    /// Device memory: fences waiting for those copies of their transfer to complete.
+    fences: Vec<TransferRef>,
 }
 
 impl TcpReceiver {
@@ -36,8 +43,17 @@ impl TcpReceiver {
     /// by `opener` (the halves of the connection's authentication channel), page bytes
     /// landing in `pool`.
     pub fn new(stream: TcpStream, sealer: Sealer, opener: Opener, pool: Arc<PagePool>) -> Self {
-        let reader = StreamReader::new(&pool.geometry().buffer_page_bytes).with_opener(opener);
-        Self {
+        let mut reader = StreamReader::new(&pool.geometry().buffer_page_bytes).with_opener(opener);
+        let record_len = pool.geometry().bytes_per_page_index() as usize;
+        let staging = Staging::for_memory(pool.memory(), record_len, STAGING_BUFFERS);
+        let failed = match staging {
+            Ok(s) => {
+                reader.staging = s;
+                None
+            }
+            Err(e) => Some(e),
+        };
+        let mut receiver = Self {
             stream: Some(stream),
             sealer,
             reader,
@@ -47,12 +63,70 @@ impl TcpReceiver {
             front_written: 0,
             events: VecDeque::new(),
             closed: false,
+            copying: VecDeque::with_capacity(STAGING_BUFFERS),
+            fences: Vec::new(),
+        };
+        if let Some(e) = failed {
+            receiver.shut(Closed::LinkFailed(format!("device staging: {e}")));
         }
+        receiver
     }
 
     /// What the stream carried.
     pub fn stats(&self) -> StreamStats {
         self.reader.stats
+    }
+
+    /// Device memory: the staging pipeline's counters (`None` for host memory).
+    pub fn staging_stats(&self) -> Option<StagingStats> {
+        self.reader.staging.as_ref().map(|s| s.stats)
+    }
+
+    /// Device memory: reports the records whose copies into their pages completed, in
+    /// order, as landed (a page has landed when its copy completed), and the fences that
+    /// waited for them. Registers the waker for the first copy still running.
+    fn poll_copies(&mut self, cx: &mut Context<'_>) {
+        let Some(staging) = self.reader.staging.as_mut() else {
+            return;
+        };
+        let mut failed = None;
+        while let Some(&(header, slot)) = self.copying.front() {
+            match staging.poll_slot(slot, Some(cx.waker())) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            staging.release(slot);
+            self.copying.pop_front();
+            self.events.push_back(TransportEvent::Landed {
+                transfer: header.transfer,
+                ordinal: header.ordinal,
+                page: header.dst_page,
+            });
+        }
+        if let Some(e) = failed {
+            self.shut(Closed::LinkFailed(format!("device copy: {e}")));
+            return;
+        }
+        self.report_fences();
+    }
+
+    /// Reports the fences no copy holds back any more.
+    fn report_fences(&mut self) {
+        let copying = &self.copying;
+        let events = &mut self.events;
+        self.fences.retain(|t| {
+            let waits = copying
+                .iter()
+                .any(|(h, _)| h.transfer.transfer_id == t.transfer_id);
+            if !waits {
+                events.push_back(TransportEvent::Fenced(*t));
+            }
+            waits
+        });
     }
 
     fn shut(&mut self, why: Closed) {
@@ -63,6 +137,17 @@ impl TcpReceiver {
         // Dropping the socket closes it: nothing more is read into any page.
         self.stream = None;
         self.out.clear();
+        // Copies into pages still in flight complete before anyone learns the connection
+        // is gone (the driver then releases the pages); pending fences are then done.
+        if let Some(st) = self.reader.staging.as_mut() {
+            if let Err(e) = st.synchronize() {
+                tracing::error!(error = %e, "staging copies failed at close");
+            }
+            for (_, slot) in self.copying.drain(..) {
+                st.release(slot);
+            }
+        }
+        self.report_fences();
         self.events.push_back(TransportEvent::Closed(why));
     }
 
@@ -96,6 +181,17 @@ impl TcpReceiver {
     /// Reads records until one is complete (landing page bytes as they come).
     fn poll_read_records(&mut self, cx: &mut Context<'_>) -> Option<TransportEvent> {
         loop {
+            if self.reader.staging.is_some() {
+                self.poll_copies(cx);
+                if let Some(e) = self.events.pop_front() {
+                    return Some(e);
+                }
+                if self.reader.waits_for_staging() {
+                    // Every staging buffer is being copied: the socket waits (woken when a
+                    // copy completed).
+                    return None;
+                }
+            }
             let stream = self.stream.as_mut()?;
             let read = {
                 let mut target = self.reader.target(&self.pool, &self.scopes);
@@ -126,6 +222,20 @@ impl TcpReceiver {
                         ordinal: h.ordinal,
                         page: h.dst_page,
                     })
+                }
+                Ok(Some(Record::Staged(h, slot))) => {
+                    let Some(st) = self.reader.staging.as_mut() else {
+                        continue;
+                    };
+                    if st.in_flight() > 0 {
+                        st.stats.overlapped += 1;
+                    }
+                    if let Err(e) = st.copy_in(slot, &self.pool, h.dst_page) {
+                        st.release(slot);
+                        self.shut(Closed::LinkFailed(format!("device copy: {e}")));
+                        return None;
+                    }
+                    self.copying.push_back((h, slot));
                 }
                 Ok(Some(Record::Refused(h))) => {
                     tracing::debug!(
@@ -186,5 +296,18 @@ impl TableScoped for TcpReceiver {
 
     fn scopes_mut(&mut self) -> &mut ScopeTable {
         &mut self.scopes
+    }
+
+    /// Device memory: the fence of a transfer with copies into its pages still running
+    /// completes once they did (SPEC §9.1, device memory).
+    fn fence_pending(&mut self, transfer: TransferRef) -> bool {
+        let waits = self
+            .copying
+            .iter()
+            .any(|(h, _)| h.transfer.transfer_id == transfer.transfer_id);
+        if waits {
+            self.fences.push(transfer);
+        }
+        waits
     }
 }

@@ -6,6 +6,7 @@ use kvwire_proto::wire::TransferId;
 use kvwire_proto::wire::{DecodeError, Frame, TransferRef, HEADER_LEN, MAGIC, TRAILER_LEN};
 
 use crate::memory::{AccessKey, PageMut, PagePool, ScopeTable};
+use crate::transport::staging::Staging;
 
 /// Magic of a data record.
 pub const DATA_MAGIC: [u8; 4] = *b"KVDT";
@@ -123,6 +124,9 @@ pub enum Record {
     Landed(DataHeader),
     /// A data record refused (no open scope or page out of scope): its bytes were dropped.
     Refused(DataHeader),
+    /// Device memory: a data record whose bytes are all in staging buffer `slot`, its scope
+    /// still open; it lands once they are copied into the page.
+    Staged(DataHeader, usize),
 }
 
 #[derive(Debug)]
@@ -135,6 +139,13 @@ enum ReadState {
     Land { header: DataHeader, done: usize },
     /// Reading a refused data record's payload into scratch.
     Discard { header: DataHeader, done: usize },
+    /// Device memory: reading a data record's payload into a staging buffer (`None`: none
+    /// free yet; nothing is read until one is).
+    Stage {
+        header: DataHeader,
+        done: usize,
+        slot: Option<usize>,
+    },
 }
 
 /// Where the next read lands: the reader's own buffer, or a destination page from an offset
@@ -184,6 +195,8 @@ pub struct StreamReader {
     scratch: Vec<u8>,
     page_bytes: Vec<usize>,
     opener: Opener,
+    /// Device memory: payloads go to staging buffers, then to the device.
+    pub(crate) staging: Option<Staging>,
     /// Counters.
     pub stats: StreamStats,
 }
@@ -197,6 +210,7 @@ impl StreamReader {
             scratch: vec![0; 64 * 1024],
             page_bytes: page_bytes.iter().map(|&b| b as usize).collect(),
             opener: AuthChannel::off().split().1,
+            staging: None,
             stats: StreamStats::default(),
         }
     }
@@ -212,6 +226,24 @@ impl StreamReader {
         self.page_bytes.iter().sum()
     }
 
+    /// Device memory: whether the record being read waits for a free staging buffer (nothing
+    /// may be read from the stream until one is); takes one if it can.
+    pub(crate) fn waits_for_staging(&mut self) -> bool {
+        let ReadState::Stage { slot, .. } = &mut self.state else {
+            return false;
+        };
+        if slot.is_some() {
+            return false;
+        }
+        match self.staging.as_mut().and_then(Staging::take_free) {
+            Some(s) => {
+                *slot = Some(s);
+                false
+            }
+            None => true,
+        }
+    }
+
     /// The slice the next read must fill.
     pub fn target<'a>(&'a mut self, pool: &'a PagePool, scopes: &ScopeTable) -> ReadTarget<'a> {
         // A fence since the last read turns the rest of a landing record into a discard.
@@ -220,6 +252,15 @@ impl StreamReader {
                 self.state = ReadState::Discard { header, done };
             }
         }
+        if let ReadState::Stage { header, done, slot } = self.state {
+            if scopes.check(header.key, header.dst_page).is_err() {
+                if let (Some(s), Some(st)) = (slot, self.staging.as_mut()) {
+                    st.release(s);
+                }
+                self.state = ReadState::Discard { header, done };
+            }
+        }
+        let record_len = self.record_len();
         match &mut self.state {
             ReadState::Head { filled } => {
                 let want = if *filled < 4 {
@@ -251,6 +292,13 @@ impl StreamReader {
                 let n = left.min(self.scratch.len());
                 ReadTarget::Buf(&mut self.scratch[..n])
             }
+            ReadState::Stage { done, slot, .. } => match (slot, self.staging.as_mut()) {
+                // The slot is the host's (Filling) until the record is complete.
+                (Some(s), Some(st)) => ReadTarget::Buf(&mut st.bytes(*s, record_len)[*done..]),
+                // `waits_for_staging` is asked first; should it not have been, read one byte
+                // of the record nowhere rather than hand out an empty target.
+                _ => ReadTarget::Buf(&mut self.scratch[..0]),
+            },
         }
     }
 
@@ -317,7 +365,16 @@ impl StreamReader {
                                 reserved,
                             });
                         }
-                        ReadState::Land { header, done: 0 }
+                        if self.staging.is_some() {
+                            // Device memory: the record lands in staging first (SPEC §9.1).
+                            ReadState::Stage {
+                                header,
+                                done: 0,
+                                slot: self.staging.as_mut().and_then(Staging::take_free),
+                            }
+                        } else {
+                            ReadState::Land { header, done: 0 }
+                        }
                     }
                 };
                 Ok(None)
@@ -358,6 +415,30 @@ impl StreamReader {
                 self.state = ReadState::Head { filled: 0 };
                 self.stats.writes_refused += 1;
                 Ok(Some(Record::Refused(header)))
+            }
+            ReadState::Stage { header, done, slot } => {
+                *done += n;
+                if *done < header.len as usize {
+                    return Ok(None);
+                }
+                let (header, slot) = (*header, *slot);
+                self.state = ReadState::Head { filled: 0 };
+                // The scope is checked again now: a fence while the payload was read means
+                // the record lands nowhere.
+                match slot {
+                    Some(s) if scopes.check(header.key, header.dst_page).is_ok() => {
+                        self.stats.writes_landed += 1;
+                        self.stats.bytes_landed += u64::from(header.len);
+                        Ok(Some(Record::Staged(header, s)))
+                    }
+                    _ => {
+                        if let (Some(s), Some(st)) = (slot, self.staging.as_mut()) {
+                            st.release(s);
+                        }
+                        self.stats.writes_refused += 1;
+                        Ok(Some(Record::Refused(header)))
+                    }
+                }
             }
         }
     }

@@ -15,6 +15,7 @@ use tokio::net::TcpStream;
 
 use super::records::DataHeader;
 use crate::memory::{AccessKey, PagePool, PageRef};
+use crate::transport::staging::{Staging, StagingStats, STAGING_BUFFERS};
 use crate::transport::{Closed, SenderTransport, Transport, TransportEvent};
 
 /// Data records queued at most (their bytes stay in the source pages until written).
@@ -32,6 +33,8 @@ enum Out {
         header: [u8; super::DATA_HEADER_LEN],
         transfer: TransferRef,
         src_page: u32,
+        /// Device memory: the staging buffer its bytes are copied into.
+        slot: Option<usize>,
     },
 }
 
@@ -47,6 +50,8 @@ pub struct TcpSenderStats {
     pub frames: u64,
     /// Write system calls.
     pub writes: u64,
+    /// Device memory: the staging pipeline's counters (zero for host memory).
+    pub staging: StagingStats,
 }
 
 /// The prefill end of a TCP connection (after the handshake).
@@ -68,6 +73,8 @@ pub struct TcpSender {
     stats: TcpSenderStats,
     /// The receiver's page slots per buffer, from its transport parameters (SPEC §9.1).
     destination_pages: Option<u32>,
+    /// Device memory: records go device → pinned staging → socket.
+    staging: Option<Staging>,
 }
 
 impl TcpSender {
@@ -76,7 +83,8 @@ impl TcpSender {
     /// `pool`.
     pub fn new(stream: TcpStream, sealer: Sealer, opener: Opener, pool: Arc<PagePool>) -> Self {
         let record_len = pool.geometry().bytes_per_page_index() as u32;
-        Self {
+        let staging = Staging::for_memory(pool.memory(), record_len as usize, STAGING_BUFFERS);
+        let mut sender = Self {
             stream: Some(stream),
             sealer,
             opener,
@@ -91,7 +99,13 @@ impl TcpSender {
             closed: false,
             stats: TcpSenderStats::default(),
             destination_pages: None,
+            staging: None,
+        };
+        match staging {
+            Ok(s) => sender.staging = s,
+            Err(e) => sender.shut(Closed::LinkFailed(format!("device staging: {e}"))),
         }
+        sender
     }
 
     /// The receiver advertised `pages` page slots per buffer (its TCP transport parameters,
@@ -103,7 +117,11 @@ impl TcpSender {
 
     /// Counters.
     pub fn stats(&self) -> TcpSenderStats {
-        self.stats
+        let mut s = self.stats;
+        if let Some(st) = &self.staging {
+            s.staging = st.stats;
+        }
+        s
     }
 
     /// Ends the connection: every data record not yet fully written fails, then `why`.
@@ -114,6 +132,13 @@ impl TcpSender {
         self.closed = true;
         // Dropping the socket closes it; the peer sees the end of the stream.
         self.stream = None;
+        // Copies out of source pages still in flight complete before their writes are
+        // reported failed (after which the pages may go back to the engine).
+        if let Some(st) = &mut self.staging {
+            if let Err(e) = st.synchronize() {
+                tracing::error!(error = %e, "staging copies failed at close");
+            }
+        }
         for item in std::mem::take(&mut self.out) {
             if let Out::Data { transfer, .. } = item {
                 self.complete(transfer, false);
@@ -145,6 +170,9 @@ impl TcpSender {
 
     /// Writes what is queued until the socket would block.
     fn poll_flush(&mut self, cx: &mut Context<'_>) {
+        if self.staging.is_some() {
+            return self.poll_flush_staged(cx);
+        }
         while !self.out.is_empty() && !self.closed {
             let Some(stream) = self.stream.as_mut() else {
                 return;
@@ -223,6 +251,121 @@ impl TcpSender {
         }
     }
 
+    /// Device memory: starts the copies of queued records into free staging buffers, in
+    /// queue order.
+    fn stage(&mut self) {
+        let Some(staging) = self.staging.as_mut() else {
+            return;
+        };
+        let mut failed = None;
+        for item in self.out.iter_mut() {
+            let Out::Data { src_page, slot, .. } = item else {
+                continue;
+            };
+            if slot.is_some() {
+                continue;
+            }
+            let Some(s) = staging.take_free() else {
+                break;
+            };
+            if let Err(e) = staging.copy_out(s, &self.pool, *src_page) {
+                staging.release(s);
+                failed = Some(e);
+                break;
+            }
+            *slot = Some(s);
+        }
+        if let Some(e) = failed {
+            self.shut(Closed::LinkFailed(format!("device copy: {e}")));
+        }
+    }
+
+    /// [`poll_flush`](Self::poll_flush) for device memory: a record goes on the socket from
+    /// its staging buffer once its copy completed; meanwhile the next record's copy runs.
+    fn poll_flush_staged(&mut self, cx: &mut Context<'_>) {
+        while !self.out.is_empty() && !self.closed {
+            self.stage();
+            let Some(staging) = self.staging.as_mut() else {
+                return;
+            };
+            // How many items from the front can be written now: frames, and records whose
+            // copy completed.
+            let mut ready = 0;
+            let mut slices_n = 0;
+            let mut failed = None;
+            for item in self.out.iter() {
+                if let Out::Data { slot, .. } = item {
+                    let Some(s) = *slot else { break };
+                    match staging.poll_slot(s, Some(cx.waker())) {
+                        Ok(true) => {}
+                        Ok(false) => break,
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                }
+                ready += 1;
+                slices_n += 2;
+                if slices_n >= MAX_IOV {
+                    break;
+                }
+            }
+            if let Some(e) = failed {
+                self.shut(Closed::LinkFailed(format!("device copy: {e}")));
+                return;
+            }
+            if ready == 0 {
+                // The front record's copy has not completed: woken when it has.
+                return;
+            }
+            if staging.in_flight() > 0 {
+                staging.stats.overlapped += 1;
+            }
+            let record_len = self.record_len as usize;
+            let written = {
+                let staging = &*staging;
+                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * ready);
+                let mut skip = self.front_written;
+                for item in self.out.iter().take(ready) {
+                    match item {
+                        Out::Frame(bytes) => push_part(&mut slices, &mut skip, bytes),
+                        Out::Data { header, slot, .. } => {
+                            push_part(&mut slices, &mut skip, header);
+                            if let Some(s) = slot {
+                                // Ready (checked above): no copy runs on it.
+                                push_part(
+                                    &mut slices,
+                                    &mut skip,
+                                    staging.ready_bytes(*s, record_len),
+                                );
+                            }
+                        }
+                    }
+                }
+                let Some(stream) = self.stream.as_mut() else {
+                    return;
+                };
+                Pin::new(stream).poll_write_vectored(cx, &slices)
+            };
+            match written {
+                Poll::Pending => return,
+                Poll::Ready(Ok(0)) => {
+                    self.shut(Closed::PeerGone("the socket accepts no more bytes".into()));
+                    return;
+                }
+                Poll::Ready(Ok(n)) => {
+                    self.stats.writes += 1;
+                    self.advance(n);
+                }
+                Poll::Ready(Err(e)) => {
+                    self.shut(Closed::PeerGone(e.to_string()));
+                    return;
+                }
+            }
+        }
+    }
+
     /// Accounts for `n` bytes written from the front of the queue.
     fn advance(&mut self, mut n: usize) {
         while n > 0 {
@@ -241,7 +384,10 @@ impl TcpSender {
             n -= left;
             self.front_written = 0;
             match self.out.pop_front() {
-                Some(Out::Data { transfer, .. }) => {
+                Some(Out::Data { transfer, slot, .. }) => {
+                    if let (Some(s), Some(st)) = (slot, self.staging.as_mut()) {
+                        st.release(s);
+                    }
                     self.data_queued -= 1;
                     self.stats.records += 1;
                     self.stats.bytes += u64::from(self.record_len);
@@ -386,6 +532,7 @@ impl SenderTransport for TcpSender {
                         header: header.encode(),
                         transfer,
                         src_page: w.src_page,
+                        slot: None,
                     });
                     self.data_queued += 1;
                 }
