@@ -49,6 +49,12 @@
 // A panic inside kvwire, caught at the boundary (a bug).
 #define KVWIRE_ERR_INTERNAL 9
 
+// Peer discovery failed (the bootstrap server or etcd unreachable, a bad record).
+#define KVWIRE_ERR_DISCOVERY 10
+
+// A peer found through discovery has another KV layout or model fingerprint.
+#define KVWIRE_ERR_LAYOUT_MISMATCH 11
+
 // Rejected at the sender's admission; the wire code is the original error.
 #define KVWIRE_ERR_REJECTED 20
 

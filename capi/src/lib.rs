@@ -50,6 +50,10 @@ pub const KVWIRE_ERR_UNAUTHENTICATED: c_int = 7;
 pub const KVWIRE_ERR_WAIT_TIMED_OUT: c_int = 8;
 /// A panic inside kvwire, caught at the boundary (a bug).
 pub const KVWIRE_ERR_INTERNAL: c_int = 9;
+/// Peer discovery failed (the bootstrap server or etcd unreachable, a bad record).
+pub const KVWIRE_ERR_DISCOVERY: c_int = 10;
+/// A peer found through discovery has another KV layout or model fingerprint.
+pub const KVWIRE_ERR_LAYOUT_MISMATCH: c_int = 11;
 /// Rejected at the sender's admission; the wire code is the original error.
 pub const KVWIRE_ERR_REJECTED: c_int = 20;
 /// The sender refused the reservation.
@@ -1163,6 +1167,8 @@ mod tests {
             (KVWIRE_ERR_RESERVATION_FAILED, ErrorKind::ReservationFailed),
             (KVWIRE_ERR_INVALID_REQUEST, ErrorKind::InvalidRequest),
             (KVWIRE_ERR_TRANSFER_FAILED, ErrorKind::TransferFailed),
+            (KVWIRE_ERR_DISCOVERY, ErrorKind::DiscoveryError),
+            (KVWIRE_ERR_LAYOUT_MISMATCH, ErrorKind::LayoutMismatch),
         ];
         for (code, kind) in c {
             assert_eq!(code, kind.code(), "{kind}");
