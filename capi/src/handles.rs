@@ -20,6 +20,21 @@ pub struct kvwire_buffer_t {
     pub page_bytes: usize,
 }
 
+/// One of the engine's aux buffers: base pointer, length in bytes, bytes per slot (SGLang's
+/// `aux_data_ptrs[i]`, `aux_data_lens[i]`, `aux_item_lens[i]`); one slot per aux index. A
+/// request's aux record is its slot in every buffer, concatenated.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[allow(non_camel_case_types)]
+pub struct kvwire_aux_buffer_t {
+    /// The buffer's first byte.
+    pub ptr: *mut c_void,
+    /// Its length in bytes.
+    pub len: usize,
+    /// Bytes per slot.
+    pub item_len: usize,
+}
+
 /// How a manager is set up. Fill it with kvwire_config_init, then set the fields. Fields
 /// are only ever appended in later versions.
 #[repr(C)]

@@ -16,6 +16,7 @@
 
 mod boundary;
 mod codes;
+mod discovery;
 mod handles;
 mod library;
 mod manager;
@@ -26,6 +27,7 @@ mod tests;
 
 use boundary::*;
 pub use codes::*;
+pub use discovery::*;
 pub use handles::*;
 pub use library::*;
 pub use manager::*;

@@ -3,7 +3,7 @@
 
 use std::ffi::{c_char, c_int};
 
-use kvwire::polled::{Error, ErrorKind, KvBuffer, Manager, ManagerConfig, Role};
+use kvwire::polled::{AuxBuffer, Error, ErrorKind, KvBuffer, Manager, ManagerConfig, Role};
 use kvwire::proto::auth::Psk;
 use kvwire::{Auth, TransportConfig};
 
@@ -75,6 +75,27 @@ pub unsafe extern "C" fn kvwire_manager_new(
     n: usize,
     out: *mut *mut kvwire_manager_t,
 ) -> c_int {
+    // SAFETY: the caller's contract, with no aux buffers.
+    unsafe { kvwire_manager_new_with_aux(config, buffers, n, std::ptr::null(), 0, out) }
+}
+
+/// As kvwire_manager_new, with the engine's aux buffers (`aux[0..n_aux]`): a sender's
+/// final chunk can carry the record at an aux index (kvwire_sender_init_aux), and a
+/// receiver writes the verified record at its aux index (kvwire_receiver_init_aux).
+///
+/// # Safety
+/// As kvwire_manager_new, for the aux buffers too (`aux` holds `n_aux` entries, each valid
+/// for reads and writes of its length until kvwire_manager_free returned, overlapping no
+/// other buffer).
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_new_with_aux(
+    config: *const kvwire_config_t,
+    buffers: *const kvwire_buffer_t,
+    n: usize,
+    aux: *const kvwire_aux_buffer_t,
+    n_aux: usize,
+    out: *mut *mut kvwire_manager_t,
+) -> c_int {
     guard(|| {
         if out.is_null() {
             return Err(invalid("out: null output pointer"));
@@ -86,8 +107,8 @@ pub unsafe extern "C" fn kvwire_manager_new(
         let c = unsafe { &*config };
         // SAFETY: the caller's contract for its strings.
         let config = unsafe { manager_config(c)? };
-        // SAFETY: the caller promises `n` entries.
-        let bufs = unsafe { slice(buffers, n, "buffers")? };
+        // SAFETY: the caller promises `n` and `n_aux` entries.
+        let (bufs, aux) = unsafe { (slice(buffers, n, "buffers")?, slice(aux, n_aux, "aux")?) };
         let bufs: Vec<KvBuffer> = bufs
             .iter()
             .map(|b| KvBuffer {
@@ -96,8 +117,16 @@ pub unsafe extern "C" fn kvwire_manager_new(
                 page_bytes: b.page_bytes,
             })
             .collect();
-        // SAFETY: the caller's contract is Manager::new's (documented above).
-        let manager = unsafe { Manager::new(config, &bufs)? };
+        let aux: Vec<AuxBuffer> = aux
+            .iter()
+            .map(|b| AuxBuffer {
+                ptr: b.ptr.cast::<u8>(),
+                len: b.len,
+                item_len: b.item_len,
+            })
+            .collect();
+        // SAFETY: the caller's contract is Manager::with_aux's (documented above).
+        let manager = unsafe { Manager::with_aux(config, &bufs, &aux)? };
         let h = Box::into_raw(Box::new(kvwire_manager_t {
             magic: MANAGER_MAGIC,
             manager,
@@ -247,5 +276,27 @@ pub unsafe extern "C" fn kvwire_manager_check_free(
             .pool()
             .check_engine_free(pages)
             .map_err(|e| Error::new(ErrorKind::InvalidState, e.to_string()))
+    })
+}
+
+/// The pages kvwire holds now (leased to a transfer, or verified and not yet released),
+/// into `out[0..cap]`, their count into `*len` (KVWIRE_ERR_BUFFER_TOO_SMALL, with `*len`
+/// set, when they do not fit). The engine must not free or write them.
+///
+/// # Safety
+/// `manager` is a live handle, `len` writable, `out` null or valid for `cap` entries.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_held_pages(
+    manager: *const kvwire_manager_t,
+    out: *mut u32,
+    cap: usize,
+    len: *mut usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let m = unsafe { handle(manager)? };
+        let held = m.manager.held_pages();
+        // SAFETY: the caller's contract.
+        unsafe { copy_out(&held, out, cap, len, "out") }
     })
 }

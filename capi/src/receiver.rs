@@ -35,6 +35,37 @@ pub unsafe extern "C" fn kvwire_receiver_new(
     })
 }
 
+/// The decode side of request `room` from the peer listening at `addr` ("host:port"):
+/// dialled in the background now (again if an earlier attempt failed or its peer was
+/// lost); the transfer is KVWIRE_POLL_BOOTSTRAPPING until the connection is up, and fails
+/// with the dial's error if it fails.
+///
+/// # Safety
+/// `manager` is a live handle, `addr` a NUL-terminated string, `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_receiver_new_at(
+    manager: *const kvwire_manager_t,
+    room: u64,
+    addr: *const c_char,
+    out: *mut *mut kvwire_receiver_t,
+) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(invalid("out: null output pointer"));
+        }
+        // SAFETY: the caller's contract.
+        let (m, addr) = unsafe { (handle(manager)?, string(addr, "addr")?) };
+        let addr = addr.ok_or_else(|| invalid("addr: null pointer"))?;
+        let transfer = m.manager.receiver_at(TransferId(room), addr)?;
+        let h = Box::into_raw(Box::new(kvwire_receiver_t {
+            magic: RECEIVER_MAGIC,
+            transfer,
+        }));
+        // SAFETY: checked non-null; the caller promises it is writable.
+        unsafe { put(out, h, "out") }
+    })
+}
+
 /// Reserves the engine's destination pages `pages[0..n]` (one per tokens_per_page
 /// tokens, in transfer order) for `tokens` tokens; the sender must commit within
 /// `timeout_ms`. kvwire holds the pages until kvwire_receiver_release returned.
@@ -53,6 +84,28 @@ pub unsafe extern "C" fn kvwire_receiver_init(
         // SAFETY: the caller's contract.
         let (r, pages) = unsafe { (handle(receiver)?, slice(pages, n, "pages")?) };
         r.transfer.init(pages.to_vec(), tokens, millis(timeout_ms))
+    })
+}
+
+/// As kvwire_receiver_init, and the verified aux record is written at `aux_index` of the
+/// aux buffers (kvwire_manager_new_with_aux) before the transfer reports Success.
+///
+/// # Safety
+/// `receiver` is a live handle, `pages` holds `n` entries.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_receiver_init_aux(
+    receiver: *const kvwire_receiver_t,
+    pages: *const u32,
+    n: usize,
+    tokens: u32,
+    timeout_ms: u64,
+    aux_index: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let (r, pages) = unsafe { (handle(receiver)?, slice(pages, n, "pages")?) };
+        r.transfer
+            .init_with_aux(pages.to_vec(), tokens, millis(timeout_ms), Some(aux_index))
     })
 }
 

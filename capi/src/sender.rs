@@ -54,6 +54,26 @@ pub unsafe extern "C" fn kvwire_sender_init(
     })
 }
 
+/// As kvwire_sender_init, and the final chunk carries the record at `aux_index` of the aux
+/// buffers (kvwire_manager_new_with_aux), read when it is sent (a kvwire_sender_send that
+/// passes its own aux record sends that one instead).
+///
+/// # Safety
+/// `sender` is a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_sender_init_aux(
+    sender: *const kvwire_sender_t,
+    num_pages: u32,
+    tokens: u32,
+    aux_index: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let s = unsafe { handle(sender)? };
+        s.transfer.init_with_aux(num_pages, tokens, Some(aux_index))
+    })
+}
+
 /// Hands over the next chunk: the engine's pages `pages[0..n]`, in transfer order, read in
 /// place (not written by the engine until kvwire_sender_clear returned); `aux[0..aux_len]`
 /// (NULL: none) goes with the final chunk only. Returns once the connection took the chunk.

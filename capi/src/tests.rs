@@ -296,3 +296,154 @@ fn a_rejection_reaches_both_c_callers_with_the_original_wire_code() {
         kvwire_manager_free(decode);
     }
 }
+
+/// A manager with one aux buffer of 8-byte slots (8 of them) next to its KV cache.
+///
+/// # Safety
+/// `psk` is a NUL-terminated string.
+unsafe fn manager_with_aux(
+    role: c_int,
+    psk: *const c_char,
+) -> (*mut kvwire_manager_t, &'static mut [u8], &'static mut [u8]) {
+    let kv: &'static mut [u8] = Box::leak(vec![0u8; 64 * 4096].into_boxed_slice());
+    let aux: &'static mut [u8] = Box::leak(vec![0u8; 64].into_boxed_slice());
+    let buf = kvwire_buffer_t {
+        ptr: kv.as_mut_ptr().cast(),
+        len: kv.len(),
+        page_bytes: 4096,
+    };
+    let abuf = kvwire_aux_buffer_t {
+        ptr: aux.as_mut_ptr().cast(),
+        len: aux.len(),
+        item_len: 8,
+    };
+    let mut c = std::mem::MaybeUninit::<kvwire_config_t>::uninit();
+    // SAFETY: every pointer is valid; the buffers are leaked (live for the process), and
+    // the test touches only what kvwire does not hold.
+    unsafe {
+        assert_eq!(kvwire_config_init(c.as_mut_ptr()), KVWIRE_OK);
+        let mut c = c.assume_init();
+        c.role = role;
+        c.tokens_per_page = 16;
+        c.max_context_tokens = 1024;
+        c.psk_hex = psk;
+        let mut m = std::ptr::null_mut();
+        assert_eq!(
+            kvwire_manager_new_with_aux(&c, &buf, 1, &abuf, 1, &mut m),
+            KVWIRE_OK,
+            "{}",
+            last_error()
+        );
+        (m, kv, aux)
+    }
+}
+
+#[test]
+fn a_decode_caller_finds_its_prefill_dials_it_and_gets_the_aux_record_in_its_slot() {
+    let psk = CString::new(kvwire::config::auth::generate_hex().unwrap()).unwrap();
+    let server = kvwire::polled::BootstrapServer::bind("127.0.0.1:0").unwrap();
+    let server_addr = CString::new(server.local_addr().to_string()).unwrap();
+    // SAFETY: every pointer is valid or a live handle of this test.
+    unsafe {
+        let (prefill, pkv, paux) = manager_with_aux(KVWIRE_ROLE_PREFILL, psk.as_ptr());
+        let (decode, dkv, daux) = manager_with_aux(KVWIRE_ROLE_DECODE, psk.as_ptr());
+        let mut bound = [0 as c_char; KVWIRE_ADDR_MAX];
+        assert_eq!(
+            kvwire_manager_listen(prefill, c"127.0.0.1:0".as_ptr(), bound.as_mut_ptr(), 64),
+            KVWIRE_OK
+        );
+        assert_eq!(
+            kvwire_manager_register(
+                prefill,
+                server_addr.as_ptr(),
+                c"c1".as_ptr(),
+                2,
+                10_000,
+                std::ptr::null()
+            ),
+            KVWIRE_OK,
+            "{}",
+            last_error()
+        );
+        let mut found = [0 as c_char; KVWIRE_ADDR_MAX];
+        assert_eq!(
+            kvwire_manager_resolve(
+                decode,
+                server_addr.as_ptr(),
+                c"c1".as_ptr(),
+                KVWIRE_ROLE_PREFILL,
+                2,
+                found.as_mut_ptr(),
+                found.len()
+            ),
+            KVWIRE_OK,
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            CStr::from_ptr(found.as_ptr()),
+            CStr::from_ptr(bound.as_ptr())
+        );
+        assert_eq!(
+            kvwire_manager_resolve(
+                decode,
+                server_addr.as_ptr(),
+                c"c1".as_ptr(),
+                KVWIRE_ROLE_PREFILL,
+                3,
+                found.as_mut_ptr(),
+                found.len()
+            ),
+            KVWIRE_ERR_DISCOVERY
+        );
+
+        pkv[4096..8192].fill(0x5A);
+        paux[8..16].copy_from_slice(b"token:42");
+        let mut r = std::ptr::null_mut();
+        assert_eq!(
+            kvwire_receiver_new_at(decode, 5, found.as_ptr(), &mut r),
+            KVWIRE_OK
+        );
+        let page = [7u32];
+        assert_eq!(
+            kvwire_receiver_init_aux(r, page.as_ptr(), 1, 16, 10_000, 3),
+            KVWIRE_OK
+        );
+        let mut state = -1;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while state != KVWIRE_POLL_WAITING_FOR_INPUT && std::time::Instant::now() < deadline {
+            assert_eq!(kvwire_receiver_poll(r, &mut state), KVWIRE_OK);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert_eq!(state, KVWIRE_POLL_WAITING_FOR_INPUT, "{}", last_error());
+        let (mut held, mut len) = ([0u32; 4], 0);
+        assert_eq!(
+            kvwire_manager_held_pages(decode, held.as_mut_ptr(), held.len(), &mut len),
+            KVWIRE_OK
+        );
+        assert_eq!(&held[..len], &[7]);
+        assert_eq!(kvwire_manager_wait_peers(prefill, 1, 10_000), KVWIRE_OK);
+        let mut s = std::ptr::null_mut();
+        assert_eq!(kvwire_sender_new(prefill, 5, 0, &mut s), KVWIRE_OK);
+        assert_eq!(kvwire_sender_init_aux(s, 1, 16, 1), KVWIRE_OK);
+        let src = [1u32];
+        assert_eq!(
+            kvwire_sender_send(s, src.as_ptr(), 1, std::ptr::null(), 0),
+            KVWIRE_OK,
+            "{}",
+            last_error()
+        );
+        assert_eq!(kvwire_receiver_wait(r, 10_000, &mut state), KVWIRE_OK);
+        assert_eq!(state, KVWIRE_POLL_SUCCESS, "{}", last_error());
+        assert!(dkv[7 * 4096..8 * 4096].iter().all(|&b| b == 0x5A));
+        assert_eq!(&daux[24..32], b"token:42");
+        assert_eq!(kvwire_receiver_release(r), KVWIRE_OK);
+        assert_eq!(kvwire_sender_clear(s), KVWIRE_OK);
+        assert_eq!(kvwire_manager_deregister(prefill), KVWIRE_OK);
+        assert_eq!(server.record_count(), 0);
+        kvwire_receiver_free(r);
+        kvwire_sender_free(s);
+        kvwire_manager_free(prefill);
+        kvwire_manager_free(decode);
+    }
+}
