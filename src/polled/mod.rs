@@ -1,7 +1,8 @@
 //! A poll-style, synchronous facade over the [`engine`](crate::engine) API, for engines that
 //! drive transfers from a scheduler loop instead of an async runtime, and for the bindings
-//! that sit on it (the C ABI crate `kvwire-capi`; the shape is SGLang's `KVManager`,
-//! `KVSender`, `KVReceiver` and `KVPoll`).
+//! that sit on it (the C ABI crate `kvwire-capi` and the Python package `kvwire`, both thin
+//! layers over this one; the shape is SGLang's `KVManager`, `KVSender`, `KVReceiver` and
+//! `KVPoll`).
 //!
 //! * A [`Manager`] owns a background tokio runtime and one [`Node`] over the engine's own KV
 //!   buffers, registered by pointer ([`KvBuffer`]: base pointer, length, bytes per page, as
@@ -15,6 +16,13 @@
 //!   transfer ended or the timeout passed; `failure()` gives the typed [`Error`] of a failed
 //!   transfer (a stable numeric code per reason, the wire code that came with it,
 //!   retryable or not).
+//! * What the bindings need besides: the engine's aux buffers ([`Manager::with_aux`]: a
+//!   sender's final chunk carries the record at an aux index, a receiver writes the verified
+//!   record at its own), a decode side that dials its prefill by address in the background
+//!   ([`Manager::receiver_at`]: a failed dial fails the transfer, the next one dials again;
+//!   connections whose peer is gone are forgotten), verified pages handed back at once
+//!   ([`ManagerConfig::release_verified`]), and discovery ([`Manager::register`],
+//!   [`Manager::resolve`] with the layout fingerprint check, [`BootstrapServer`]).
 //!
 //! Nothing here adds protocol logic: every call is one call of the engine API, run on the
 //! manager's runtime. The engine's memory contract is [`Node`]'s: kvwire writes only pages
