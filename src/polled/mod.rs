@@ -99,7 +99,7 @@ use tokio::net::TcpListener;
 
 use crate::config::{Auth, NodeConfig, TransportConfig};
 use crate::discovery::Registration;
-use crate::engine::{ListenerStats, Node};
+use crate::engine::{EngineError, ListenerStats, Node};
 use crate::memory::{Holder, KvMemory, PoolGeometry};
 use kvwire_proto::liveness::LivenessConfig;
 use kvwire_proto::sender::SenderConfig;
@@ -491,7 +491,7 @@ impl Manager {
                 let stream = match listener.accept().await {
                     Ok((s, _)) => s,
                     Err(e) => {
-                        peers.accepted(Err(Error::new(ErrorKind::ConnectFailed, e.to_string())));
+                        peers.accepted(Err(EngineError::Io(e)));
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
@@ -632,57 +632,49 @@ impl Manager {
     /// peer). It is [`KvPoll::Bootstrapping`] until [`ReceiverTransfer::init`] and a
     /// connection to the peer exist.
     pub fn receiver(&self, room: TransferId, peer: Option<u64>) -> Result<ReceiverTransfer, Error> {
-        if self.role() != Role::Decode {
-            return Err(Error::invalid("a prefill manager has no receivers"));
-        }
-        Ok(ReceiverTransfer::new(
-            self.clone(),
-            room,
-            peer.map_or(Target::Only, Target::Node),
-        ))
+        self.check_role(Role::Decode)?;
+        let target = peer.map_or(Target::Only, Target::Node);
+        Ok(ReceiverTransfer::new(self.clone(), room, target))
     }
 
     /// The decode side of request `room`, from the peer listening at `addr`: dialled in
     /// the background now (again if an earlier attempt failed or its peer was lost); the
     /// transfer fails with the dial's error if it fails.
     pub fn receiver_at(&self, room: TransferId, addr: &str) -> Result<ReceiverTransfer, Error> {
-        if self.role() != Role::Decode {
-            return Err(Error::invalid("a prefill manager has no receivers"));
-        }
-        self.connect_in_background(addr, true);
-        Ok(ReceiverTransfer::new(
-            self.clone(),
-            room,
-            Target::Address(addr.to_owned()),
-        ))
+        self.check_role(Role::Decode)?;
+        Ok(ReceiverTransfer::new(self.clone(), room, self.dial(addr)))
     }
 
     /// The prefill side of request `room`, to peer `peer` (a node id; `None`: the only
     /// peer). It is [`KvPoll::Bootstrapping`] until [`SenderTransfer::init`] and a
     /// connection to the peer exist.
     pub fn sender(&self, room: TransferId, peer: Option<u64>) -> Result<SenderTransfer, Error> {
-        if self.role() != Role::Prefill {
-            return Err(Error::invalid("a decode manager has no senders"));
-        }
-        Ok(SenderTransfer::new(
-            self.clone(),
-            room,
-            peer.map_or(Target::Only, Target::Node),
-        ))
+        self.check_role(Role::Prefill)?;
+        let target = peer.map_or(Target::Only, Target::Node);
+        Ok(SenderTransfer::new(self.clone(), room, target))
     }
 
     /// As [`Manager::sender`], to the peer listening at `addr` (dialled as
     /// [`Manager::receiver_at`] does; a prefill that dials its decode peers).
     pub fn sender_at(&self, room: TransferId, addr: &str) -> Result<SenderTransfer, Error> {
-        if self.role() != Role::Prefill {
-            return Err(Error::invalid("a decode manager has no senders"));
+        self.check_role(Role::Prefill)?;
+        Ok(SenderTransfer::new(self.clone(), room, self.dial(addr)))
+    }
+
+    fn check_role(&self, role: Role) -> Result<(), Error> {
+        match (self.role(), role) {
+            (Role::Prefill, Role::Decode) => {
+                Err(Error::invalid("a prefill manager has no receivers"))
+            }
+            (Role::Decode, Role::Prefill) => Err(Error::invalid("a decode manager has no senders")),
+            _ => Ok(()),
         }
+    }
+
+    /// The target of a transfer to the peer at `addr`, dialled (again) now.
+    fn dial(&self, addr: &str) -> Target {
         self.connect_in_background(addr, true);
-        Ok(SenderTransfer::new(
-            self.clone(),
-            room,
-            Target::Address(addr.to_owned()),
-        ))
+        Target::Address(addr.to_owned())
     }
 
     /// The connection a transfer goes over; `None` while there is none yet.

@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::{Error, ErrorKind, Role};
-use crate::engine::{ListenerStats, Node, ReceiverConn, SenderConn};
+use crate::engine::{failure_class, EngineError, ListenerStats, Node, ReceiverConn, SenderConn};
 
 /// A connection to a peer.
 #[derive(Clone, Debug)]
@@ -124,8 +124,9 @@ impl Peers {
         id
     }
 
-    /// An incoming connection: established, or its failure.
-    pub(super) fn accepted(&self, outcome: Result<Conn, Error>) {
+    /// An incoming connection: established, or its failure (counted as the engine's
+    /// listener counts it).
+    pub(super) fn accepted(&self, outcome: Result<Conn, EngineError>) {
         let mut l = self.lock();
         l.stats.accepted += 1;
         match outcome {
@@ -136,13 +137,12 @@ impl Peers {
             }
             Err(e) => {
                 tracing::warn!(error = %e, "polled: an incoming connection failed");
-                match e.kind() {
-                    ErrorKind::HandshakeRefused | ErrorKind::Unauthenticated => {
-                        l.stats.refused += 1
-                    }
+                match failure_class(&e) {
+                    "refused" => l.stats.refused += 1,
+                    "malformed" => l.stats.malformed += 1,
                     _ => l.stats.failed += 1,
                 }
-                l.last_accept_error = Some(e);
+                l.last_accept_error = Some(Error::from_engine(&e));
                 self.changed.notify_all();
             }
         }
@@ -182,16 +182,15 @@ pub(super) async fn open(
     node: &Node,
     role: Role,
     client: bool,
-) -> Result<Conn, Error> {
-    let r = match role {
+) -> Result<Conn, EngineError> {
+    match role {
         Role::Prefill => SenderConn::start(stream, node, client)
             .await
             .map(Conn::Sender),
         Role::Decode => ReceiverConn::start(stream, node, client)
             .await
             .map(Conn::Receiver),
-    };
-    r.map_err(|e| Error::from_engine(&e))
+    }
 }
 
 /// Dials `addr` and runs the handshake for `role`.
@@ -199,5 +198,7 @@ pub(super) async fn dial(addr: String, node: Node, role: Role) -> Result<Conn, E
     let stream = tokio::net::TcpStream::connect(addr).await.map_err(|e| {
         Error::new(ErrorKind::ConnectFailed, format!("connect: {e}")).retryable(true)
     })?;
-    open(stream, &node, role, true).await
+    open(stream, &node, role, true)
+        .await
+        .map_err(|e| Error::from_engine(&e))
 }
