@@ -133,6 +133,15 @@ fn aux_records_travel_by_aux_index_and_verified_pages_come_back_at_once() {
     tx.clear().unwrap();
     assert_eq!(prefill.handshake_stats().established, 1);
 
+    // A binding's own reason for ending a request is the one the transfer reports.
+    let ended = prefill.sender(TransferId(8), None).unwrap();
+    ended.abort_with(kvwire::polled::Error::new(
+        ErrorKind::InvalidRequest,
+        "chunk refused",
+    ));
+    assert_eq!(ended.poll(), KvPoll::Failed);
+    assert_eq!(ended.failure().unwrap().kind(), ErrorKind::InvalidRequest);
+
     // An aux index outside the buffers is refused at init.
     let bad = decode.receiver_at(TransferId(9), &addr).unwrap();
     let e = bad

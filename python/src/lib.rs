@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvwire::polled::{
-    AuxBuffer, DiscoveryBackend, Error, KvBuffer, KvPoll, Manager, ManagerConfig, ReceiverTransfer,
-    Role, SenderTransfer,
+    AuxBuffer, DiscoveryBackend, Error, ErrorKind, KvBuffer, KvPoll, Manager, ManagerConfig,
+    ReceiverTransfer, Role, SenderTransfer,
 };
 use kvwire::{Auth, TransferId, TransportConfig};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -479,15 +479,30 @@ impl Sender {
     /// Sends the next chunk: page indices of the engine's KV memory (the bytes of a numpy
     /// int32/int64 array, `width` 4 or 8), in transfer order. The chunk that completes the
     /// request's pages carries the aux record. Waits (GIL released) only for the connection
-    /// to take the chunk; a refused chunk raises its error and the transfer goes on. On a
-    /// transfer that already failed it does nothing (`poll` / `error` say why).
+    /// to take the chunk. A call that does not fit (before the sender is ready, more pages
+    /// than planned) raises; a chunk the connection refuses ends the request: it is aborted
+    /// and fails with the refusal (see `poll`). On a transfer that already failed it does
+    /// nothing (`poll` / `error` say why).
     fn send(&self, py: Python<'_>, indices: &[u8], width: usize) -> PyResult<()> {
         let pages = pages_from_bytes(indices, width)?;
         if self.transfer.poll() == KvPoll::Failed {
             return Ok(());
         }
-        py.allow_threads(|| self.transfer.send(&pages, None))
-            .map_err(|e| to_py(py, &e))
+        match py.allow_threads(|| self.transfer.send(&pages, None)) {
+            Ok(()) => Ok(()),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::InvalidArgument | ErrorKind::InvalidState
+                ) =>
+            {
+                Err(to_py(py, &e))
+            }
+            Err(e) => {
+                self.transfer.abort_with(e);
+                Ok(())
+            }
+        }
     }
 
     /// The state (a KVPoll value); never blocks. Bootstrapping until a connection to the

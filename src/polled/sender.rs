@@ -240,6 +240,13 @@ impl SenderTransfer {
     /// (`CANCELLED`); kvwire stops posting, drains what it posted and tells the receiver.
     /// Nothing happens to a transfer that already ended.
     pub fn abort(&self) {
+        self.abort_with(Error::aborted());
+    }
+
+    /// Aborts the transfer as [`Self::abort`] does, with `failure` as the reason it reports
+    /// (the receiver still gets `CANCELLED`): for an engine that treats a refused chunk as
+    /// the end of the request (the Python package does).
+    pub fn abort_with(&self, failure: Error) {
         let slot = self.slot();
         if self.shared.poll().is_final() {
             return;
@@ -247,7 +254,7 @@ impl SenderTransfer {
         if let Some(out) = &slot.out {
             out.abort(ErrorCode::CANCELLED);
         }
-        self.shared.fail(Error::aborted());
+        self.shared.fail(failure);
     }
 
     /// Ends the request here: aborts it if still open, then returns once kvwire reads none
