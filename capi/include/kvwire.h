@@ -49,6 +49,12 @@
 // A panic inside kvwire, caught at the boundary (a bug).
 #define KVWIRE_ERR_INTERNAL 9
 
+// Peer discovery failed (the bootstrap server or etcd unreachable, a bad record).
+#define KVWIRE_ERR_DISCOVERY 10
+
+// A peer found through discovery has another KV layout or model fingerprint.
+#define KVWIRE_ERR_LAYOUT_MISMATCH 11
+
 // Rejected at the sender's admission; the wire code is the original error.
 #define KVWIRE_ERR_REJECTED 20
 
@@ -189,6 +195,18 @@ typedef struct {
   size_t page_bytes;
 } kvwire_buffer_t;
 
+// One of the engine's aux buffers: base pointer, length in bytes, bytes per slot (SGLang's
+// `aux_data_ptrs[i]`, `aux_data_lens[i]`, `aux_item_lens[i]`); one slot per aux index. A
+// request's aux record is its slot in every buffer, concatenated.
+typedef struct {
+  // The buffer's first byte.
+  void *ptr;
+  // Its length in bytes.
+  size_t len;
+  // Bytes per slot.
+  size_t item_len;
+} kvwire_aux_buffer_t;
+
 // Why a transfer failed (kvwire_receiver_failure, kvwire_sender_failure).
 typedef struct {
   // A KVWIRE_ERR_* code; KVWIRE_OK if the transfer did not fail.
@@ -206,6 +224,44 @@ typedef struct {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Publishes this manager in `cluster` as engine rank `rank` with the bootstrap server at
+// `server` ("host:port"), reachable at `address` (NULL: where kvwire_manager_listen
+// bound); refreshed while the manager lives, the record expires `ttl_ms` after the
+// process died. Blocks for the round trip.
+//
+// # Safety
+// `manager` is a live handle; `server` and `cluster` NUL-terminated strings, `address`
+// null or one.
+int kvwire_manager_register(const kvwire_manager_t *manager,
+                            const char *server,
+                            const char *cluster,
+                            uint32_t rank,
+                            uint64_t ttl_ms,
+                            const char *address);
+
+// Withdraws this manager's records now (waiting at most 5 s for each).
+//
+// # Safety
+// `manager` is a live handle.
+int kvwire_manager_deregister(const kvwire_manager_t *manager);
+
+// The address of the first peer of `role` (KVWIRE_ROLE_*) and engine rank `rank`
+// registered in `cluster` with the bootstrap server at `server`, NUL-terminated into
+// `address[0..cap]` (`cap` at least KVWIRE_ADDR_MAX). KVWIRE_ERR_LAYOUT_MISMATCH when a
+// peer there has another KV layout or model fingerprint (fail closed),
+// KVWIRE_ERR_DISCOVERY when none is registered or the server cannot be reached.
+//
+// # Safety
+// `manager` is a live handle; `server` and `cluster` NUL-terminated strings; `address`
+// valid for `cap` bytes.
+int kvwire_manager_resolve(const kvwire_manager_t *manager,
+                           const char *server,
+                           const char *cluster,
+                           int role,
+                           uint32_t rank,
+                           char *address,
+                           size_t cap);
 
 // The library's version, e.g. "0.1.0" (a static string).
 const char *kvwire_version(void);
@@ -240,6 +296,21 @@ int kvwire_manager_new(const kvwire_config_t *config,
                        const kvwire_buffer_t *buffers,
                        size_t n,
                        kvwire_manager_t **out);
+
+// As kvwire_manager_new, with the engine's aux buffers (`aux[0..n_aux]`): a sender's
+// final chunk can carry the record at an aux index (kvwire_sender_init_aux), and a
+// receiver writes the verified record at its aux index (kvwire_receiver_init_aux).
+//
+// # Safety
+// As kvwire_manager_new, for the aux buffers too (`aux` holds `n_aux` entries, each valid
+// for reads and writes of its length until kvwire_manager_free returned, overlapping no
+// other buffer).
+int kvwire_manager_new_with_aux(const kvwire_config_t *config,
+                                const kvwire_buffer_t *buffers,
+                                size_t n,
+                                const kvwire_aux_buffer_t *aux,
+                                size_t n_aux,
+                                kvwire_manager_t **out);
 
 // Frees a manager: free its transfers first. Its connections close, and it returns once
 // nothing of kvwire runs any more, so the engine may free its buffers afterwards. (A
@@ -289,6 +360,17 @@ int kvwire_manager_node_id(const kvwire_manager_t *manager, uint64_t *out);
 // `manager` is a live handle, `pages` holds `n` entries.
 int kvwire_manager_check_free(const kvwire_manager_t *manager, const uint32_t *pages, size_t n);
 
+// The pages kvwire holds now (leased to a transfer, or verified and not yet released),
+// into `out[0..cap]`, their count into `*len` (KVWIRE_ERR_BUFFER_TOO_SMALL, with `*len`
+// set, when they do not fit). The engine must not free or write them.
+//
+// # Safety
+// `manager` is a live handle, `len` writable, `out` null or valid for `cap` entries.
+int kvwire_manager_held_pages(const kvwire_manager_t *manager,
+                              uint32_t *out,
+                              size_t cap,
+                              size_t *len);
+
 // The decode side of request `room` from peer `peer` (a node id; 0: the only peer).
 //
 // # Safety
@@ -297,6 +379,18 @@ int kvwire_receiver_new(const kvwire_manager_t *manager,
                         uint64_t room,
                         uint64_t peer,
                         kvwire_receiver_t **out);
+
+// The decode side of request `room` from the peer listening at `addr` ("host:port"):
+// dialled in the background now (again if an earlier attempt failed or its peer was
+// lost); the transfer is KVWIRE_POLL_BOOTSTRAPPING until the connection is up, and fails
+// with the dial's error if it fails.
+//
+// # Safety
+// `manager` is a live handle, `addr` a NUL-terminated string, `out` writable.
+int kvwire_receiver_new_at(const kvwire_manager_t *manager,
+                           uint64_t room,
+                           const char *addr,
+                           kvwire_receiver_t **out);
 
 // Reserves the engine's destination pages `pages[0..n]` (one per tokens_per_page
 // tokens, in transfer order) for `tokens` tokens; the sender must commit within
@@ -309,6 +403,18 @@ int kvwire_receiver_init(const kvwire_receiver_t *receiver,
                          size_t n,
                          uint32_t tokens,
                          uint64_t timeout_ms);
+
+// As kvwire_receiver_init, and the verified aux record is written at `aux_index` of the
+// aux buffers (kvwire_manager_new_with_aux) before the transfer reports Success.
+//
+// # Safety
+// `receiver` is a live handle, `pages` holds `n` entries.
+int kvwire_receiver_init_aux(const kvwire_receiver_t *receiver,
+                             const uint32_t *pages,
+                             size_t n,
+                             uint32_t tokens,
+                             uint64_t timeout_ms,
+                             size_t aux_index);
 
 // The state (a KVWIRE_POLL_* value) into `*state`, at once; never blocks.
 //
@@ -389,6 +495,17 @@ int kvwire_sender_new(const kvwire_manager_t *manager,
 // # Safety
 // `sender` is a live handle.
 int kvwire_sender_init(const kvwire_sender_t *sender, uint32_t num_pages, uint32_t tokens);
+
+// As kvwire_sender_init, and the final chunk carries the record at `aux_index` of the aux
+// buffers (kvwire_manager_new_with_aux), read when it is sent (a kvwire_sender_send that
+// passes its own aux record sends that one instead).
+//
+// # Safety
+// `sender` is a live handle.
+int kvwire_sender_init_aux(const kvwire_sender_t *sender,
+                           uint32_t num_pages,
+                           uint32_t tokens,
+                           size_t aux_index);
 
 // Hands over the next chunk: the engine's pages `pages[0..n]`, in transfer order, read in
 // place (not written by the engine until kvwire_sender_clear returned); `aux[0..aux_len]`

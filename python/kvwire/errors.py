@@ -9,7 +9,8 @@ Every failure is a :class:`TransferError` (or a subclass), with
   for a rejection the *original* error of the request's admission;
 * ``reason``: the failure kind (the class name).
 
-They are built from kvwire's ``FailureReason`` / ``TransferError`` / ``EngineError``.
+They are built from kvwire's ``kvwire::polled::Error`` (the facade the C ABI shares): the
+class is the one named after its kind (``ErrorKind::name``), else :class:`TransferError`.
 """
 
 from __future__ import annotations
@@ -147,6 +148,24 @@ class InvalidRequest(TransferError):
 
 class ConfigError(TransferError):
     """The configuration was refused (e.g. a pool smaller than the context length)."""
+
+
+class InvalidArgument(TransferError, ValueError):
+    """An argument is invalid (a page count that does not fit the tokens, an aux index out of
+    range, ...)."""
+
+
+class InvalidState(TransferError, RuntimeError):
+    """The call does not fit the transfer's state (``send`` before the sender is ready,
+    ``init`` twice, ...)."""
+
+
+class WaitTimedOut(TransferError):
+    """A bounded wait inside a call ran out (not a transfer's deadline: that is Timeout)."""
+
+
+class Internal(TransferError):
+    """A panic inside kvwire, caught at the boundary (a bug: please report it)."""
 
 
 class DiscoveryError(TransferError):

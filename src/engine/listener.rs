@@ -193,6 +193,18 @@ impl<C> Listener<C> {
     }
 }
 
+/// How a failed handshake counts in [`ListenerStats`]: `"refused"` (by either side: wrong
+/// key, layout, version), `"malformed"` (bytes that are not kvwire frames) or `"failed"`
+/// (I/O, a timeout, the transport).
+pub(crate) fn failure_class(e: &EngineError) -> &'static str {
+    use kvwire_proto::handshake::HandshakeError as H;
+    match e {
+        EngineError::Handshake(H::Refused(_) | H::RefusedByPeer(_)) => "refused",
+        EngineError::Handshake(H::Unexpected(_)) | EngineError::Stream(_) => "malformed",
+        _ => "failed",
+    }
+}
+
 /// Rate-limits the failure log: one line per interval, with what it suppressed.
 struct FailureLog {
     interval: Duration,
@@ -281,15 +293,11 @@ async fn accept_loop<C, F, Fut>(
                     let _ = ready.send(conn).await;
                 }
                 Err(e) => {
-                    use kvwire_proto::handshake::HandshakeError as H;
-                    let (counter, outcome) = match &e {
-                        EngineError::Handshake(H::Refused(_) | H::RefusedByPeer(_)) => {
-                            (&counters.refused, "refused")
-                        }
-                        EngineError::Handshake(H::Unexpected(_)) | EngineError::Stream(_) => {
-                            (&counters.malformed, "malformed")
-                        }
-                        _ => (&counters.failed, "failed"),
+                    let outcome = failure_class(&e);
+                    let counter = match outcome {
+                        "refused" => &counters.refused,
+                        "malformed" => &counters.malformed,
+                        _ => &counters.failed,
                     };
                     counter.fetch_add(1, Ordering::Relaxed);
                     count(outcome);

@@ -47,6 +47,7 @@ use kvwire_proto::handshake::HandshakeError;
 use kvwire_proto::wire::Role;
 use kvwire_proto::FailureReason;
 
+pub(crate) use listener::failure_class;
 pub use listener::{Listener, ListenerConfig, ListenerStats};
 pub use node::Node;
 pub use open::loopback;

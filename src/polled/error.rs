@@ -72,6 +72,12 @@ kinds! {
     WaitTimedOut = 8,
     /// A panic inside kvwire, caught at the boundary (a bug: please report it).
     Internal = 9,
+    /// Peer discovery failed (the bootstrap server or etcd unreachable, a bad record, no
+    /// such peer).
+    DiscoveryError = 10,
+    /// A peer found through discovery has another KV layout or model fingerprint (refused
+    /// before it is dialled; the handshake refuses the same as `HandshakeRefused`).
+    LayoutMismatch = 11,
 
     // Transfers: one per protocol failure reason (`FailureReason`).
     /// The request was rejected at the sender's admission; the wire code is the original
@@ -219,6 +225,10 @@ impl Error {
     pub fn from_reason(r: &FailureReason) -> Self {
         use FailureReason as F;
         let kind = match r {
+            // The sender's engine cancelled the request before writing anything: kvwire
+            // answers the reservation with REJECT carrying CANCELLED. To the receiver that
+            // is the peer's abort.
+            F::Rejected { code, .. } if *code == ErrorCode::CANCELLED => ErrorKind::PeerAborted,
             F::Rejected { .. } => ErrorKind::Rejected,
             F::ReservationRefused { .. } => ErrorKind::ReservationRefused,
             F::CountMismatch { .. } => ErrorKind::CountMismatch,

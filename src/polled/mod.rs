@@ -1,7 +1,8 @@
 //! A poll-style, synchronous facade over the [`engine`](crate::engine) API, for engines that
 //! drive transfers from a scheduler loop instead of an async runtime, and for the bindings
-//! that sit on it (the C ABI crate `kvwire-capi`; the shape is SGLang's `KVManager`,
-//! `KVSender`, `KVReceiver` and `KVPoll`).
+//! that sit on it (the C ABI crate `kvwire-capi` and the Python package `kvwire`, both thin
+//! layers over this one; the shape is SGLang's `KVManager`, `KVSender`, `KVReceiver` and
+//! `KVPoll`).
 //!
 //! * A [`Manager`] owns a background tokio runtime and one [`Node`] over the engine's own KV
 //!   buffers, registered by pointer ([`KvBuffer`]: base pointer, length, bytes per page, as
@@ -15,6 +16,13 @@
 //!   transfer ended or the timeout passed; `failure()` gives the typed [`Error`] of a failed
 //!   transfer (a stable numeric code per reason, the wire code that came with it,
 //!   retryable or not).
+//! * What the bindings need besides: the engine's aux buffers ([`Manager::with_aux`]: a
+//!   sender's final chunk carries the record at an aux index, a receiver writes the verified
+//!   record at its own), a decode side that dials its prefill by address in the background
+//!   ([`Manager::receiver_at`]: a failed dial fails the transfer, the next one dials again;
+//!   connections whose peer is gone are forgotten), verified pages handed back at once
+//!   ([`ManagerConfig::release_verified`]), and discovery ([`Manager::register`],
+//!   [`Manager::resolve`] with the layout fingerprint check, [`BootstrapServer`]).
 //!
 //! Nothing here adds protocol logic: every call is one call of the engine API, run on the
 //! manager's runtime. The engine's memory contract is [`Node`]'s: kvwire writes only pages
@@ -64,24 +72,37 @@
 //! # Ok::<(), kvwire::polled::Error>(())
 //! ```
 
+mod aux;
+mod discovery;
 mod error;
+mod peers;
 mod receiver;
 mod sender;
+mod state;
 
+pub use aux::AuxBuffer;
+pub use discovery::{BootstrapServer, DiscoveryBackend};
 pub use error::{Error, ErrorKind};
 pub use receiver::ReceiverTransfer;
 pub use sender::SenderTransfer;
 
+use aux::AuxBuffers;
+use peers::{Conn, Peers, Target};
+use state::Shared;
+
 use std::net::SocketAddr;
 use std::ptr::NonNull;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 
 use crate::config::{Auth, NodeConfig, TransportConfig};
-use crate::engine::{Node, ReceiverConn, SenderConn};
+use crate::discovery::Registration;
+use crate::engine::{EngineError, ListenerStats, Node};
 use crate::memory::{Holder, KvMemory, PoolGeometry};
+use kvwire_proto::liveness::LivenessConfig;
+use kvwire_proto::sender::SenderConfig;
 use kvwire_proto::wire::TransferId;
 
 /// A transfer's state, as SGLang's `KVPoll` numbers it.
@@ -161,6 +182,15 @@ pub struct ManagerConfig {
     /// How long `release` and `clear` wait for kvwire to give the pages back (a fenced abort
     /// finishes long before; this bounds a stuck peer).
     pub release_timeout: Duration,
+    /// Peer liveness (heartbeat interval and timeout); `None`: the node's default.
+    pub liveness: Option<LivenessConfig>,
+    /// The prefill's protocol timeouts (how long an opened request waits for its
+    /// reservation, how long a reservation that came first is held); `None`: the defaults.
+    pub sender: Option<SenderConfig>,
+    /// Decode: hand a verified transfer's pages back to the engine as soon as it verified
+    /// (its aux record copied first), instead of at [`ReceiverTransfer::release`]. The
+    /// engine may then reuse them once `poll` said Success (SGLang's contract).
+    pub release_verified: bool,
 }
 
 impl ManagerConfig {
@@ -179,6 +209,9 @@ impl ManagerConfig {
             worker_threads: 2,
             call_timeout: Duration::from_secs(30),
             release_timeout: Duration::from_secs(60),
+            liveness: None,
+            sender: None,
+            release_verified: false,
         }
     }
 
@@ -195,62 +228,16 @@ impl ManagerConfig {
     }
 }
 
-/// A connection to a peer.
-#[derive(Clone, Debug)]
-enum Conn {
-    Sender(SenderConn),
-    Receiver(ReceiverConn),
-}
-
-impl Conn {
-    fn peer_id(&self) -> u64 {
-        match self {
-            Self::Sender(c) => c.peer().node_id,
-            Self::Receiver(c) => c.peer().node_id,
-        }
-    }
-}
-
-#[derive(Debug, Default)]
-struct PeerList {
-    /// By peer node id; a new connection from the same peer replaces the old one.
-    conns: Vec<(u64, Conn)>,
-    /// The last accept or handshake failure of the listener.
-    last_accept_error: Option<Error>,
-}
-
-#[derive(Debug, Default)]
-struct Peers {
-    list: Mutex<PeerList>,
-    changed: Condvar,
-}
-
-impl Peers {
-    fn lock(&self) -> MutexGuard<'_, PeerList> {
-        self.list.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn add(&self, conn: Conn) -> u64 {
-        let id = conn.peer_id();
-        let mut l = self.lock();
-        l.conns.retain(|(p, _)| *p != id);
-        l.conns.push((id, conn));
-        self.changed.notify_all();
-        id
-    }
-
-    fn accept_failed(&self, e: Error) {
-        tracing::warn!(error = %e, "polled: an incoming connection failed");
-        self.lock().last_accept_error = Some(e);
-        self.changed.notify_all();
-    }
-}
-
 #[derive(Debug)]
 struct Inner {
     node: Node,
     config: ManagerConfig,
     peers: Arc<Peers>,
+    aux: Arc<AuxBuffers>,
+    /// Where [`Manager::listen`] bound, for [`Manager::register`].
+    listen_addr: Mutex<Option<SocketAddr>>,
+    /// Discovery records published ([`Manager::register`]), removed when dropped.
+    registrations: Mutex<Vec<Registration>>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -260,6 +247,14 @@ impl Drop for Inner {
         // until every task (and every digest on its blocking pool) has stopped, so nothing
         // touches the engine's memory after the manager is gone.
         self.peers.lock().conns.clear();
+        if let Some(rt) = &self.runtime {
+            // A registration removes its record as it goes: a task on this runtime.
+            let _guard = rt.enter();
+            self.registrations
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
+        }
         if let Some(rt) = self.runtime.take() {
             if tokio::runtime::Handle::try_current().is_ok() {
                 // Dropped inside some async context: a runtime cannot be dropped there.
@@ -297,6 +292,26 @@ impl Manager {
     /// kvwire holds it (from a receiver's `init` until its `release` returned; a sender's
     /// pages from `send` until its `clear` returned).
     pub unsafe fn new(config: ManagerConfig, buffers: &[KvBuffer]) -> Result<Self, Error> {
+        // SAFETY: this function's contract, with no aux buffers.
+        unsafe { Self::with_aux(config, buffers, &[]) }
+    }
+
+    /// As [`Manager::new`], with the engine's aux buffers: a sender's final chunk can carry
+    /// the record at an aux index ([`SenderTransfer::init_with_aux`]), and a receiver writes
+    /// the verified record at its aux index ([`ReceiverTransfer::init_with_aux`]).
+    ///
+    /// # Safety
+    ///
+    /// As [`Manager::new`], for the aux buffers too: each valid for reads and writes of its
+    /// length while the manager lives, overlapping no other buffer; the engine writes a
+    /// slot only for a request it is not receiving into it, and a sender's slot only before
+    /// its final `send`.
+    pub unsafe fn with_aux(
+        config: ManagerConfig,
+        buffers: &[KvBuffer],
+        aux: &[AuxBuffer],
+    ) -> Result<Self, Error> {
+        let aux = AuxBuffers::new(aux)?;
         let first = buffers
             .first()
             .ok_or_else(|| Error::invalid("no KV buffers given"))?;
@@ -359,9 +374,16 @@ impl Manager {
         if config.allow_undersized_pool {
             builder = builder.allow_undersized_pool();
         }
-        let node_config = builder
+        if let Some(l) = config.liveness {
+            builder = builder.liveness(l);
+        }
+        if let Some(s) = &config.sender {
+            builder = builder.sender(s.clone());
+        }
+        let mut node_config = builder
             .build()
             .map_err(|e| Error::new(ErrorKind::ConfigError, e.to_string()))?;
+        node_config.max_aux = node_config.max_aux.max(aux.record_len() as u32);
         // SAFETY: the caller's contract (this function's) is from_raw_parts' contract.
         let memory = unsafe { KvMemory::from_raw_parts(&node_config.pool, regions) }
             .map_err(|e| Error::invalid(e.to_string()))?;
@@ -372,11 +394,16 @@ impl Manager {
             .enable_all()
             .build()
             .map_err(|e| Error::new(ErrorKind::ConfigError, format!("runtime: {e}")))?;
+        let peers: Arc<Peers> = Arc::default();
+        runtime.spawn(peers.clone().prune());
         Ok(Self {
             inner: Arc::new(Inner {
                 node,
                 config,
-                peers: Arc::default(),
+                peers,
+                aux: Arc::new(aux),
+                listen_addr: Mutex::new(None),
+                registrations: Mutex::new(Vec::new()),
                 runtime: Some(runtime),
             }),
         })
@@ -464,23 +491,37 @@ impl Manager {
                 let stream = match listener.accept().await {
                     Ok((s, _)) => s,
                     Err(e) => {
-                        peers.accept_failed(Error::new(ErrorKind::ConnectFailed, e.to_string()));
+                        peers.accepted(Err(EngineError::Io(e)));
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
                 };
                 let (node, peers) = (node.clone(), peers.clone());
                 tokio::spawn(async move {
-                    match open(stream, &node, role, false).await {
-                        Ok(c) => {
-                            peers.add(c);
-                        }
-                        Err(e) => peers.accept_failed(e),
-                    }
+                    peers.accepted(peers::open(stream, &node, role, false).await);
                 });
             }
         });
+        *self
+            .inner
+            .listen_addr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(local);
         Ok(local)
+    }
+
+    /// Where [`Manager::listen`] bound last (`None` before).
+    pub fn listen_addr(&self) -> Option<SocketAddr> {
+        *self
+            .inner
+            .listen_addr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The listener's handshake counters (accepted, established, refused, failed).
+    pub fn handshake_stats(&self) -> ListenerStats {
+        self.inner.peers.lock().stats
     }
 
     /// Connects to the peer listening at `addr` (`host:port`) and runs the handshake;
@@ -488,16 +529,53 @@ impl Manager {
     /// `call_timeout`).
     pub fn connect(&self, addr: &str) -> Result<u64, Error> {
         let (a, node, role) = (addr.to_owned(), self.inner.node.clone(), self.role());
-        let conn = self.block(
-            async move {
-                let stream = tokio::net::TcpStream::connect(a).await.map_err(|e| {
-                    Error::new(ErrorKind::ConnectFailed, format!("connect: {e}")).retryable(true)
-                })?;
-                open(stream, &node, role, true).await
-            },
-            self.inner.config.call_timeout,
-        )??;
+        let conn = self.block(peers::dial(a, node, role), self.inner.config.call_timeout)??;
         Ok(self.inner.peers.add(conn))
+    }
+
+    /// Starts dialling `addr` in the background unless a connection dialled there is up
+    /// or on its way (`retry`: also when its last attempt failed); returns at once. The
+    /// transfers of [`Manager::receiver_at`] / [`Manager::sender_at`] go over it.
+    pub fn connect_in_background(&self, addr: &str, retry: bool) {
+        let mut l = self.inner.peers.lock();
+        if !l.needs_dial(addr, retry) {
+            return;
+        }
+        l.links.insert(addr.to_owned(), peers::Link::Connecting);
+        drop(l);
+        let (a, node, role, peers) = (
+            addr.to_owned(),
+            self.inner.node.clone(),
+            self.role(),
+            self.inner.peers.clone(),
+        );
+        self.spawn(async move {
+            let outcome = peers::dial(a.clone(), node, role).await;
+            peers.dialled(a, outcome);
+        });
+    }
+
+    /// Whether a connection dialled at `addr` is up now.
+    pub fn link_up(&self, addr: &str) -> bool {
+        matches!(
+            self.inner
+                .peers
+                .lock()
+                .find(&Target::Address(addr.to_owned())),
+            Ok(Some(_))
+        )
+    }
+
+    /// Which pages kvwire holds now (leased to a transfer, or a verified transfer not yet
+    /// released): the engine must not free or write them.
+    pub fn held_pages(&self) -> Vec<u32> {
+        self.inner
+            .node
+            .pool()
+            .held_pages()
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect()
     }
 
     /// The node ids of the peers connected (oldest first).
@@ -554,40 +632,69 @@ impl Manager {
     /// peer). It is [`KvPoll::Bootstrapping`] until [`ReceiverTransfer::init`] and a
     /// connection to the peer exist.
     pub fn receiver(&self, room: TransferId, peer: Option<u64>) -> Result<ReceiverTransfer, Error> {
-        if self.role() != Role::Decode {
-            return Err(Error::invalid("a prefill manager has no receivers"));
-        }
-        Ok(ReceiverTransfer::new(self.clone(), room, peer))
+        self.check_role(Role::Decode)?;
+        let target = peer.map_or(Target::Only, Target::Node);
+        Ok(ReceiverTransfer::new(self.clone(), room, target))
+    }
+
+    /// The decode side of request `room`, from the peer listening at `addr`: dialled in
+    /// the background now (again if an earlier attempt failed or its peer was lost); the
+    /// transfer fails with the dial's error if it fails.
+    pub fn receiver_at(&self, room: TransferId, addr: &str) -> Result<ReceiverTransfer, Error> {
+        self.check_role(Role::Decode)?;
+        Ok(ReceiverTransfer::new(self.clone(), room, self.dial(addr)))
     }
 
     /// The prefill side of request `room`, to peer `peer` (a node id; `None`: the only
     /// peer). It is [`KvPoll::Bootstrapping`] until [`SenderTransfer::init`] and a
     /// connection to the peer exist.
     pub fn sender(&self, room: TransferId, peer: Option<u64>) -> Result<SenderTransfer, Error> {
-        if self.role() != Role::Prefill {
-            return Err(Error::invalid("a decode manager has no senders"));
-        }
-        Ok(SenderTransfer::new(self.clone(), room, peer))
+        self.check_role(Role::Prefill)?;
+        let target = peer.map_or(Target::Only, Target::Node);
+        Ok(SenderTransfer::new(self.clone(), room, target))
     }
 
-    /// The connection a transfer goes over: `peer`'s, or the only one; `None` while there
-    /// is none yet.
-    fn conn(&self, peer: Option<u64>) -> Result<Option<Conn>, Error> {
-        let l = self.inner.peers.lock();
-        match peer {
-            Some(p) => Ok(l
-                .conns
-                .iter()
-                .find(|(id, _)| *id == p)
-                .map(|(_, c)| c.clone())),
-            None => match l.conns.as_slice() {
-                [] => Ok(None),
-                [(_, c)] => Ok(Some(c.clone())),
-                _ => Err(Error::invalid(
-                    "several peers are connected: name the transfer's peer (its node id)",
-                )),
-            },
+    /// As [`Manager::sender`], to the peer listening at `addr` (dialled as
+    /// [`Manager::receiver_at`] does; a prefill that dials its decode peers).
+    pub fn sender_at(&self, room: TransferId, addr: &str) -> Result<SenderTransfer, Error> {
+        self.check_role(Role::Prefill)?;
+        Ok(SenderTransfer::new(self.clone(), room, self.dial(addr)))
+    }
+
+    fn check_role(&self, role: Role) -> Result<(), Error> {
+        match (self.role(), role) {
+            (Role::Prefill, Role::Decode) => {
+                Err(Error::invalid("a prefill manager has no receivers"))
+            }
+            (Role::Decode, Role::Prefill) => Err(Error::invalid("a decode manager has no senders")),
+            _ => Ok(()),
         }
+    }
+
+    /// The target of a transfer to the peer at `addr`, dialled (again) now.
+    fn dial(&self, addr: &str) -> Target {
+        self.connect_in_background(addr, true);
+        Target::Address(addr.to_owned())
+    }
+
+    /// The connection a transfer goes over; `None` while there is none yet.
+    fn conn(&self, target: &Target) -> Result<Option<Conn>, Error> {
+        if let Target::Address(a) = target {
+            // Its peer was lost since (or it was never dialled): dial again.
+            self.connect_in_background(a, false);
+        }
+        self.inner.peers.lock().find(target)
+    }
+
+    fn aux(&self) -> &Arc<AuxBuffers> {
+        &self.inner.aux
+    }
+
+    fn registrations(&self) -> MutexGuard<'_, Vec<Registration>> {
+        self.inner
+            .registrations
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// Waits until kvwire holds none of `pages` (or, with `None`, no page at all) for
@@ -619,137 +726,6 @@ impl Manager {
                 ));
             }
             std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-}
-
-/// Opens one end of a connection for `role` on `stream`.
-async fn open(
-    stream: tokio::net::TcpStream,
-    node: &Node,
-    role: Role,
-    client: bool,
-) -> Result<Conn, Error> {
-    let r = match role {
-        Role::Prefill => SenderConn::start(stream, node, client)
-            .await
-            .map(Conn::Sender),
-        Role::Decode => ReceiverConn::start(stream, node, client)
-            .await
-            .map(Conn::Receiver),
-    };
-    r.map_err(|e| Error::from_engine(&e))
-}
-
-/// A transfer's state, shared with the runtime's tasks that advance it.
-#[derive(Debug)]
-struct Shared<T> {
-    st: Mutex<State<T>>,
-    changed: Condvar,
-}
-
-#[derive(Debug)]
-struct State<T> {
-    poll: KvPoll,
-    error: Option<Error>,
-    /// Whether the engine API's outcome arrived (or nothing was ever started): only then
-    /// can the pages be checked for release.
-    settled: bool,
-    /// What a verified transfer delivered.
-    result: Option<T>,
-}
-
-impl<T> Shared<T> {
-    fn new() -> Arc<Self> {
-        Arc::new(Self {
-            st: Mutex::new(State {
-                poll: KvPoll::Bootstrapping,
-                error: None,
-                settled: true,
-                result: None,
-            }),
-            changed: Condvar::new(),
-        })
-    }
-
-    fn lock(&self) -> MutexGuard<'_, State<T>> {
-        self.st.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn poll(&self) -> KvPoll {
-        self.lock().poll
-    }
-
-    /// Moves to `to` unless the transfer already ended.
-    fn advance(&self, to: KvPoll) {
-        let mut s = self.lock();
-        if !s.poll.is_final() {
-            s.poll = to;
-            self.changed.notify_all();
-        }
-    }
-
-    /// Fails the transfer unless it already ended (the first verdict stands).
-    fn fail(&self, e: Error) {
-        let mut s = self.lock();
-        if !s.poll.is_final() {
-            s.poll = KvPoll::Failed;
-            s.error = Some(e);
-        }
-        self.changed.notify_all();
-    }
-
-    /// The engine API's outcome arrived: `Ok` with what was delivered, or the failure.
-    /// What arrives after the transfer already ended (an abort won) is dropped.
-    fn settle(&self, outcome: Result<T, Error>) {
-        let mut s = self.lock();
-        s.settled = true;
-        if !s.poll.is_final() {
-            match outcome {
-                Ok(v) => {
-                    s.poll = KvPoll::Success;
-                    s.result = Some(v);
-                }
-                Err(e) => {
-                    s.poll = KvPoll::Failed;
-                    s.error = Some(e);
-                }
-            }
-        }
-        self.changed.notify_all();
-    }
-
-    /// Waits until `done(state)` or `timeout`; `tick` (if any) is called between waits
-    /// of at most 5 ms (to advance a transfer still bootstrapping).
-    fn wait_until(
-        &self,
-        timeout: Duration,
-        done: impl Fn(&State<T>) -> bool,
-        tick: &dyn Fn(),
-    ) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            tick();
-            let s = self.lock();
-            if done(&s) {
-                return true;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            let step = if s.poll == KvPoll::Bootstrapping {
-                Duration::from_millis(5).min(deadline - now)
-            } else {
-                deadline - now
-            };
-            let (s, _) = self
-                .changed
-                .wait_timeout(s, step)
-                .unwrap_or_else(|p| p.into_inner());
-            if done(&s) {
-                return true;
-            }
         }
     }
 }

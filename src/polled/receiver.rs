@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use kvwire_proto::wire::{ErrorCode, TransferId};
 
-use super::{Conn, Error, KvPoll, Manager, Shared};
+use super::{Conn, Error, ErrorKind, KvPoll, Manager, Shared, Target};
 use crate::driver::ReserveParams;
 use crate::engine::{ReceiverConn, Verified};
 use crate::memory::Holder;
@@ -24,6 +24,7 @@ struct Init {
     pages: Vec<u32>,
     tokens: u32,
     timeout: Duration,
+    aux_index: Option<usize>,
 }
 
 #[derive(Debug, Default)]
@@ -49,13 +50,13 @@ struct Slot {
 pub struct ReceiverTransfer {
     manager: Manager,
     room: TransferId,
-    peer: Option<u64>,
+    peer: Target,
     shared: Arc<Shared<Delivered>>,
     slot: Mutex<Slot>,
 }
 
 impl ReceiverTransfer {
-    pub(super) fn new(manager: Manager, room: TransferId, peer: Option<u64>) -> Self {
+    pub(super) fn new(manager: Manager, room: TransferId, peer: Target) -> Self {
         Self {
             manager,
             room,
@@ -81,6 +82,39 @@ impl ReceiverTransfer {
     /// returned. Fails at once for a page count that does not fit the tokens, or when
     /// called twice.
     pub fn init(&self, pages: Vec<u32>, tokens: u32, timeout: Duration) -> Result<(), Error> {
+        self.init_with_aux(pages, tokens, timeout, None)
+    }
+
+    /// As [`Self::init`], and the verified aux record is written at `aux_index` of the
+    /// engine's aux buffers ([`Manager::with_aux`]) before the transfer reports Success. A
+    /// prompt longer than this node's whole pool is rejected here, before anything goes
+    /// out: the transfer fails with [`ErrorKind::Rejected`] (`PROMPT_EXCEEDS_POOL`).
+    pub fn init_with_aux(
+        &self,
+        pages: Vec<u32>,
+        tokens: u32,
+        timeout: Duration,
+        aux_index: Option<usize>,
+    ) -> Result<(), Error> {
+        if let Some(i) = aux_index {
+            self.manager.aux().check_index(i)?;
+        }
+        let pool = &self.manager.node().config().pool;
+        let capacity = pool.capacity_tokens();
+        if u64::from(tokens) > capacity {
+            let needed = u64::from(tokens).div_ceil(u64::from(pool.tokens_per_page.max(1)));
+            self.shared.fail(
+                Error::new(
+                    ErrorKind::Rejected,
+                    format!(
+                        "rejected at the decode node: prompt of {tokens} tokens needs {needed} pages but the decode KV pool has {} pages ({capacity} tokens)",
+                        pool.pages
+                    ),
+                )
+                .with_code(ErrorCode::PROMPT_EXCEEDS_POOL),
+            );
+            return Ok(());
+        }
         let tpp = self.manager.config().tokens_per_page;
         let need = tokens.div_ceil(tpp.max(1)) as usize;
         if tokens == 0 || pages.len() != need {
@@ -101,6 +135,7 @@ impl ReceiverTransfer {
                 pages,
                 tokens,
                 timeout,
+                aux_index,
             });
         }
         self.advance();
@@ -110,10 +145,10 @@ impl ReceiverTransfer {
     /// Reserves, if `init` was called and the connection to the peer exists.
     fn advance(&self) {
         let mut slot = self.slot();
-        if slot.init.is_none() || self.shared.poll().is_final() {
+        if slot.reserved.is_some() || slot.released || self.shared.poll().is_final() {
             return;
         }
-        let conn = match self.manager.conn(self.peer) {
+        let conn = match self.manager.conn(&self.peer) {
             Ok(Some(Conn::Receiver(c))) => c,
             Ok(_) => return,
             Err(e) => {
@@ -130,13 +165,35 @@ impl ReceiverTransfer {
         slot.conn = Some(conn);
         self.shared.lock().settled = false;
         self.shared.advance(KvPoll::WaitingForInput);
-        let shared = self.shared.clone();
+        // The task holds no manager (the last one dropped there would drop the runtime
+        // inside itself): only the aux buffers' description.
+        let (shared, aux, aux_index) = (
+            self.shared.clone(),
+            self.manager.aux().clone(),
+            init.aux_index,
+        );
+        let release_verified = self.manager.config().release_verified;
         self.manager.spawn(async move {
             let outcome = verdict.await.map_err(|e| Error::from_transfer(&e));
-            shared.settle(outcome.map(|v| Delivered {
-                pages: v.page_indices(),
-                aux: v.aux().to_vec(),
-                verified: Some(v),
+            shared.settle(outcome.and_then(|v| {
+                let record = v.aux().to_vec();
+                if let Some(i) = aux_index {
+                    aux.write(i, &record)?;
+                }
+                let pages = v.page_indices();
+                let verified = if release_verified {
+                    // kvwire holds none of the pages once this returned.
+                    v.release()
+                        .map_err(|e| Error::state(format!("release: {e}")))?;
+                    None
+                } else {
+                    Some(v)
+                };
+                Ok(Delivered {
+                    pages,
+                    aux: record,
+                    verified,
+                })
             }));
         });
     }
@@ -149,6 +206,12 @@ impl ReceiverTransfer {
             self.advance();
         }
         self.shared.poll()
+    }
+
+    /// Whether the connection the transfer goes over is up (it may still be
+    /// [`KvPoll::Bootstrapping`] for want of `init`).
+    pub fn connected(&self) -> bool {
+        matches!(self.manager.conn(&self.peer), Ok(Some(_)))
     }
 
     /// Blocks until the transfer ended or `timeout` passed; returns the state then.

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use kvwire_proto::admission::Request;
 use kvwire_proto::wire::{ErrorCode, TransferId};
 
-use super::{Conn, Error, KvPoll, Manager, Shared};
+use super::{Conn, Error, KvPoll, Manager, Shared, Target};
 use crate::engine::OutgoingTransfer;
 use crate::memory::Holder;
 
@@ -19,6 +19,8 @@ struct Slot {
     out: Option<OutgoingTransfer>,
     /// The engine's pages handed over so far, in transfer order.
     sent: Vec<u32>,
+    /// The aux index whose record goes with the final chunk.
+    aux_index: Option<usize>,
     cleared: bool,
 }
 
@@ -34,13 +36,13 @@ struct Slot {
 pub struct SenderTransfer {
     manager: Manager,
     room: TransferId,
-    peer: Option<u64>,
+    peer: Target,
     shared: Arc<Shared<()>>,
     slot: Mutex<Slot>,
 }
 
 impl SenderTransfer {
-    pub(super) fn new(manager: Manager, room: TransferId, peer: Option<u64>) -> Self {
+    pub(super) fn new(manager: Manager, room: TransferId, peer: Target) -> Self {
         Self {
             manager,
             room,
@@ -65,6 +67,21 @@ impl SenderTransfer {
     /// empty, larger than the pool) fails with [`ErrorKind::Rejected`](super::ErrorKind)
     /// carrying the original wire code; the decode side's reservation gets the same.
     pub fn init(&self, num_pages: u32, tokens: u32) -> Result<(), Error> {
+        self.init_with_aux(num_pages, tokens, None)
+    }
+
+    /// As [`Self::init`], and the final chunk carries the record at `aux_index` of the
+    /// engine's aux buffers ([`Manager::with_aux`]), read when it is sent (a `send` that
+    /// passes its own aux record sends that one instead).
+    pub fn init_with_aux(
+        &self,
+        num_pages: u32,
+        tokens: u32,
+        aux_index: Option<usize>,
+    ) -> Result<(), Error> {
+        if let Some(i) = aux_index {
+            self.manager.aux().check_index(i)?;
+        }
         let tpp = self.manager.config().tokens_per_page;
         let need = tokens.div_ceil(tpp.max(1));
         if tokens > 0 && num_pages != need {
@@ -82,6 +99,7 @@ impl SenderTransfer {
             }
             slot.init = Some((num_pages, tokens));
             slot.num_pages = num_pages;
+            slot.aux_index = aux_index;
         }
         self.advance();
         Ok(())
@@ -90,10 +108,10 @@ impl SenderTransfer {
     /// Admits and opens, if `init` was called and the connection to the peer exists.
     fn advance(&self) {
         let mut slot = self.slot();
-        if slot.init.is_none() || self.shared.poll().is_final() {
+        if slot.out.is_some() || slot.cleared || self.shared.poll().is_final() {
             return;
         }
-        let conn = match self.manager.conn(self.peer) {
+        let conn = match self.manager.conn(&self.peer) {
             Ok(Some(Conn::Sender(c))) => c,
             Ok(_) => return,
             Err(e) => {
@@ -167,7 +185,12 @@ impl SenderTransfer {
         let Some(out) = &slot.out else {
             return Err(Error::state("the transfer is not open"));
         };
-        let taken = out.send_chunk(pages.to_vec(), aux.map(<[u8]>::to_vec));
+        let aux = match (aux, slot.aux_index) {
+            (Some(a), _) => Some(a.to_vec()),
+            (None, Some(i)) if last => Some(self.manager.aux().read(i)?),
+            (None, _) => None,
+        };
+        let taken = out.send_chunk(pages.to_vec(), aux);
         self.manager
             .block(taken, self.manager.config().call_timeout)?
             .map_err(|e| Error::from_transfer(&e))?;
@@ -189,6 +212,17 @@ impl SenderTransfer {
         self.shared.poll()
     }
 
+    /// Whether the connection the transfer goes over is up (it may still be
+    /// [`KvPoll::Bootstrapping`] for want of `init`).
+    pub fn connected(&self) -> bool {
+        matches!(self.manager.conn(&self.peer), Ok(Some(_)))
+    }
+
+    /// Pages handed over so far.
+    pub fn pages_sent(&self) -> usize {
+        self.slot().sent.len()
+    }
+
     /// Blocks until the transfer ended or `timeout` passed; returns the state then.
     pub fn wait(&self, timeout: std::time::Duration) -> KvPoll {
         self.shared.wait_until(timeout, |s| s.poll.is_final(), &|| {
@@ -206,6 +240,13 @@ impl SenderTransfer {
     /// (`CANCELLED`); kvwire stops posting, drains what it posted and tells the receiver.
     /// Nothing happens to a transfer that already ended.
     pub fn abort(&self) {
+        self.abort_with(Error::aborted());
+    }
+
+    /// Aborts the transfer as [`Self::abort`] does, with `failure` as the reason it reports
+    /// (the receiver still gets `CANCELLED`): for an engine that treats a refused chunk as
+    /// the end of the request (the Python package does).
+    pub fn abort_with(&self, failure: Error) {
         let slot = self.slot();
         if self.shared.poll().is_final() {
             return;
@@ -213,7 +254,7 @@ impl SenderTransfer {
         if let Some(out) = &slot.out {
             out.abort(ErrorCode::CANCELLED);
         }
-        self.shared.fail(Error::aborted());
+        self.shared.fail(failure);
     }
 
     /// Ends the request here: aborts it if still open, then returns once kvwire reads none

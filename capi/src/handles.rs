@@ -1,0 +1,134 @@
+//! The types of the ABI: buffers, the configuration, a failure's description, and the
+//! opaque handles (each with a magic number, so that a handle of another type is refused).
+
+use std::ffi::{c_char, c_int, c_void};
+
+use kvwire::polled::Manager;
+
+/// One of the engine's KV buffers: base pointer, length in bytes, bytes per page (SGLang's
+/// `kv_data_ptrs[i]`, `kv_data_lens[i]`, `kv_item_lens[i]`). Every buffer holds the same number
+/// of pages.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[allow(non_camel_case_types)]
+pub struct kvwire_buffer_t {
+    /// The buffer's first byte.
+    pub ptr: *mut c_void,
+    /// Its length in bytes (a whole number of pages).
+    pub len: usize,
+    /// Bytes per page in this buffer.
+    pub page_bytes: usize,
+}
+
+/// One of the engine's aux buffers: base pointer, length in bytes, bytes per slot (SGLang's
+/// `aux_data_ptrs[i]`, `aux_data_lens[i]`, `aux_item_lens[i]`); one slot per aux index. A
+/// request's aux record is its slot in every buffer, concatenated.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[allow(non_camel_case_types)]
+pub struct kvwire_aux_buffer_t {
+    /// The buffer's first byte.
+    pub ptr: *mut c_void,
+    /// Its length in bytes.
+    pub len: usize,
+    /// Bytes per slot.
+    pub item_len: usize,
+}
+
+/// How a manager is set up. Fill it with kvwire_config_init, then set the fields. Fields
+/// are only ever appended in later versions.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+#[allow(non_camel_case_types)]
+pub struct kvwire_config_t {
+    /// KVWIRE_ROLE_PREFILL or KVWIRE_ROLE_DECODE.
+    pub role: c_int,
+    /// Tokens per page (the same on both engines).
+    pub tokens_per_page: u32,
+    /// The context length the engine serves; the registered pool must hold it.
+    pub max_context_tokens: u64,
+    /// The model / tensor-parallel fingerprint (NUL-terminated); both engines must match.
+    /// NULL: empty.
+    pub fingerprint: *const c_char,
+    /// The pre-shared key as hex text (at least 32 hex digits; `kvwire gen-psk` writes
+    /// one). NULL: the file named by KVWIRE_PSK_FILE, else KVWIRE_PSK, else an error.
+    pub psk_hex: *const c_char,
+    /// Non-zero: no authentication (any peer with the right layout can connect).
+    pub insecure_no_auth: c_int,
+    /// NULL: TCP. Otherwise RDMA on this device ("" for the first one); needs a library
+    /// built with the `rdma` feature.
+    pub rdma_device: *const c_char,
+    /// This node's id as its peers see it; 0: a random one.
+    pub node_id: u64,
+    /// Worker threads of the manager's background runtime (default 2).
+    pub worker_threads: u32,
+    /// The bound of blocking calls (connect, listen, a chunk's hand-over), in ms (default
+    /// 30000).
+    pub call_timeout_ms: u32,
+    /// How long release/clear wait for kvwire to give the pages back, in ms (default
+    /// 60000).
+    pub release_timeout_ms: u32,
+}
+
+/// Why a transfer failed (kvwire_receiver_failure, kvwire_sender_failure).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+#[allow(non_camel_case_types)]
+pub struct kvwire_failure_t {
+    /// A KVWIRE_ERR_* code; KVWIRE_OK if the transfer did not fail.
+    pub code: c_int,
+    /// Non-zero: the same request may be tried again (on a new connection if this one is
+    /// gone).
+    pub retryable: c_int,
+    /// The protocol's wire error code that came with it (e.g. 0x0101
+    /// PROMPT_EXCEEDS_CONTEXT for a rejection, 0x0401 CANCELLED for an abort); -1 if none.
+    pub wire_code: i32,
+    /// For KVWIRE_ERR_UNCONFIRMED: the code of what ended the wait; otherwise 0.
+    pub cause: c_int,
+}
+
+pub(crate) const MANAGER_MAGIC: u64 = 0x6b76_7769_7265_4d47;
+pub(crate) const RECEIVER_MAGIC: u64 = 0x6b76_7769_7265_5258;
+pub(crate) const SENDER_MAGIC: u64 = 0x6b76_7769_7265_5458;
+
+/// A manager: one engine's registered KV memory, its background runtime and connections.
+#[allow(non_camel_case_types)]
+pub struct kvwire_manager_t {
+    pub(crate) magic: u64,
+    pub(crate) manager: Manager,
+}
+
+/// The decode side of one request.
+#[allow(non_camel_case_types)]
+pub struct kvwire_receiver_t {
+    pub(crate) magic: u64,
+    pub(crate) transfer: kvwire::polled::ReceiverTransfer,
+}
+
+/// The prefill side of one request.
+#[allow(non_camel_case_types)]
+pub struct kvwire_sender_t {
+    pub(crate) magic: u64,
+    pub(crate) transfer: kvwire::polled::SenderTransfer,
+}
+
+pub(crate) trait Handle {
+    const MAGIC: u64;
+    const NAME: &'static str;
+    fn magic(&self) -> u64;
+}
+
+macro_rules! handle {
+    ($t:ty, $magic:expr, $name:expr) => {
+        impl Handle for $t {
+            const MAGIC: u64 = $magic;
+            const NAME: &'static str = $name;
+            fn magic(&self) -> u64 {
+                self.magic
+            }
+        }
+    };
+}
+handle!(kvwire_manager_t, MANAGER_MAGIC, "kvwire_manager_t");
+handle!(kvwire_receiver_t, RECEIVER_MAGIC, "kvwire_receiver_t");
+handle!(kvwire_sender_t, SENDER_MAGIC, "kvwire_sender_t");

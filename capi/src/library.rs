@@ -1,0 +1,72 @@
+//! The library: version, last error, code names, the configuration's defaults.
+
+use std::ffi::{c_char, c_int, CStr, CString};
+
+use kvwire::polled::ErrorKind;
+
+use crate::*;
+
+/// The library's version, e.g. "0.1.0" (a static string).
+#[no_mangle]
+pub extern "C" fn kvwire_version() -> *const c_char {
+    static VERSION: &CStr =
+        match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+            Ok(v) => v,
+            Err(_) => c"unknown",
+        };
+    VERSION.as_ptr()
+}
+
+/// The message of the last call that failed on this thread ("" if none). Valid until the
+/// next failing kvwire call on this thread; copy it to keep it.
+#[no_mangle]
+pub extern "C" fn kvwire_last_error() -> *const c_char {
+    LAST_ERROR.with(|l| l.borrow().as_ptr())
+}
+
+/// The name of a KVWIRE_ERR_* code ("DigestMismatch", ...; "Ok" for 0, "Unknown" for a
+/// code this library does not know), a static string.
+#[no_mangle]
+pub extern "C" fn kvwire_error_name(code: c_int) -> *const c_char {
+    if code == KVWIRE_OK {
+        return c"Ok".as_ptr();
+    }
+    static NAMES: std::sync::OnceLock<Vec<(i32, CString)>> = std::sync::OnceLock::new();
+    let names = NAMES.get_or_init(|| {
+        ErrorKind::ALL
+            .iter()
+            .map(|k| (k.code(), CString::new(k.name()).unwrap_or_default()))
+            .collect()
+    });
+    names
+        .iter()
+        .find(|(c, _)| *c == code)
+        .map_or(c"Unknown".as_ptr(), |(_, n)| n.as_ptr())
+}
+
+/// Fills `*config` with the defaults: TCP, no fingerprint, the key from the environment,
+/// a random node id, 2 worker threads, 30 s call and 60 s release bounds. Role, tokens per
+/// page and context length are left 0: set them.
+///
+/// # Safety
+/// `config` is null or valid for a write of a kvwire_config_t.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_config_init(config: *mut kvwire_config_t) -> c_int {
+    guard(|| {
+        let c = kvwire_config_t {
+            role: 0,
+            tokens_per_page: 0,
+            max_context_tokens: 0,
+            fingerprint: std::ptr::null(),
+            psk_hex: std::ptr::null(),
+            insecure_no_auth: 0,
+            rdma_device: std::ptr::null(),
+            node_id: 0,
+            worker_threads: 2,
+            call_timeout_ms: 30_000,
+            release_timeout_ms: 60_000,
+        };
+        // SAFETY: the caller's contract.
+        unsafe { put(config, c, "config") }
+    })
+}

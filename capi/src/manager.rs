@@ -1,0 +1,302 @@
+//! The manager: a background runtime and the engine's registered KV buffers, listening
+//! or connecting, its peers.
+
+use std::ffi::{c_char, c_int};
+
+use kvwire::polled::{AuxBuffer, Error, ErrorKind, KvBuffer, Manager, ManagerConfig, Role};
+use kvwire::proto::auth::Psk;
+use kvwire::{Auth, TransportConfig};
+
+use crate::*;
+
+/// Reads a C configuration.
+///
+/// # Safety
+/// The strings of `c` are null or NUL-terminated.
+unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig, Error> {
+    let role = match c.role {
+        KVWIRE_ROLE_PREFILL => Role::Prefill,
+        KVWIRE_ROLE_DECODE => Role::Decode,
+        r => {
+            return Err(invalid(format!(
+                "role {r}: KVWIRE_ROLE_PREFILL or KVWIRE_ROLE_DECODE"
+            )))
+        }
+    };
+    // SAFETY: the caller's contract, for each string.
+    let (psk, fingerprint, rdma) = unsafe {
+        (
+            string(c.psk_hex, "psk_hex")?,
+            string(c.fingerprint, "fingerprint")?,
+            string(c.rdma_device, "rdma_device")?,
+        )
+    };
+    let auth = match (c.insecure_no_auth != 0, psk) {
+        (true, _) => Auth::Off,
+        (false, Some(hex)) => {
+            Auth::Psk(Psk::from_hex(hex).map_err(|e| invalid(format!("psk_hex: {e}")))?)
+        }
+        (false, None) => {
+            kvwire::config::auth::resolve(false, None)
+                .map_err(|e| Error::new(ErrorKind::ConfigError, e.to_string()))?
+                .0
+        }
+    };
+    let mut config = ManagerConfig::new(role, c.tokens_per_page, c.max_context_tokens, auth)
+        .fingerprint(fingerprint.unwrap_or_default());
+    if let Some(dev) = rdma {
+        config = config.transport(TransportConfig::rdma((!dev.is_empty()).then_some(dev)));
+    }
+    config.node_id = c.node_id;
+    config.worker_threads = (c.worker_threads as usize).max(1);
+    if c.call_timeout_ms > 0 {
+        config.call_timeout = millis(c.call_timeout_ms.into());
+    }
+    if c.release_timeout_ms > 0 {
+        config.release_timeout = millis(c.release_timeout_ms.into());
+    }
+    Ok(config)
+}
+
+/// Registers the engine's KV buffers (`buffers[0..n]`) and starts a manager; `*out` gets
+/// the handle. Fails with KVWIRE_ERR_CONFIG when the pool (pages x tokens per page) cannot
+/// hold max_context_tokens, naming both numbers.
+///
+/// # Safety
+/// `config` and `out` are valid; `buffers` holds `n` entries. Each buffer must stay valid
+/// for reads and writes of its length until kvwire_manager_free returned, and the buffers
+/// must not overlap. The engine must not write (or reuse) a page while kvwire holds it:
+/// from kvwire_receiver_init until kvwire_receiver_release returned, and a sender's pages
+/// from kvwire_sender_send until kvwire_sender_clear returned.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_new(
+    config: *const kvwire_config_t,
+    buffers: *const kvwire_buffer_t,
+    n: usize,
+    out: *mut *mut kvwire_manager_t,
+) -> c_int {
+    // SAFETY: the caller's contract, with no aux buffers.
+    unsafe { kvwire_manager_new_with_aux(config, buffers, n, std::ptr::null(), 0, out) }
+}
+
+/// As kvwire_manager_new, with the engine's aux buffers (`aux[0..n_aux]`): a sender's
+/// final chunk can carry the record at an aux index (kvwire_sender_init_aux), and a
+/// receiver writes the verified record at its aux index (kvwire_receiver_init_aux).
+///
+/// # Safety
+/// As kvwire_manager_new, for the aux buffers too (`aux` holds `n_aux` entries, each valid
+/// for reads and writes of its length until kvwire_manager_free returned, overlapping no
+/// other buffer).
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_new_with_aux(
+    config: *const kvwire_config_t,
+    buffers: *const kvwire_buffer_t,
+    n: usize,
+    aux: *const kvwire_aux_buffer_t,
+    n_aux: usize,
+    out: *mut *mut kvwire_manager_t,
+) -> c_int {
+    guard(|| {
+        if out.is_null() {
+            return Err(invalid("out: null output pointer"));
+        }
+        if config.is_null() {
+            return Err(invalid("config: null pointer"));
+        }
+        // SAFETY: non-null; the caller promises a valid kvwire_config_t.
+        let c = unsafe { &*config };
+        // SAFETY: the caller's contract for its strings.
+        let config = unsafe { manager_config(c)? };
+        // SAFETY: the caller promises `n` and `n_aux` entries.
+        let (bufs, aux) = unsafe { (slice(buffers, n, "buffers")?, slice(aux, n_aux, "aux")?) };
+        let bufs: Vec<KvBuffer> = bufs
+            .iter()
+            .map(|b| KvBuffer {
+                ptr: b.ptr.cast::<u8>(),
+                len: b.len,
+                page_bytes: b.page_bytes,
+            })
+            .collect();
+        let aux: Vec<AuxBuffer> = aux
+            .iter()
+            .map(|b| AuxBuffer {
+                ptr: b.ptr.cast::<u8>(),
+                len: b.len,
+                item_len: b.item_len,
+            })
+            .collect();
+        // SAFETY: the caller's contract is Manager::with_aux's (documented above).
+        let manager = unsafe { Manager::with_aux(config, &bufs, &aux)? };
+        let h = Box::into_raw(Box::new(kvwire_manager_t {
+            magic: MANAGER_MAGIC,
+            manager,
+        }));
+        // SAFETY: `out` was checked non-null; the caller promises it is writable.
+        unsafe { put(out, h, "out") }
+    })
+}
+
+/// Frees a manager: free its transfers first. Its connections close, and it returns once
+/// nothing of kvwire runs any more, so the engine may free its buffers afterwards. (A
+/// transfer still alive keeps the manager's runtime and connections, and its use of the
+/// buffers, until that transfer is freed.) NULL is ignored.
+///
+/// # Safety
+/// `manager` is null or a live handle, not used again after this call.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_free(manager: *mut kvwire_manager_t) {
+    let _ = guard(|| {
+        if manager.is_null() {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        unsafe { handle(manager)? };
+        // SAFETY: checked live above; made by Box::into_raw in kvwire_manager_new; the
+        // caller gives it up.
+        let mut h = unsafe { Box::from_raw(manager) };
+        h.magic = 0;
+        drop(h);
+        Ok(())
+    });
+}
+
+/// Listens on `addr` ("host:port"; port 0 for any) and accepts peers in the background;
+/// writes the address bound (NUL-terminated) into `bound[0..cap]` unless `bound` is NULL
+/// (`cap` at least KVWIRE_ADDR_MAX).
+///
+/// # Safety
+/// `manager` is a live handle, `addr` a NUL-terminated string, `bound` null or valid for
+/// `cap` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_listen(
+    manager: *const kvwire_manager_t,
+    addr: *const c_char,
+    bound: *mut c_char,
+    cap: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let (m, addr) = unsafe { (handle(manager)?, string(addr, "addr")?) };
+        let addr = addr.ok_or_else(|| invalid("addr: null pointer"))?;
+        // Checked before listening, so that a short buffer does not leave a listener whose
+        // address the caller never learns (the longest socket address text is 47 bytes).
+        if !bound.is_null() && cap < KVWIRE_ADDR_MAX {
+            return Err(invalid(format!(
+                "bound: {cap} bytes; KVWIRE_ADDR_MAX ({KVWIRE_ADDR_MAX}) needed"
+            )));
+        }
+        let local = m.manager.listen(addr)?.to_string();
+        if bound.is_null() {
+            return Ok(());
+        }
+        let mut bytes = local.into_bytes();
+        bytes.push(0);
+        let mut len = 0;
+        // SAFETY: `bound` is valid for `cap` bytes (the caller's contract); `len` is ours.
+        unsafe { copy_out(&bytes, bound.cast::<u8>(), cap, &mut len, "bound") }
+    })
+}
+
+/// Connects to the peer listening at `addr` ("host:port") and runs the handshake;
+/// `*peer` (unless NULL) gets the peer's node id. Blocks until connected or failed.
+///
+/// # Safety
+/// `manager` is a live handle, `addr` a NUL-terminated string, `peer` null or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_connect(
+    manager: *const kvwire_manager_t,
+    addr: *const c_char,
+    peer: *mut u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let (m, addr) = unsafe { (handle(manager)?, string(addr, "addr")?) };
+        let addr = addr.ok_or_else(|| invalid("addr: null pointer"))?;
+        let id = m.manager.connect(addr)?;
+        if !peer.is_null() {
+            // SAFETY: non-null; the caller promises it is writable.
+            unsafe { put(peer, id, "peer")? };
+        }
+        Ok(())
+    })
+}
+
+/// Waits until at least `n` peers are connected, at most `timeout_ms`
+/// (KVWIRE_ERR_WAIT_TIMED_OUT otherwise, naming the last incoming failure).
+///
+/// # Safety
+/// `manager` is a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_wait_peers(
+    manager: *const kvwire_manager_t,
+    n: usize,
+    timeout_ms: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let m = unsafe { handle(manager)? };
+        m.manager.wait_for_peers(n, millis(timeout_ms)).map(|_| ())
+    })
+}
+
+/// This node's id, as its peers see it.
+///
+/// # Safety
+/// `manager` is a live handle, `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_node_id(
+    manager: *const kvwire_manager_t,
+    out: *mut u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let m = handle(manager)?;
+            put(out, m.manager.node_id(), "out")
+        }
+    })
+}
+
+/// Whether the engine may free (reuse) `pages[0..n]`: KVWIRE_OK if kvwire holds none of
+/// them, KVWIRE_ERR_INVALID_STATE naming the first held page and its holder otherwise.
+///
+/// # Safety
+/// `manager` is a live handle, `pages` holds `n` entries.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_check_free(
+    manager: *const kvwire_manager_t,
+    pages: *const u32,
+    n: usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let (m, pages) = unsafe { (handle(manager)?, slice(pages, n, "pages")?) };
+        m.manager
+            .node()
+            .pool()
+            .check_engine_free(pages)
+            .map_err(|e| Error::new(ErrorKind::InvalidState, e.to_string()))
+    })
+}
+
+/// The pages kvwire holds now (leased to a transfer, or verified and not yet released),
+/// into `out[0..cap]`, their count into `*len` (KVWIRE_ERR_BUFFER_TOO_SMALL, with `*len`
+/// set, when they do not fit). The engine must not free or write them.
+///
+/// # Safety
+/// `manager` is a live handle, `len` writable, `out` null or valid for `cap` entries.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_held_pages(
+    manager: *const kvwire_manager_t,
+    out: *mut u32,
+    cap: usize,
+    len: *mut usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let m = unsafe { handle(manager)? };
+        let held = m.manager.held_pages();
+        // SAFETY: the caller's contract.
+        unsafe { copy_out(&held, out, cap, len, "out") }
+    })
+}
