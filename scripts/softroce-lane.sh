@@ -2,7 +2,7 @@
 # The SoftRoCE lane: kvwire's RDMA tests (feature `rdma`) on a real verbs stack (rdma_rxe,
 # device rxe0), where a missing device is a failure (KVWIRE_REQUIRE_RDMA=1): the device, the
 # verbs primitives, the drivers (incidents, abort in flight, late write and recovery), two
-# processes with a killed sender; the Python package's verified-transfer test over RDMA (two
+# processes with a killed sender; the C example between two processes over RDMA; the Python package's verified-transfer test over RDMA (two
 # processes, the same test that runs over TCP); then kvwire bench --transport rdma beside ib_write_bw, and
 # their ratio (a failed bench case fails the lane).
 # Runs the host-built binaries inside scripts/softroce-vm.sh (or on the host when its kernel
@@ -20,6 +20,10 @@ RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --features rd
 # Unit tests of the RDMA code that need no device (queue-pair and transport parameters, MTU).
 cargo test --quiet -p kvwire --features rdma --lib -- transport::rdma
 cargo build --quiet --features rdma --bin kvwire --example quickstart --example engine_integration
+# The C ABI with the RDMA transport, and its example linked against it.
+cargo build --quiet -p kvwire-capi --features rdma
+cc -std=c11 -Wall -Wextra -Werror -Icapi/include capi/examples/transfer.c -Ltarget/debug \
+  -lkvwire_capi -Wl,-rpath,"$PWD/target/debug" -o target/capi-transfer
 # The RDMA bench is measured with the optimized binary.
 cargo build --quiet --release --features rdma --bin kvwire
 # The Python wheel with the RDMA transport: .ci/run builds it (scripts/python-tests.sh with
@@ -48,6 +52,12 @@ target/debug/examples/quickstart --connect 127.0.0.1:7411 --rdma rxe0
 wait \$!
 echo '== engine integration over RDMA: one decode and two prefill engines, their own allocators, chunked sends'
 target/debug/examples/engine_integration --rdma rxe0
+echo '== the C example over RDMA: decode and prefill processes, every byte and the aux record checked'
+rm -f target/capi-addr
+KVWIRE_RDMA_DEVICE=rxe0 target/capi-transfer decode target/capi-addr &
+for _ in \$(seq 1 300); do [ -s target/capi-addr ] && break; sleep 0.1; done
+KVWIRE_RDMA_DEVICE=rxe0 target/capi-transfer prefill \$(cat target/capi-addr)
+wait \$!
 echo '== Python: the verified chunked transfer between two processes, over RDMA'
 KVWIRE_PY_TRANSPORT=rdma KVWIRE_PY_IB_DEVICE=rxe0 $pyvenv/bin/python -m pytest -q -rs \\
   python/tests/test_transfer.py -k test_chunked_transfer_every_byte_at_the_chosen_pages

@@ -98,6 +98,9 @@ static kvwire_manager_t *manager(int role, const kvwire_buffer_t bufs[BUFFERS]) 
   cfg.max_context_tokens = CONTEXT;
   cfg.fingerprint = "example-model/tp0";
   cfg.psk_hex = psk;
+  /* KVWIRE_RDMA_DEVICE=rxe0: RDMA instead of TCP (a library built with --features rdma;
+     the SoftRoCE lane runs this example so). Unset: TCP. */
+  cfg.rdma_device = getenv("KVWIRE_RDMA_DEVICE");
   kvwire_manager_t *m = NULL;
   check(kvwire_manager_new(&cfg, bufs, BUFFERS, &m), "kvwire_manager_new");
   return m;
