@@ -5,31 +5,16 @@
 //! unless `KVWIRE_REQUIRE_GPU=1`, which makes any of those a failure.
 #![cfg(feature = "cuda")]
 
+#[path = "common/gpu.rs"]
+mod gpu;
+
 use cudarc::driver::{CudaSlice, DevicePtr};
 use kvwire::checksum::{digest_transfer, DigestAlgorithm, DigestBinding};
 use kvwire::gpu::{DeviceBuffer, GpuDigester, GpuError};
 use kvwire::TransferId;
 
 fn gpu_or_skip() -> Option<GpuDigester> {
-    let require = std::env::var("KVWIRE_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    match GpuDigester::new(0) {
-        Ok(gpu) => Some(gpu),
-        Err(e) if require => panic!("KVWIRE_REQUIRE_GPU=1, but no GPU digester: {e}"),
-        Err(GpuError::NoDriver(why)) => {
-            println!("SKIPPED: no CUDA driver ({why})");
-            None
-        }
-        Err(GpuError::NoNvrtc(why)) => {
-            println!("SKIPPED: no NVRTC ({why})");
-            None
-        }
-        Err(e @ GpuError::NoDevice { .. }) => {
-            println!("SKIPPED: no CUDA device ({e})");
-            None
-        }
-        // A driver, NVRTC and device, and still no digester: the kernels do not compile.
-        Err(e) => panic!("{e}"),
-    }
+    gpu::or_skip("GPU digester", GpuDigester::new(0))
 }
 
 struct Rng(u64);

@@ -6,11 +6,14 @@
 //! unless `KVWIRE_REQUIRE_GPU=1`, which makes any of those a failure.
 #![cfg(feature = "cuda")]
 
+#[path = "common/gpu.rs"]
+mod gpu;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::DevicePtr as _;
-use kvwire::gpu::{CudaMemoryOps, GpuError};
+use kvwire::gpu::CudaMemoryOps;
 use kvwire::memory::{DeviceMemoryOps, DevicePtr, KvBuffer, KvMemory, MemoryKind};
 use kvwire::proto::admission::Request;
 use kvwire::{Node, NodeConfig, ReceiverConn, ReserveParams, SenderConn, TransferId};
@@ -21,24 +24,7 @@ const PAGE_BYTES: u32 = 64 << 10;
 const BUFFERS: usize = 2;
 
 fn ops_or_skip() -> Option<CudaMemoryOps> {
-    let require = std::env::var("KVWIRE_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    match CudaMemoryOps::new(0) {
-        Ok(ops) => Some(ops),
-        Err(e) if require => panic!("KVWIRE_REQUIRE_GPU=1, but no CUDA device memory: {e}"),
-        Err(GpuError::NoDriver(why)) => {
-            println!("SKIPPED: no CUDA driver ({why})");
-            None
-        }
-        Err(GpuError::NoNvrtc(why)) => {
-            println!("SKIPPED: no NVRTC ({why})");
-            None
-        }
-        Err(e @ GpuError::NoDevice { .. }) => {
-            println!("SKIPPED: no CUDA device ({e})");
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
+    gpu::or_skip("CUDA device memory", CudaMemoryOps::new(0))
 }
 
 fn config() -> NodeConfig {

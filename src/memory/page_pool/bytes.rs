@@ -115,14 +115,7 @@ impl PagePool {
     /// size), host or device memory alike: what [`PagePool::engine_page`] allows, through the
     /// device for a device buffer (a blocking copy).
     pub fn engine_read(&self, page: u32, buffer: usize, dst: &mut [u8]) -> Result<(), PoolError> {
-        self.check_range(page, buffer)?;
-        let want = self.memory.page_bytes[buffer];
-        if dst.len() != want {
-            return Err(PoolError::BadGeometry(format!(
-                "{} bytes to read page {page} of buffer {buffer} into, the page has {want}",
-                dst.len()
-            )));
-        }
+        self.check_page_len(page, buffer, dst.len(), "to read the page into")?;
         let (Some(ptr), Some(ops)) = (
             self.memory.device_page(page, buffer),
             self.memory.device_ops(),
@@ -144,14 +137,7 @@ impl PagePool {
     /// memory, host or device: allowed when [`PagePool::engine_page_mut`] is (kvwire holds
     /// nothing on the page), through the device for a device buffer (a blocking copy).
     pub fn engine_write(&self, page: u32, buffer: usize, src: &[u8]) -> Result<(), PoolError> {
-        self.check_range(page, buffer)?;
-        let want = self.memory.page_bytes[buffer];
-        if src.len() != want {
-            return Err(PoolError::BadGeometry(format!(
-                "{} bytes to write into page {page} of buffer {buffer}, the page has {want}",
-                src.len()
-            )));
-        }
+        self.check_page_len(page, buffer, src.len(), "to write into the page")?;
         let (Some(ptr), Some(ops)) = (
             self.memory.device_page(page, buffer),
             self.memory.device_ops(),
@@ -175,6 +161,25 @@ impl PagePool {
         self.locks.unlock_write(page);
         drop(t);
         r.map_err(PoolError::from)
+    }
+
+    /// `page` and `buffer` are in range and `len` is the page's size (the engine's copies
+    /// in and out of its own pages).
+    fn check_page_len(
+        &self,
+        page: u32,
+        buffer: usize,
+        len: usize,
+        what: &str,
+    ) -> Result<(), PoolError> {
+        self.check_range(page, buffer)?;
+        let want = self.memory.page_bytes[buffer];
+        if len != want {
+            return Err(PoolError::BadGeometry(format!(
+                "{len} bytes {what} (page {page} of buffer {buffer}), the page has {want}"
+            )));
+        }
+        Ok(())
     }
 
     fn check_range(&self, page: u32, buffer: usize) -> Result<(), PoolError> {
