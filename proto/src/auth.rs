@@ -24,9 +24,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::wire::frame::{decode_body, split};
-use crate::wire::{
-    DecodeError, EncodeError, ErrorCode, Frame, FrameType, HEADER_LEN, MAX_PAYLOAD, TRAILER_LEN,
-};
+use crate::wire::{DecodeError, EncodeError, ErrorCode, Frame, FrameType, HEADER_LEN, MAX_PAYLOAD};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -289,6 +287,24 @@ enum Side {
 struct Keys {
     send: [u8; 32],
     recv: [u8; 32],
+    /// HMAC keyed with `send` and `recv`, their key pads already hashed: each frame's tag
+    /// starts from a clone of these instead of hashing the pads again.
+    send_mac: HmacSha256,
+    recv_mac: HmacSha256,
+}
+
+impl Keys {
+    fn new(send: [u8; 32], recv: [u8; 32]) -> Self {
+        let keyed = |k: &[u8; 32]| {
+            <HmacSha256 as Mac>::new_from_slice(k).expect("HMAC takes keys of any length")
+        };
+        Self {
+            send,
+            recv,
+            send_mac: keyed(&send),
+            recv_mac: keyed(&recv),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -382,8 +398,10 @@ impl AuthChannel {
                 if let Some(on) = &mut c.on {
                     if let Some(k) = &mut on.keys {
                         let lane = i.to_le_bytes();
-                        k.send = mac(&k.send, &[LANE_LABEL, &lane]);
-                        k.recv = mac(&k.recv, &[LANE_LABEL, &lane]);
+                        *k = Keys::new(
+                            mac(&k.send, &[LANE_LABEL, &lane]),
+                            mac(&k.recv, &[LANE_LABEL, &lane]),
+                        );
                     }
                     on.send_seq = 0;
                     on.recv_seq = 0;
@@ -439,9 +457,10 @@ impl AuthChannel {
                 let Some(keys) = &on.keys else {
                     return Err(refuse());
                 };
-                let key = keys.send;
+                let mut m = keys.send_mac.clone();
                 seal_with(frame, out, &on.send_seq.to_le_bytes(), |prefix| {
-                    mac(&key, &[prefix])
+                    m.update(prefix);
+                    m.finalize().into_bytes().into()
                 })?;
                 on.send_seq += 1;
                 Ok(())
@@ -451,7 +470,7 @@ impl AuthChannel {
 
     /// Encodes `frame` into a new vector (see [`AuthChannel::seal`]).
     pub fn seal_to_vec(&mut self, frame: &Frame) -> Result<Vec<u8>, EncodeError> {
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(256);
         self.seal(frame, &mut out)?;
         Ok(out)
     }
@@ -511,10 +530,7 @@ impl AuthChannel {
                 let mut t = [0u8; TAG_LEN];
                 t.copy_from_slice(tag);
                 on.hello_tag = Some(t);
-                on.keys = Some(Keys {
-                    send: s2c,
-                    recv: c2s,
-                });
+                on.keys = Some(Keys::new(s2c, c2s));
                 Ok((frame, total))
             }
             (Side::Client, FrameType::HELLO_ACK) => {
@@ -526,10 +542,7 @@ impl AuthChannel {
                     return Err(bad_tag().into());
                 }
                 let frame = decode_body(inner, body)?;
-                on.keys = Some(Keys {
-                    send: c2s,
-                    recv: s2c,
-                });
+                on.keys = Some(Keys::new(c2s, s2c));
                 on.peer_proven = true;
                 Ok((frame, total))
             }
@@ -538,7 +551,9 @@ impl AuthChannel {
                 let Some(keys) = &on.keys else {
                     return Err(out_of_order().into());
                 };
-                if !verify(&keys.recv, &[prefix], tag) {
+                let mut m = keys.recv_mac.clone();
+                m.update(prefix);
+                if m.verify_slice(tag).is_err() {
                     return Err(bad_tag().into());
                 }
                 let mut seq = [0u8; SEQ_LEN];
@@ -570,8 +585,7 @@ fn seal_with(
     tag_of: impl FnOnce(&[u8]) -> [u8; TAG_LEN],
 ) -> Result<[u8; TAG_LEN], EncodeError> {
     let start = out.len();
-    frame.encode(out)?;
-    out.truncate(out.len() - TRAILER_LEN);
+    frame.encode_without_crc(out)?;
     let payload_len = out.len() - start - HEADER_LEN + trailer.len() + TAG_LEN;
     if payload_len > MAX_PAYLOAD as usize {
         out.truncate(start);

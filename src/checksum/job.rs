@@ -291,19 +291,35 @@ impl DigestJob {
         self.pages.bytes()
     }
 
-    /// Digests the chunk, continuing `state` (`None` for the transfer's first chunk).
+    /// Pages in the chunk.
+    pub fn page_count(&self) -> usize {
+        self.pages.pages()
+    }
+
+    /// Whether the chunk can be digested step by step on the host
+    /// ([`DigestJob::begin`], [`DigestJob::step`], [`DigestJob::end`]): host memory only
+    /// (device memory is digested where it is, in one call for the whole chunk).
+    pub fn steps_on_host(&self) -> bool {
+        !self.pages.memory().has_device_memory()
+    }
+
+    /// The state the chunk's digests continue from: `state` (`None` for the transfer's
+    /// first chunk), checked to end where the chunk starts.
     ///
     /// # Errors
     ///
     /// [`DigestJobError`] if the algorithm is not supported, or `state` does not end where
     /// the chunk starts.
-    pub fn run(&self, state: Option<TransferDigester>) -> Result<DigestProgress, DigestJobError> {
+    pub fn begin(
+        &self,
+        state: Option<TransferDigester>,
+    ) -> Result<TransferDigester, DigestJobError> {
         let binding = DigestBinding {
             transfer_id: self.transfer.transfer_id,
             nonce: self.transfer.nonce,
         };
         let buffers = self.pages.buffers();
-        let mut state = match state {
+        let state = match state {
             Some(s) => s,
             None if self.mode == DigestMode::UnverifiedBenchmarkOnly => {
                 TransferDigester::counting(self.algorithm, binding, buffers, self.page_digests)
@@ -316,21 +332,45 @@ impl DigestJob {
                 covered: state.pages(),
             });
         }
-        if !self.pages.memory().has_device_memory() {
-            state.update(self.pages.pages(), |b, i| self.pages.page(i, b));
+        Ok(state)
+    }
+
+    /// Digests the chunk's pages `from..to` (positions in the chunk, `to` at most
+    /// [`DigestJob::page_count`]) into `state`, which covers the pages before `from`. Host
+    /// memory only ([`DigestJob::steps_on_host`]).
+    pub fn step(&self, state: &mut TransferDigester, from: usize, to: usize) {
+        debug_assert!(self.steps_on_host() && from <= to && to <= self.pages.pages());
+        state.update(to - from, |b, i| self.pages.page(from + i, b));
+    }
+
+    /// What the chunk's digests leave once `state` covers all its pages.
+    pub fn end(&self, state: TransferDigester) -> DigestProgress {
+        match &self.aux {
+            Some(aux) => DigestProgress::Done(state.finish(aux)),
+            None => DigestProgress::Partial(state),
+        }
+    }
+
+    /// Digests the chunk, continuing `state` (`None` for the transfer's first chunk).
+    ///
+    /// # Errors
+    ///
+    /// [`DigestJobError`] if the algorithm is not supported, or `state` does not end where
+    /// the chunk starts.
+    pub fn run(&self, state: Option<TransferDigester>) -> Result<DigestProgress, DigestJobError> {
+        let mut state = self.begin(state)?;
+        let n = self.pages.pages();
+        if self.steps_on_host() {
+            self.step(&mut state, 0, n);
         } else if self.mode == DigestMode::UnverifiedBenchmarkOnly {
-            state.update_from_page_digests(self.pages.pages(), |_, _| 0);
+            state.update_from_page_digests(n, |_, _| 0);
         } else {
             // Device memory is digested where it is, never read through a host reference;
             // the buffer digests fold in the page digests on the host (SPEC §6: they are a
             // function of the page digests alone).
             let digests = self.page_digests_in_place()?;
-            let n = self.pages.pages();
             state.update_from_page_digests(n, |b, i| digests[b * n + i]);
         }
-        Ok(match &self.aux {
-            Some(aux) => DigestProgress::Done(state.finish(aux)),
-            None => DigestProgress::Partial(state),
-        })
+        Ok(self.end(state))
     }
 }

@@ -63,6 +63,11 @@ pub struct NodeConfig {
     /// Off, every transfer's memory is read again after its fence, which also catches a
     /// write into a leased page by something other than the transport (an engine bug).
     pub digest_at_landing: bool,
+    /// Senders digest each source page as they hand it to the transport (right before it is
+    /// sent, so the bytes are read from memory once for both, and the first bytes leave
+    /// before the last page is digested) instead of the whole transfer before its first
+    /// write (SPEC §6). Host memory only; device memory is digested where it is. Default on.
+    pub digest_while_sending: bool,
     /// Peer authentication: a pre-shared key both ends must hold, or explicitly off.
     pub auth: Auth,
     /// The transport every connection of this node uses.
@@ -197,6 +202,7 @@ impl NodeConfig {
             metrics: None,
             digest_offload_bytes: 8 << 20,
             digest_at_landing: true,
+            digest_while_sending: true,
             auth: Auth::ephemeral(),
             transport: TransportConfig::Tcp,
         }

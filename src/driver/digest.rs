@@ -7,7 +7,7 @@
 //! one at a time and in the order they were started (a job started while an earlier one of
 //! the same transfer is still on the pool waits for it), so no page is read twice.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::task::{Context, Poll};
 
 use kvwire_proto::wire::{DigestAlgorithm, TransferDigests, TransferId, TransferRef};
@@ -59,8 +59,18 @@ struct Stream {
     state: Option<TransferDigester>,
     /// A job of this transfer runs on the pool.
     running: bool,
+    /// A job digested step by step as its pages are sent ([`Digests::advance`]).
+    stepped: Option<Stepped>,
     /// Jobs waiting for the one running, in order.
     queue: VecDeque<DigestJob>,
+}
+
+/// A job digested step by step: the digests so far cover its first `done` pages.
+#[derive(Debug)]
+struct Stepped {
+    job: DigestJob,
+    state: TransferDigester,
+    done: usize,
 }
 
 /// One driver's digest jobs.
@@ -68,7 +78,14 @@ struct Stream {
 pub(crate) struct Digests {
     pub(crate) mode: DigestMode,
     pub(crate) execution: DigestExecution,
+    /// Host-memory jobs are not run at once but digested step by step, page by page as the
+    /// driver hands the pages to the transport ([`Digests::advance`]): each page is read
+    /// right before the transport sends it, and the first bytes leave before the last page
+    /// is digested (the sender's digests while sending; SPEC §6).
+    pub(crate) while_sending: bool,
     streams: BTreeMap<TransferRef, Stream>,
+    /// The transfers with a stepped job.
+    stepping: BTreeSet<TransferRef>,
     ready: VecDeque<DigestDone>,
     done_tx: mpsc::UnboundedSender<PoolDone>,
     done_rx: mpsc::UnboundedReceiver<PoolDone>,
@@ -80,7 +97,9 @@ impl Digests {
         Self {
             mode,
             execution,
+            while_sending: false,
             streams: BTreeMap::new(),
+            stepping: BTreeSet::new(),
             ready: VecDeque::new(),
             done_tx,
             done_rx,
@@ -135,13 +154,34 @@ impl Digests {
             let Some(stream) = self.streams.get_mut(&transfer) else {
                 return;
             };
-            if stream.running {
+            if stream.running || stream.stepped.is_some() {
                 return;
             }
             let Some(job) = stream.queue.pop_front() else {
                 return;
             };
             let state = stream.state.take();
+            if self.while_sending && job.steps_on_host() {
+                match job.begin(state) {
+                    Ok(state) => {
+                        stream.stepped = Some(Stepped {
+                            job,
+                            state,
+                            done: 0,
+                        });
+                        self.stepping.insert(transfer);
+                        // Pages are digested as they are sent; a chunk of none is done now.
+                        self.advance(transfer, 0);
+                    }
+                    Err(e) => {
+                        let final_chunk = job.is_final();
+                        drop(job);
+                        self.complete(transfer, final_chunk, Err(e));
+                        continue;
+                    }
+                }
+                return;
+            }
             let offload = match self.execution {
                 DigestExecution::Inline => false,
                 DigestExecution::Offload { min_bytes } => {
@@ -164,6 +204,45 @@ impl Digests {
             });
             return;
         }
+    }
+
+    /// The transfers whose stepped job waits for more of its pages to be sent.
+    pub(crate) fn stepping(&self) -> impl Iterator<Item = TransferRef> + '_ {
+        self.stepping.iter().copied()
+    }
+
+    /// Digests the pages of `transfer`'s stepped job before ordinal `through` (the first
+    /// page not handed to the transport yet; `u32::MAX` once none is left to send, the
+    /// writes done or cancelled), and finishes the job once it covers its chunk.
+    pub(crate) fn advance(&mut self, transfer: TransferRef, through: u32) {
+        let Some(stream) = self.streams.get_mut(&transfer) else {
+            self.stepping.remove(&transfer);
+            return;
+        };
+        let Some(s) = stream.stepped.as_mut() else {
+            self.stepping.remove(&transfer);
+            return;
+        };
+        let n = s.job.page_count();
+        let to = (through.saturating_sub(s.job.first) as usize).min(n);
+        if to > s.done {
+            s.job.step(&mut s.state, s.done, to);
+            s.done = to;
+        }
+        if s.done < n {
+            return;
+        }
+        let Some(Stepped { job, state, .. }) = stream.stepped.take() else {
+            return;
+        };
+        self.stepping.remove(&transfer);
+        let final_chunk = job.is_final();
+        let result = Ok(job.end(state));
+        // The job, and with it the pin on the pages, is dropped before its result is
+        // reported.
+        drop(job);
+        self.complete(transfer, final_chunk, result);
+        self.pump(transfer);
     }
 
     /// Records a job's result: keeps the streaming state for the transfer's next chunk, or
@@ -189,7 +268,7 @@ impl Digests {
         };
         if final_chunk {
             if let Some(stream) = self.streams.get(&transfer) {
-                if stream.queue.is_empty() && !stream.running {
+                if stream.queue.is_empty() && !stream.running && stream.stepped.is_none() {
                     self.streams.remove(&transfer);
                 }
             }
@@ -225,6 +304,9 @@ impl Digests {
     pub(crate) fn forget(&mut self, transfer_id: TransferId) {
         self.streams
             .retain(|t, s| t.transfer_id != transfer_id || s.running || !s.queue.is_empty());
+        let streams = &self.streams;
+        self.stepping
+            .retain(|t| t.transfer_id != transfer_id || streams.contains_key(t));
     }
 
     /// Transfers with digest state held here (for tests).

@@ -7,7 +7,7 @@
 //! moves frames to the transport and feeds every transport event back into the session.
 
 use kvwire_proto::wire::TransferId;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -109,6 +109,13 @@ pub struct SenderDriver<T> {
     window: u32,
     sources: BTreeMap<TransferId, Vec<PageLease>>,
     postings: BTreeMap<TransferId, Posting>,
+    /// The postings that may have writes pending (what [`SenderDriver::post`] visits, so
+    /// its cost follows the transfers with writes left, not every open one).
+    with_pending: BTreeSet<TransferId>,
+    /// Scratch: postings found without pending writes during a pass.
+    emptied: Vec<TransferId>,
+    /// Scratch: the transfers with a stepped digest job during a pass.
+    stepping: Vec<TransferRef>,
     batch: Vec<PageWrite>,
     stats: SenderDriverStats,
 }
@@ -139,6 +146,9 @@ impl<T: SenderTransport> SenderDriver<T> {
             window: window.max(1),
             sources: BTreeMap::new(),
             postings: BTreeMap::new(),
+            with_pending: BTreeSet::new(),
+            emptied: Vec::new(),
+            stepping: Vec::new(),
             batch: Vec::new(),
             stats: SenderDriverStats::default(),
         })
@@ -371,6 +381,7 @@ impl<T: SenderTransport> SenderDriver<T> {
                 self.act(now, action);
             }
             moved |= self.post(now);
+            moved |= self.digest_sent(now);
             while let Some(frame) = self.core.session.poll_transmit() {
                 moved = true;
                 self.core.transport.send_frame(now, &frame);
@@ -387,12 +398,16 @@ impl<T: SenderTransport> SenderDriver<T> {
     fn post(&mut self, now: Instant) -> bool {
         let mut credit = self.core.transport.write_credit();
         let mut posted = false;
-        for p in self.postings.values_mut() {
+        for id in &self.with_pending {
             if credit == 0 {
                 break;
             }
+            let Some(p) = self.postings.get_mut(id).filter(|p| !p.pending.is_empty()) else {
+                self.emptied.push(*id);
+                continue;
+            };
             let room = (self.window.saturating_sub(p.outstanding) as usize).min(credit);
-            if room == 0 || p.pending.is_empty() {
+            if room == 0 {
                 continue;
             }
             self.batch.clear();
@@ -406,8 +421,44 @@ impl<T: SenderTransport> SenderDriver<T> {
                 .transport
                 .post_writes(now, p.transfer, &p.access, &self.batch);
             posted = true;
+            if p.pending.is_empty() {
+                self.emptied.push(*id);
+            }
+        }
+        for id in self.emptied.drain(..) {
+            self.with_pending.remove(&id);
         }
         posted
+    }
+
+    /// Digests while sending (off by default here, on in the engine API:
+    /// `NodeConfig::digest_while_sending`): the digests of host-memory pages are computed
+    /// page by page as the pages are handed to the transport, instead of over the whole
+    /// chunk before its first write.
+    pub fn set_digest_while_sending(&mut self, on: bool) {
+        self.core.digests.while_sending = on;
+    }
+
+    /// Digests while sending: every stepped digest job covers the pages handed to the
+    /// transport so far (its transfer's writes before the first one still pending), right
+    /// before the transport sends them; a job with no write left pending (all posted, or
+    /// cancelled) is finished. Returns whether a job finished.
+    fn digest_sent(&mut self, now: Instant) -> bool {
+        self.stepping.clear();
+        self.stepping.extend(self.core.digests.stepping());
+        if self.stepping.is_empty() {
+            return false;
+        }
+        for &t in &self.stepping {
+            let through = match self.postings.get(&t.transfer_id) {
+                Some(p) if p.transfer == t => p.pending.front().map_or(u32::MAX, |w| w.ordinal),
+                _ => u32::MAX,
+            };
+            self.core.digests.advance(t, through);
+        }
+        let before = self.core.digests.stepping().count();
+        self.core.finish_ready_digests(now);
+        before < self.stepping.len()
     }
 
     fn act(&mut self, now: Instant, action: SenderAction) {
@@ -440,8 +491,12 @@ impl<T: SenderTransport> SenderDriver<T> {
                 access,
             } => match self.postings.get_mut(&transfer.transfer_id) {
                 // A later chunk of the transfer: queue behind the writes still pending.
-                Some(p) if p.transfer == transfer => p.pending.extend(writes),
+                Some(p) if p.transfer == transfer => {
+                    p.pending.extend(writes);
+                    self.with_pending.insert(transfer.transfer_id);
+                }
                 _ => {
+                    self.with_pending.insert(transfer.transfer_id);
                     self.postings.insert(
                         transfer.transfer_id,
                         Posting {

@@ -299,6 +299,9 @@ pub(crate) trait ConnectionTask {
 
 /// Runs a connection's task until every engine handle is gone and nothing is open: waits for
 /// the driver's next input, an engine command, or the driver's deadline, whichever first.
+/// Inputs a connection task handles per wake-up at most (then it reports and polls again).
+const INPUT_BATCH: usize = 64;
+
 pub(crate) async fn run_task<T: ConnectionTask>(
     mut task: T,
     mut commands: tokio::sync::mpsc::UnboundedReceiver<T::Command>,
@@ -307,6 +310,9 @@ pub(crate) async fn run_task<T: ConnectionTask>(
     use std::time::Instant;
     let far = std::time::Duration::from_secs(3600);
     let mut engine_open = true;
+    // One timer for the task's life, moved when the deadline moves (not one per wake-up).
+    let sleep = tokio::time::sleep(far);
+    tokio::pin!(sleep);
     loop {
         task.report();
         // Checked before waiting: once every engine handle is gone and nothing is open,
@@ -320,19 +326,43 @@ pub(crate) async fn run_task<T: ConnectionTask>(
             .poll_timeout()
             .map(tokio::time::Instant::from_std)
             .unwrap_or_else(|| tokio::time::Instant::now() + far);
+        if sleep.deadline() != wake {
+            sleep.as_mut().reset(wake);
+        }
         enum Wake<C> {
             Input,
             Command(Option<C>),
             Deadline,
         }
         let woke = tokio::select! {
-            _ = std::future::poll_fn(|cx| task.driver().poll_input(cx, Instant::now())) => Wake::Input,
+            // Up to INPUT_BATCH inputs per wake-up: what arrived together is handled together
+            // (and the transport writes the answers together) before the task reports.
+            _ = std::future::poll_fn(|cx| {
+                let mut handled = false;
+                for _ in 0..INPUT_BATCH {
+                    if task.driver().poll_input(cx, Instant::now()).is_pending() {
+                        break;
+                    }
+                    handled = true;
+                }
+                if handled { std::task::Poll::Ready(()) } else { std::task::Poll::Pending }
+            }) => Wake::Input,
             c = commands.recv(), if engine_open => Wake::Command(c),
-            _ = tokio::time::sleep_until(wake) => Wake::Deadline,
+            _ = &mut sleep => Wake::Deadline,
         };
         match woke {
             Wake::Input => {}
-            Wake::Command(Some(c)) => task.command(c),
+            Wake::Command(Some(c)) => {
+                task.command(c);
+                // Commands that queued meanwhile, in order (a disconnection is seen by the
+                // next `recv`).
+                for _ in 1..INPUT_BATCH {
+                    match commands.try_recv() {
+                        Ok(c) => task.command(c),
+                        Err(_) => break,
+                    }
+                }
+            }
             Wake::Command(None) => {
                 // Every engine handle is gone: close the connection; open transfers fail
                 // safely (fenced and released, or drained) as it ends.

@@ -117,6 +117,7 @@ impl SenderConn {
         )?;
         driver.enable_liveness(std::time::Instant::now(), config.liveness);
         driver.set_digest_mode(config.digest_mode);
+        driver.set_digest_while_sending(config.digest_while_sending);
         driver.set_digest_execution(DigestExecution::Offload {
             min_bytes: config.digest_offload_bytes,
         });

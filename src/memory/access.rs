@@ -204,6 +204,71 @@ impl DerefMut for PageMut<'_> {
     }
 }
 
+/// Write access to one page index in every buffer (a TCP data record's destination: the page
+/// of buffer 0, then buffer 1, ...), under one write lock: one guard lets a single vectored
+/// read land a whole record.
+pub struct PageRowMut<'a> {
+    buffers: Vec<&'a mut [u8]>,
+    locks: &'a PageLocks,
+    page: u32,
+}
+
+impl<'a> PageRowMut<'a> {
+    /// Locks `page` (in range) for writing and borrows its bytes in every buffer, all of
+    /// which must be host memory.
+    pub(crate) fn new(
+        memory: &'a KvMemory,
+        locks: &'a PageLocks,
+        page: u32,
+    ) -> Result<Self, PoolError> {
+        if let Some(buffer) = (0..memory.buffers()).find(|&b| !memory.is_host(b)) {
+            return Err(PoolError::DeviceMemory { buffer });
+        }
+        if !locks.try_write(page) {
+            return Err(if locks.read_locked(page) {
+                PoolError::Pinned { page }
+            } else {
+                PoolError::Busy { page }
+            });
+        }
+        let buffers = (0..memory.buffers())
+            .map(|b| {
+                let range = memory.range(page, b);
+                // SAFETY: in bounds (the caller checked page; b < buffers), host memory
+                // (checked above), and the buffers are distinct regions, so these slices do
+                // not overlap; the write lock excludes every other reader and writer of this
+                // page index until the guard drops.
+                unsafe { memory.bytes_mut(b, range) }
+            })
+            .collect();
+        Ok(Self {
+            buffers,
+            locks,
+            page,
+        })
+    }
+
+    /// The page's bytes in every buffer, in buffer order.
+    pub fn buffers_mut(&mut self) -> &mut [&'a mut [u8]] {
+        &mut self.buffers
+    }
+}
+
+impl Drop for PageRowMut<'_> {
+    fn drop(&mut self) {
+        self.locks.unlock_write(self.page);
+    }
+}
+
+impl fmt::Debug for PageRowMut<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PageRowMut")
+            .field("page", &self.page)
+            .field("buffers", &self.buffers.len())
+            .finish()
+    }
+}
+
 /// A read-only view of some pages of a [`KvMemory`], which may cross threads (a digest
 /// job on the blocking pool). It keeps the memory alive and read-locks (*pins*) its pages:
 /// the pool refuses to write or release them until the view is dropped.

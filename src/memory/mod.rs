@@ -50,7 +50,7 @@ mod page_pool;
 mod region;
 mod scope;
 
-pub use access::{PageMut, PageRef, SharedPages};
+pub use access::{PageMut, PageRef, PageRowMut, SharedPages};
 pub use device::{
     CopyQueue, CopyTicket, DeviceError, DeviceMemoryOps, DevicePtr, DeviceSlots, MemoryKind,
     PinnedBuffer,

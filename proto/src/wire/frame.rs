@@ -242,6 +242,16 @@ impl Frame {
     /// Encodes the frame, appending it to `out`. On error `out` is left as it was.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         let start = out.len();
+        self.encode_without_crc(out)?;
+        let crc = crc32fast::hash(&out[start..]);
+        out.extend_from_slice(&crc.to_le_bytes());
+        Ok(())
+    }
+
+    /// [`Frame::encode`] without the CRC trailer (the sealing channel appends its own
+    /// trailer and tag before the CRC, which it computes once over all of it).
+    pub(crate) fn encode_without_crc(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        let start = out.len();
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         out.extend_from_slice(&self.frame_type().0.to_le_bytes());
@@ -254,8 +264,6 @@ impl Frame {
             return Err(e);
         }
         out[start + 8..start + 12].copy_from_slice(&(payload_len as u32).to_le_bytes());
-        let crc = crc32fast::hash(&out[start..]);
-        out.extend_from_slice(&crc.to_le_bytes());
         Ok(())
     }
 

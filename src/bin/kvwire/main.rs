@@ -156,6 +156,10 @@ struct BenchArgs {
     /// lands (TCP, loopback; RDMA always digests after the fence), to measure the difference.
     #[arg(long)]
     digest_after_fence: bool,
+    /// Senders digest every transfer's source pages before its first write instead of each
+    /// page as it is handed to the transport (host memory), to measure the difference.
+    #[arg(long)]
+    digest_before_send: bool,
     /// Heartbeats (SPEC §8.3): milliseconds between PINGs on every connection.
     #[arg(long, default_value_t = 250, value_parser = clap::value_parser!(u64).range(1..))]
     heartbeat_ms: u64,
@@ -351,6 +355,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         check_bytes: a.check_bytes,
         digest_offload_bytes: a.digest_offload,
         digest_at_landing: !a.digest_after_fence,
+        digest_while_sending: !a.digest_before_send,
         liveness: kvwire::proto::liveness::LivenessConfig {
             interval: std::time::Duration::from_millis(a.heartbeat_ms),
             timeout: std::time::Duration::from_millis(a.peer_timeout_ms),

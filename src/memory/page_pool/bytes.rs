@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::{PagePool, SlotState};
-use crate::memory::access::{PageMut, PageRef, SharedPages};
+use crate::memory::access::{PageMut, PageRef, PageRowMut, SharedPages};
 use crate::memory::{KvMemory, PageLease, PoolError};
 
 impl PagePool {
@@ -41,6 +41,14 @@ impl PagePool {
     pub fn raw_page_mut(&self, page: u32, buffer: usize) -> Option<PageMut<'_>> {
         self.in_range(page, buffer)?;
         PageMut::new(&self.memory, &self.locks, page, buffer).ok()
+    }
+
+    /// Slot `page` in every buffer, writable, regardless of lease state (a TCP record's
+    /// destination). See [`PagePool::raw_page_mut`]; `None` if `page` is out of range, a
+    /// buffer is device memory, or anyone else holds the page.
+    pub fn raw_row_mut(&self, page: u32) -> Option<PageRowMut<'_>> {
+        (page < self.geometry.pages).then_some(())?;
+        PageRowMut::new(&self.memory, &self.locks, page).ok()
     }
 
     /// The engine reads page `page` of `buffer` of its own registered memory (any page, at

@@ -2,6 +2,7 @@
 //! pages, under their access scopes), frames out.
 
 use std::collections::VecDeque;
+use std::io::IoSlice;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -9,7 +10,7 @@ use std::time::Instant;
 
 use kvwire_proto::auth::{Opener, Sealer};
 use kvwire_proto::wire::Frame;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::AsyncWrite;
 use tokio::net::TcpStream;
 
 use kvwire_proto::wire::TransferRef;
@@ -18,6 +19,9 @@ use super::records::{DataHeader, Record, StreamError, StreamReader, StreamStats}
 use crate::memory::{PagePool, ScopeTable};
 use crate::transport::staging::{Staging, StagingStats, STAGING_BUFFERS};
 use crate::transport::{Closed, TableScoped, Transport, TransportEvent};
+
+/// Frames handed to one vectored write.
+const MAX_IOV: usize = 64;
 
 /// The decode end of a TCP connection (after the handshake).
 #[derive(Debug)]
@@ -151,21 +155,34 @@ impl TcpReceiver {
         self.events.push_back(TransportEvent::Closed(why));
     }
 
-    /// Writes queued frames until the socket would block.
+    /// Writes queued frames until the socket would block, many per system call.
     fn poll_flush(&mut self, cx: &mut Context<'_>) {
-        while let Some(front) = self.out.front() {
+        while !self.out.is_empty() {
             let Some(stream) = self.stream.as_mut() else {
                 return;
             };
-            match Pin::new(stream).poll_write(cx, &front[self.front_written..]) {
+            let written = {
+                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(self.out.len().min(MAX_IOV));
+                for (i, frame) in self.out.iter().take(MAX_IOV).enumerate() {
+                    let skip = if i == 0 { self.front_written } else { 0 };
+                    slices.push(IoSlice::new(&frame[skip..]));
+                }
+                Pin::new(stream).poll_write_vectored(cx, &slices)
+            };
+            match written {
                 Poll::Pending => return,
                 Poll::Ready(Ok(0)) => {
                     self.shut(Closed::PeerGone("the socket accepts no more bytes".into()));
                     return;
                 }
-                Poll::Ready(Ok(n)) => {
-                    self.front_written += n;
-                    if self.front_written == front.len() {
+                Poll::Ready(Ok(mut n)) => {
+                    while let Some(front) = self.out.front() {
+                        let left = front.len() - self.front_written;
+                        if n < left {
+                            self.front_written += n;
+                            break;
+                        }
+                        n -= left;
                         self.front_written = 0;
                         self.out.pop_front();
                     }
@@ -178,7 +195,51 @@ impl TcpReceiver {
         }
     }
 
-    /// Reads records until one is complete (landing page bytes as they come).
+    /// What a completed record means for the driver: an event, or nothing (a refused
+    /// record; a staged one, whose copy into its page starts now).
+    fn on_record(&mut self, record: Record) -> Option<TransportEvent> {
+        match record {
+            Record::Frame(f) => Some(TransportEvent::Frame(f)),
+            Record::Landed(h) => Some(TransportEvent::Landed {
+                transfer: h.transfer,
+                ordinal: h.ordinal,
+                page: h.dst_page,
+            }),
+            Record::Staged(h, slot) => {
+                let st = self.reader.staging.as_mut()?;
+                if st.in_flight() > 0 {
+                    st.stats.overlapped += 1;
+                }
+                if let Err(e) = st.copy_in(slot, &self.pool, h.dst_page) {
+                    st.release(slot);
+                    self.shut(Closed::LinkFailed(format!("device copy: {e}")));
+                    return None;
+                }
+                self.copying.push_back((h, slot));
+                None
+            }
+            Record::Refused(h) => {
+                tracing::debug!(
+                    transfer_id = h.transfer.transfer_id.0,
+                    page = h.dst_page,
+                    "write refused (fenced or out of scope)"
+                );
+                None
+            }
+        }
+    }
+
+    /// Ends the connection for a stream that cannot be read on.
+    fn stream_failed(&mut self, e: StreamError) {
+        match e {
+            StreamError::Auth(e) => self.shut(Closed::Unauthentic(e)),
+            e => self.shut(Closed::Malformed(e.to_string())),
+        }
+    }
+
+    /// Parses records from what was read ahead, and reads more (landing page bytes as they
+    /// come) until one is complete. Frames queued meanwhile are written before each read,
+    /// so the answers to a whole read's worth of records leave in one write.
     fn poll_read_records(&mut self, cx: &mut Context<'_>) -> Option<TransportEvent> {
         loop {
             if self.reader.staging.is_some() {
@@ -186,20 +247,45 @@ impl TcpReceiver {
                 if let Some(e) = self.events.pop_front() {
                     return Some(e);
                 }
-                if self.reader.waits_for_staging() {
-                    // Every staging buffer is being copied: the socket waits (woken when a
-                    // copy completed).
+            }
+            if self.closed {
+                return None;
+            }
+            match self.reader.next_buffered(&self.pool, &self.scopes) {
+                Ok(Some(record)) => {
+                    if let Some(e) = self.on_record(record) {
+                        return Some(e);
+                    }
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    self.stream_failed(e);
                     return None;
                 }
             }
+            if self.reader.staging.is_some() && self.reader.waits_for_staging() {
+                // Every staging buffer is being copied: the socket waits (woken when a
+                // copy completed).
+                return None;
+            }
+            self.poll_flush(cx);
             let stream = self.stream.as_mut()?;
             let read = {
                 let mut target = self.reader.target(&self.pool, &self.scopes);
-                let mut buf = ReadBuf::new(target.bytes());
-                match Pin::new(stream).poll_read(cx, &mut buf) {
-                    Poll::Pending => return None,
-                    Poll::Ready(Ok(())) => Ok(buf.filled().len()),
-                    Poll::Ready(Err(e)) => Err(e),
+                let mut slices = target.slices();
+                loop {
+                    match stream.try_read_vectored(&mut slices) {
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            match stream.poll_read_ready(cx) {
+                                Poll::Pending => return None,
+                                Poll::Ready(Ok(())) => continue,
+                                Poll::Ready(Err(e)) => break Err(e),
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        other => break other,
+                    }
                 }
             };
             let n = match read {
@@ -213,44 +299,9 @@ impl TcpReceiver {
                 self.shut(Closed::PeerGone("end of stream".into()));
                 return None;
             }
-            match self.reader.advance(n, &self.scopes) {
-                Ok(None) => {}
-                Ok(Some(Record::Frame(f))) => return Some(TransportEvent::Frame(f)),
-                Ok(Some(Record::Landed(h))) => {
-                    return Some(TransportEvent::Landed {
-                        transfer: h.transfer,
-                        ordinal: h.ordinal,
-                        page: h.dst_page,
-                    })
-                }
-                Ok(Some(Record::Staged(h, slot))) => {
-                    let Some(st) = self.reader.staging.as_mut() else {
-                        continue;
-                    };
-                    if st.in_flight() > 0 {
-                        st.stats.overlapped += 1;
-                    }
-                    if let Err(e) = st.copy_in(slot, &self.pool, h.dst_page) {
-                        st.release(slot);
-                        self.shut(Closed::LinkFailed(format!("device copy: {e}")));
-                        return None;
-                    }
-                    self.copying.push_back((h, slot));
-                }
-                Ok(Some(Record::Refused(h))) => {
-                    tracing::debug!(
-                        transfer_id = h.transfer.transfer_id.0,
-                        page = h.dst_page,
-                        "write refused (fenced or out of scope)"
-                    );
-                }
-                Err(StreamError::Auth(e)) => {
-                    self.shut(Closed::Unauthentic(e));
-                    return None;
-                }
-                Err(e) => {
-                    self.shut(Closed::Malformed(e.to_string()));
-                    return None;
+            if let Some(record) = self.reader.advance(n, &self.scopes) {
+                if let Some(e) = self.on_record(record) {
+                    return Some(e);
                 }
             }
         }
@@ -268,14 +319,16 @@ impl Transport for TcpReceiver {
         }
     }
 
+    /// Queued frames are written before the stream is read and before waiting, not after
+    /// every event: the frames a burst of records produces leave together.
     fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
-        self.poll_flush(cx);
         if let Some(e) = self.events.pop_front() {
             return Poll::Ready(e);
         }
         if let Some(e) = self.poll_read_records(cx) {
             return Poll::Ready(e);
         }
+        self.poll_flush(cx);
         match self.events.pop_front() {
             Some(e) => Poll::Ready(e),
             None => Poll::Pending,

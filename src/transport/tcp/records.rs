@@ -5,7 +5,7 @@ use kvwire_proto::auth::{AuthChannel, AuthError, OpenError, Opener};
 use kvwire_proto::wire::TransferId;
 use kvwire_proto::wire::{DecodeError, Frame, TransferRef, HEADER_LEN, MAGIC, TRAILER_LEN};
 
-use crate::memory::{AccessKey, PageMut, PagePool, ScopeTable};
+use crate::memory::{AccessKey, PagePool, ScopeTable};
 use crate::transport::staging::Staging;
 
 /// Magic of a data record.
@@ -131,16 +131,16 @@ pub enum Record {
 
 #[derive(Debug)]
 enum ReadState {
-    /// Collecting the first 4 bytes, or a whole frame header, or a whole data header.
-    Head { filled: usize },
-    /// Collecting the rest of a control frame (`total` bytes in all).
-    Frame { total: usize, filled: usize },
-    /// Reading a data record's payload into its page: `done` bytes so far.
+    /// Between records: the next record's header is collected in the read-ahead buffer.
+    Head,
+    /// A control frame of `total` bytes, collected in the read-ahead buffer.
+    Frame { total: usize },
+    /// Landing a data record's payload in its page: `done` bytes so far.
     Land { header: DataHeader, done: usize },
-    /// Reading a refused data record's payload into scratch.
+    /// Dropping a refused data record's payload.
     Discard { header: DataHeader, done: usize },
-    /// Device memory: reading a data record's payload into a staging buffer (`None`: none
-    /// free yet; nothing is read until one is).
+    /// Device memory: a data record's payload into a staging buffer (`None`: none free yet;
+    /// its bytes wait in the read-ahead buffer until one is).
     Stage {
         header: DataHeader,
         done: usize,
@@ -148,23 +148,59 @@ enum ReadState {
     },
 }
 
-/// Where the next read lands: the reader's own buffer, or a destination page from an offset
-/// (write-locked while the target lives).
+/// The read-ahead buffer's size: records of at most [`SMALL_RECORD`] bytes are read many at
+/// a time into it (one system call for many small records and frames), then copied into
+/// their pages.
+const AHEAD: usize = 64 * 1024;
+/// Data records up to this long are read ahead whole; longer ones land by vectored reads
+/// straight into their pages, with only [`LARGE_AHEAD`] bytes read ahead behind them (the
+/// next record's header, and at most that many of its bytes copied).
+const SMALL_RECORD: usize = 16 * 1024;
+/// Bytes read ahead behind the payload of a large data record.
+const LARGE_AHEAD: usize = 4 * 1024;
+
+/// Where the next read lands: the rest of the current data record straight in its page (every
+/// buffer's slice, under one write lock) or staging buffer, then the reader's read-ahead
+/// buffer.
 #[derive(Debug)]
-pub enum ReadTarget<'a> {
-    /// Header, frame or discarded bytes.
-    Buf(&'a mut [u8]),
-    /// A destination page's bytes from this offset.
-    Page(PageMut<'a>, usize),
+pub struct ReadTarget<'a> {
+    direct: Direct<'a>,
+    ahead: &'a mut [u8],
+}
+
+#[derive(Debug)]
+enum Direct<'a> {
+    None,
+    /// A destination page (every buffer) from this byte of the record.
+    Row(crate::memory::PageRowMut<'a>, usize),
+    /// Device memory: the rest of a staging buffer.
+    Staging(&'a mut [u8]),
 }
 
 impl ReadTarget<'_> {
-    /// The bytes to read into.
-    pub fn bytes(&mut self) -> &mut [u8] {
-        match self {
-            Self::Buf(b) => b,
-            Self::Page(p, off) => &mut p[*off..],
+    /// The slices to read into, in order (for a vectored read).
+    pub fn slices(&mut self) -> Vec<std::io::IoSliceMut<'_>> {
+        use std::io::IoSliceMut;
+        let mut out = Vec::new();
+        match &mut self.direct {
+            Direct::None => {}
+            Direct::Row(row, off) => {
+                let mut off = *off;
+                for b in row.buffers_mut().iter_mut() {
+                    if off >= b.len() {
+                        off -= b.len();
+                        continue;
+                    }
+                    out.push(IoSliceMut::new(&mut b[off..]));
+                    off = 0;
+                }
+            }
+            Direct::Staging(s) => out.push(IoSliceMut::new(s)),
         }
+        if !self.ahead.is_empty() {
+            out.push(IoSliceMut::new(self.ahead));
+        }
+        out
     }
 }
 
@@ -179,21 +215,35 @@ pub struct StreamStats {
     pub bytes_landed: u64,
     /// Control frames received.
     pub frames: u64,
+    /// Reads made (system calls that returned bytes).
+    pub reads: u64,
+    /// Payload bytes that arrived in the read-ahead buffer and were copied into their pages
+    /// (the rest landed by reads straight into the pages).
+    pub bytes_copied: u64,
 }
 
 /// The receiving side of a stream, as an incremental, cancel-safe parser.
 ///
-/// Each step hands out the exact slice the next `read` must fill ([`StreamReader::target`]),
-/// then is told how many bytes arrived ([`StreamReader::advance`]). Because a single `read`
-/// either completes or does nothing, the caller may race it against timers and commands.
-/// Before every read into a page, the scope is checked again, so a fence that happens
-/// between two reads sends the rest of the record to scratch instead of into a released page.
+/// Records and frames are parsed from a read-ahead buffer ([`StreamReader::next_buffered`]);
+/// once it is empty, [`StreamReader::target`] hands out the slices the next (vectored) read
+/// fills: the rest of the current data record straight in its destination page, then the
+/// read-ahead buffer. [`StreamReader::advance`] is told how many bytes arrived. Because a
+/// single read either completes or does nothing, the caller may race it against timers and
+/// commands. Before every read or copy into a page the scope is checked again, so a fence
+/// between two of them sends the rest of the record to nowhere instead of into a released
+/// page.
 #[derive(Debug)]
 pub struct StreamReader {
     state: ReadState,
-    head: Vec<u8>,
-    scratch: Vec<u8>,
-    page_bytes: Vec<usize>,
+    /// Read-ahead bytes: `ahead[start..end]` are unparsed.
+    ahead: Vec<u8>,
+    start: usize,
+    end: usize,
+    /// Bytes of read-ahead offered behind a record's payload (or between records).
+    ahead_limit: usize,
+    /// Bytes of the last target before its read-ahead part.
+    direct_len: usize,
+    record_len: usize,
     opener: Opener,
     /// Device memory: payloads go to staging buffers, then to the device.
     pub(crate) staging: Option<Staging>,
@@ -204,11 +254,19 @@ pub struct StreamReader {
 impl StreamReader {
     /// A reader for pages of these per-buffer sizes.
     pub fn new(page_bytes: &[u32]) -> Self {
+        let record_len = page_bytes.iter().map(|&b| b as usize).sum();
         Self {
-            state: ReadState::Head { filled: 0 },
-            head: vec![0; HEADER_LEN.max(DATA_HEADER_LEN)],
-            scratch: vec![0; 64 * 1024],
-            page_bytes: page_bytes.iter().map(|&b| b as usize).collect(),
+            state: ReadState::Head,
+            ahead: vec![0; AHEAD],
+            start: 0,
+            end: 0,
+            ahead_limit: if record_len <= SMALL_RECORD {
+                AHEAD
+            } else {
+                LARGE_AHEAD
+            },
+            direct_len: 0,
+            record_len,
             opener: AuthChannel::off().split().1,
             staging: None,
             stats: StreamStats::default(),
@@ -222,12 +280,8 @@ impl StreamReader {
         self
     }
 
-    fn record_len(&self) -> usize {
-        self.page_bytes.iter().sum()
-    }
-
     /// Device memory: whether the record being read waits for a free staging buffer (nothing
-    /// may be read from the stream until one is); takes one if it can.
+    /// more may be read from the stream until one is); takes one if it can.
     pub(crate) fn waits_for_staging(&mut self) -> bool {
         let ReadState::Stage { slot, .. } = &mut self.state else {
             return false;
@@ -244,203 +298,334 @@ impl StreamReader {
         }
     }
 
-    /// The slice the next read must fill.
-    pub fn target<'a>(&'a mut self, pool: &'a PagePool, scopes: &ScopeTable) -> ReadTarget<'a> {
-        // A fence since the last read turns the rest of a landing record into a discard.
-        if let ReadState::Land { header, done } = self.state {
-            if scopes.check(header.key, header.dst_page).is_err() {
+    /// A fence since the last read or copy turns the rest of a landing record into a discard.
+    fn refence(&mut self, scopes: &ScopeTable) {
+        match self.state {
+            ReadState::Land { header, done }
+                if scopes.check(header.key, header.dst_page).is_err() =>
+            {
                 self.state = ReadState::Discard { header, done };
             }
-        }
-        if let ReadState::Stage { header, done, slot } = self.state {
-            if scopes.check(header.key, header.dst_page).is_err() {
+            ReadState::Stage { header, done, slot }
+                if scopes.check(header.key, header.dst_page).is_err() =>
+            {
                 if let (Some(s), Some(st)) = (slot, self.staging.as_mut()) {
                     st.release(s);
                 }
                 self.state = ReadState::Discard { header, done };
             }
-        }
-        let record_len = self.record_len();
-        match &mut self.state {
-            ReadState::Head { filled } => {
-                let want = if *filled < 4 {
-                    4
-                } else if self.head[..4] == MAGIC {
-                    HEADER_LEN
-                } else {
-                    DATA_HEADER_LEN
-                };
-                ReadTarget::Buf(&mut self.head[*filled..want])
-            }
-            ReadState::Frame { total, filled } => {
-                let (f, t) = (*filled, *total);
-                ReadTarget::Buf(&mut self.head[f..t])
-            }
-            ReadState::Land { header, done } => {
-                let (mut b, mut off) = (0, *done);
-                while b < self.page_bytes.len() && off >= self.page_bytes[b] {
-                    off -= self.page_bytes[b];
-                    b += 1;
-                }
-                match pool.raw_page_mut(header.dst_page, b) {
-                    Some(page) => ReadTarget::Page(page, off),
-                    None => ReadTarget::Buf(&mut self.scratch[..1]),
-                }
-            }
-            ReadState::Discard { header, done } => {
-                let left = header.len as usize - *done;
-                let n = left.min(self.scratch.len());
-                ReadTarget::Buf(&mut self.scratch[..n])
-            }
-            ReadState::Stage { done, slot, .. } => match (slot, self.staging.as_mut()) {
-                // The slot is the host's (Filling) until the record is complete.
-                (Some(s), Some(st)) => ReadTarget::Buf(&mut st.bytes(*s, record_len)[*done..]),
-                // `waits_for_staging` is asked first; should it not have been, read one byte
-                // of the record nowhere rather than hand out an empty target.
-                _ => ReadTarget::Buf(&mut self.scratch[..0]),
-            },
+            _ => {}
         }
     }
 
-    /// Accounts for `n` bytes read into the last target; returns a record once complete.
-    pub fn advance(
-        &mut self,
-        n: usize,
-        scopes: &ScopeTable,
-    ) -> Result<Option<Record>, StreamError> {
+    /// The slices the next read fills. Call it once [`StreamReader::next_buffered`] returned
+    /// `None`.
+    pub fn target<'a>(&'a mut self, pool: &'a PagePool, scopes: &ScopeTable) -> ReadTarget<'a> {
+        self.refence(scopes);
+        // What is left of the read-ahead goes to the front.
+        if self.start > 0 {
+            self.ahead.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let buffered = self.end;
+        let limit = self.ahead_limit;
+        let record_len = self.record_len;
+        let (direct, want) = match &mut self.state {
+            // A frame longer than the buffer grows it (frames are bounded by MAX_PAYLOAD).
+            ReadState::Frame { total } => (Direct::None, total.saturating_sub(buffered) + limit),
+            ReadState::Head => (Direct::None, limit.max(HEADER_LEN.max(DATA_HEADER_LEN))),
+            ReadState::Discard { header, done } => (
+                Direct::None,
+                (header.len as usize - *done).min(limit.max(AHEAD)),
+            ),
+            // Unparsed bytes wait for a page to be copied into (next_buffered copies them).
+            ReadState::Land { .. } | ReadState::Stage { .. } if buffered > 0 => (Direct::None, 0),
+            ReadState::Land { header, done } => match pool.raw_row_mut(header.dst_page) {
+                Some(row) => (Direct::Row(row, *done), limit),
+                None => {
+                    // Anyone else holding the page (a digest reading it) means this record
+                    // cannot land now: it is dropped (the transfer then fails its coverage or
+                    // digest check, never verifies with bytes that did not land).
+                    tracing::warn!(
+                        page = header.dst_page,
+                        "destination page busy: record dropped"
+                    );
+                    self.state = ReadState::Discard {
+                        header: *header,
+                        done: *done,
+                    };
+                    return self.target(pool, scopes);
+                }
+            },
+            ReadState::Stage { done, slot, .. } => match (slot, self.staging.as_mut()) {
+                // The slot is the host's (Filling) until the record is complete.
+                (Some(s), Some(st)) => (Direct::Staging(&mut st.bytes(*s, record_len)[*done..]), 0),
+                // No slot yet: read ahead (copied once one is free).
+                _ => (Direct::None, limit),
+            },
+        };
+        self.direct_len = match &direct {
+            Direct::None => 0,
+            Direct::Row(_, off) => record_len - off,
+            Direct::Staging(s) => s.len(),
+        };
+        let want = want.max(usize::from(self.direct_len == 0));
+        if self.ahead.len() < buffered + want {
+            self.ahead.resize(buffered + want, 0);
+        }
+        ReadTarget {
+            direct,
+            ahead: &mut self.ahead[buffered..buffered + want],
+        }
+    }
+
+    /// Accounts for `n` bytes read into the last target; returns the data record they
+    /// completed, if they did. Bytes read ahead are parsed by
+    /// [`StreamReader::next_buffered`].
+    pub fn advance(&mut self, n: usize, scopes: &ScopeTable) -> Option<Record> {
+        self.stats.reads += 1;
+        let direct = n.min(self.direct_len);
+        self.direct_len = 0;
+        self.end += n - direct;
         match &mut self.state {
-            ReadState::Head { filled } => {
-                *filled += n;
-                let f = *filled;
-                if f < 4 {
-                    return Ok(None);
-                }
-                let magic: [u8; 4] = [self.head[0], self.head[1], self.head[2], self.head[3]];
-                if magic == MAGIC {
-                    if f < HEADER_LEN {
-                        return Ok(None);
-                    }
-                    // The frame header gives the payload length; take the rest of the frame.
-                    let len = u32::from_le_bytes([
-                        self.head[8],
-                        self.head[9],
-                        self.head[10],
-                        self.head[11],
-                    ]);
-                    if len > kvwire_proto::wire::MAX_PAYLOAD {
-                        return Err(DecodeError::PayloadTooLarge { len }.into());
-                    }
-                    let total = HEADER_LEN + len as usize + TRAILER_LEN;
-                    self.head.resize(total.max(DATA_HEADER_LEN), 0);
-                    self.state = ReadState::Frame { total, filled: f };
-                    return self.advance(0, scopes);
-                }
-                if magic != DATA_MAGIC {
-                    return Err(StreamError::BadMagic(magic));
-                }
-                if f < DATA_HEADER_LEN {
-                    return Ok(None);
-                }
-                let mut h = [0u8; DATA_HEADER_LEN];
-                h.copy_from_slice(&self.head[..DATA_HEADER_LEN]);
-                let header = DataHeader::decode(&h);
-                let expected = self.record_len();
-                if header.len as usize != expected {
-                    return Err(StreamError::BadDataLength {
-                        got: header.len,
-                        expected: expected as u64,
-                    });
-                }
-                // A key naming no open scope is a late record (its transfer was fenced) or a
-                // stray one: its bytes are discarded. Under an open scope the record MUST be
-                // that reservation's, at the page reserved for its ordinal (SPEC §9.1).
-                self.state = match scopes.get(header.key) {
-                    None => ReadState::Discard { header, done: 0 },
-                    Some(scope) => {
-                        let reserved = scope.page_at(header.ordinal);
-                        if scope.transfer != header.transfer || reserved != Some(header.dst_page) {
-                            return Err(StreamError::RecordMismatch {
-                                header,
-                                scope: scope.transfer,
-                                reserved,
-                            });
-                        }
-                        if self.staging.is_some() {
-                            // Device memory: the record lands in staging first (SPEC §9.1).
-                            ReadState::Stage {
-                                header,
-                                done: 0,
-                                slot: self.staging.as_mut().and_then(Staging::take_free),
-                            }
-                        } else {
-                            ReadState::Land { header, done: 0 }
-                        }
-                    }
-                };
-                Ok(None)
-            }
-            ReadState::Frame { total, filled } => {
-                *filled += n;
-                if *filled < *total {
-                    return Ok(None);
-                }
-                let total = *total;
-                let (frame, _) = self.opener.open(&self.head[..total]).map_err(|e| match e {
-                    OpenError::Auth(e) => StreamError::Auth(e),
-                    OpenError::Decode(e) => StreamError::Frame(e),
-                    other => StreamError::Open(other),
-                })?;
-                self.head.truncate(HEADER_LEN.max(DATA_HEADER_LEN));
-                self.state = ReadState::Head { filled: 0 };
-                self.stats.frames += 1;
-                Ok(Some(Record::Frame(frame)))
-            }
             ReadState::Land { header, done } => {
-                *done += n;
-                if *done < header.len as usize {
-                    return Ok(None);
-                }
-                let header = *header;
-                self.state = ReadState::Head { filled: 0 };
+                *done += direct;
+                (*done == header.len as usize).then(|| self.landed())
+            }
+            ReadState::Stage { header, done, .. } => {
+                *done += direct;
+                (*done == header.len as usize).then(|| self.staged(scopes))
+            }
+            _ => None,
+        }
+    }
+
+    /// The record in `Land` state has all its bytes.
+    fn landed(&mut self) -> Record {
+        let ReadState::Land { header, .. } = std::mem::replace(&mut self.state, ReadState::Head)
+        else {
+            unreachable!("landed() outside Land");
+        };
+        self.stats.writes_landed += 1;
+        self.stats.bytes_landed += u64::from(header.len);
+        Record::Landed(header)
+    }
+
+    /// The record in `Stage` state has all its bytes in its staging buffer. The scope is
+    /// checked again now: a fence while the payload was read means it lands nowhere.
+    fn staged(&mut self, scopes: &ScopeTable) -> Record {
+        let ReadState::Stage { header, slot, .. } =
+            std::mem::replace(&mut self.state, ReadState::Head)
+        else {
+            unreachable!("staged() outside Stage");
+        };
+        match slot {
+            Some(s) if scopes.check(header.key, header.dst_page).is_ok() => {
                 self.stats.writes_landed += 1;
                 self.stats.bytes_landed += u64::from(header.len);
-                Ok(Some(Record::Landed(header)))
+                Record::Staged(header, s)
             }
-            ReadState::Discard { header, done } => {
-                *done += n;
-                if *done < header.len as usize {
-                    return Ok(None);
+            _ => {
+                if let (Some(s), Some(st)) = (slot, self.staging.as_mut()) {
+                    st.release(s);
                 }
-                let header = *header;
-                self.state = ReadState::Head { filled: 0 };
                 self.stats.writes_refused += 1;
-                Ok(Some(Record::Refused(header)))
+                Record::Refused(header)
             }
-            ReadState::Stage { header, done, slot } => {
-                *done += n;
-                if *done < header.len as usize {
+        }
+    }
+
+    /// Parses what the read-ahead buffer holds: the next whole record it completes (copying
+    /// data bytes into their page or staging buffer on the way), or `None` once it needs
+    /// more bytes from the stream.
+    ///
+    /// # Errors
+    ///
+    /// A [`StreamError`] when the stream cannot be read on: the connection ends.
+    pub fn next_buffered(
+        &mut self,
+        pool: &PagePool,
+        scopes: &ScopeTable,
+    ) -> Result<Option<Record>, StreamError> {
+        loop {
+            self.refence(scopes);
+            let avail = self.end - self.start;
+            let at = self.start;
+            match &mut self.state {
+                ReadState::Head => {
+                    if avail < 4 {
+                        return Ok(None);
+                    }
+                    let magic: [u8; 4] = [
+                        self.ahead[at],
+                        self.ahead[at + 1],
+                        self.ahead[at + 2],
+                        self.ahead[at + 3],
+                    ];
+                    if magic == MAGIC {
+                        if avail < HEADER_LEN {
+                            return Ok(None);
+                        }
+                        // The frame header gives the payload length: take the whole frame.
+                        let h = &self.ahead[at + 8..at + 12];
+                        let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+                        if len > kvwire_proto::wire::MAX_PAYLOAD {
+                            return Err(DecodeError::PayloadTooLarge { len }.into());
+                        }
+                        let total = HEADER_LEN + len as usize + TRAILER_LEN;
+                        self.state = ReadState::Frame { total };
+                        continue;
+                    }
+                    if magic != DATA_MAGIC {
+                        return Err(StreamError::BadMagic(magic));
+                    }
+                    if avail < DATA_HEADER_LEN {
+                        return Ok(None);
+                    }
+                    let mut h = [0u8; DATA_HEADER_LEN];
+                    h.copy_from_slice(&self.ahead[at..at + DATA_HEADER_LEN]);
+                    self.start += DATA_HEADER_LEN;
+                    self.state = self.data_state(DataHeader::decode(&h), scopes)?;
+                }
+                ReadState::Frame { total } => {
+                    let total = *total;
+                    if avail < total {
+                        return Ok(None);
+                    }
+                    let (frame, _) =
+                        self.opener
+                            .open(&self.ahead[at..at + total])
+                            .map_err(|e| match e {
+                                OpenError::Auth(e) => StreamError::Auth(e),
+                                OpenError::Decode(e) => StreamError::Frame(e),
+                                other => StreamError::Open(other),
+                            })?;
+                    self.start += total;
+                    self.state = ReadState::Head;
+                    self.stats.frames += 1;
+                    return Ok(Some(Record::Frame(frame)));
+                }
+                ReadState::Discard { header, done } => {
+                    let k = avail.min(header.len as usize - *done);
+                    *done += k;
+                    self.start += k;
+                    if *done < header.len as usize {
+                        return Ok(None);
+                    }
+                    let header = *header;
+                    self.state = ReadState::Head;
+                    self.stats.writes_refused += 1;
+                    return Ok(Some(Record::Refused(header)));
+                }
+                ReadState::Land { header, done } => {
+                    if avail == 0 {
+                        return Ok(None);
+                    }
+                    let Some(mut row) = pool.raw_row_mut(header.dst_page) else {
+                        tracing::warn!(
+                            page = header.dst_page,
+                            "destination page busy: record dropped"
+                        );
+                        self.state = ReadState::Discard {
+                            header: *header,
+                            done: *done,
+                        };
+                        continue;
+                    };
+                    let k = avail.min(header.len as usize - *done);
+                    let mut src = &self.ahead[at..at + k];
+                    let mut off = *done;
+                    for b in row.buffers_mut().iter_mut() {
+                        if src.is_empty() {
+                            break;
+                        }
+                        if off >= b.len() {
+                            off -= b.len();
+                            continue;
+                        }
+                        let n = src.len().min(b.len() - off);
+                        b[off..off + n].copy_from_slice(&src[..n]);
+                        src = &src[n..];
+                        off = 0;
+                    }
+                    drop(row);
+                    *done += k;
+                    self.start += k;
+                    self.stats.bytes_copied += k as u64;
+                    if *done == header.len as usize {
+                        return Ok(Some(self.landed()));
+                    }
                     return Ok(None);
                 }
-                let (header, slot) = (*header, *slot);
-                self.state = ReadState::Head { filled: 0 };
-                // The scope is checked again now: a fence while the payload was read means
-                // the record lands nowhere.
-                match slot {
-                    Some(s) if scopes.check(header.key, header.dst_page).is_ok() => {
-                        self.stats.writes_landed += 1;
-                        self.stats.bytes_landed += u64::from(header.len);
-                        Ok(Some(Record::Staged(header, s)))
+                ReadState::Stage { header, done, slot } => {
+                    if avail == 0 {
+                        return Ok(None);
                     }
-                    _ => {
-                        if let (Some(s), Some(st)) = (slot, self.staging.as_mut()) {
-                            st.release(s);
-                        }
-                        self.stats.writes_refused += 1;
-                        Ok(Some(Record::Refused(header)))
+                    let Some(st) = self.staging.as_mut() else {
+                        return Ok(None);
+                    };
+                    if slot.is_none() {
+                        *slot = st.take_free();
                     }
+                    let Some(s) = *slot else {
+                        // Every staging buffer is being copied: wait for one.
+                        return Ok(None);
+                    };
+                    let k = avail.min(header.len as usize - *done);
+                    st.bytes(s, self.record_len)[*done..*done + k]
+                        .copy_from_slice(&self.ahead[at..at + k]);
+                    *done += k;
+                    self.start += k;
+                    self.stats.bytes_copied += k as u64;
+                    if *done == header.len as usize {
+                        return Ok(Some(self.staged(scopes)));
+                    }
+                    return Ok(None);
                 }
             }
         }
+    }
+
+    /// What a data record's header leads to: landing, staging, or discarding its payload;
+    /// or the end of the connection when it breaks the rules of SPEC §9.1.
+    fn data_state(
+        &mut self,
+        header: DataHeader,
+        scopes: &ScopeTable,
+    ) -> Result<ReadState, StreamError> {
+        if header.len as usize != self.record_len {
+            return Err(StreamError::BadDataLength {
+                got: header.len,
+                expected: self.record_len as u64,
+            });
+        }
+        // A key naming no open scope is a late record (its transfer was fenced) or a stray
+        // one: its bytes are discarded. Under an open scope the record MUST be that
+        // reservation's, at the page reserved for its ordinal (SPEC §9.1).
+        Ok(match scopes.get(header.key) {
+            None => ReadState::Discard { header, done: 0 },
+            Some(scope) => {
+                let reserved = scope.page_at(header.ordinal);
+                if scope.transfer != header.transfer || reserved != Some(header.dst_page) {
+                    return Err(StreamError::RecordMismatch {
+                        header,
+                        scope: scope.transfer,
+                        reserved,
+                    });
+                }
+                if self.staging.is_some() {
+                    // Device memory: the record lands in staging first (SPEC §9.1).
+                    ReadState::Stage {
+                        header,
+                        done: 0,
+                        slot: self.staging.as_mut().and_then(Staging::take_free),
+                    }
+                } else {
+                    ReadState::Land { header, done: 0 }
+                }
+            }
+        })
     }
 }
 
@@ -454,23 +639,47 @@ mod tests {
         reader: &mut StreamReader,
         pool: &PagePool,
         scopes: &ScopeTable,
+        bytes: &[u8],
+    ) -> Result<Vec<Record>, StreamError> {
+        feed_in_reads_of(reader, pool, scopes, bytes, usize::MAX)
+    }
+
+    /// [`feed`], with no read returning more than `step` bytes (a stream splits anywhere).
+    fn feed_in_reads_of(
+        reader: &mut StreamReader,
+        pool: &PagePool,
+        scopes: &ScopeTable,
         mut bytes: &[u8],
+        step: usize,
     ) -> Result<Vec<Record>, StreamError> {
         let mut out = Vec::new();
-        while !bytes.is_empty() {
+        loop {
+            while let Some(r) = reader.next_buffered(pool, scopes)? {
+                out.push(r);
+            }
+            if bytes.is_empty() {
+                return Ok(out);
+            }
             let n = {
                 let mut target = reader.target(pool, scopes);
-                let t = target.bytes();
-                let n = t.len().min(bytes.len());
-                t[..n].copy_from_slice(&bytes[..n]);
+                let mut slices = target.slices();
+                let mut n = 0;
+                for s in slices.iter_mut() {
+                    let k = s.len().min(bytes.len() - n).min(step - n);
+                    s[..k].copy_from_slice(&bytes[n..n + k]);
+                    n += k;
+                    if n == bytes.len() || n == step {
+                        break;
+                    }
+                }
                 n
             };
+            assert!(n > 0, "the reader offered nothing to read into");
             bytes = &bytes[n..];
-            if let Some(r) = reader.advance(n, scopes)? {
+            if let Some(r) = reader.advance(n, scopes) {
                 out.push(r);
             }
         }
-        Ok(out)
     }
 
     /// SPEC §7.2 / §9.1: a record with neither magic ends the connection, its bytes named
@@ -570,5 +779,117 @@ mod tests {
         let mut reader = StreamReader::new(&[8]);
         let got = feed(&mut reader, &pool, &scopes, &record(t, 0, 5)).unwrap();
         assert!(matches!(&got[..], [Record::Refused(_)]));
+    }
+
+    /// The reader lands the same bytes and hands out the same records however the stream
+    /// splits into reads (one byte at a time, odd sizes, everything at once), for layouts of
+    /// small records (read ahead many at a time, then copied) and large ones (vectored reads
+    /// straight into every buffer's page): frames, landed records, a record refused because
+    /// its scope is closed, and a frame longer than the read-ahead buffer.
+    #[test]
+    fn records_land_alike_however_the_stream_splits_into_reads() {
+        use kvwire_proto::wire::Frame;
+        for buffer_page_bytes in [vec![8u32, 24], vec![3000], vec![40 * 1024, 8 * 1024, 1]] {
+            let pages = 6u32;
+            let geometry = PoolGeometry {
+                tokens_per_page: 1,
+                buffer_page_bytes: buffer_page_bytes.clone(),
+                pages,
+            };
+            let record_len: usize = buffer_page_bytes.iter().map(|&b| b as usize).sum();
+            let t = TransferRef {
+                transfer_id: TransferId(3),
+                nonce: 0x77,
+            };
+            let dead = TransferRef {
+                transfer_id: TransferId(4),
+                nonce: 0x78,
+            };
+            let mut scopes = ScopeTable::default();
+            let key = scopes.open(t.transfer_id, &[4, 1, 5]);
+            scopes.bind(t);
+            let dead_key = scopes.open(dead.transfer_id, &[0]);
+            scopes.bind(dead);
+            scopes.close(dead.transfer_id);
+            let (mut sealer, _) = AuthChannel::off().split();
+            let mut stream = Vec::new();
+            let mut expected = Vec::new();
+            let record = |stream: &mut Vec<u8>, transfer, key, ordinal: u32, dst_page, fill: u8| {
+                stream.extend_from_slice(
+                    &DataHeader {
+                        transfer,
+                        key,
+                        ordinal,
+                        dst_page,
+                        len: record_len as u32,
+                    }
+                    .encode(),
+                );
+                stream.extend((0..record_len).map(|i| fill ^ (i as u8)));
+            };
+            stream.extend(sealer.seal_to_vec(&Frame::Ping(1)).unwrap());
+            expected.push("frame");
+            for (ordinal, page) in [(0u32, 4u32), (1, 1)] {
+                record(&mut stream, t, key, ordinal, page, 0x10 + ordinal as u8);
+                expected.push("landed");
+            }
+            record(&mut stream, dead, dead_key, 0, 0, 0xEE);
+            expected.push("refused");
+            // A frame longer than the read-ahead buffer (a large COMMIT-sized payload).
+            let big = Frame::HelloReject(kvwire_proto::wire::HelloReject {
+                code: kvwire_proto::wire::ErrorCode::VERSION_MISMATCH,
+                detail: "x".repeat(100 * 1024),
+            });
+            stream.extend(sealer.seal_to_vec(&big).unwrap());
+            expected.push("frame");
+            record(&mut stream, t, key, 2, 5, 0x12);
+            expected.push("landed");
+            stream.extend(sealer.seal_to_vec(&Frame::Pong(2)).unwrap());
+            expected.push("frame");
+            for step in [1, 7, 36, 4096, 5000, 70 * 1024, usize::MAX] {
+                let pool = PagePool::new(geometry.clone(), Scrub::None).unwrap();
+                let mut reader = StreamReader::new(&buffer_page_bytes);
+                let got = feed_in_reads_of(&mut reader, &pool, &scopes, &stream, step).unwrap();
+                let kinds: Vec<&str> = got
+                    .iter()
+                    .map(|r| match r {
+                        Record::Frame(_) => "frame",
+                        Record::Landed(_) => "landed",
+                        Record::Refused(_) => "refused",
+                        Record::Staged(..) => "staged",
+                    })
+                    .collect();
+                assert_eq!(
+                    kinds, expected,
+                    "layout {buffer_page_bytes:?}, reads of {step}"
+                );
+                for (ordinal, page) in [(0u32, 4u32), (1, 1), (2, 5)] {
+                    let mut i = 0usize;
+                    for b in 0..buffer_page_bytes.len() {
+                        let bytes = pool.raw_page(page, b).unwrap();
+                        for (j, &x) in bytes.iter().enumerate() {
+                            assert_eq!(
+                                x,
+                                (0x10 + ordinal as u8) ^ ((i + j) as u8),
+                                "layout {buffer_page_bytes:?}, reads of {step}: page {page} buffer {b} byte {j}"
+                            );
+                        }
+                        i += bytes.len();
+                    }
+                }
+                // The refused record's page was not written.
+                assert!(pool.raw_page(0, 0).unwrap().iter().all(|&x| x == 0));
+                assert_eq!(reader.stats.writes_landed, 3);
+                assert_eq!(reader.stats.writes_refused, 1);
+                if step == usize::MAX && record_len > SMALL_RECORD {
+                    // Large records land mostly by reads straight into their pages.
+                    assert!(
+                        reader.stats.bytes_copied <= 3 * LARGE_AHEAD as u64,
+                        "{} bytes copied",
+                        reader.stats.bytes_copied
+                    );
+                }
+            }
+        }
     }
 }

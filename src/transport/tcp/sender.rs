@@ -67,6 +67,8 @@ pub struct TcpSender {
     front_written: usize,
     data_queued: usize,
     rbuf: Vec<u8>,
+    /// `rbuf[rstart..rfilled]` is read and not yet parsed.
+    rstart: usize,
     rfilled: usize,
     events: VecDeque<TransportEvent>,
     closed: bool,
@@ -94,6 +96,7 @@ impl TcpSender {
             front_written: 0,
             data_queued: 0,
             rbuf: vec![0; 64 * 1024],
+            rstart: 0,
             rfilled: 0,
             events: VecDeque::new(),
             closed: false,
@@ -405,6 +408,12 @@ impl TcpSender {
             if let Some(e) = self.take_frame() {
                 return Some(e);
             }
+            // What is left of a frame goes to the front of the buffer.
+            if self.rstart > 0 {
+                self.rbuf.copy_within(self.rstart..self.rfilled, 0);
+                self.rfilled -= self.rstart;
+                self.rstart = 0;
+            }
             let stream = self.stream.as_mut()?;
             let mut buf = ReadBuf::new(&mut self.rbuf[self.rfilled..]);
             match Pin::new(stream).poll_read(cx, &mut buf) {
@@ -424,35 +433,41 @@ impl TcpSender {
 
     /// A whole frame from the read buffer, if one is there.
     fn take_frame(&mut self) -> Option<TransportEvent> {
-        if self.rfilled < 4 {
+        let b = &self.rbuf[self.rstart..self.rfilled];
+        if b.len() < 4 {
             return None;
         }
-        if self.rbuf[..4] != MAGIC {
-            let magic = [self.rbuf[0], self.rbuf[1], self.rbuf[2], self.rbuf[3]];
+        if b[..4] != MAGIC {
+            let magic = [b[0], b[1], b[2], b[3]];
             self.shut(Closed::Malformed(format!(
                 "a record from the receiver starts with {}, not a frame",
                 kvwire_proto::wire::show_bytes(&magic)
             )));
             return None;
         }
-        if self.rfilled < HEADER_LEN {
+        if b.len() < HEADER_LEN {
             return None;
         }
-        let len = u32::from_le_bytes([self.rbuf[8], self.rbuf[9], self.rbuf[10], self.rbuf[11]]);
+        let len = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
         if len > MAX_PAYLOAD {
             self.shut(Closed::Malformed(format!("frame payload of {len} bytes")));
             return None;
         }
         let total = HEADER_LEN + len as usize + TRAILER_LEN;
-        if self.rbuf.len() < total {
-            self.rbuf.resize(total, 0);
-        }
-        if self.rfilled < total {
+        if b.len() < total {
+            if self.rbuf.len() < total {
+                self.rbuf.resize(total, 0);
+            }
             return None;
         }
-        let opened = self.opener.open(&self.rbuf[..total]).map(|(f, _)| f);
-        self.rbuf.copy_within(total..self.rfilled, 0);
-        self.rfilled -= total;
+        let opened = self
+            .opener
+            .open(&self.rbuf[self.rstart..self.rstart + total])
+            .map(|(f, _)| f);
+        self.rstart += total;
+        if self.rstart == self.rfilled {
+            (self.rstart, self.rfilled) = (0, 0);
+        }
         match opened {
             Ok(f) => Some(TransportEvent::Frame(f)),
             Err(OpenError::Auth(e)) => {
@@ -478,7 +493,16 @@ impl Transport for TcpSender {
         }
     }
 
+    /// Frames already read are handed out before anything is written: what queues while the
+    /// driver handles them (frames, data records) leaves in one vectored write, made before
+    /// the socket is read again and before waiting.
     fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
+        if let Some(e) = self.events.pop_front() {
+            return Poll::Ready(e);
+        }
+        if let Some(e) = self.take_frame() {
+            return Poll::Ready(e);
+        }
         self.poll_flush(cx);
         if let Some(e) = self.events.pop_front() {
             return Poll::Ready(e);

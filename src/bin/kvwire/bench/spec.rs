@@ -95,6 +95,9 @@ pub struct BenchSpec {
     pub digest_offload_bytes: u64,
     /// Receivers digest pages as they land (TCP, loopback); false: after the fence.
     pub digest_at_landing: bool,
+    /// Senders digest pages as they hand them to the transport; false: before the first
+    /// write.
+    pub digest_while_sending: bool,
     /// Heartbeats of every connection of the run (SPEC §8.3).
     #[serde(skip)]
     pub liveness: kvwire::proto::liveness::LivenessConfig,
@@ -140,6 +143,7 @@ impl Default for BenchSpec {
             check_bytes: false,
             digest_offload_bytes: 8 << 20,
             digest_at_landing: true,
+            digest_while_sending: true,
             liveness: kvwire::proto::liveness::LivenessConfig::default(),
             metrics: None,
             on_transfer: None,
@@ -271,6 +275,7 @@ impl BenchSpec {
         c.metrics = self.metrics.clone();
         c.digest_offload_bytes = self.digest_offload_bytes;
         c.digest_at_landing = self.digest_at_landing;
+        c.digest_while_sending = self.digest_while_sending;
         c.liveness = self.liveness;
         c.auth = self.auth.clone();
         c.transport = match &self.transport {

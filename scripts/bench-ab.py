@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Interleaved A/B runs of `kvwire bench`: several binaries (or flag sets) over the same cases,
+round by round, each run a fresh process with its own raw TCP baseline; prints every run and
+the per-variant medians of GB/s, ratio to raw, CPU s/GB, CPU ratio and p50/p99 as Markdown.
+
+    scripts/bench-ab.py --variant base=/tmp/kvwire-base --variant new=target/release/kvwire \
+        --variant 'new-none=target/release/kvwire --verify none' \
+        --case 'engine 1 64K 32' --case 'engine 4 1M 2' --rounds 3 --bytes 1G
+
+A case is `WORKLOAD CONCURRENCY PAGE PAGES [BUFFERS]` (workload: engine or pool). Ratios are
+only compared within a round: the machine drifts between rounds (docs/BENCHMARKS.md).
+"""
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+
+
+def run(cmd):
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["cases"][0]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", required=True, help="NAME=BINARY [FLAGS...]")
+    ap.add_argument("--case", action="append", required=True, help="WORKLOAD CONC PAGE PAGES [BUFFERS]")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bytes", default="1G")
+    ap.add_argument("--json-out", help="write every run as JSON lines here")
+    a = ap.parse_args()
+    variants = []
+    for v in a.variant:
+        name, _, cmd = v.partition("=")
+        variants.append((name, shlex.split(cmd)))
+    rows = []
+    sink = open(a.json_out, "w") if a.json_out else None
+    for r in range(1, a.rounds + 1):
+        for case in a.case:
+            parts = case.split()
+            workload, conc, page, pages = parts[:4]
+            buffers = parts[4] if len(parts) > 4 else "4"
+            for name, cmd in variants:
+                full = cmd + ["bench", "--workload", workload, "--concurrency", conc,
+                              "--page-sizes", page, "--pages", pages, "--buffers", buffers,
+                              "--bytes", a.bytes, "--json"]
+                c = run(full)
+                row = dict(round=r, case=case, variant=name, **{k: c.get(k) for k in (
+                    "gb_per_s", "raw_gb_per_s", "ratio_to_raw", "cpu_s_per_gb", "raw_cpu_s_per_gb",
+                    "cpu_ratio_to_raw", "p50_ms", "p99_ms", "transfers_per_s", "verified", "transfers")})
+                if c.get("failures"):
+                    print(f"failures in {name} {case}: {c['failures']}", file=sys.stderr)
+                    sys.exit(1)
+                rows.append(row)
+                if sink:
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                print(f"round {r} {case:18s} {name:12s} {c['gb_per_s']:.3f} GB/s ratio "
+                      f"{c['ratio_to_raw']:.2f} cpu {c['cpu_s_per_gb']:.2f} ({c['cpu_ratio_to_raw']:.2f}) "
+                      f"{c['transfers_per_s']:.0f}/s", file=sys.stderr)
+    print("| round | case | variant | GB/s | raw GB/s | ratio | CPU s/GB | raw CPU | CPU ratio | transfers/s | p50 ms | p99 ms |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for x in rows:
+        print(f"| {x['round']} | {x['case']} | {x['variant']} | {x['gb_per_s']:.3f} | {x['raw_gb_per_s']:.3f} | "
+              f"{x['ratio_to_raw']:.2f} | {x['cpu_s_per_gb']:.2f} | {x['raw_cpu_s_per_gb']:.2f} | "
+              f"{x['cpu_ratio_to_raw']:.2f} | {x['transfers_per_s']:.0f} | {x['p50_ms']:.2f} | {x['p99_ms']:.2f} |")
+    print()
+    print("Medians over the rounds (min-max of the ratio to raw):")
+    print()
+    print("| case | variant | GB/s | ratio to raw (min-max) | CPU s/GB | CPU ratio | transfers/s | p50 ms |")
+    print("|---|---|---:|---|---:|---:|---:|---:|")
+    med = statistics.median
+    for case in a.case:
+        for name, _ in variants:
+            xs = [x for x in rows if x["case"] == case and x["variant"] == name]
+            rs = [x["ratio_to_raw"] for x in xs]
+            print(f"| {case} | {name} | {med(x['gb_per_s'] for x in xs):.3f} | {med(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}) | "
+                  f"{med(x['cpu_s_per_gb'] for x in xs):.2f} | {med(x['cpu_ratio_to_raw'] for x in xs):.2f} | "
+                  f"{med(x['transfers_per_s'] for x in xs):.0f} | {med(x['p50_ms'] for x in xs):.2f} |")
+    if len(variants) > 1:
+        base = variants[0][0]
+        print()
+        print(f"Per-round GB/s over `{base}`, median (min-max):")
+        print()
+        print("| case | variant | GB/s ÷ " + base + " | CPU s/GB ÷ " + base + " |")
+        print("|---|---|---|---|")
+        for case in a.case:
+            for name, _ in variants[1:]:
+                g, c = [], []
+                for r in range(1, a.rounds + 1):
+                    b = [x for x in rows if x["case"] == case and x["variant"] == base and x["round"] == r][0]
+                    v = [x for x in rows if x["case"] == case and x["variant"] == name and x["round"] == r][0]
+                    g.append(v["gb_per_s"] / b["gb_per_s"])
+                    c.append(v["cpu_s_per_gb"] / b["cpu_s_per_gb"])
+                print(f"| {case} | {name} | {med(g):.2f} ({min(g):.2f}-{max(g):.2f}) | {med(c):.2f} ({min(c):.2f}-{max(c):.2f}) |")
+
+
+if __name__ == "__main__":
+    main()
