@@ -26,7 +26,8 @@ def run(cmd):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variant", action="append", required=True, help="NAME=BINARY [FLAGS...]")
+    ap.add_argument("--variant", action="append", required=True,
+                    help="NAME=BINARY [BENCH FLAGS...] (the flags go after `bench`)")
     ap.add_argument("--case", action="append", required=True, help="WORKLOAD CONC PAGE PAGES [BUFFERS]")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bytes", default="1G")
@@ -44,7 +45,7 @@ def main():
             workload, conc, page, pages = parts[:4]
             buffers = parts[4] if len(parts) > 4 else "4"
             for name, cmd in variants:
-                full = cmd + ["bench", "--workload", workload, "--concurrency", conc,
+                full = cmd[:1] + ["bench"] + cmd[1:] + ["--workload", workload, "--concurrency", conc,
                               "--page-sizes", page, "--pages", pages, "--buffers", buffers,
                               "--bytes", a.bytes, "--json"]
                 c = run(full)

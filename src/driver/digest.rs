@@ -78,10 +78,11 @@ struct Stepped {
 pub(crate) struct Digests {
     pub(crate) mode: DigestMode,
     pub(crate) execution: DigestExecution,
-    /// Host-memory jobs are not run at once but digested step by step, page by page as the
-    /// driver hands the pages to the transport ([`Digests::advance`]): each page is read
-    /// right before the transport sends it, and the first bytes leave before the last page
-    /// is digested (the sender's digests while sending; SPEC §6).
+    /// Host-memory jobs that would run inline are not run at once but digested step by step,
+    /// page by page as the driver hands the pages to the transport ([`Digests::advance`]):
+    /// each page is read right before the transport sends it, and the first bytes leave
+    /// before the last page is digested (the sender's digests while sending; SPEC §6). Jobs
+    /// large enough for the blocking pool still go there.
     pub(crate) while_sending: bool,
     streams: BTreeMap<TransferRef, Stream>,
     /// The transfers with a stepped job.
@@ -161,7 +162,16 @@ impl Digests {
                 return;
             };
             let state = stream.state.take();
-            if self.while_sending && job.steps_on_host() {
+            let offload = match self.execution {
+                DigestExecution::Inline => false,
+                DigestExecution::Offload { min_bytes } => {
+                    job.bytes() >= min_bytes && tokio::runtime::Handle::try_current().is_ok()
+                }
+            };
+            // A job that would run inline is stepped instead (the same thread reads each page
+            // right before the transport sends it); one large enough for the blocking pool
+            // still goes there, where it runs beside the sending on another core.
+            if self.while_sending && !offload && job.steps_on_host() {
                 match job.begin(state) {
                     Ok(state) => {
                         stream.stepped = Some(Stepped {
@@ -182,12 +192,6 @@ impl Digests {
                 }
                 return;
             }
-            let offload = match self.execution {
-                DigestExecution::Inline => false,
-                DigestExecution::Offload { min_bytes } => {
-                    job.bytes() >= min_bytes && tokio::runtime::Handle::try_current().is_ok()
-                }
-            };
             let final_chunk = job.is_final();
             if !offload {
                 let result = job.run(state);

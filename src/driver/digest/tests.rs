@@ -166,3 +166,64 @@ fn placeholder_mode_streams_too() {
     let want = crate::checksum::placeholder_digests(3, PAGES.len(), true);
     assert_chunked(&outcomes(&mut digests), &want);
 }
+
+/// Digests while sending: stepped jobs report nothing until the pages before `through` cover
+/// their chunk, then the same outcomes as jobs run at once, in order (a later chunk's job
+/// waits for the stepped one); the pages stay pinned until their job is done; `u32::MAX`
+/// (no write left to send: all posted, or cancelled) finishes a job at once.
+#[test]
+fn stepped_jobs_equal_one_shot_digests_and_pin_their_pages_until_done() {
+    let pool = pool();
+    let alg = DigestAlgorithm::XXH3_64;
+    let mut digests = Digests::new(DigestMode::Verify, DigestExecution::Inline);
+    digests.while_sending = true;
+    run_chunks(&mut digests, &pool, alg, b"aux");
+    assert!(outcomes(&mut digests).is_empty(), "nothing was sent yet");
+    assert_eq!(digests.stepping().collect::<Vec<_>>(), vec![T]);
+    // One page of the first chunk sent: still pinned, nothing reported.
+    digests.advance(T, 1);
+    assert!(outcomes(&mut digests).is_empty());
+    assert!(
+        pool.raw_page_mut(PAGES[1], 0).is_none(),
+        "a page of a running job is pinned"
+    );
+    // Pages before ordinal 5 sent: chunks [0, 2) and [2, 3) done, [3, 7) stepped.
+    digests.advance(T, 5);
+    let got = outcomes(&mut digests);
+    assert!(matches!(got[..], [JobOutcome::ChunkDigested]), "{got:?}");
+    digests.advance(T, 5);
+    let got = outcomes(&mut digests);
+    assert!(matches!(got[..], [JobOutcome::ChunkDigested]), "{got:?}");
+    assert!(
+        pool.raw_page_mut(PAGES[1], 0).is_some(),
+        "a finished chunk's pages are unpinned"
+    );
+    assert!(pool.raw_page_mut(PAGES[6], 0).is_none());
+    // Nothing left to send (the rest posted or cancelled): the final chunk finishes.
+    digests.advance(T, u32::MAX);
+    let got = outcomes(&mut digests);
+    assert!(
+        matches!(&got[..], [JobOutcome::Digests(d)] if *d == one_shot(&pool, alg, b"aux")),
+        "{got:?}"
+    );
+    assert!(pool.raw_page_mut(PAGES[6], 0).is_some());
+    assert_eq!(digests.stepping().count(), 0);
+    assert_eq!(digests.streams(), 0);
+}
+
+/// A stepped job of a transfer forgotten before it finished (its source released) is
+/// dropped with its pin; nothing is reported for it.
+#[test]
+fn a_forgotten_transfers_stepped_job_is_dropped_with_its_pin() {
+    let pool = pool();
+    let mut digests = Digests::new(DigestMode::Verify, DigestExecution::Inline);
+    digests.while_sending = true;
+    let view = pool.share_pages(PAGES.to_vec());
+    digests.start(T, DigestAlgorithm::XXH3_64, true, 0, view, Some(Vec::new()));
+    digests.advance(T, 3);
+    assert!(pool.raw_page_mut(PAGES[0], 0).is_none());
+    digests.forget(T.transfer_id);
+    assert!(pool.raw_page_mut(PAGES[0], 0).is_some());
+    assert_eq!(digests.stepping().count(), 0);
+    assert!(outcomes(&mut digests).is_empty());
+}
