@@ -266,12 +266,18 @@ def target_finish(ch, wl, dst_arrays, engine, during=None):
     ch.recv("start")
     c0 = cpu_seconds()
     ch.send(op="started")
-    if during is not None:
-        during()
+    extra = during() if during is not None else None
     ch.recv("stop")
     c1 = cpu_seconds()
     checked, bad, ok = check_landed(wl, dst_arrays)
-    ch.send(op="result", cpu_seconds=c1 - c0, slices_checked=checked, bytes_ok=ok, bad=bad)
+    ch.send(
+        op="result",
+        cpu_seconds=c1 - c0,
+        slices_checked=checked,
+        bytes_ok=ok,
+        bad=bad,
+        **(extra or {}),
+    )
     if not ok:
         print(f"{engine} target: BYTE CHECK FAILED: {bad}", file=sys.stderr)
         sys.exit(1)
@@ -282,16 +288,21 @@ def initiator_run(ch, wl, engine, post, wait, version):
     `wait(handles)` blocks until at least one of the handles (oldest first) is complete and
     returns the positions of the complete ones (it raises if a transfer failed). Keeps
     `wl.concurrency` requests in flight; a request's latency runs from its post to the
-    moment its completion was seen. Then asks the target to check and prints one JSON line."""
+    moment its completion was seen, or, where the target reports when each request arrived
+    (`arrivals`: NIXL's notifications), to that arrival (time.perf_counter is CLOCK_MONOTONIC,
+    one clock for both processes), and the window then ends at the last arrival. Then asks
+    the target to check and prints one JSON line."""
     ch.send(op="start")
     ch.recv("started")
     lat = []
     c0, t0 = cpu_seconds(), time.perf_counter()
     inflight = []  # (handle, posted at)
+    posted = []
     nxt = 0
     while nxt < wl.requests or inflight:
         while nxt < wl.requests and len(inflight) < wl.concurrency:
-            inflight.append((post(nxt), time.perf_counter()))
+            posted.append(time.perf_counter())
+            inflight.append((post(nxt), posted[-1]))
             nxt += 1
         done = set(wait([h for h, _ in inflight]))
         now = time.perf_counter()
@@ -300,6 +311,14 @@ def initiator_run(ch, wl, engine, post, wait, version):
     t1, c1 = time.perf_counter(), cpu_seconds()
     ch.send(op="stop", requests=wl.requests)
     res = ch.recv("result")
+    completion = "at the initiator (the engine's own completion)"
+    if res.get("arrivals"):
+        arrivals = dict((int(r), t) for r, t in res["arrivals"])
+        if len(arrivals) != wl.requests:
+            raise SystemExit(f"{engine}: {len(arrivals)} of {wl.requests} arrivals reported")
+        lat = [(arrivals[r] - posted[r]) * 1e3 for r in range(wl.requests)]
+        t1 = max(t1, max(arrivals.values()))
+        completion = "at the target (arrival of the request's notification)"
     lat.sort()
     seconds = t1 - t0
     cpu = (c1 - c0) + res["cpu_seconds"]
@@ -314,6 +333,7 @@ def initiator_run(ch, wl, engine, post, wait, version):
         cpu_seconds_initiator=c1 - c0,
         cpu_seconds_target=res["cpu_seconds"],
         cpu_s_per_gb=cpu / (wl.bytes / 1e9),
+        completion=completion,
         slices_checked=res["slices_checked"],
         bytes_ok=res["bytes_ok"],
         verifies="nothing (no digests; the harness compared every byte after the run)",
