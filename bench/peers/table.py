@@ -1,0 +1,149 @@
+"""The table of a peer-compare run: one row per case and engine, then kvwire's ratio to the
+best of the peers per case. Reads the JSON that scripts/peer-compare.sh left in OUT.
+
+    python table.py OUT            # Markdown table on stdout; OUT/results.json
+
+Fails (exit 1) when any run in OUT did not check out: a kvwire transfer that was not verified
+or whose bytes were not compared, or a peer run whose landed bytes differed.
+"""
+
+import glob
+import json
+import os
+import sys
+
+PEERS = ("mooncake", "nixl")
+
+
+def last_json(path):
+    with open(path) as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        lines = [l for l in text.splitlines() if l.startswith("{")]
+        return json.loads(lines[-1])
+
+
+def human(page):
+    return f"{page // 1024} KiB" if page < 1 << 20 else f"{page >> 20} MiB"
+
+
+def kvwire_row(out, name):
+    decode = last_json(os.path.join(out, name + ".target.json"))["cases"][0]
+    prefill = last_json(os.path.join(out, name + ".initiator.json"))["cases"][0]
+    n = decode["transfers"]
+    if decode["failures"] or decode["verified"] != n or decode["bytes_checked"] != n:
+        raise SystemExit(
+            f"{name}: {decode['verified']}/{n} verified, {decode['bytes_checked']} byte-checked, "
+            f"failures {decode['failures']}"
+        )
+    cpu = decode["cpu_seconds"] + prefill["cpu_seconds"]
+    return dict(
+        engine="kvwire",
+        page_bytes=prefill["page_bytes"],
+        concurrency=prefill["concurrency"],
+        requests=n,
+        bytes=prefill["bytes"],
+        gb_per_s=prefill["gb_per_s"],
+        p50_ms=prefill["p50_ms"],
+        p99_ms=prefill["p99_ms"],
+        cpu_s_per_gb=cpu / (prefill["bytes"] / 1e9),
+        checks=f"{n}/{n} verified (xxh3 digests), {n}/{n} byte-compared",
+        latency_to="VERIFIED back at the prefill",
+        raw_gb_per_s=prefill.get("raw_gb_per_s"),
+        raw_cpu_s_per_gb=None,
+        decode_gb_per_s=decode["gb_per_s"],
+    )
+
+
+def peer_row(out, name):
+    r = last_json(os.path.join(out, name + ".initiator.json"))
+    want = r["requests"] * r["pages"] * r["buffers"]
+    if not r["bytes_ok"] or r["slices_checked"] != want:
+        raise SystemExit(f"{name}: landed bytes differ ({r['slices_checked']}/{want} page slices)")
+    return dict(
+        engine=r["engine"],
+        page_bytes=r["page_bytes"],
+        concurrency=r["concurrency"],
+        requests=r["requests"],
+        bytes=r["bytes"],
+        gb_per_s=r["gb_per_s"],
+        p50_ms=r["p50_ms"],
+        p99_ms=r["p99_ms"],
+        cpu_s_per_gb=r["cpu_s_per_gb"],
+        checks=f"none by the engine; harness: {want}/{want} page slices byte-equal",
+        latency_to=(
+            "notification at the target"
+            if "target" in r.get("completion", "")
+            else "engine's completion at the initiator"
+        ),
+    )
+
+
+def main():
+    out = sys.argv[1]
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out, "*.initiator.json"))):
+        name = os.path.basename(path)[: -len(".initiator.json")]
+        engine = name.split(".", 1)[0]
+        rows.append(kvwire_row(out, name) if engine == "kvwire" else peer_row(out, name))
+    order = {"kvwire": 0, "mooncake": 1, "nixl": 2}
+    rows.sort(key=lambda r: (r["concurrency"], r["page_bytes"], order.get(r["engine"], 9)))
+    versions = {}
+    vpath = os.path.join(out, "versions.json")
+    if os.path.exists(vpath):
+        versions = json.load(open(vpath))
+    json.dump({"versions": versions, "rows": rows}, open(os.path.join(out, "results.json"), "w"), indent=1)
+
+    if versions:
+        print(
+            f"{versions.get('date')}; {versions.get('kvwire')} ({versions.get('kvwire_bin')}), "
+            f"Mooncake TE {versions.get('mooncake')}, NIXL {versions.get('nixl')} "
+            f"(UCX {versions.get('ucx')}); {versions.get('nproc')} CPUs, {versions.get('cpu')}; "
+            f"load average before the run {' '.join(versions.get('loadavg', []))}"
+        )
+        print()
+    print("| in flight | page | engine | GB/s | p50 ms | p99 ms | CPU s/GB (both processes) | latency until | what was checked |")
+    print("|---:|---|---|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        print(
+            f"| {r['concurrency']} | {human(r['page_bytes'])} | {r['engine']} | {r['gb_per_s']:.3f} | "
+            f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['cpu_s_per_gb']:.2f} | {r['latency_to']} | {r['checks']} |"
+        )
+    cases = sorted({(r["concurrency"], r["page_bytes"]) for r in rows})
+    lines = []
+    for c, p in cases:
+        here = {r["engine"]: r for r in rows if (r["concurrency"], r["page_bytes"]) == (c, p)}
+        peers = [here[e] for e in PEERS if e in here]
+        if "kvwire" not in here or not peers:
+            continue
+        k = here["kvwire"]
+        fast = max(peers, key=lambda r: r["gb_per_s"])
+        lean = min(peers, key=lambda r: r["cpu_s_per_gb"])
+        raw = k.get("raw_gb_per_s")
+        lines.append(
+            f"| {c} | {human(p)} | {k['gb_per_s'] / fast['gb_per_s']:.2f} ({fast['engine']}) | "
+            f"{k['cpu_s_per_gb'] / lean['cpu_s_per_gb']:.2f} ({lean['engine']}) | "
+            + (f"{raw:.3f} |" if raw else "- |")
+        )
+    if lines:
+        print()
+        print(
+            "| in flight | page | kvwire verified GB/s / best peer GB/s | kvwire CPU s/GB / leanest peer's | raw TCP GB/s (kvwire's writev baseline, same kvwire run) |"
+        )
+        print("|---:|---|---:|---:|---:|")
+        print("\n".join(lines))
+    print()
+    print(
+        "kvwire verifies every transfer (xxh3 digests over the landed memory) and here also "
+        "compares every byte inside its timed window. Mooncake TE and NIXL verify nothing: "
+        "the harness compared every landed byte after their timed windows. Mooncake's TCP "
+        "transport completes a write once its bytes are written to the socket (no "
+        "acknowledgment); NIXL's completes UCX puts locally, so its latency and window run "
+        "to the notifications' arrival at the target."
+    )
+
+
+if __name__ == "__main__":
+    main()
