@@ -13,15 +13,47 @@ only compared within a round: the machine drifts between rounds (docs/BENCHMARKS
 
 import argparse
 import json
+import os
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 
 
 def run(cmd):
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out)["cases"][0]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two(cmd, psk):
+    """Decode (--listen) and prefill (--connect) as two processes; the prefill's figures with
+    the CPU of both processes (and of both halves of the raw baseline) summed per GB."""
+    addr = f"127.0.0.1:{free_port()}"
+    listen = subprocess.Popen(cmd + ["--listen", addr, "--psk-file", psk], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    time.sleep(0.3)
+    prefill = run(cmd + ["--connect", addr, "--psk-file", psk])
+    out, _ = listen.communicate(timeout=600)
+    if listen.returncode:
+        raise SystemExit(f"the listening side exited {listen.returncode}")
+    decode = json.loads(out)["cases"][0]
+    gb = prefill["bytes"] / 1e9
+    c = dict(prefill)
+    c["cpu_s_per_gb"] = (prefill["cpu_seconds"] + decode["cpu_seconds"]) / gb
+    c["raw_cpu_s_per_gb"] = prefill["raw_cpu_s_per_gb"] + decode["raw_cpu_s_per_gb"]
+    c["cpu_ratio_to_raw"] = c["cpu_s_per_gb"] / c["raw_cpu_s_per_gb"]
+    c["verified"] = decode["verified"]
+    c["failures"] = prefill.get("failures") or decode.get("failures")
+    return c
 
 
 def main():
@@ -32,7 +64,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bytes", default="1G")
     ap.add_argument("--json-out", help="write every run as JSON lines here")
+    ap.add_argument("--two-process", action="store_true",
+                    help="decode and prefill as two processes (--listen / --connect), CPU of both summed")
     a = ap.parse_args()
+    psk = None
+    if a.two_process:
+        fd, psk = tempfile.mkstemp(prefix="bench-ab-psk-")
+        os.close(fd)
+        key = subprocess.run([shlex.split(a.variant[0].partition("=")[2])[0], "gen-psk"],
+                             check=True, capture_output=True, text=True).stdout
+        with open(psk, "w") as f:
+            f.write(key)
     variants = []
     for v in a.variant:
         name, _, cmd = v.partition("=")
@@ -48,7 +90,7 @@ def main():
                 full = cmd[:1] + ["bench"] + cmd[1:] + ["--workload", workload, "--concurrency", conc,
                               "--page-sizes", page, "--pages", pages, "--buffers", buffers,
                               "--bytes", a.bytes, "--json"]
-                c = run(full)
+                c = run_two(full, psk) if a.two_process else run(full)
                 row = dict(round=r, case=case, variant=name, **{k: c.get(k) for k in (
                     "gb_per_s", "raw_gb_per_s", "ratio_to_raw", "cpu_s_per_gb", "raw_cpu_s_per_gb",
                     "cpu_ratio_to_raw", "p50_ms", "p99_ms", "transfers_per_s", "verified", "transfers")})

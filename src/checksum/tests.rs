@@ -7,7 +7,7 @@
 
 use super::*;
 use proptest::prelude::*;
-use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64, Xxh3};
 
 const T: u64 = 0x0123_4567_89AB_CDEF;
 const N: u64 = 0xFEDC_BA98_7654_3210;
@@ -777,5 +777,30 @@ proptest! {
         let mut want = digest_transfer(alg, BIND, buffers, pages.len(), per_page, |b, i| &content[b][i]).unwrap();
         want.aux = aux_digest(alg, BIND, &aux).unwrap();
         prop_assert_eq!(streamed, want);
+    }
+}
+
+/// Page digests come from twox-hash (SIMD chosen at run time) and everything else XXH3 from
+/// xxhash-rust: both are the same XXH3-64 (seed 0), at every length class of the algorithm
+/// (0, 1-3, 4-8, 9-16, 17-128, 129-240, and the long-input loop with a partial stripe and
+/// block), so a page's digest does not depend on which computed it.
+#[test]
+fn page_digests_equal_xxhash_rusts_xxh3_64_at_every_length_class() {
+    let buf = xxhash_sanity_buffer(3 * 1024 * 1024 + 77);
+    for len in (0..=300).chain([
+        1023,
+        1024,
+        1025,
+        4096,
+        65536,
+        65536 + 17,
+        1 << 20,
+        buf.len(),
+    ]) {
+        assert_eq!(
+            page_digest(DigestAlgorithm::XXH3_64, &buf[..len]).unwrap(),
+            xxhash_rust::xxh3::xxh3_64(&buf[..len]),
+            "length {len}"
+        );
     }
 }

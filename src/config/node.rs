@@ -64,9 +64,11 @@ pub struct NodeConfig {
     /// write into a leased page by something other than the transport (an engine bug).
     pub digest_at_landing: bool,
     /// Senders digest each source page as they hand it to the transport (right before it is
-    /// sent, so the bytes are read from memory once for both, and the first bytes leave
-    /// before the last page is digested) instead of the whole transfer before its first
-    /// write (SPEC §6). Host memory only; device memory is digested where it is. Default on.
+    /// sent, while in cache, and the first bytes leave before the last page is digested)
+    /// instead of the whole chunk before its first write (SPEC §6, digests while sending).
+    /// Only chunks that would be digested inline: one of at least `digest_offload_bytes`
+    /// still goes to the blocking pool, where it runs beside the sending. Host memory only;
+    /// device memory is digested where it is. Default on.
     pub digest_while_sending: bool,
     /// Peer authentication: a pre-shared key both ends must hold, or explicitly off.
     pub auth: Auth,
