@@ -56,6 +56,28 @@ fn bench_page_digest(c: &mut Criterion) {
     group.finish();
 }
 
+/// XXH3-64 page digests as kvwire computes them (twox-hash, SIMD chosen at run time) beside
+/// xxhash-rust's `xxh3_64` (SIMD chosen at compile time: SSE2 on the default x86-64 target),
+/// the same function: what choosing the implementation buys.
+fn bench_xxh3_implementations(c: &mut Criterion) {
+    let mut group = c.benchmark_group("xxh3_64_impl");
+    for &(size, label) in &[(4 * KIB, "4KiB"), (64 * KIB, "64KiB"), (MIB, "1MiB")] {
+        let page = filled(size, size as u64);
+        group.throughput(Throughput::Bytes(size as u64));
+        group.bench_with_input(
+            BenchmarkId::new("kvwire-twox-hash", label),
+            &page,
+            |b, page| {
+                b.iter(|| page_digest(DigestAlgorithm::XXH3_64, black_box(page)).unwrap());
+            },
+        );
+        group.bench_with_input(BenchmarkId::new("xxhash-rust", label), &page, |b, page| {
+            b.iter(|| xxhash_rust::xxh3::xxh3_64(black_box(page)));
+        });
+    }
+    group.finish();
+}
+
 fn bench_digest_transfer(c: &mut Criterion) {
     const BUFFERS: usize = 8;
     const PAGES: usize = 16;
@@ -98,8 +120,13 @@ fn bench_digest_transfer(c: &mut Criterion) {
 /// The benchmark group (in a module of its own: `criterion_group!` defines an undocumented
 /// `pub fn`).
 mod group {
-    use super::{bench_digest_transfer, bench_page_digest};
-    criterion::criterion_group!(benches, bench_page_digest, bench_digest_transfer);
+    use super::{bench_digest_transfer, bench_page_digest, bench_xxh3_implementations};
+    criterion::criterion_group!(
+        benches,
+        bench_page_digest,
+        bench_xxh3_implementations,
+        bench_digest_transfer
+    );
 }
 
 criterion_main!(group::benches);
