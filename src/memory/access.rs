@@ -66,6 +66,17 @@ impl PageLocks {
             .is_ok()
     }
 
+    /// [`PageLocks::try_write`], or why not: a reader pins the page, or a writer holds it.
+    pub(super) fn lock_for_writing(&self, page: u32) -> Result<(), PoolError> {
+        if self.try_write(page) {
+            Ok(())
+        } else if self.read_locked(page) {
+            Err(PoolError::Pinned { page })
+        } else {
+            Err(PoolError::Busy { page })
+        }
+    }
+
     pub(super) fn unlock_write(&self, page: u32) {
         self.0[page as usize].fetch_and(!WRITER, Ordering::AcqRel);
     }
@@ -181,13 +192,7 @@ impl<'a> PageMut<'a> {
         if !memory.is_host(buffer) {
             return Err(PoolError::DeviceMemory { buffer });
         }
-        if !locks.try_write(page) {
-            return Err(if locks.read_locked(page) {
-                PoolError::Pinned { page }
-            } else {
-                PoolError::Busy { page }
-            });
-        }
+        locks.lock_for_writing(page)?;
         let range = memory.range(page, buffer);
         // SAFETY: in bounds (the caller checked page and buffer); the write lock excludes
         // every other reader and writer of this page until the guard drops.
@@ -224,13 +229,7 @@ impl<'a> PageRowMut<'a> {
         if let Some(buffer) = (0..memory.buffers()).find(|&b| !memory.is_host(b)) {
             return Err(PoolError::DeviceMemory { buffer });
         }
-        if !locks.try_write(page) {
-            return Err(if locks.read_locked(page) {
-                PoolError::Pinned { page }
-            } else {
-                PoolError::Busy { page }
-            });
-        }
+        locks.lock_for_writing(page)?;
         let buffers = (0..memory.buffers())
             .map(|b| {
                 let range = memory.range(page, b);

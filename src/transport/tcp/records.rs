@@ -148,6 +148,19 @@ enum ReadState {
     },
 }
 
+impl ReadState {
+    /// A landing record whose page anyone else holds (a digest reading it) cannot land now:
+    /// the rest of it is dropped (the transfer then fails its coverage or digest check, and
+    /// never verifies with bytes that did not land).
+    fn busy(header: DataHeader, done: usize) -> Self {
+        tracing::warn!(
+            page = header.dst_page,
+            "destination page busy: record dropped"
+        );
+        Self::Discard { header, done }
+    }
+}
+
 /// The read-ahead buffer's size: records of at most [`SMALL_RECORD`] bytes are read many at
 /// a time into it (one system call for many small records and frames), then copied into
 /// their pages.
@@ -344,17 +357,7 @@ impl StreamReader {
             ReadState::Land { header, done } => match pool.raw_row_mut(header.dst_page) {
                 Some(row) => (Direct::Row(row, *done), limit),
                 None => {
-                    // Anyone else holding the page (a digest reading it) means this record
-                    // cannot land now: it is dropped (the transfer then fails its coverage or
-                    // digest check, never verifies with bytes that did not land).
-                    tracing::warn!(
-                        page = header.dst_page,
-                        "destination page busy: record dropped"
-                    );
-                    self.state = ReadState::Discard {
-                        header: *header,
-                        done: *done,
-                    };
+                    self.state = ReadState::busy(*header, *done);
                     return self.target(pool, scopes);
                 }
             },
@@ -523,14 +526,7 @@ impl StreamReader {
                         return Ok(None);
                     }
                     let Some(mut row) = pool.raw_row_mut(header.dst_page) else {
-                        tracing::warn!(
-                            page = header.dst_page,
-                            "destination page busy: record dropped"
-                        );
-                        self.state = ReadState::Discard {
-                            header: *header,
-                            done: *done,
-                        };
+                        self.state = ReadState::busy(*header, *done);
                         continue;
                     };
                     let k = avail.min(header.len as usize - *done);
