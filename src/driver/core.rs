@@ -241,9 +241,11 @@ impl<S: Session, T: Transport> Core<S, T> {
         self.finish_ready_digests(now);
     }
 
-    /// Hands every finished digest job's outcome to the session.
-    pub(crate) fn finish_ready_digests(&mut self, now: Instant) {
+    /// Hands every finished digest job's outcome to the session; whether there was one.
+    pub(crate) fn finish_ready_digests(&mut self, now: Instant) -> bool {
+        let mut handed = false;
         while let Some((transfer, outcome)) = self.digests.take_ready() {
+            handed = true;
             match outcome {
                 JobOutcome::ChunkDigested => self.session.handle_chunk_digested(now, transfer),
                 JobOutcome::Digests(d) => self.session.handle_digests(now, transfer, d),
@@ -261,6 +263,7 @@ impl<S: Session, T: Transport> Core<S, T> {
                 }
             }
         }
+        handed
     }
 }
 

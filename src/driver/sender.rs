@@ -442,7 +442,7 @@ impl<T: SenderTransport> SenderDriver<T> {
     /// Digests while sending: every stepped digest job covers the pages handed to the
     /// transport so far (its transfer's writes before the first one still pending), right
     /// before the transport sends them; a job with no write left pending (all posted, or
-    /// cancelled) is finished. Returns whether a job finished.
+    /// cancelled) is finished. Returns whether an outcome went to the session.
     fn digest_sent(&mut self, now: Instant) -> bool {
         self.stepping.clear();
         self.stepping.extend(self.core.digests.stepping());
@@ -456,9 +456,7 @@ impl<T: SenderTransport> SenderDriver<T> {
             };
             self.core.digests.advance(t, through);
         }
-        let before = self.core.digests.stepping().count();
-        self.core.finish_ready_digests(now);
-        before < self.stepping.len()
+        self.core.finish_ready_digests(now)
     }
 
     fn act(&mut self, now: Instant, action: SenderAction) {

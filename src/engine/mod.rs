@@ -297,11 +297,11 @@ pub(crate) trait ConnectionTask {
     fn command(&mut self, command: Self::Command);
 }
 
-/// Runs a connection's task until every engine handle is gone and nothing is open: waits for
-/// the driver's next input, an engine command, or the driver's deadline, whichever first.
 /// Inputs a connection task handles per wake-up at most (then it reports and polls again).
 const INPUT_BATCH: usize = 64;
 
+/// Runs a connection's task until every engine handle is gone and nothing is open: waits for
+/// the driver's next input, an engine command, or the driver's deadline, whichever first.
 pub(crate) async fn run_task<T: ConnectionTask>(
     mut task: T,
     mut commands: tokio::sync::mpsc::UnboundedReceiver<T::Command>,

@@ -31,15 +31,14 @@
 //! device's copy engines instead (`transport/staging.rs`; docs/GPU.md): a record is landed when
 //! its copy into the page completed, and a fence waits for the copies into its pages.
 
+mod reader;
 mod receiver;
 mod records;
 mod sender;
 
+pub use reader::{ReadTarget, StreamReader, StreamStats};
 pub use receiver::TcpReceiver;
-pub use records::{
-    DataHeader, ReadTarget, Record, StreamError, StreamReader, StreamStats, DATA_HEADER_LEN,
-    DATA_MAGIC,
-};
+pub use records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};
 pub use sender::TcpSender;
 
 /// The `kind` of the TCP transport parameters (SPEC §9.1; RDMA's are kind 1, §9.2).

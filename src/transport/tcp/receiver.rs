@@ -15,7 +15,8 @@ use tokio::net::TcpStream;
 
 use kvwire_proto::wire::TransferRef;
 
-use super::records::{DataHeader, Record, StreamError, StreamReader, StreamStats};
+use super::reader::{StreamReader, StreamStats};
+use super::records::{DataHeader, Record, StreamError};
 use crate::memory::{PagePool, ScopeTable};
 use crate::transport::staging::{Staging, StagingStats, STAGING_BUFFERS};
 use crate::transport::{Closed, TableScoped, Transport, TransportEvent};

@@ -1,0 +1,264 @@
+//! The stream parser against splits, stray magic and records that break their scope.
+
+use super::*;
+use crate::memory::{PoolGeometry, Scrub};
+use kvwire_proto::wire::{TransferId, TransferRef};
+
+/// Feeds `bytes` to the reader as a stream would, collecting whole records.
+fn feed(
+    reader: &mut StreamReader,
+    pool: &PagePool,
+    scopes: &ScopeTable,
+    bytes: &[u8],
+) -> Result<Vec<Record>, StreamError> {
+    feed_in_reads_of(reader, pool, scopes, bytes, usize::MAX)
+}
+
+/// [`feed`], with no read returning more than `step` bytes (a stream splits anywhere).
+fn feed_in_reads_of(
+    reader: &mut StreamReader,
+    pool: &PagePool,
+    scopes: &ScopeTable,
+    mut bytes: &[u8],
+    step: usize,
+) -> Result<Vec<Record>, StreamError> {
+    let mut out = Vec::new();
+    loop {
+        while let Some(r) = reader.next_buffered(pool, scopes)? {
+            out.push(r);
+        }
+        if bytes.is_empty() {
+            return Ok(out);
+        }
+        let n = {
+            let mut target = reader.target(pool, scopes);
+            let mut slices = target.slices();
+            let mut n = 0;
+            for s in slices.iter_mut() {
+                let k = s.len().min(bytes.len() - n).min(step - n);
+                s[..k].copy_from_slice(&bytes[n..n + k]);
+                n += k;
+                if n == bytes.len() || n == step {
+                    break;
+                }
+            }
+            n
+        };
+        assert!(n > 0, "the reader offered nothing to read into");
+        bytes = &bytes[n..];
+        if let Some(r) = reader.advance(n, scopes) {
+            out.push(r);
+        }
+    }
+}
+
+/// SPEC §7.2 / §9.1: a record with neither magic ends the connection, its bytes named
+/// as hex and ASCII.
+#[test]
+fn an_unknown_record_magic_is_named_in_hex_and_ascii() {
+    let pool = PagePool::new(
+        PoolGeometry {
+            tokens_per_page: 1,
+            buffer_page_bytes: vec![8],
+            pages: 1,
+        },
+        Scrub::None,
+    )
+    .unwrap();
+    let mut reader = StreamReader::new(&[8]);
+    let e = feed(
+        &mut reader,
+        &pool,
+        &ScopeTable::default(),
+        b"GET / HTTP/1.0\r\n",
+    )
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains(r#"47 45 54 20 "GET ""#), "{text}");
+    assert!(text.contains(r#"4b 56 44 54 "KVDT""#), "{text}");
+}
+
+/// SPEC §9.1: under an open scope a data record MUST be that reservation's (transfer id
+/// and nonce) and write the page reserved at its ordinal; one that is not is a protocol
+/// violation that ends the connection, before any of its bytes lands. A record under a
+/// closed (fenced) key is discarded.
+#[test]
+fn a_record_that_does_not_match_its_scopes_reservation_ends_the_connection() {
+    let pool = PagePool::new(
+        PoolGeometry {
+            tokens_per_page: 1,
+            buffer_page_bytes: vec![8],
+            pages: 8,
+        },
+        Scrub::None,
+    )
+    .unwrap();
+    let t = TransferRef {
+        transfer_id: TransferId(7),
+        nonce: 0x1234,
+    };
+    let mut scopes = ScopeTable::default();
+    let key = scopes.open(t.transfer_id, &[5, 2]);
+    scopes.bind(t);
+    let record = |transfer, ordinal, dst_page| {
+        let mut b = DataHeader {
+            transfer,
+            key,
+            ordinal,
+            dst_page,
+            len: 8,
+        }
+        .encode()
+        .to_vec();
+        b.extend_from_slice(&[0xAB; 8]);
+        b
+    };
+    // The reservation's own record lands.
+    let mut reader = StreamReader::new(&[8]);
+    let got = feed(&mut reader, &pool, &scopes, &record(t, 1, 2)).unwrap();
+    assert!(matches!(&got[..], [Record::Landed(h)] if h.dst_page == 2));
+    for (transfer, ordinal, dst_page) in [
+        (TransferRef { nonce: 0x9999, ..t }, 1, 2),
+        (
+            TransferRef {
+                transfer_id: TransferId(8),
+                ..t
+            },
+            1,
+            2,
+        ),
+        (t, 0, 2), // a page of the scope, but not the one reserved at ordinal 0
+        (t, 2, 2), // an ordinal beyond the reservation
+        (t, 0, 6), // a page outside the scope
+    ] {
+        let mut reader = StreamReader::new(&[8]);
+        let e = feed(
+            &mut reader,
+            &pool,
+            &scopes,
+            &record(transfer, ordinal, dst_page),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, StreamError::RecordMismatch { scope, .. } if scope == t),
+            "{e}"
+        );
+    }
+    // After the fence the key is dead: a late record is discarded, not an error.
+    scopes.close(t.transfer_id);
+    let mut reader = StreamReader::new(&[8]);
+    let got = feed(&mut reader, &pool, &scopes, &record(t, 0, 5)).unwrap();
+    assert!(matches!(&got[..], [Record::Refused(_)]));
+}
+
+/// The reader lands the same bytes and hands out the same records however the stream
+/// splits into reads (one byte at a time, odd sizes, everything at once), for layouts of
+/// small records (read ahead many at a time, then copied) and large ones (vectored reads
+/// straight into every buffer's page): frames, landed records, a record refused because
+/// its scope is closed, and a frame longer than the read-ahead buffer.
+#[test]
+fn records_land_alike_however_the_stream_splits_into_reads() {
+    use kvwire_proto::wire::Frame;
+    for buffer_page_bytes in [vec![8u32, 24], vec![3000], vec![40 * 1024, 8 * 1024, 1]] {
+        let pages = 6u32;
+        let geometry = PoolGeometry {
+            tokens_per_page: 1,
+            buffer_page_bytes: buffer_page_bytes.clone(),
+            pages,
+        };
+        let record_len: usize = buffer_page_bytes.iter().map(|&b| b as usize).sum();
+        let t = TransferRef {
+            transfer_id: TransferId(3),
+            nonce: 0x77,
+        };
+        let dead = TransferRef {
+            transfer_id: TransferId(4),
+            nonce: 0x78,
+        };
+        let mut scopes = ScopeTable::default();
+        let key = scopes.open(t.transfer_id, &[4, 1, 5]);
+        scopes.bind(t);
+        let dead_key = scopes.open(dead.transfer_id, &[0]);
+        scopes.bind(dead);
+        scopes.close(dead.transfer_id);
+        let (mut sealer, _) = AuthChannel::off().split();
+        let mut stream = Vec::new();
+        let mut expected = Vec::new();
+        let record = |stream: &mut Vec<u8>, transfer, key, ordinal: u32, dst_page, fill: u8| {
+            stream.extend_from_slice(
+                &DataHeader {
+                    transfer,
+                    key,
+                    ordinal,
+                    dst_page,
+                    len: record_len as u32,
+                }
+                .encode(),
+            );
+            stream.extend((0..record_len).map(|i| fill ^ (i as u8)));
+        };
+        stream.extend(sealer.seal_to_vec(&Frame::Ping(1)).unwrap());
+        expected.push("frame");
+        for (ordinal, page) in [(0u32, 4u32), (1, 1)] {
+            record(&mut stream, t, key, ordinal, page, 0x10 + ordinal as u8);
+            expected.push("landed");
+        }
+        record(&mut stream, dead, dead_key, 0, 0, 0xEE);
+        expected.push("refused");
+        // A frame longer than the read-ahead buffer (a large COMMIT-sized payload).
+        let big = Frame::HelloReject(kvwire_proto::wire::HelloReject {
+            code: kvwire_proto::wire::ErrorCode::VERSION_MISMATCH,
+            detail: "x".repeat(100 * 1024),
+        });
+        stream.extend(sealer.seal_to_vec(&big).unwrap());
+        expected.push("frame");
+        record(&mut stream, t, key, 2, 5, 0x12);
+        expected.push("landed");
+        stream.extend(sealer.seal_to_vec(&Frame::Pong(2)).unwrap());
+        expected.push("frame");
+        for step in [1, 7, 36, 4096, 5000, 70 * 1024, usize::MAX] {
+            let pool = PagePool::new(geometry.clone(), Scrub::None).unwrap();
+            let mut reader = StreamReader::new(&buffer_page_bytes);
+            let got = feed_in_reads_of(&mut reader, &pool, &scopes, &stream, step).unwrap();
+            let kinds: Vec<&str> = got
+                .iter()
+                .map(|r| match r {
+                    Record::Frame(_) => "frame",
+                    Record::Landed(_) => "landed",
+                    Record::Refused(_) => "refused",
+                    Record::Staged(..) => "staged",
+                })
+                .collect();
+            assert_eq!(
+                kinds, expected,
+                "layout {buffer_page_bytes:?}, reads of {step}"
+            );
+            for (ordinal, page) in [(0u32, 4u32), (1, 1), (2, 5)] {
+                let mut i = 0usize;
+                for b in 0..buffer_page_bytes.len() {
+                    let bytes = pool.raw_page(page, b).unwrap();
+                    for (j, &x) in bytes.iter().enumerate() {
+                        assert_eq!(
+                            x,
+                            (0x10 + ordinal as u8) ^ ((i + j) as u8),
+                            "layout {buffer_page_bytes:?}, reads of {step}: page {page} buffer {b} byte {j}"
+                        );
+                    }
+                    i += bytes.len();
+                }
+            }
+            // The refused record's page was not written.
+            assert!(pool.raw_page(0, 0).unwrap().iter().all(|&x| x == 0));
+            assert_eq!(reader.stats.writes_landed, 3);
+            assert_eq!(reader.stats.writes_refused, 1);
+            if step == usize::MAX && record_len > SMALL_RECORD {
+                // Large records land mostly by reads straight into their pages.
+                assert!(
+                    reader.stats.bytes_copied <= 3 * LARGE_AHEAD as u64,
+                    "{} bytes copied",
+                    reader.stats.bytes_copied
+                );
+            }
+        }
+    }
+}
