@@ -1,5 +1,7 @@
-//! Digest throughput: page digests (XXH3-64 and CRC-32) at KV page sizes, and whole-transfer
-//! digests (`digest_transfer`). Results are recorded in docs/BENCHMARKS.md.
+//! Digest throughput: page digests (XXH3-64 and CRC-32) at KV page sizes, whole-transfer
+//! digests (`digest_transfer`), and one 8 MiB chunk's digest job on one thread against the same
+//! job split into parts on several (`digest_job_parts`). Results are recorded in
+//! docs/BENCHMARKS.md.
 //!
 //! Run: `cargo bench -p kvwire --bench checksum -- --quick`.
 //!
@@ -117,15 +119,83 @@ fn bench_digest_transfer(c: &mut Criterion) {
     group.finish();
 }
 
+/// One engine request's digest job (4 buffers x 32 pages of 64 KiB = 8 MiB, XXH3-64 with page
+/// digests) on one thread (`DigestJob::run`), against its page digests taken in 2 and 4 parts
+/// on as many threads and folded in order (`page_digests_of` + `run_from_parts`, what the
+/// driver does on the blocking pool; here on scoped threads, so without tokio's hand-off).
+fn bench_digest_job_parts(c: &mut Criterion) {
+    use kvwire::checksum::{DigestJob, DigestMode};
+    use kvwire::{PagePool, PoolGeometry, Scrub};
+    const BUFFERS: usize = 4;
+    const PAGES: u32 = 32;
+    const PAGE: usize = 64 * KIB;
+    let pool = PagePool::new(
+        PoolGeometry {
+            tokens_per_page: 16,
+            buffer_page_bytes: vec![PAGE as u32; BUFFERS],
+            pages: PAGES,
+        },
+        Scrub::None,
+    )
+    .unwrap();
+    for p in 0..PAGES {
+        for b in 0..BUFFERS {
+            let mut page = pool.raw_page_mut(p, b).unwrap();
+            page.copy_from_slice(&filled(PAGE, u64::from(p) * 8 + b as u64 + 1));
+        }
+    }
+    let t = kvwire::TransferRef {
+        transfer_id: kvwire::TransferId(7),
+        nonce: 9,
+    };
+    let job = DigestJob::new(
+        t,
+        DigestAlgorithm::XXH3_64,
+        true,
+        DigestMode::Verify,
+        0,
+        pool.share_pages((0..PAGES).collect()).unwrap(),
+        Some(Vec::new()),
+    );
+    let n = job.page_count();
+    let mut group = c.benchmark_group("digest_job_parts");
+    group.throughput(Throughput::Bytes(job.bytes()));
+    group.bench_function("8MiB/1_thread", |b| b.iter(|| job.run(None).unwrap()));
+    for parts in [2usize, 4] {
+        group.bench_function(format!("8MiB/{parts}_parts"), |b| {
+            b.iter(|| {
+                let got: Vec<_> = std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..parts)
+                        .map(|k| {
+                            let job = &job;
+                            s.spawn(move || job.page_digests_of(k * n / parts, (k + 1) * n / parts))
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| h.join().unwrap().unwrap())
+                        .collect()
+                });
+                job.run_from_parts(None, &got).unwrap()
+            })
+        });
+    }
+    group.finish();
+}
+
 /// The benchmark group (in a module of its own: `criterion_group!` defines an undocumented
 /// `pub fn`).
 mod group {
-    use super::{bench_digest_transfer, bench_page_digest, bench_xxh3_implementations};
+    use super::{
+        bench_digest_job_parts, bench_digest_transfer, bench_page_digest,
+        bench_xxh3_implementations,
+    };
     criterion::criterion_group!(
         benches,
         bench_page_digest,
         bench_xxh3_implementations,
-        bench_digest_transfer
+        bench_digest_transfer,
+        bench_digest_job_parts
     );
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # kvwire's RDMA bench beside ib_write_bw, in one run where rxe0 exists (inside
 # scripts/softroce-vm.sh; the lane calls it): the same message sizes and the same bytes.
-# Writes ib_write_bw-SIZE.txt, rdma-{xxh3,none}.json (+ .log) and rxe-counters.txt to OUT;
+# Writes ib_write_bw-SIZE.txt, rdma-{xxh3,digest,none}.json (+ .log) and rxe-counters.txt to OUT;
 # scripts/rdma-ratio.py OUT prints the ratios. Needs target/release/kvwire (--features rdma).
 set -euo pipefail
 out=${1:-target/softroce-bench}
@@ -25,6 +25,9 @@ done
 live=(--peer-timeout-ms 10000)
 target/release/kvwire bench --transport rdma --device "$dev" --page-sizes 64K,1M --pages 2 \
   "${live[@]}" --bytes "${mib}M" --check-bytes --json >"$out/rdma-xxh3.json" 2>"$out/rdma-xxh3.log"
+# Verified by digest only, as in production (no harness byte check): the integrity tax alone.
+target/release/kvwire bench --transport rdma --device "$dev" --page-sizes 64K,1M --pages 2 \
+  "${live[@]}" --bytes "${mib}M" --json >"$out/rdma-digest.json" 2>"$out/rdma-digest.log"
 target/release/kvwire bench --transport rdma --device "$dev" --page-sizes 64K,1M --pages 2 \
   "${live[@]}" --bytes "${mib}M" --verify none --json >"$out/rdma-none.json" 2>"$out/rdma-none.log"
 for f in /sys/class/infiniband/"$dev"/ports/1/hw_counters/*; do

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Prints kvwire's RDMA bench against ib_write_bw from one SoftRoCE lane run.
 
-Reads DIR/ib_write_bw-SIZE.txt (perftest output) and DIR/rdma-{xxh3,none}.json
-(`kvwire bench --transport rdma --json`); prints one row per message size with both
-throughputs and their ratio. Exits 1 if a file is missing or a bench case failed.
+Reads DIR/ib_write_bw-SIZE.txt (perftest output) and DIR/rdma-{xxh3,digest,none}.json
+(`kvwire bench --transport rdma --json`: verified with the harness's byte check, verified by
+digest alone, unverified); prints one row per message size and mode with both throughputs and
+their ratio. Exits 1 if a file is missing or a bench case failed. A run from before the
+digest-only case (no rdma-digest.json) prints the other two.
 """
 import json
 import sys
@@ -22,8 +24,11 @@ def ib_write_bw(path: Path) -> float:
 def main() -> None:
     out = Path(sys.argv[1])
     rows = []
-    for verify in ("xxh3", "none"):
-        report = json.loads((out / f"rdma-{verify}.json").read_text())
+    for verify in ("xxh3", "digest", "none"):
+        path = out / f"rdma-{verify}.json"
+        if verify == "digest" and not path.exists():
+            continue
+        report = json.loads(path.read_text())
         for case in report["cases"]:
             if case["failures"] or case["verified"] < case["transfers"]:
                 raise SystemExit(f"rdma bench case failed: {case}")

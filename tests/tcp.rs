@@ -312,6 +312,35 @@ async fn offloaded_digests_verify_and_release() {
     assert_receiver_pool_full(&r).await;
 }
 
+/// Digest jobs split across pool threads (`digest_threads`) on both ends, the receiver's after
+/// the fence: 8 MiB transfers verify, both sides report split jobs, the pages come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn digests_split_across_threads_verify_and_release() {
+    let mut config = NodeConfig::example();
+    config.pool.buffer_page_bytes = vec![64 << 10, 64 << 10];
+    config.pool.pages = 64;
+    config.engine = kvwire::config::EngineConfig::new(1024);
+    config.digest_offload_bytes = 1 << 20;
+    config.digest_threads = 3;
+    config.digest_at_landing = false;
+    let (s, r) = pair(&config).await;
+    for id in 1..=3u64 {
+        // 1000 tokens: 63 pages of 2 x 64 KiB, about 8 MiB: three parts on each side.
+        let verified = r.reserve(params(id, 1000));
+        send(&s, id, 1000).await.unwrap();
+        verified.await.unwrap().release().unwrap();
+    }
+    let (ss, rs) = (s.stats().await.unwrap(), r.stats().await.unwrap());
+    assert_eq!((ss.verified, rs.verified), (3, 3));
+    assert_eq!(
+        (ss.digest_jobs_split, rs.digest_jobs_split),
+        (3, 3),
+        "{ss:?} {rs:?}"
+    );
+    assert_eq!(rs.digests_at_landing, 0);
+    assert_receiver_pool_full(&r).await;
+}
+
 /// Regression (found by the soak): a receiver connection whose engine handles were all
 /// dropped with nothing open stayed alive until its next timer (up to an hour), holding its
 /// pool and socket. Its task must end, which closes the connection: the sender sees it.

@@ -182,6 +182,15 @@ pub enum DigestJobError {
     /// The algorithm is not supported here.
     #[error(transparent)]
     Unsupported(#[from] UnsupportedAlgorithm),
+    /// Page digests computed in parts do not cover the chunk exactly once, in order (a
+    /// driver bug).
+    #[error("page digests in parts cover pages {covered} of a chunk of {pages}")]
+    PartsMismatch {
+        /// The pages the parts cover, as `from..to` ranges in order.
+        covered: String,
+        /// Pages in the chunk.
+        pages: usize,
+    },
     /// The chunk does not continue the digests so far (a driver bug: jobs of a transfer run
     /// in order).
     #[error("chunk starts at ordinal {first}, the digests so far cover {covered} pages")]
@@ -227,6 +236,20 @@ impl DigestJob {
         }
         Ok(out)
     }
+}
+
+/// The page digests of consecutive pages of a chunk, computed on their own (on one of several
+/// threads sharing a chunk, [`DigestJob::page_digests_of`]) and folded in order by
+/// [`DigestJob::run_from_parts`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PageDigestPart {
+    /// The position in the chunk of the part's first page.
+    pub from: usize,
+    /// Pages in the part.
+    pub pages: usize,
+    /// Buffer-major: `digests[b * pages + i]` is the page digest of page `from + i` of buffer
+    /// `b`.
+    pub digests: Vec<u64>,
 }
 
 /// What a chunk's job leaves.
@@ -349,6 +372,82 @@ impl DigestJob {
             Some(aux) => DigestProgress::Done(state.finish(aux)),
             None => DigestProgress::Partial(state),
         }
+    }
+
+    /// Whether the chunk's page digests may be computed in parts, on several threads at once
+    /// ([`DigestJob::page_digests_of`], then [`DigestJob::run_from_parts`]): host memory,
+    /// verified digests (device memory is digested where it is; placeholder digests read
+    /// nothing).
+    pub fn splits_on_host(&self) -> bool {
+        self.steps_on_host() && self.mode == DigestMode::Verify
+    }
+
+    /// The page digests of the chunk's pages `from..to` (positions in the chunk, `to` at most
+    /// [`DigestJob::page_count`]), every buffer: one part of the chunk, which any thread may
+    /// compute while others compute the rest (the view is shared, read-only). Host memory
+    /// only ([`DigestJob::splits_on_host`]).
+    ///
+    /// # Errors
+    ///
+    /// [`DigestJobError::Unsupported`] if the algorithm is not supported.
+    pub fn page_digests_of(
+        &self,
+        from: usize,
+        to: usize,
+    ) -> Result<PageDigestPart, DigestJobError> {
+        debug_assert!(self.splits_on_host() && from <= to && to <= self.pages.pages());
+        let kind = Kind::new(self.algorithm)?;
+        let pages = to - from;
+        let mut digests = Vec::with_capacity(self.pages.buffers() * pages);
+        for b in 0..self.pages.buffers() {
+            digests.extend((from..to).map(|i| kind.page_digest(self.pages.page(i, b))));
+        }
+        Ok(PageDigestPart {
+            from,
+            pages,
+            digests,
+        })
+    }
+
+    /// Digests the chunk from its page digests computed in parts ([`page_digests_of`]),
+    /// continuing `state` (`None` for the transfer's first chunk): `parts` must cover the
+    /// chunk's pages in order, each exactly once. The same digests as [`DigestJob::run`],
+    /// which reads every page on one thread.
+    ///
+    /// # Errors
+    ///
+    /// [`DigestJobError`] if the algorithm is not supported, `state` does not end where the
+    /// chunk starts, or the parts do not cover the chunk ([`DigestJobError::PartsMismatch`]).
+    ///
+    /// [`page_digests_of`]: DigestJob::page_digests_of
+    pub fn run_from_parts(
+        &self,
+        state: Option<TransferDigester>,
+        parts: &[PageDigestPart],
+    ) -> Result<DigestProgress, DigestJobError> {
+        let n = self.pages.pages();
+        let buffers = self.pages.buffers();
+        let mut next = 0;
+        let in_order = parts.iter().all(|p| {
+            let ok = p.from == next && p.digests.len() == buffers * p.pages;
+            next += p.pages;
+            ok
+        });
+        if !in_order || next != n {
+            let covered: Vec<String> = parts
+                .iter()
+                .map(|p| format!("{}..{}", p.from, p.from + p.pages))
+                .collect();
+            return Err(DigestJobError::PartsMismatch {
+                covered: covered.join(", "),
+                pages: n,
+            });
+        }
+        let mut state = self.begin(state)?;
+        for p in parts {
+            state.update_from_page_digests(p.pages, |b, i| p.digests[b * p.pages + i]);
+        }
+        Ok(self.end(state))
     }
 
     /// Digests the chunk, continuing `state` (`None` for the transfer's first chunk).

@@ -70,7 +70,7 @@ mod landed;
 #[cfg(test)]
 mod tests;
 
-pub use job::{DigestJob, DigestJobError, DigestProgress, TransferDigester};
+pub use job::{DigestJob, DigestJobError, DigestProgress, PageDigestPart, TransferDigester};
 pub use landed::LandedDigests;
 
 /// The 4-byte domain-separation prefix of every buffer digest input (ASCII `"KVWD"`).

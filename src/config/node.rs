@@ -57,6 +57,14 @@ pub struct NodeConfig {
     /// pool, so the connection keeps receiving (and sending) other transfers meanwhile;
     /// smaller ones inline, where a thread handoff costs more than it saves.
     pub digest_offload_bytes: u64,
+    /// Threads of the blocking pool one such transfer's digests may use at once: its pages
+    /// are split into that many runs (each at least 1 MiB) digested in parallel and folded in
+    /// order, the same digests. `1` (the default): every job on one thread; `0`: the cores
+    /// this process may run on, at most 8. On the 2-core machine of docs/BENCHMARKS.md a
+    /// split did not pay (an 8 MiB job took 1.2x as long in 2 parts); where cores are idle and
+    /// the transport outruns one core's XXH3 (RDMA at tens of GB/s), measure it with
+    /// `kvwire bench --digest-threads`.
+    pub digest_threads: usize,
     /// Receivers digest each page right after it landed, while it is in cache, and verify
     /// from those digests once the fence closed the scope (SPEC §6, digests at landing); only transports that
     /// see landings can (TCP, loopback; RDMA always digests after the fence). Default on.
@@ -203,6 +211,7 @@ impl NodeConfig {
             digest_mode: DigestMode::Verify,
             metrics: None,
             digest_offload_bytes: 8 << 20,
+            digest_threads: 1,
             digest_at_landing: true,
             digest_while_sending: true,
             auth: Auth::ephemeral(),

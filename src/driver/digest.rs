@@ -46,10 +46,28 @@ pub enum DigestExecution {
     /// Jobs of at least this many bytes on tokio's blocking pool, smaller ones inline (a
     /// thread handoff costs more than it saves for small transfers; docs/BENCHMARKS.md).
     /// Inline outside a tokio runtime.
+    ///
+    /// A job on the pool is split into up to `threads` parts of consecutive pages, each at
+    /// least [`MIN_PART_BYTES`], whose page digests are taken on that many pool threads at
+    /// once and folded in ordinal order by the last part to finish (the buffer digests are a
+    /// function of the page digests alone, SPEC §6): the same digests, sooner, where cores
+    /// are idle. `threads: 1` keeps every job on one thread.
     Offload {
         /// The threshold in bytes.
         min_bytes: u64,
+        /// Pool threads one job may use at once (at least 1).
+        threads: usize,
     },
+}
+
+/// The smallest part of a job split across pool threads ([`DigestExecution::Offload`]): below
+/// this a thread handoff costs more than the part's digests.
+pub const MIN_PART_BYTES: u64 = 1 << 20;
+
+/// Pool threads one digest job may use by default: the cores this process may run on, at
+/// most 8 (`NodeConfig::digest_threads` = 0).
+pub fn default_digest_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
 }
 
 /// One transfer's digests between its jobs.
@@ -84,6 +102,10 @@ pub(crate) struct Digests {
     /// before the last page is digested (the sender's digests while sending; SPEC §6). Jobs
     /// large enough for the blocking pool still go there.
     pub(crate) while_sending: bool,
+    /// Parts of a split job are at least this long ([`MIN_PART_BYTES`]; smaller in tests).
+    pub(crate) min_part_bytes: u64,
+    /// Jobs split across pool threads so far.
+    pub(crate) split_jobs: u64,
     streams: BTreeMap<TransferRef, Stream>,
     /// The transfers with a stepped job.
     stepping: BTreeSet<TransferRef>,
@@ -99,6 +121,8 @@ impl Digests {
             mode,
             execution,
             while_sending: false,
+            min_part_bytes: MIN_PART_BYTES,
+            split_jobs: 0,
             streams: BTreeMap::new(),
             stepping: BTreeSet::new(),
             ready: VecDeque::new(),
@@ -162,11 +186,12 @@ impl Digests {
                 return;
             };
             let state = stream.state.take();
-            let offload = match self.execution {
-                DigestExecution::Inline => false,
-                DigestExecution::Offload { min_bytes } => {
-                    job.bytes() >= min_bytes && tokio::runtime::Handle::try_current().is_ok()
-                }
+            let (offload, threads) = match self.execution {
+                DigestExecution::Inline => (false, 1),
+                DigestExecution::Offload { min_bytes, threads } => (
+                    job.bytes() >= min_bytes && tokio::runtime::Handle::try_current().is_ok(),
+                    threads,
+                ),
             };
             // A job that would run inline is stepped instead (the same thread reads each page
             // right before the transport sends it); one large enough for the blocking pool
@@ -201,6 +226,14 @@ impl Digests {
             }
             stream.running = true;
             let done = self.done_tx.clone();
+            let parts = self.parts(&job, threads);
+            if parts > 1 {
+                self.split_jobs += 1;
+                split::spawn(job, state, parts, move |result| {
+                    let _ = done.send((transfer, final_chunk, result));
+                });
+                return;
+            }
             tokio::task::spawn_blocking(move || {
                 let result = job.run(state);
                 drop(job);
@@ -208,6 +241,19 @@ impl Digests {
             });
             return;
         }
+    }
+
+    /// How many parts `job` is split into on the pool: at most `threads`, each of at least
+    /// `min_part_bytes` and one page.
+    fn parts(&self, job: &DigestJob, threads: usize) -> usize {
+        if !job.splits_on_host() {
+            return 1;
+        }
+        let by_bytes = job.bytes() / self.min_part_bytes.max(1);
+        threads
+            .min(usize::try_from(by_bytes).unwrap_or(usize::MAX))
+            .min(job.page_count())
+            .max(1)
     }
 
     /// The transfers whose stepped job waits for more of its pages to be sent.
@@ -320,5 +366,6 @@ impl Digests {
     }
 }
 
+mod split;
 #[cfg(test)]
 mod tests;

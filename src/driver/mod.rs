@@ -19,7 +19,7 @@ mod landing;
 mod receiver;
 mod sender;
 
-pub use digest::DigestExecution;
+pub use digest::{default_digest_threads, DigestExecution, MIN_PART_BYTES};
 
 use std::task::{Context, Poll};
 use std::time::Instant;

@@ -178,6 +178,9 @@ pub struct ReceiverDriverStats {
     /// Transfers verified from the page digests taken as their pages landed (no pass over
     /// the memory after the fence; SPEC §6, digests at landing).
     pub verified_from_landing: u64,
+    /// Digest jobs split across several threads of the blocking pool
+    /// (`DigestExecution::Offload::threads`).
+    pub digest_jobs_split: u64,
 }
 
 /// Who waits for a fence that has not completed yet.
@@ -577,7 +580,9 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
 
     /// Counters.
     pub fn stats(&self) -> ReceiverDriverStats {
-        self.stats
+        let mut s = self.stats;
+        s.digest_jobs_split = self.core.digests.split_jobs;
+        s
     }
 }
 

@@ -89,6 +89,9 @@ pub struct SenderDriverStats {
     pub writes_cancelled: u64,
     /// Page writes the transport reported completed.
     pub writes_completed: u64,
+    /// Digest jobs split across several threads of the blocking pool
+    /// (`DigestExecution::Offload::threads`).
+    pub digest_jobs_split: u64,
 }
 
 /// The writes of one transfer not yet posted, and how many are posted and not yet done.
@@ -572,7 +575,9 @@ impl<T: SenderTransport> SenderDriver<T> {
 
     /// Counters.
     pub fn stats(&self) -> SenderDriverStats {
-        self.stats
+        let mut s = self.stats;
+        s.digest_jobs_split = self.core.digests.split_jobs;
+        s
     }
 }
 

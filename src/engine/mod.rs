@@ -168,6 +168,18 @@ impl TransferError {
     }
 }
 
+/// Where a connection of a node with `config` digests (both roles alike): jobs of at least
+/// `digest_offload_bytes` on the blocking pool, over up to `digest_threads` threads each.
+fn digest_execution(config: &NodeConfig) -> crate::driver::DigestExecution {
+    crate::driver::DigestExecution::Offload {
+        min_bytes: config.digest_offload_bytes,
+        threads: match config.digest_threads {
+            0 => crate::driver::default_digest_threads(),
+            n => n,
+        },
+    }
+}
+
 /// The handshake on a fresh stream as `role` (client or server), with this node's hello
 /// carrying `transport_params`; returns the established session parameters and the
 /// connection's authentication channel.

@@ -14,7 +14,7 @@ use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{transfer_error, ConnectionTask, EngineError, Node, NodeConfig, TransferError};
-use crate::driver::{DigestExecution, ReceiveOutcome, ReceiverDriver, ReserveParams, VerifiedKv};
+use crate::driver::{ReceiveOutcome, ReceiverDriver, ReserveParams, VerifiedKv};
 use crate::memory::{PagePool, PageRef, PoolError};
 use crate::metrics::{Connection, Metrics};
 use crate::transport::ReceiverTransport;
@@ -50,6 +50,8 @@ pub struct ReceiverConnStats {
     /// Transfers whose digests were taken as their pages landed (TCP, loopback), not read
     /// again after the fence (`NodeConfig::digest_at_landing`).
     pub digests_at_landing: u64,
+    /// Digest jobs split across several threads (`NodeConfig::digest_threads`).
+    pub digest_jobs_split: u64,
     /// Pages free in the connection's pool.
     pub pages_free: u32,
     /// Pages in the connection's pool.
@@ -174,9 +176,7 @@ impl ReceiverConn {
         )?;
         driver.enable_liveness(std::time::Instant::now(), config.liveness);
         driver.set_digest_mode(config.digest_mode);
-        driver.set_digest_execution(DigestExecution::Offload {
-            min_bytes: config.digest_offload_bytes,
-        });
+        driver.set_digest_execution(super::digest_execution(config));
         driver.set_digest_at_landing(config.digest_at_landing);
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
         let task = Task {
@@ -353,6 +353,7 @@ impl<T: ReceiverTransport> Task<T> {
                 s.pages_quarantined = pool.quarantined_pages();
                 s.fences = d.fences;
                 s.digests_at_landing = d.verified_from_landing;
+                s.digest_jobs_split = d.digest_jobs_split;
                 s.peer_lost = self.driver.closed().is_some();
                 let _ = reply.send(s);
             }

@@ -14,7 +14,7 @@ use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{transfer_error, ConnectionTask, EngineError, Node, NodeConfig, TransferError};
-use crate::driver::{DigestExecution, SenderDriver};
+use crate::driver::SenderDriver;
 
 use crate::metrics::Metrics;
 use crate::transport::SenderTransport;
@@ -86,6 +86,8 @@ pub struct SenderConnStats {
     pub pages_total: u32,
     /// Whether the peer is gone.
     pub peer_lost: bool,
+    /// Digest jobs split across several threads (`NodeConfig::digest_threads`).
+    pub digest_jobs_split: u64,
 }
 
 /// The prefill side of one connection.
@@ -118,9 +120,7 @@ impl SenderConn {
         driver.enable_liveness(std::time::Instant::now(), config.liveness);
         driver.set_digest_mode(config.digest_mode);
         driver.set_digest_while_sending(config.digest_while_sending);
-        driver.set_digest_execution(DigestExecution::Offload {
-            min_bytes: config.digest_offload_bytes,
-        });
+        driver.set_digest_execution(super::digest_execution(config));
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
         let task = Task {
             driver,
@@ -386,6 +386,7 @@ impl<T: SenderTransport> Task<T> {
                 let mut s = self.stats;
                 let d = self.driver.stats();
                 s.writes = d.writes_completed;
+                s.digest_jobs_split = d.digest_jobs_split;
                 s.bytes = d.writes_completed * pool.geometry().bytes_per_page_index();
                 s.pages_free = pool.free_pages();
                 s.pages_total = pool.capacity_pages();

@@ -152,6 +152,11 @@ struct BenchArgs {
     /// 2 MiB transfers and gains ~9% for 32 MiB ones (docs/BENCHMARKS.md).
     #[arg(long, default_value = "8M", value_parser = parse_size)]
     digest_offload: u64,
+    /// Threads one offloaded transfer's digests may use at once (its pages split into that
+    /// many runs of at least 1 MiB); 1: one thread (the default); 0: the process's cores, at
+    /// most 8.
+    #[arg(long, default_value_t = 1)]
+    digest_threads: usize,
     /// Receivers digest every transfer's memory after its fence instead of each page as it
     /// lands (TCP, loopback; RDMA always digests after the fence), to measure the difference.
     #[arg(long)]
@@ -354,6 +359,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         },
         check_bytes: a.check_bytes,
         digest_offload_bytes: a.digest_offload,
+        digest_threads: a.digest_threads,
         digest_at_landing: !a.digest_after_fence,
         digest_while_sending: !a.digest_before_send,
         liveness: kvwire::proto::liveness::LivenessConfig {

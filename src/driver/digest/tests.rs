@@ -106,7 +106,10 @@ fn chunks_offloaded_run_in_order_and_equal_one_shot() {
     let _guard = rt.enter();
     let mut digests = Digests::new(
         DigestMode::Verify,
-        DigestExecution::Offload { min_bytes: 0 },
+        DigestExecution::Offload {
+            min_bytes: 0,
+            threads: 1,
+        },
     );
     run_chunks(&mut digests, &pool, DigestAlgorithm::XXH3_64, b"");
     // The first went to the pool and the others wait for it: nothing is ready yet.
@@ -226,4 +229,101 @@ fn a_forgotten_transfers_stepped_job_is_dropped_with_its_pin() {
     assert!(pool.raw_page_mut(PAGES[0], 0).is_some());
     assert_eq!(digests.stepping().count(), 0);
     assert!(outcomes(&mut digests).is_empty());
+}
+
+/// Polls `digests` until `n` outcomes arrived; after each, `check(k)` runs with the number of
+/// outcomes so far (the pool's threads run the jobs).
+fn poll_outcomes(digests: &mut Digests, n: usize, mut check: impl FnMut(usize)) -> Vec<JobOutcome> {
+    let mut cx = Context::from_waker(Waker::noop());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut got = outcomes(digests);
+    while got.len() < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "jobs did not finish: {got:?}"
+        );
+        if digests.poll_done(&mut cx).is_ready() {
+            for o in outcomes(digests) {
+                got.push(o);
+                check(got.len());
+            }
+        } else {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+    got
+}
+
+/// A job on the pool is split into parts of consecutive pages, digested on several threads
+/// and folded in order: the digests equal the one-shot digests (both algorithms, chunks of
+/// 2, 1 and 4 pages split into 2, 1 and 3 parts), and a chunk's pages are unpinned when its
+/// outcome is reported (the job, and its pin, is dropped first).
+#[test]
+fn jobs_split_across_pool_threads_equal_one_shot_and_unpin_before_reporting() {
+    let pool = pool();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(4)
+        .build()
+        .unwrap();
+    let _guard = rt.enter();
+    for alg in [DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32] {
+        let mut digests = Digests::new(
+            DigestMode::Verify,
+            DigestExecution::Offload {
+                min_bytes: 0,
+                threads: 3,
+            },
+        );
+        digests.min_part_bytes = 1;
+        run_chunks(&mut digests, &pool, alg, b"aux");
+        let chunks = [&PAGES[0..2], &PAGES[2..3], &PAGES[3..7]];
+        let got = poll_outcomes(&mut digests, 3, |k| {
+            for &p in chunks[k - 1] {
+                assert!(
+                    pool.raw_page_mut(p, 0).is_some(),
+                    "page {p} of chunk {k} still pinned when its outcome came"
+                );
+            }
+        });
+        assert_chunked(&got, &one_shot(&pool, alg, b"aux"));
+        assert_eq!(digests.split_jobs, 2, "the 1-page chunk is not split");
+        assert_eq!(digests.streams(), 0);
+    }
+}
+
+/// Parts that do not cover a chunk exactly once, in order, are refused, never folded.
+#[test]
+fn parts_that_do_not_cover_the_chunk_are_refused() {
+    use crate::checksum::{DigestJob, DigestJobError};
+    let pool = pool();
+    let job = DigestJob::new(
+        T,
+        DigestAlgorithm::XXH3_64,
+        true,
+        DigestMode::Verify,
+        0,
+        pool.share_pages(PAGES.to_vec()).unwrap(),
+        Some(Vec::new()),
+    );
+    let part = |from, to| job.page_digests_of(from, to).unwrap();
+    let whole = job.run_from_parts(None, &[part(0, 3), part(3, 7)]).unwrap();
+    assert!(
+        matches!(&whole, super::DigestProgress::Done(d) if *d == one_shot(&pool, DigestAlgorithm::XXH3_64, b"")),
+        "{whole:?}"
+    );
+    for bad in [
+        vec![part(3, 7), part(0, 3)],
+        vec![part(0, 3)],
+        vec![part(0, 3), part(2, 7)],
+        vec![part(0, 4), part(3, 7)],
+    ] {
+        assert!(
+            matches!(
+                job.run_from_parts(None, &bad),
+                Err(DigestJobError::PartsMismatch { pages: 7, .. })
+            ),
+            "{bad:?}"
+        );
+    }
 }

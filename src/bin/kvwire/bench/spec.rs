@@ -93,6 +93,8 @@ pub struct BenchSpec {
     pub check_bytes: bool,
     /// Transfers of at least this many bytes are digested on the blocking pool.
     pub digest_offload_bytes: u64,
+    /// `NodeConfig::digest_threads` of both nodes.
+    pub digest_threads: usize,
     /// Receivers digest pages as they land (TCP, loopback); false: after the fence.
     pub digest_at_landing: bool,
     /// Senders digest pages as they hand them to the transport; false: before the first
@@ -142,6 +144,7 @@ impl Default for BenchSpec {
             verify: Verify::Xxh3,
             check_bytes: false,
             digest_offload_bytes: 8 << 20,
+            digest_threads: 1,
             digest_at_landing: true,
             digest_while_sending: true,
             liveness: kvwire::proto::liveness::LivenessConfig::default(),
@@ -274,6 +277,7 @@ impl BenchSpec {
         c.window = self.pages.max(1);
         c.metrics = self.metrics.clone();
         c.digest_offload_bytes = self.digest_offload_bytes;
+        c.digest_threads = self.digest_threads;
         c.digest_at_landing = self.digest_at_landing;
         c.digest_while_sending = self.digest_while_sending;
         c.liveness = self.liveness;
