@@ -18,8 +18,8 @@ use kvwire::proto::auth::AuthChannel;
 use kvwire::proto::wire::FrameType;
 use kvwire::proto::{FailureReason, Wait};
 use kvwire::testkit::{Fault, FaultRule, Pair, PairConfig, Side, Step};
-use kvwire::transport::tcp::{TcpReceiver, TcpSender};
-use kvwire::transport::{ReceiverTransport, SenderTransport};
+use kvwire::transport::tcp::{TcpReceiver, TcpReceiverLanes, TcpSender, TcpSenderLanes};
+use kvwire::transport::{LaneSet, ReceiverTransport, SenderTransport};
 
 const ID: u64 = 77;
 
@@ -228,9 +228,47 @@ async fn tcp_pair() -> Pair<TcpSender, TcpReceiver> {
     Pair::with_transports(&cfg, std::time::Instant::now(), (s_pool, s), (r_pool, r)).unwrap()
 }
 
+/// Both ends of a connection over `n` TCP streams (SPEC §9.1, several streams), each lane
+/// authenticated by its lane of the (unauthenticated) channel; the receiver's first
+/// reservation takes lane 1, so the cell's transfer travels apart from lane 0's heartbeats.
+async fn tcp_lanes_pair(n: u16) -> Pair<TcpSenderLanes, TcpReceiverLanes> {
+    let cfg = config();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (s_pool, r_pool): (std::sync::Arc<PagePool>, _) = cfg.pools().unwrap();
+    let (mut senders, mut receivers) = (Vec::new(), Vec::new());
+    let (s_lanes, r_lanes) = (AuthChannel::off().lanes(n), AuthChannel::off().lanes(n));
+    for (i, (sc, rc)) in s_lanes.into_iter().zip(r_lanes).enumerate() {
+        let (a, b) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        let (a, b) = (a.unwrap(), b.unwrap().0);
+        a.set_nodelay(true).unwrap();
+        b.set_nodelay(true).unwrap();
+        let (sealer, opener) = sc.split();
+        senders.push(TcpSender::new(a, sealer, opener, s_pool.clone()));
+        let (sealer, opener) = rc.split();
+        receivers.push(TcpReceiver::new(b, sealer, opener, r_pool.clone()).with_lane(i as u16, n));
+    }
+    let s = LaneSet::sender(senders);
+    let r = LaneSet::receiver(receivers).with_first_lane(1);
+    Pair::with_transports(&cfg, std::time::Instant::now(), (s_pool, s), (r_pool, r)).unwrap()
+}
+
 /// One cell over TCP: its outcome, or the invariant it broke.
 async fn run_tcp(flow: Flow, fault: Option<Fault>) -> Result<(End, End), String> {
-    let mut pair = tcp_pair().await;
+    run_live(tcp_pair().await, flow, fault).await
+}
+
+/// One cell over two TCP streams.
+async fn run_tcp_lanes(flow: Flow, fault: Option<Fault>) -> Result<(End, End), String> {
+    run_live(tcp_lanes_pair(2).await, flow, fault).await
+}
+
+/// One cell on a real-time pair: its outcome, or the invariant it broke.
+async fn run_live<S: SenderTransport, R: ReceiverTransport>(
+    mut pair: Pair<S, R>,
+    flow: Flow,
+    fault: Option<Fault>,
+) -> Result<(End, End), String> {
     if let Some(f) = &fault {
         pair.fault(FaultRule::on(TransferId(ID), f.clone()));
     }
@@ -324,6 +362,17 @@ fn compare(actual: &str, name: &str) {
 /// the cells that wait for a deadline take seconds).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_matrix_over_tcp() {
+    live_matrix(false).await;
+}
+
+/// The same matrix over connections of two TCP streams, the cell's transfer on lane 1: every
+/// cell ends as over one stream (the same reviewed outcomes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_matrix_over_two_tcp_streams() {
+    live_matrix(true).await;
+}
+
+async fn live_matrix(lanes: bool) {
     let mut tasks = tokio::task::JoinSet::new();
     for (i, (flow, step, fault)) in cells().into_iter().enumerate() {
         tasks.spawn(async move {
@@ -331,7 +380,12 @@ async fn fault_matrix_over_tcp() {
                 (Some(step), Some(fault)) => format!("{flow:?} {step:?} {fault:?}"),
                 _ => format!("{flow:?} baseline"),
             };
-            let line = match run_tcp(flow, fault).await {
+            let outcome = if lanes {
+                run_tcp_lanes(flow, fault).await
+            } else {
+                run_tcp(flow, fault).await
+            };
+            let line = match outcome {
                 Ok((r, s)) => format!("{label}: receiver {r:?}, sender {s:?}"),
                 Err(e) => format!("{label}: INVARIANT BROKEN: {e}"),
             };

@@ -181,6 +181,9 @@ typedef struct {
   // How long release/clear wait for kvwire to give the pages back, in ms (default
   // 60000).
   uint32_t release_timeout_ms;
+  // TCP streams per connection, 1 to 64, the same on both engines (default 1; 0 reads as
+  // 1); transfers spread over them, each on one stream.
+  uint32_t tcp_streams;
 } kvwire_config_t;
 
 // One of the engine's KV buffers: base pointer, length in bytes, bytes per page (SGLang's
@@ -275,8 +278,8 @@ const char *kvwire_last_error(void);
 const char *kvwire_error_name(int code);
 
 // Fills `*config` with the defaults: TCP, no fingerprint, the key from the environment,
-// a random node id, 2 worker threads, 30 s call and 60 s release bounds. Role, tokens per
-// page and context length are left 0: set them.
+// a random node id, 2 worker threads, 30 s call and 60 s release bounds, one TCP stream.
+// Role, tokens per page and context length are left 0: set them.
 //
 // # Safety
 // `config` is null or valid for a write of a kvwire_config_t.

@@ -68,6 +68,9 @@ pub struct kvwire_config_t {
     /// How long release/clear wait for kvwire to give the pages back, in ms (default
     /// 60000).
     pub release_timeout_ms: u32,
+    /// TCP streams per connection, 1 to 64, the same on both engines (default 1; 0 reads as
+    /// 1); transfers spread over them, each on one stream.
+    pub tcp_streams: u32,
 }
 
 /// Why a transfer failed (kvwire_receiver_failure, kvwire_sender_failure).

@@ -45,8 +45,8 @@ pub extern "C" fn kvwire_error_name(code: c_int) -> *const c_char {
 }
 
 /// Fills `*config` with the defaults: TCP, no fingerprint, the key from the environment,
-/// a random node id, 2 worker threads, 30 s call and 60 s release bounds. Role, tokens per
-/// page and context length are left 0: set them.
+/// a random node id, 2 worker threads, 30 s call and 60 s release bounds, one TCP stream.
+/// Role, tokens per page and context length are left 0: set them.
 ///
 /// # Safety
 /// `config` is null or valid for a write of a kvwire_config_t.
@@ -65,6 +65,7 @@ pub unsafe extern "C" fn kvwire_config_init(config: *mut kvwire_config_t) -> c_i
             worker_threads: 2,
             call_timeout_ms: 30_000,
             release_timeout_ms: 60_000,
+            tcp_streams: 1,
         };
         // SAFETY: the caller's contract.
         unsafe { put(config, c, "config") }

@@ -55,6 +55,8 @@ unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig, Error> {
     if c.release_timeout_ms > 0 {
         config.release_timeout = millis(c.release_timeout_ms.into());
     }
+    // Out of range (above 64) is refused when the manager starts, naming the value.
+    config.tcp_streams = u16::try_from(c.tcp_streams.max(1)).unwrap_or(u16::MAX);
     Ok(config)
 }
 

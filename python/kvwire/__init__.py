@@ -125,6 +125,9 @@ class KVManager:
     the decode's reservation), ``parked_reservation_s`` (prefill: how long a reservation that
     arrived before ``init`` is held), ``liveness_timeout_s`` (a silent peer is lost).
 
+    ``tcp_streams``: TCP streams per connection (1 to 64, the same on both engines; transfers
+    spread over them, each on one stream).
+
     Discovery: ``bootstrap`` (an embedded bootstrap server's ``host:port``) or
     ``etcd_endpoints``, with ``cluster``: a prefill manager registers itself
     (``register()``), and a decode manager's receivers resolve the prefill by rank.
@@ -147,6 +150,7 @@ class KVManager:
         reservation_wait_s: float = 30.0,
         parked_reservation_s: float = 30.0,
         worker_threads: int = 2,
+        tcp_streams: int = 1,
         bootstrap: Optional[str] = None,
         etcd_endpoints: Optional[Sequence[str]] = None,
         cluster: str = "kvwire",
@@ -181,6 +185,7 @@ class KVManager:
             reservation_wait_s=reservation_wait_s,
             parked_reservation_s=parked_reservation_s,
             worker_threads=worker_threads,
+            tcp_streams=tcp_streams,
             keepalive=keepalive,
         )
         self._resolved: Dict[Tuple[str, str, int], str] = {}

@@ -34,6 +34,7 @@ class Engine:
         reservation_wait_s: float = 30.0,
         parked_reservation_s: float = 30.0,
         worker_threads: int = 2,
+        tcp_streams: int = 1,
         keepalive: Any = None,
     ) -> None: ...
     @property

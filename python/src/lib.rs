@@ -134,7 +134,7 @@ impl Engine {
     /// writes of its length for as long as this engine and everything made from it live, the
     /// buffers do not overlap, and the engine writes no page kvwire holds.
     #[new]
-    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, parked_reservation_s=30.0, worker_threads=2, keepalive=None))]
+    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, parked_reservation_s=30.0, worker_threads=2, tcp_streams=1, keepalive=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -159,6 +159,7 @@ impl Engine {
         reservation_wait_s: f64,
         parked_reservation_s: f64,
         worker_threads: usize,
+        tcp_streams: u16,
         keepalive: Option<PyObject>,
     ) -> PyResult<Self> {
         let n = kv_data_ptrs.len();
@@ -221,6 +222,7 @@ impl Engine {
             .transport(transport);
         config.node_id = node_id.unwrap_or(0);
         config.worker_threads = worker_threads;
+        config.tcp_streams = tcp_streams;
         // SGLang's contract: once `poll` said Success the engine owns the pages again.
         config.release_verified = true;
         config.liveness = Some(kvwire::proto::liveness::LivenessConfig {
@@ -311,6 +313,7 @@ impl Engine {
         d.set_item("refused", s.refused)?;
         d.set_item("malformed", s.malformed)?;
         d.set_item("failed", s.failed)?;
+        d.set_item("joined", s.joined)?;
         Ok(d)
     }
 

@@ -72,6 +72,34 @@ def test_chunked_transfer_every_byte_at_the_chosen_pages(prefill, psk):
     assert mgr.held_pages() == []
 
 
+def test_over_three_tcp_streams_every_byte_lands(psk):
+    """Both managers with tcp_streams=3 (SPEC §9.1, several streams): six requests spread over
+    the connection's streams, every byte at its pages, nothing held afterwards."""
+    if common.TRANSPORT != "tcp":
+        pytest.skip(f"tcp_streams applies to TCP; this run uses {common.TRANSPORT}")
+    prefill = Peer("prefill", "--psk", psk.hex(), "--tcp-streams", "3")
+    try:
+        mgr, kv, aux = decode_manager(psk, tcp_streams=3)
+        perm = [int(x) for x in np.random.default_rng(3).permutation(common.PAGES)]
+        rooms = {}
+        for i in range(6):
+            room = 0x7100_0000_0000_0000 + i
+            dst = perm[4 * i:4 * i + 4]
+            r = KVReceiver(mgr, prefill.hello["address"], room)
+            r.send_metadata(dst, aux_index=i + 1)
+            rooms[room] = (r, dst, i + 1)
+        for room, (r, dst, aux_index) in rooms.items():
+            src = perm[-4 * (aux_index + 1):][:4]
+            rep = prefill.call(op="send", room=room, src=src, aux_index=aux_index)
+            assert rep["error"] is None, rep
+        for room, (r, dst, aux_index) in rooms.items():
+            assert r.wait(10) == KVPoll.Success, r.error
+            assert common.check_landed(kv, aux, room, dst, aux_index) == []
+        assert mgr.held_pages() == []
+    finally:
+        prefill.close()
+
+
 def test_prefill_rejects_a_prompt_over_its_pool_and_decode_gets_the_original_error(psk):
     # The prefill pool (8 pages, 128 tokens: its served context) is smaller than the decode
     # pool (64): admission rejects the 20-page prompt (PROMPT_EXCEEDS_CONTEXT, kvwire checks

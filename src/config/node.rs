@@ -78,6 +78,13 @@ pub struct NodeConfig {
     /// still goes to the blocking pool, where it runs beside the sending. Host memory only;
     /// device memory is digested where it is. Default on.
     pub digest_while_sending: bool,
+    /// TCP streams per connection (SPEC §9.1, several streams; default 1, at most 64): the
+    /// client opens the extra ones after the handshake and every transfer's records and
+    /// frames travel on one of them, chosen by the receiver round robin, so several cores and
+    /// NIC queues can carry one peer pair's transfers. Both ends must set the same; host
+    /// memory only. A node with more than one accepts with a [`Listener`](crate::engine::Listener)
+    /// (or one `accept` per connection).
+    pub tcp_streams: u16,
     /// Peer authentication: a pre-shared key both ends must hold, or explicitly off.
     pub auth: Auth,
     /// The transport every connection of this node uses.
@@ -214,6 +221,7 @@ impl NodeConfig {
             digest_threads: 1,
             digest_at_landing: true,
             digest_while_sending: true,
+            tcp_streams: 1,
             auth: Auth::ephemeral(),
             transport: TransportConfig::Tcp,
         }
@@ -311,6 +319,12 @@ impl NodeConfigBuilder {
         self
     }
 
+    /// TCP streams per connection ([`NodeConfig::tcp_streams`], 1 to 64).
+    pub fn tcp_streams(mut self, streams: u16) -> Self {
+        self.config.tcp_streams = streams;
+        self
+    }
+
     /// The sender sessions' timeouts and history.
     pub fn sender(mut self, sender: SenderConfig) -> Self {
         self.config.sender = sender;
@@ -351,6 +365,13 @@ impl NodeConfigBuilder {
             return Err(ConfigError::Invalid(format!(
                 "the fingerprint is {} bytes; at most 255 travel in HELLO",
                 c.fingerprint.len()
+            )));
+        }
+        if !(1..=crate::transport::tcp::MAX_STREAMS).contains(&c.tcp_streams) {
+            return Err(ConfigError::Invalid(format!(
+                "tcp_streams = {}: 1 to {} TCP streams per connection",
+                c.tcp_streams,
+                crate::transport::tcp::MAX_STREAMS
             )));
         }
         if c.digests.is_empty() {

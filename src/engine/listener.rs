@@ -21,7 +21,10 @@ use crate::metrics::Metrics;
 #[derive(Clone, Copy, Debug)]
 #[non_exhaustive]
 pub struct ListenerConfig {
-    /// Handshakes running at once; connections beyond wait in the kernel's backlog.
+    /// Handshakes running at once; connections beyond wait in the kernel's backlog. A
+    /// connection over several TCP streams (`NodeConfig::tcp_streams`) gives its slot back
+    /// once its handshake succeeded, while it waits for its extra streams (each of which
+    /// takes a slot briefly to be read), so such connections cannot hold every slot.
     pub max_handshakes: usize,
     /// At most one log line per this interval for failed handshakes (the others are
     /// counted and summed into the next line).
@@ -51,10 +54,14 @@ pub struct ListenerStats {
     pub malformed: u64,
     /// Handshakes that failed on I/O, a timeout (a stalled client) or the transport.
     pub failed: u64,
+    /// Accepted streams that were not connections of their own but joined one as one of its
+    /// extra TCP streams (`NodeConfig::tcp_streams`).
+    pub joined: u64,
 }
 
 #[derive(Default)]
 struct Counters {
+    joined: AtomicU64,
     accepted: AtomicU64,
     established: AtomicU64,
     refused: AtomicU64,
@@ -185,6 +192,7 @@ impl<C> Listener<C> {
         let c = &self.counters;
         ListenerStats {
             accepted: c.accepted.load(Ordering::Relaxed),
+            joined: c.joined.load(Ordering::Relaxed),
             established: c.established.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
             malformed: c.malformed.load(Ordering::Relaxed),
@@ -227,6 +235,18 @@ impl FailureLog {
             tracing::warn!(%peer, error = %e, "handshake failed; connection dropped");
         }
     }
+}
+
+tokio::task_local! {
+    /// The handshake slot of the connection whose start runs in this task.
+    static SLOT: std::cell::RefCell<Option<tokio::sync::OwnedSemaphorePermit>>;
+}
+
+/// Gives back the handshake slot of the connection starting in this task, if a listener gave
+/// it one: its handshake is done and what remains (its extra TCP streams joining) needs the
+/// listener to accept more.
+pub(crate) fn release_handshake_slot() {
+    let _ = SLOT.try_with(|s| s.borrow_mut().take());
 }
 
 async fn accept_loop<C, F, Fut>(
@@ -284,13 +304,17 @@ async fn accept_loop<C, F, Fut>(
             }
         };
         tokio::spawn(async move {
-            let result = start(stream).await;
-            drop(slot);
+            let result = SLOT
+                .scope(std::cell::RefCell::new(Some(slot)), start(stream))
+                .await;
             match result {
                 Ok(conn) => {
                     counters.established.fetch_add(1, Ordering::Relaxed);
                     count("established");
                     let _ = ready.send(conn).await;
+                }
+                Err(EngineError::StreamJoined) => {
+                    counters.joined.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(e) => {
                     let outcome = failure_class(&e);

@@ -38,6 +38,7 @@ mod node;
 mod open;
 mod receiver;
 mod sender;
+mod streams;
 
 pub use crate::config::{random_bytes, Auth, NodeConfig};
 
@@ -81,6 +82,11 @@ pub enum EngineError {
     /// peer's queue pairs unusable, or a transport this build does not include).
     #[error("transport: {0}")]
     Transport(String),
+    /// The accepted stream is not a connection of its own: it joined another one as one of
+    /// its extra TCP streams (SPEC §9.1, several streams; `NodeConfig::tcp_streams`). Not a
+    /// failure: a listener accepting it goes on to the next.
+    #[error("the stream joined another connection as one of its TCP streams")]
+    StreamJoined,
 }
 
 impl From<crate::transport::ConnectError> for EngineError {
@@ -181,7 +187,8 @@ fn digest_execution(config: &NodeConfig) -> crate::driver::DigestExecution {
 }
 
 /// The handshake on a fresh stream as `role` (client or server), with this node's hello
-/// carrying `transport_params`; returns the established session parameters and the
+/// carrying `transport_params`, within `timeout` (the node's handshake timeout, less what
+/// the connection already spent); returns the established session parameters and the
 /// connection's authentication channel.
 pub(crate) async fn handshake(
     mut stream: tokio::net::TcpStream,
@@ -189,6 +196,7 @@ pub(crate) async fn handshake(
     client: bool,
     role: Role,
     transport_params: Vec<u8>,
+    timeout: std::time::Duration,
 ) -> Result<
     (
         tokio::net::TcpStream,
@@ -203,21 +211,15 @@ pub(crate) async fn handshake(
     let mut hello = config.hello(role);
     hello.transport_params = transport_params;
     let mut hs = if client {
-        Handshake::client(now, hello, config.handshake_timeout)
+        Handshake::client(now, hello, timeout)
     } else {
-        Handshake::server(now, hello, config.handshake_timeout)
+        Handshake::server(now, hello, timeout)
     };
     let mut channel = config.auth.channel(client)?;
     if channel.is_authenticated() {
         hs = hs.with_confirmation();
     }
-    let est = crate::transport::stream::handshake(
-        &mut stream,
-        hs,
-        &mut channel,
-        config.handshake_timeout,
-    )
-    .await?;
+    let est = crate::transport::stream::handshake(&mut stream, hs, &mut channel, timeout).await?;
     Ok((stream, est, channel))
 }
 

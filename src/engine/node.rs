@@ -46,6 +46,8 @@ pub struct Node {
 struct Inner {
     config: NodeConfig,
     pool: Arc<PagePool>,
+    /// Extra TCP streams joining the node's connections (`NodeConfig::tcp_streams`).
+    joins: super::streams::Joins,
     #[cfg(feature = "rdma")]
     rdma: std::sync::Mutex<Vec<rdma::Registration>>,
 }
@@ -76,6 +78,7 @@ impl Node {
             inner: Arc::new(Inner {
                 config,
                 pool: Arc::new(pool),
+                joins: Default::default(),
                 #[cfg(feature = "rdma")]
                 rdma: std::sync::Mutex::new(Vec::new()),
             }),
@@ -92,6 +95,11 @@ impl Node {
     /// ([`PagePool::check_engine_free`]), counters.
     pub fn pool(&self) -> &Arc<PagePool> {
         &self.inner.pool
+    }
+
+    /// Where the extra TCP streams of the node's connections wait to be claimed.
+    pub(crate) fn joins(&self) -> &super::streams::Joins {
+        &self.inner.joins
     }
 
     /// The node's memory registered with RDMA `device` (or the first device): opened and

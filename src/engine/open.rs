@@ -1,34 +1,117 @@
 //! Opening a connection over the node's transport: the handshake (carrying the transport's
 //! parameters), the transport over the node's memory, and the role's task.
 
+use kvwire_proto::handshake::Established;
 use kvwire_proto::wire::Role;
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
 
+use super::streams::{self, LaneStream};
 use super::{handshake, EngineError, Node, ReceiverConn, SenderConn};
 use crate::config::TransportConfig;
-use crate::transport::tcp::{self, TcpReceiver, TcpSender};
+use crate::transport::tcp::{TcpParams, TcpReceiver, TcpSender, MAX_STREAMS};
+use crate::transport::LaneSet;
+
+/// The TCP transport's handshake (its parameters carrying the page count and, with several
+/// streams, the stream count and a token) and the connection's streams, lane 0 first (SPEC
+/// §9.1): a server with several streams first hands a stream that joins another connection
+/// to that connection; `listener`, where the connection was accepted by one, is where its
+/// extra streams arrive.
+async fn tcp_lanes(
+    stream: TcpStream,
+    node: &Node,
+    client: bool,
+    role: Role,
+    listener: Option<&TcpListener>,
+) -> Result<(Established, TcpParams, Vec<LaneStream>), EngineError> {
+    let config = node.config();
+    let started = std::time::Instant::now();
+    let streams = config.tcp_streams.max(1);
+    if streams > MAX_STREAMS {
+        return Err(EngineError::Transport(format!(
+            "tcp_streams = {streams}: at most {MAX_STREAMS} TCP streams per connection"
+        )));
+    }
+    if streams > 1 && node.pool().memory().has_device_memory() {
+        return Err(EngineError::Transport(
+            "several TCP streams per connection move host memory only (device memory: tcp_streams = 1)"
+                .into(),
+        ));
+    }
+    let mut stream = Some(stream);
+    if !client && streams > 1 {
+        streams::route_join(&mut stream, node.joins(), config.handshake_timeout).await?;
+    }
+    let Some(stream) = stream else {
+        return Err(EngineError::StreamJoined);
+    };
+    let token = if streams > 1 {
+        crate::config::random_bytes().map_err(EngineError::Io)?
+    } else {
+        [0; 16]
+    };
+    let params = TcpParams {
+        pages: node.pool().capacity_pages(),
+        streams,
+        token,
+    };
+    let left = config.handshake_timeout.saturating_sub(started.elapsed());
+    let (stream, est, channel) =
+        handshake(stream, config, client, role, params.encode(), left).await?;
+    let peer = TcpParams::parse(&est.peer.transport_params)
+        .map_err(|e| EngineError::Transport(format!("the peer's TCP transport parameters: {e}")))?;
+    if peer.streams != streams {
+        return Err(EngineError::Transport(format!(
+            "this node runs {streams} TCP streams per connection, the peer {} (both ends must set the same tcp_streams)",
+            peer.streams
+        )));
+    }
+    // The client's token names the connection; its extra streams present it.
+    let join = if client { token } else { peer.token };
+    let lanes = streams::open_lanes(
+        stream,
+        channel,
+        client,
+        streams,
+        join,
+        node.joins(),
+        listener,
+        config.handshake_timeout,
+    )
+    .await?;
+    Ok((est, peer, lanes))
+}
 
 /// The prefill end of a connection on `stream` (client or server side of the handshake).
 pub(crate) async fn sender(
     stream: TcpStream,
     node: &Node,
     client: bool,
+    listener: Option<&TcpListener>,
 ) -> Result<SenderConn, EngineError> {
     let config = node.config();
     let pool = node.pool().clone();
     match &config.transport {
         TransportConfig::Tcp => {
-            let params = tcp::transport_params(pool.capacity_pages());
-            let (stream, est, channel) =
-                handshake(stream, config, client, Role::SENDER, params).await?;
+            let (est, peer, lanes) =
+                tcp_lanes(stream, node, client, Role::SENDER, listener).await?;
             // The receiver's page count bounds the pages a reservation may name (SPEC §9.1).
-            let pages = tcp::parse_transport_params(&est.peer.transport_params).map_err(|e| {
-                EngineError::Transport(format!("the receiver's TCP transport parameters: {e}"))
-            })?;
-            let (sealer, opener) = channel.split();
-            let t =
-                TcpSender::new(stream, sealer, opener, pool.clone()).with_destination_pages(pages);
-            SenderConn::run(est, pool, t, config)
+            let mut lanes: Vec<TcpSender> = lanes
+                .into_iter()
+                .map(|(s, sealer, opener)| {
+                    TcpSender::new(s, sealer, opener, pool.clone())
+                        .with_destination_pages(peer.pages)
+                })
+                .collect();
+            match (lanes.len(), lanes.pop()) {
+                (1, Some(t)) => SenderConn::run(est, pool, t, config),
+                (_, Some(last)) => {
+                    lanes.push(last);
+                    SenderConn::run(est, pool, LaneSet::sender(lanes), config)
+                }
+                (_, None) => Err(EngineError::Transport(
+                    "a connection without streams".into(),
+                )),
+            }
         }
         #[cfg(feature = "rdma")]
         TransportConfig::Rdma {
@@ -47,8 +130,15 @@ pub(crate) async fn sender(
                 *busy_poll,
             )
             .map_err(rdma)?;
-            let (stream, est, channel) =
-                handshake(stream, config, client, Role::SENDER, params).await?;
+            let (stream, est, channel) = handshake(
+                stream,
+                config,
+                client,
+                Role::SENDER,
+                params,
+                config.handshake_timeout,
+            )
+            .await?;
             let t = prepared
                 .into_sender(
                     &est,
@@ -73,17 +163,31 @@ pub(crate) async fn receiver(
     stream: TcpStream,
     node: &Node,
     client: bool,
+    listener: Option<&TcpListener>,
 ) -> Result<ReceiverConn, EngineError> {
     let config = node.config();
     let pool = node.pool().clone();
     match &config.transport {
         TransportConfig::Tcp => {
-            let params = tcp::transport_params(pool.capacity_pages());
-            let (stream, est, channel) =
-                handshake(stream, config, client, Role::RECEIVER, params).await?;
-            let (sealer, opener) = channel.split();
-            let t = TcpReceiver::new(stream, sealer, opener, pool.clone());
-            ReceiverConn::run(est, pool, t, config)
+            let (est, _, lanes) = tcp_lanes(stream, node, client, Role::RECEIVER, listener).await?;
+            let n = lanes.len() as u16;
+            let mut lanes: Vec<TcpReceiver> = lanes
+                .into_iter()
+                .zip(0u16..)
+                .map(|((s, sealer, opener), i)| {
+                    TcpReceiver::new(s, sealer, opener, pool.clone()).with_lane(i, n)
+                })
+                .collect();
+            match (lanes.len(), lanes.pop()) {
+                (1, Some(t)) => ReceiverConn::run(est, pool, t, config),
+                (_, Some(last)) => {
+                    lanes.push(last);
+                    ReceiverConn::run(est, pool, LaneSet::receiver(lanes), config)
+                }
+                (_, None) => Err(EngineError::Transport(
+                    "a connection without streams".into(),
+                )),
+            }
         }
         #[cfg(feature = "rdma")]
         TransportConfig::Rdma {
@@ -102,8 +206,15 @@ pub(crate) async fn receiver(
                 *busy_poll,
             )
             .map_err(rdma)?;
-            let (stream, est, channel) =
-                handshake(stream, config, client, Role::RECEIVER, params).await?;
+            let (stream, est, channel) = handshake(
+                stream,
+                config,
+                client,
+                Role::RECEIVER,
+                params,
+                config.handshake_timeout,
+            )
+            .await?;
             let t = prepared
                 .into_receiver(
                     &est,
@@ -179,10 +290,19 @@ macro_rules! constructors {
         }
 
         /// Accepts one connection on `listener` and runs the handshake as the server, over
-        /// `node`'s memory and transport.
+        /// `node`'s memory and transport. With several TCP streams per connection
+        /// (`NodeConfig::tcp_streams`) the connection's other streams arrive on `listener`
+        /// too, and other connections arriving on it meanwhile are closed: serve several
+        /// peers with a [`Listener`](crate::engine::Listener).
         pub async fn accept(listener: &TcpListener, node: &Node) -> Result<Self, EngineError> {
-            let (stream, _) = listener.accept().await?;
-            Self::start(stream, node, false).await
+            loop {
+                let (stream, _) = listener.accept().await?;
+                match $open(stream, node, false, Some(listener)).await {
+                    // A stream of another connection (handed to it): wait for ours.
+                    Err(EngineError::StreamJoined) => continue,
+                    r => return r,
+                }
+            }
         }
 
         /// Runs the handshake on `stream` (over the transport `node`'s configuration names)
@@ -195,7 +315,7 @@ macro_rules! constructors {
             node: &Node,
             client: bool,
         ) -> Result<Self, EngineError> {
-            $open(stream, node, client).await
+            $open(stream, node, client, None).await
         }
     };
 }

@@ -72,14 +72,28 @@ impl AccessScope {
 #[derive(Debug, Default)]
 pub struct ScopeTable {
     next_key: u32,
+    /// Keys advance by this much (0 reads as 1): the tables of one connection's lanes issue
+    /// disjoint keys ([`ScopeTable::with_key_space`]).
+    key_step: u32,
     open: HashMap<AccessKey, AccessScope>,
     by_transfer: HashMap<TransferId, AccessKey>,
 }
 
 impl ScopeTable {
+    /// The table of lane `lane` of a connection with `lanes` lanes (several TCP streams): it
+    /// issues the keys `lane + lanes`, `lane + 2 * lanes`, ..., so no two lanes' tables issue
+    /// the same key and a key names one scope on the whole connection.
+    pub fn with_key_space(lane: u32, lanes: u32) -> Self {
+        Self {
+            next_key: lane,
+            key_step: lanes.max(1),
+            ..Self::default()
+        }
+    }
+
     /// Opens a scope over `pages` for a transfer, returning its key.
     pub fn open(&mut self, transfer_id: TransferId, pages: &[u32]) -> AccessKey {
-        self.next_key = self.next_key.wrapping_add(1);
+        self.next_key = self.next_key.wrapping_add(self.key_step.max(1));
         let key = AccessKey(self.next_key);
         let mut sorted = pages.to_vec();
         sorted.sort_unstable();

@@ -191,6 +191,9 @@ pub struct ManagerConfig {
     /// (its aux record copied first), instead of at [`ReceiverTransfer::release`]. The
     /// engine may then reuse them once `poll` said Success (SGLang's contract).
     pub release_verified: bool,
+    /// TCP streams per connection (`NodeConfig::tcp_streams`; both engines must set the
+    /// same; default 1).
+    pub tcp_streams: u16,
 }
 
 impl ManagerConfig {
@@ -212,6 +215,7 @@ impl ManagerConfig {
             liveness: None,
             sender: None,
             release_verified: false,
+            tcp_streams: 1,
         }
     }
 
@@ -370,7 +374,8 @@ impl Manager {
             .node_id(node_id)
             .fingerprint(config.fingerprint.clone())
             .auth(config.auth.clone())
-            .transport(config.transport.clone());
+            .transport(config.transport.clone())
+            .tcp_streams(config.tcp_streams);
         if config.allow_undersized_pool {
             builder = builder.allow_undersized_pool();
         }

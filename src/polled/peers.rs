@@ -135,6 +135,8 @@ impl Peers {
                 drop(l);
                 self.add(c);
             }
+            // A stream that joined another connection (several TCP streams): not a failure.
+            Err(EngineError::StreamJoined) => l.stats.joined += 1,
             Err(e) => {
                 tracing::warn!(error = %e, "polled: an incoming connection failed");
                 match failure_class(&e) {

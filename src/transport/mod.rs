@@ -16,7 +16,8 @@
 //!   completed no write for that transfer can land any more (`proto/SPEC.md` §9).
 //!
 //! Implementations: [`loopback`] (in process, with a fault injector), [`tcp`] and, with the
-//! `rdma` feature, [`rdma`] (RC queue pairs, memory windows as the fence). Each guarantees
+//! `rdma` feature, [`rdma`] (RC queue pairs, memory windows as the fence). [`LaneSet`] makes
+//! several transports of one kind (a connection's TCP streams) one, every transfer on one lane. Each guarantees
 //! what the protocol relies on: a reliable ordered frame channel, scoped access, the fence,
 //! one outcome per posted write, and a COMMIT that reaches the receiver only after the writes
 //! it covers.
@@ -28,6 +29,7 @@
 //! `Poll::Pending` it has arranged for the task's waker to be woken when it may have more
 //! (socket readiness, a completion channel's file descriptor, the loopback link).
 
+pub mod lanes;
 pub mod loopback;
 pub mod rdma;
 pub(crate) mod staging;
@@ -44,6 +46,7 @@ use kvwire_proto::sender::PageWrite;
 use kvwire_proto::wire::{Frame, TransferRef};
 
 pub use crate::memory::{AccessError, AccessKey, AccessScope, ScopeTable};
+pub use lanes::LaneSet;
 pub use staging::StagingStats;
 pub use stream::ConnectError;
 

@@ -157,6 +157,10 @@ struct BenchArgs {
     /// most 8.
     #[arg(long, default_value_t = 1)]
     digest_threads: usize,
+    /// TCP streams per connection (`NodeConfig::tcp_streams`, 1 to 64; both ends): every
+    /// transfer's records and frames travel on one, chosen by the receiver round robin.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    tcp_streams: u16,
     /// Receivers digest every transfer's memory after its fence instead of each page as it
     /// lands (TCP, loopback; RDMA always digests after the fence), to measure the difference.
     #[arg(long)]
@@ -360,6 +364,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         check_bytes: a.check_bytes,
         digest_offload_bytes: a.digest_offload,
         digest_threads: a.digest_threads,
+        tcp_streams: a.tcp_streams,
         digest_at_landing: !a.digest_after_fence,
         digest_while_sending: !a.digest_before_send,
         liveness: kvwire::proto::liveness::LivenessConfig {

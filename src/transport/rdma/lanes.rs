@@ -287,25 +287,3 @@ impl Lanes {
         }
     }
 }
-
-/// Remembers which lane each live transfer uses (bounded: the oldest entries go first).
-#[derive(Default)]
-pub(crate) struct LaneMap(BTreeMap<TransferId, usize>);
-
-impl LaneMap {
-    pub(crate) fn set(&mut self, transfer_id: TransferId, lane: usize) {
-        if self.0.len() >= 65_536 {
-            self.0.pop_first();
-        }
-        self.0.insert(transfer_id, lane);
-    }
-
-    pub(crate) fn get(&self, transfer_id: TransferId) -> usize {
-        self.0.get(&transfer_id).copied().unwrap_or(0)
-    }
-
-    /// The lane of a frame: its transfer's, or lane 0 for a frame of no live transfer.
-    pub(crate) fn of(&self, f: &Frame) -> usize {
-        f.transfer().map_or(0, |t| self.get(t.transfer_id))
-    }
-}

@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use kvwire_proto::wire::{Frame, TransferRef, MAX_ACCESS};
 
 use super::descriptor::{encoded_len, page_runs, AccessDescriptor, AccessKind, AccessRun};
-use super::lanes::{LaneEvent, LaneMap, Lanes};
+use super::lanes::{LaneEvent, Lanes};
 use super::verbs::{MemoryWindow, RdmaDevice, RegisteredMemory};
 use crate::memory::PagePool;
+use crate::transport::lanes::LaneMap;
 use crate::transport::{Closed, Fence, ReceiverTransport, ScopeError, Transport, TransportEvent};
 
 /// Send-queue depth of each of a receiver's queue pairs (binds, invalidations, frames).

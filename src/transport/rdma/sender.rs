@@ -10,9 +10,10 @@ use kvwire_proto::sender::PageWrite;
 use kvwire_proto::wire::{Frame, TransferRef};
 
 use super::descriptor::AccessDescriptor;
-use super::lanes::{LaneEvent, LaneMap, Lanes};
+use super::lanes::{LaneEvent, Lanes};
 use super::link::RdmaWrite;
 use super::verbs::{RdmaError, RegisteredMemory};
+use crate::transport::lanes::LaneMap;
 use crate::transport::{Closed, SenderTransport, Transport, TransportEvent};
 
 /// Pages per signaled write: the last write of every `SIGNAL_EVERY`th page (and of every

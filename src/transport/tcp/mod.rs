@@ -1,5 +1,5 @@
-//! The TCP transport: one TCP connection per peer pair carries the handshake and then, in
-//! order, two kinds of record:
+//! The TCP transport: one TCP connection per peer pair (or several, its lanes: below) carries
+//! the handshake and then, in order, two kinds of record:
 //!
 //! * a **control record**: one protocol frame exactly as `proto/SPEC.md` §3 defines it
 //!   (it starts with the frame magic `KVWR` and is self-delimiting), sealed by the
@@ -27,6 +27,12 @@
 //! every read into a page; a write refused at its header, or whose scope closes part-way (the
 //! fence), is read into a fixed scratch buffer and dropped.
 //!
+//! A connection may run over several TCP streams (`NodeConfig::tcp_streams`, SPEC §9.1, several
+//! streams): the handshake's stream is lane 0, the client opens the others, each starting with a
+//! [`JoinRecord`], and each stream is a [`TcpSender`] / [`TcpReceiver`] of its own under a
+//! [`LaneSet`](crate::transport::LaneSet) ([`TcpSenderLanes`], [`TcpReceiverLanes`]), which keeps
+//! every transfer on one stream.
+//!
 //! Over device (GPU) memory, both ends move records through pinned staging buffers and the
 //! device's copy engines instead (`transport/staging.rs`; docs/GPU.md): a record is landed when
 //! its copy into the page completed, and a fence waits for the copies into its pages.
@@ -41,41 +47,167 @@ pub use receiver::TcpReceiver;
 pub use records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};
 pub use sender::TcpSender;
 
+/// The prefill end of a connection over several TCP streams: one [`TcpSender`] per stream.
+pub type TcpSenderLanes = crate::transport::LaneSet<TcpSender>;
+/// The decode end of a connection over several TCP streams: one [`TcpReceiver`] per stream.
+pub type TcpReceiverLanes = crate::transport::LaneSet<TcpReceiver>;
+
 /// The `kind` of the TCP transport parameters (SPEC §9.1; RDMA's are kind 1, §9.2).
 pub const TCP_PARAMS_KIND: u16 = 2;
 
-/// A TCP node's HELLO transport parameters (SPEC §9.1): kind 2, length 4, then the node's
-/// page slots per buffer (u32 LE), which bound the destination pages a reservation may name.
+/// The most TCP streams one connection may have (SPEC §9.1, several streams).
+pub const MAX_STREAMS: u16 = 64;
+
+/// What a TCP node's HELLO transport parameters say (SPEC §9.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpParams {
+    /// The node's page slots per buffer: they bound the destination pages a reservation may
+    /// name.
+    pub pages: u32,
+    /// TCP streams the connection runs over (1 ..= [`MAX_STREAMS`]); both ends must say the
+    /// same.
+    pub streams: u16,
+    /// With several streams: 16 random bytes naming the connection; the client's is the one
+    /// its extra streams present when they join ([`JoinRecord`]). Zero with one stream.
+    pub token: [u8; 16],
+}
+
+impl TcpParams {
+    /// One stream: the 8-byte form.
+    pub fn one_stream(pages: u32) -> Self {
+        Self {
+            pages,
+            streams: 1,
+            token: [0; 16],
+        }
+    }
+
+    /// The bytes: kind 2, length 4, `pages` (one stream); or kind 2, length 22, `pages`,
+    /// `streams` (u16 LE, at least 2), `token` (several streams).
+    pub fn encode(&self) -> Vec<u8> {
+        let long = self.streams > 1;
+        let mut b = Vec::with_capacity(if long { 26 } else { 8 });
+        b.extend_from_slice(&TCP_PARAMS_KIND.to_le_bytes());
+        b.extend_from_slice(&(if long { 22u16 } else { 4 }).to_le_bytes());
+        b.extend_from_slice(&self.pages.to_le_bytes());
+        if long {
+            b.extend_from_slice(&self.streams.to_le_bytes());
+            b.extend_from_slice(&self.token);
+        }
+        b
+    }
+
+    /// Parses a peer's parameters; an error naming what is wrong with them otherwise.
+    pub fn parse(b: &[u8]) -> Result<Self, String> {
+        let (kind, rest) = match b {
+            [k0, k1, rest @ ..] => (u16::from_le_bytes([*k0, *k1]), rest),
+            _ => return Err(format!("{} bytes of transport parameters", b.len())),
+        };
+        if kind != TCP_PARAMS_KIND {
+            return Err(format!(
+                "transport parameters of kind {kind} (expected {TCP_PARAMS_KIND}, TCP)"
+            ));
+        }
+        let (len, body) = match rest {
+            [l0, l1, body @ ..] => (u16::from_le_bytes([*l0, *l1]), body),
+            _ => return Err(format!("{} bytes of transport parameters", b.len())),
+        };
+        if usize::from(len) != body.len() {
+            return Err(format!(
+                "TCP transport parameters of length {len} with {} bytes after the header",
+                body.len()
+            ));
+        }
+        match body {
+            [p0, p1, p2, p3] => Ok(Self::one_stream(u32::from_le_bytes([*p0, *p1, *p2, *p3]))),
+            [p0, p1, p2, p3, s0, s1, token @ ..] if token.len() == 16 => {
+                let streams = u16::from_le_bytes([*s0, *s1]);
+                if !(2..=MAX_STREAMS).contains(&streams) {
+                    return Err(format!(
+                        "TCP transport parameters naming {streams} streams (the long form names 2 to {MAX_STREAMS})"
+                    ));
+                }
+                let mut t = [0u8; 16];
+                t.copy_from_slice(token);
+                Ok(Self {
+                    pages: u32::from_le_bytes([*p0, *p1, *p2, *p3]),
+                    streams,
+                    token: t,
+                })
+            }
+            _ => Err(format!(
+                "TCP transport parameters of length {len} (expected 4: the page count, or 22: pages, streams, token)"
+            )),
+        }
+    }
+}
+
+/// A TCP node's HELLO transport parameters for one stream (SPEC §9.1): kind 2, length 4,
+/// then the node's page slots per buffer (u32 LE), which bound the destination pages a
+/// reservation may name.
 pub fn transport_params(pages: u32) -> Vec<u8> {
-    let mut b = Vec::with_capacity(8);
-    b.extend_from_slice(&TCP_PARAMS_KIND.to_le_bytes());
-    b.extend_from_slice(&4u16.to_le_bytes());
-    b.extend_from_slice(&pages.to_le_bytes());
-    b
+    TcpParams::one_stream(pages).encode()
 }
 
 /// The page count a TCP peer advertised in its transport parameters (SPEC §9.1); an error
 /// naming what is wrong with them otherwise.
 pub fn parse_transport_params(b: &[u8]) -> Result<u32, String> {
-    match b {
-        [k0, k1, l0, l1, p @ ..] if u16::from_le_bytes([*k0, *k1]) == TCP_PARAMS_KIND => {
-            let len = u16::from_le_bytes([*l0, *l1]);
-            match <[u8; 4]>::try_from(p) {
-                Ok(pages) if len == 4 => Ok(u32::from_le_bytes(pages)),
-                _ => Err(format!(
-                    "TCP transport parameters of length {len} with {} bytes after the header (expected length 4: the page count)",
-                    p.len()
-                )),
-            }
+    TcpParams::parse(b).map(|p| p.pages)
+}
+
+/// The magic that starts an extra stream of a connection (SPEC §9.1, several streams).
+pub const JOIN_MAGIC: [u8; 4] = *b"KVJN";
+
+/// The 24 bytes an extra TCP stream of a connection starts with, before anything else on it:
+/// `KVJN`, the lane (u16 LE, 1 ..= streams - 1), the connection's stream count (u16 LE) and the
+/// client's token from its HELLO (SPEC §9.1, several streams).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct JoinRecord {
+    /// The lane this stream is.
+    pub lane: u16,
+    /// The connection's streams.
+    pub streams: u16,
+    /// The client's token.
+    pub token: [u8; 16],
+}
+
+impl JoinRecord {
+    /// Its length on the stream.
+    pub const LEN: usize = 24;
+
+    /// The bytes.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..4].copy_from_slice(&JOIN_MAGIC);
+        b[4..6].copy_from_slice(&self.lane.to_le_bytes());
+        b[6..8].copy_from_slice(&self.streams.to_le_bytes());
+        b[8..].copy_from_slice(&self.token);
+        b
+    }
+
+    /// Parses one; an error naming what is wrong otherwise (the lane must be an extra one of
+    /// the stream count, which must be 2 ..= [`MAX_STREAMS`]).
+    pub fn decode(b: &[u8; Self::LEN]) -> Result<Self, String> {
+        if b[..4] != JOIN_MAGIC {
+            return Err(format!(
+                "a join record starting with {}",
+                kvwire_proto::wire::show_bytes(&b[..4])
+            ));
         }
-        [k0, k1, ..] => Err(format!(
-            "transport parameters of kind {} (expected {TCP_PARAMS_KIND}, TCP)",
-            u16::from_le_bytes([*k0, *k1])
-        )),
-        _ => Err(format!(
-            "{} bytes of transport parameters (expected 8: kind 2, length 4, page count)",
-            b.len()
-        )),
+        let lane = u16::from_le_bytes([b[4], b[5]]);
+        let streams = u16::from_le_bytes([b[6], b[7]]);
+        if !(2..=MAX_STREAMS).contains(&streams) || lane == 0 || lane >= streams {
+            return Err(format!(
+                "a join record for lane {lane} of {streams} streams"
+            ));
+        }
+        let mut token = [0u8; 16];
+        token.copy_from_slice(&b[8..]);
+        Ok(Self {
+            lane,
+            streams,
+            token,
+        })
     }
 }
 
@@ -98,5 +230,60 @@ mod params_tests {
         ] {
             assert!(parse_transport_params(bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// SPEC §9.1, several streams: the long form (golden bytes) round-trips; a stream count
+    /// outside 2..=64 in it, or a length other than 22, is refused.
+    #[test]
+    fn tcp_params_with_streams_round_trip_and_refuse_bad_counts() {
+        let p = TcpParams {
+            pages: 0x0102_0304,
+            streams: 4,
+            token: [0xAB; 16],
+        };
+        let b = p.encode();
+        let mut want = vec![2, 0, 22, 0, 4, 3, 2, 1, 4, 0];
+        want.extend_from_slice(&[0xAB; 16]);
+        assert_eq!(b, want);
+        assert_eq!(TcpParams::parse(&b), Ok(p));
+        assert_eq!(TcpParams::one_stream(9).encode(), transport_params(9));
+        for streams in [0u16, 1, 65] {
+            let mut bad = b.clone();
+            bad[8..10].copy_from_slice(&streams.to_le_bytes());
+            assert!(TcpParams::parse(&bad).is_err(), "{streams} streams");
+        }
+        let mut short = b.clone();
+        short.pop();
+        short[2] = 21;
+        assert!(TcpParams::parse(&short).is_err());
+    }
+
+    /// The join record (golden bytes) round-trips; lane 0, a lane beyond the count, or a
+    /// count outside 2..=64 is refused.
+    #[test]
+    fn join_records_round_trip_and_refuse_bad_lanes() {
+        let j = JoinRecord {
+            lane: 3,
+            streams: 4,
+            token: [7; 16],
+        };
+        let b = j.encode();
+        assert_eq!(&b[..8], b"KVJN\x03\x00\x04\x00");
+        assert_eq!(JoinRecord::decode(&b), Ok(j));
+        for (lane, streams) in [(0u16, 4u16), (4, 4), (1, 1), (1, 65)] {
+            let bad = JoinRecord {
+                lane,
+                streams,
+                token: [7; 16],
+            }
+            .encode();
+            assert!(
+                JoinRecord::decode(&bad).is_err(),
+                "lane {lane} of {streams}"
+            );
+        }
+        let mut bad = b;
+        bad[0] = b'X';
+        assert!(JoinRecord::decode(&bad).is_err());
     }
 }

@@ -77,6 +77,13 @@ impl TcpReceiver {
         receiver
     }
 
+    /// Lane `lane` of a connection over `lanes` TCP streams (SPEC §9.1, several streams):
+    /// its access scopes take keys no other lane's table issues.
+    pub fn with_lane(mut self, lane: u16, lanes: u16) -> Self {
+        self.scopes = ScopeTable::with_key_space(u32::from(lane), u32::from(lanes));
+        self
+    }
+
     /// What the stream carried.
     pub fn stats(&self) -> StreamStats {
         self.reader.stats

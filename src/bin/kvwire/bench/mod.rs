@@ -423,10 +423,11 @@ pub async fn run_listen(
             let receiver = good.accept().await.ok_or("the listening socket failed")?;
             let st = good.stats();
             drop(good);
-            if st.accepted > st.established {
+            // Streams that joined the connection (several TCP streams) are not failures.
+            if st.accepted > st.established + st.joined {
                 progress(&format!(
                     "dropped {} connections whose handshake failed ({} refused, {} not kvwire, {} stalled or lost)",
-                    st.accepted - st.established,
+                    st.accepted - st.established - st.joined,
                     st.refused,
                     st.malformed,
                     st.failed

@@ -95,6 +95,8 @@ pub struct BenchSpec {
     pub digest_offload_bytes: u64,
     /// `NodeConfig::digest_threads` of both nodes.
     pub digest_threads: usize,
+    /// `NodeConfig::tcp_streams` of both nodes.
+    pub tcp_streams: u16,
     /// Receivers digest pages as they land (TCP, loopback); false: after the fence.
     pub digest_at_landing: bool,
     /// Senders digest pages as they hand them to the transport; false: before the first
@@ -145,6 +147,7 @@ impl Default for BenchSpec {
             check_bytes: false,
             digest_offload_bytes: 8 << 20,
             digest_threads: 1,
+            tcp_streams: 1,
             digest_at_landing: true,
             digest_while_sending: true,
             liveness: kvwire::proto::liveness::LivenessConfig::default(),
@@ -278,6 +281,7 @@ impl BenchSpec {
         c.metrics = self.metrics.clone();
         c.digest_offload_bytes = self.digest_offload_bytes;
         c.digest_threads = self.digest_threads;
+        c.tcp_streams = self.tcp_streams;
         c.digest_at_landing = self.digest_at_landing;
         c.digest_while_sending = self.digest_while_sending;
         c.liveness = self.liveness;

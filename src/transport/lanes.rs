@@ -1,0 +1,381 @@
+//! Several independent ordered channels ("lanes") under one connection, each a whole
+//! transport of its own (one TCP stream each, SPEC §9.1, several streams): [`LaneSet`] makes
+//! them one [`Transport`] for the driver. Every frame and page write of a transfer travels on
+//! the transfer's lane, so the ordering the protocol needs (a transfer's writes before its
+//! COMMIT) holds per lane:
+//!
+//! * the **receiver** chooses a transfer's lane when it opens the reservation's access scope
+//!   (round robin), and its RESERVE, fence and later frames use that lane;
+//! * the **sender** learns it from the lane the RESERVE arrived on, and posts the transfer's
+//!   writes and sends its frames there;
+//! * a frame of no known transfer (PING, PONG, or a transfer with no lane yet) goes on lane 0.
+//!
+//! The connection is one: when any lane ends, every other lane is closed too (their
+//! outstanding writes reported failed, as a lane's own close does; after a short grace when
+//! the peer ended it, so that what the peer sent on the others before closing is still read),
+//! and the first lane's reason is reported once, as the connection's.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use kvwire_proto::sender::PageWrite;
+use kvwire_proto::wire::{Frame, TransferId, TransferRef};
+
+use super::{
+    Closed, Fence, ReceiverTransport, ScopeError, SenderTransport, Transport, TransportEvent,
+};
+
+/// Remembers which lane each live transfer uses, bounded (beyond 65 536 entries the lowest
+/// transfer id goes first): for routing frames and a sender's writes, where a forgotten lane
+/// costs liveness (the transfer's writes go to lane 0, where the receiver does not know the
+/// key) and never safety. A receiver's open scopes are tracked exactly ([`LaneSet`]).
+#[derive(Debug, Default)]
+pub(crate) struct LaneMap(BTreeMap<TransferId, usize>);
+
+impl LaneMap {
+    pub(crate) fn set(&mut self, transfer_id: TransferId, lane: usize) {
+        if self.0.len() >= 65_536 {
+            self.0.pop_first();
+        }
+        self.0.insert(transfer_id, lane);
+    }
+
+    pub(crate) fn get(&self, transfer_id: TransferId) -> usize {
+        self.0.get(&transfer_id).copied().unwrap_or(0)
+    }
+
+    /// The lane of a frame: its transfer's, or lane 0 for a frame of no live transfer.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn of(&self, f: &Frame) -> usize {
+        f.transfer().map_or(0, |t| self.get(t.transfer_id))
+    }
+}
+
+/// Which end of the connection a [`LaneSet`] is, which decides how it learns lanes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// Learns a transfer's lane from the lane its RESERVE arrived on.
+    Sender,
+    /// Chooses a transfer's lane when it opens the access scope.
+    Receiver,
+}
+
+/// The lanes of one connection as one transport (see the module documentation).
+#[derive(Debug)]
+pub struct LaneSet<T> {
+    lanes: Vec<T>,
+    end: End,
+    /// The lane of each recent transfer, for its frames and writes: the lane its latest
+    /// RESERVE arrived on (sender) or was sent on (receiver).
+    recent: LaneMap,
+    /// Receiver: the lane of each transfer with an open scope, exactly (entries leave at the
+    /// fence or when the scope is abandoned), so a fence always reaches the lane whose table
+    /// holds the scope however many transfers are open.
+    scoped: HashMap<TransferId, usize>,
+    /// The lane the next reservation gets (receiver).
+    next_lane: usize,
+    /// The lane polled first on the next pass (fairness).
+    first: usize,
+    /// Lanes that reported their end.
+    ended: Vec<bool>,
+    /// The first lane's reason for ending: the connection's.
+    closing: Option<Closed>,
+    /// After the peer ended a lane: when the lanes still open are closed.
+    grace_until: Option<Instant>,
+    /// Events taken from the lanes and not handed out yet.
+    ready: VecDeque<TransportEvent>,
+}
+
+/// How long the other lanes are read on after the peer ended one ([`LaneSet`]).
+pub const CLOSE_GRACE: Duration = Duration::from_millis(200);
+
+impl<T: Transport> LaneSet<T> {
+    fn new(lanes: Vec<T>, end: End) -> Self {
+        assert!(!lanes.is_empty(), "a connection has at least one lane");
+        let n = lanes.len();
+        Self {
+            lanes,
+            end,
+            recent: LaneMap::default(),
+            scoped: HashMap::new(),
+            next_lane: 0,
+            first: 0,
+            ended: vec![false; n],
+            closing: None,
+            grace_until: None,
+            ready: VecDeque::new(),
+        }
+    }
+
+    /// The prefill end over `lanes` (lane 0 first, in the order both ends agreed).
+    ///
+    /// # Panics
+    ///
+    /// If `lanes` is empty.
+    pub fn sender(lanes: Vec<T>) -> Self
+    where
+        T: SenderTransport,
+    {
+        Self::new(lanes, End::Sender)
+    }
+
+    /// The decode end over `lanes` (lane 0 first, in the order both ends agreed).
+    ///
+    /// # Panics
+    ///
+    /// If `lanes` is empty.
+    pub fn receiver(lanes: Vec<T>) -> Self
+    where
+        T: ReceiverTransport,
+    {
+        Self::new(lanes, End::Receiver)
+    }
+
+    /// The first reservation takes lane `lane` (then round robin from there); lane 0 by
+    /// default.
+    pub fn with_first_lane(mut self, lane: usize) -> Self {
+        self.next_lane = lane % self.lanes.len();
+        self
+    }
+
+    /// The lanes, lane 0 first (for their counters).
+    pub fn lanes(&self) -> &[T] {
+        &self.lanes
+    }
+
+    /// The lane of `transfer_id`'s frames and writes.
+    fn lane_of(&self, transfer_id: TransferId) -> usize {
+        match self.scoped.get(&transfer_id) {
+            Some(&lane) => lane,
+            None => self.recent.get(transfer_id),
+        }
+    }
+
+    /// A lane ended: the first one's reason is the connection's. When the peer ended it (end
+    /// of stream, a reset), the other lanes are read on for [`CLOSE_GRACE`]: a peer that
+    /// closes its connection ends every lane, and what it sent on each before (a VERIFIED,
+    /// a COMMIT) arrives ahead of that lane's end, so it is still handed out. Any other end
+    /// (bytes that break the format, a frame that fails authentication, a local failure)
+    /// closes every other lane at once. A closed lane reports its outstanding writes and
+    /// fences before its own end; the connection's end is reported once, after all.
+    fn lane_ended(&mut self, lane: usize, why: Closed, now: Instant) {
+        self.ended[lane] = true;
+        if self.closing.is_some() {
+            return;
+        }
+        let by_peer = matches!(why, Closed::PeerGone(_));
+        self.closing = Some(why);
+        if by_peer {
+            self.grace_until = Some(now + CLOSE_GRACE);
+            return;
+        }
+        for (i, l) in self.lanes.iter_mut().enumerate() {
+            if i != lane {
+                l.close(now);
+            }
+        }
+    }
+}
+
+impl<T: Transport> Transport for LaneSet<T> {
+    fn send_frame(&mut self, now: Instant, frame: &Frame) {
+        let lane = frame.transfer().map_or(0, |t| self.lane_of(t.transfer_id));
+        self.lanes[lane].send_frame(now, frame);
+    }
+
+    /// Polls every lane once per pass (each sends what it has queued, then reads), starting
+    /// after the lane that last had something, and hands their events out in that order.
+    fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {
+        if let Some(e) = self.ready.pop_front() {
+            return Poll::Ready(e);
+        }
+        if self.grace_until.is_some_and(|t| now >= t) {
+            // The peer ended a lane and the others did not follow: close them.
+            self.grace_until = None;
+            for (l, ended) in self.lanes.iter_mut().zip(&self.ended) {
+                if !ended {
+                    l.close(now);
+                }
+            }
+        }
+        let n = self.lanes.len();
+        let first = self.first;
+        for k in 0..n {
+            let i = (first + k) % n;
+            if self.ended[i] {
+                continue;
+            }
+            match self.lanes[i].poll_event(cx, now) {
+                Poll::Ready(TransportEvent::Closed(why)) => self.lane_ended(i, why, now),
+                Poll::Ready(event) => {
+                    if let (End::Sender, TransportEvent::Frame(Frame::Reserve(r))) =
+                        (self.end, &event)
+                    {
+                        // The transfer's writes and COMMIT go back on this lane.
+                        self.recent.set(r.transfer_id, i);
+                    }
+                    self.ready.push_back(event);
+                    self.first = (i + 1) % n;
+                }
+                Poll::Pending => {}
+            }
+        }
+        if self.ended.iter().all(|&e| e) {
+            if let Some(why) = self.closing.take() {
+                self.grace_until = None;
+                self.ready.push_back(TransportEvent::Closed(why));
+            }
+        }
+        match self.ready.pop_front() {
+            Some(e) => Poll::Ready(e),
+            None => Poll::Pending,
+        }
+    }
+
+    fn close(&mut self, now: Instant) {
+        self.grace_until = None;
+        for l in &mut self.lanes {
+            l.close(now);
+        }
+    }
+
+    fn poll_timeout(&self) -> Option<Instant> {
+        self.lanes
+            .iter()
+            .filter_map(Transport::poll_timeout)
+            .chain(self.grace_until)
+            .min()
+    }
+}
+
+impl<T: SenderTransport> SenderTransport for LaneSet<T> {
+    /// The least any lane has room for: the driver does not say which transfer it will post.
+    fn write_credit(&self) -> usize {
+        self.lanes
+            .iter()
+            .map(SenderTransport::write_credit)
+            .min()
+            .unwrap_or(0)
+    }
+
+    fn destination_pages(&self) -> Option<u32> {
+        self.lanes[0].destination_pages()
+    }
+
+    fn post_writes(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        access: &Arc<[u8]>,
+        writes: &[PageWrite],
+    ) {
+        let lane = self.lane_of(transfer.transfer_id);
+        self.lanes[lane].post_writes(now, transfer, access, writes);
+    }
+}
+
+impl<T: ReceiverTransport> ReceiverTransport for LaneSet<T> {
+    fn open_scope(
+        &mut self,
+        transfer_id: TransferId,
+        pages: &[u32],
+    ) -> Result<Vec<u8>, ScopeError> {
+        let lane = self.next_lane % self.lanes.len();
+        // A scope still open for this transfer on another lane closes first, as one table
+        // closes a transfer's old scope when it opens a new one.
+        if let Some(old) = self.scoped.remove(&transfer_id) {
+            if old != lane {
+                self.lanes[old].abandon_scope(transfer_id);
+            }
+        }
+        let access = self.lanes[lane].open_scope(transfer_id, pages)?;
+        self.next_lane = self.next_lane.wrapping_add(1);
+        self.scoped.insert(transfer_id, lane);
+        self.recent.set(transfer_id, lane);
+        Ok(access)
+    }
+
+    fn bind_scope(&mut self, transfer: TransferRef) {
+        let lane = self.lane_of(transfer.transfer_id);
+        self.lanes[lane].bind_scope(transfer);
+    }
+
+    fn abandon_scope(&mut self, transfer_id: TransferId) {
+        if let Some(lane) = self.scoped.remove(&transfer_id) {
+            self.lanes[lane].abandon_scope(transfer_id);
+        }
+    }
+
+    fn open_scopes(&self) -> usize {
+        self.lanes.iter().map(ReceiverTransport::open_scopes).sum()
+    }
+
+    fn reports_landings(&self) -> bool {
+        self.lanes.iter().all(ReceiverTransport::reports_landings)
+    }
+
+    fn fence(&mut self, transfer: TransferRef) -> Fence {
+        // The frames that follow the fence (VERIFIED, NACK, ABORT_ACK) still go on the
+        // transfer's lane, which `recent` keeps.
+        let lane = self
+            .scoped
+            .remove(&transfer.transfer_id)
+            .unwrap_or_else(|| self.recent.get(transfer.transfer_id));
+        self.lanes[lane].fence(transfer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{PagePool, PoolGeometry, Scrub};
+    use crate::transport::loopback;
+
+    fn pool() -> Arc<PagePool> {
+        Arc::new(
+            PagePool::new(
+                PoolGeometry {
+                    tokens_per_page: 1,
+                    buffer_page_bytes: vec![8],
+                    pages: 8,
+                },
+                Scrub::None,
+            )
+            .unwrap(),
+        )
+    }
+
+    /// Reservations take the lanes round robin; a transfer reserved again on another lane
+    /// has its old scope closed there first (as one table would); the fence reaches the lane
+    /// that holds the scope, however the reservations went round.
+    #[test]
+    fn scopes_go_round_robin_and_a_fence_reaches_the_scopes_lane() {
+        let (a, b) = (pool(), pool());
+        let lanes: Vec<_> = (0..3)
+            .map(|_| loopback::connect(a.clone(), b.clone(), std::time::Duration::ZERO).1)
+            .collect();
+        let mut r = LaneSet::receiver(lanes).with_first_lane(1);
+        let t = |id| TransferRef {
+            transfer_id: TransferId(id),
+            nonce: 1,
+        };
+        r.open_scope(TransferId(1), &[0]).unwrap();
+        r.open_scope(TransferId(2), &[1]).unwrap();
+        let per_lane = |r: &LaneSet<_>| -> Vec<usize> {
+            r.lanes()
+                .iter()
+                .map(ReceiverTransport::open_scopes)
+                .collect()
+        };
+        assert_eq!(per_lane(&r), vec![0, 1, 1]);
+        // Transfer 1 again: lane 0 now; its scope on lane 1 is closed first.
+        r.open_scope(TransferId(1), &[2]).unwrap();
+        assert_eq!(per_lane(&r), vec![1, 0, 1]);
+        assert_eq!(r.fence(t(1)), Fence::Done);
+        assert_eq!(r.fence(t(2)), Fence::Done);
+        assert_eq!(per_lane(&r), vec![0, 0, 0]);
+        assert_eq!(r.open_scopes(), 0);
+    }
+}
