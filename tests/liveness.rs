@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use kvwire::proto::admission::Request;
 use kvwire::proto::auth::Psk;
 use kvwire::proto::FailureReason;
-use kvwire::testkit::kv_pattern;
+use kvwire::testkit::{first_pattern_mismatch, kv_pattern};
 use kvwire::{
     Auth, Node, NodeConfig, ReceiverConn, ReserveParams, SenderConn, TransferError, TransferId,
 };
@@ -77,14 +77,7 @@ async fn peer_process() {
             let task = tokio::spawn(async move {
                 let out = match fut.await {
                     Ok(kv) => {
-                        let mut want = vec![0u8; 4096];
-                        let ok = (0..kv.pages()).all(|o| {
-                            (0..kv.buffers()).all(|b| {
-                                kv_pattern(TransferId(id), o as u32, b, &mut want);
-                                *kv.page(o, b).unwrap() == want[..]
-                            })
-                        });
-                        if ok {
+                        if first_pattern_mismatch(&kv, TransferId(id)).is_none() {
                             "verified".to_string()
                         } else {
                             "corrupt".to_string()

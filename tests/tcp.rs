@@ -9,7 +9,7 @@ use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::ErrorCode;
 use kvwire::proto::{FailureReason, Wait};
-use kvwire::testkit::kv_pattern;
+use kvwire::testkit::{first_pattern_mismatch, kv_pattern};
 use tokio::net::TcpListener;
 
 async fn pair(config: &NodeConfig) -> (SenderConn, ReceiverConn) {
@@ -69,15 +69,9 @@ async fn concurrent_transfers_verify_with_the_senders_bytes() {
         tasks.push(tokio::spawn(async move {
             send(&s, id, u64::from(tokens)).await.unwrap();
             let kv = verified.await.unwrap();
-            let mut want = vec![0u8; 4096];
-            let ok = (0..kv.pages()).all(|o| {
-                (0..kv.buffers()).all(|b| {
-                    kv_pattern(TransferId(id), o as u32, b, &mut want);
-                    *kv.page(o, b).unwrap() == want[..]
-                })
-            });
-            assert!(
-                ok,
+            assert_eq!(
+                first_pattern_mismatch(&kv, TransferId(id)),
+                None,
                 "transfer {id}: delivered bytes differ from the sender's"
             );
         }));
@@ -107,16 +101,11 @@ async fn tcp_verifies_from_digests_taken_at_landing_unless_turned_off() {
             let verified = r.reserve(params(id, 300));
             send(&s, id, 300).await.unwrap();
             let kv = verified.await.unwrap();
-            let mut want = vec![0u8; 4096];
-            for o in 0..kv.pages() {
-                for b in 0..kv.buffers() {
-                    kv_pattern(TransferId(id), o as u32, b, &mut want);
-                    assert!(
-                        *kv.page(o, b).unwrap() == want[..],
-                        "transfer {id} page {o}"
-                    );
-                }
-            }
+            assert_eq!(
+                first_pattern_mismatch(&kv, TransferId(id)),
+                None,
+                "transfer {id}"
+            );
         }
         let st = r.stats().await.unwrap();
         assert_eq!(st.verified, 4);

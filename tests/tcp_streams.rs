@@ -13,7 +13,7 @@ use kvwire::engine::{
     EngineError, Listener, ListenerConfig, Node, NodeConfig, ReceiverConn, SenderConn,
 };
 use kvwire::proto::admission::Request;
-use kvwire::testkit::kv_pattern;
+use kvwire::testkit::{first_pattern_mismatch, kv_pattern};
 use kvwire::transport::tcp::JoinRecord;
 use kvwire::TransferId;
 use tokio::io::AsyncWriteExt;
@@ -44,17 +44,36 @@ async fn transfer(s: &SenderConn, r: &ReceiverConn, id: u64, tokens: u32) {
         .await
         .unwrap();
     let kv = verified.await.unwrap();
-    let mut want = vec![0u8; 4096];
-    for o in 0..kv.pages() {
-        for b in 0..kv.buffers() {
-            kv_pattern(TransferId(id), o as u32, b, &mut want);
-            assert!(
-                *kv.page(o, b).unwrap() == want[..],
-                "transfer {id}: page {o} of buffer {b} differs from the sender's"
-            );
-        }
-    }
+    assert_eq!(
+        first_pattern_mismatch(&kv, TransferId(id)),
+        None,
+        "transfer {id}: (ordinal, buffer) differs from the sender's"
+    );
     kv.release().unwrap();
+}
+
+/// A connection from `prefill` to `decode` (accepted on a fresh listener, the prefill the
+/// client): both ends' results.
+async fn connect(
+    prefill: &Node,
+    decode: &Node,
+) -> (
+    Result<SenderConn, EngineError>,
+    Result<ReceiverConn, EngineError>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let d = decode.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &d).await });
+    let s = SenderConn::connect(addr, prefill).await;
+    (s, accept.await.unwrap())
+}
+
+/// Two nodes of `c` and a connection between them.
+async fn pair(c: &NodeConfig) -> (SenderConn, ReceiverConn) {
+    let (prefill, decode) = (Node::new(c.clone()).unwrap(), Node::new(c.clone()).unwrap());
+    let (s, r) = connect(&prefill, &decode).await;
+    (s.unwrap(), r.unwrap())
 }
 
 async fn pools_full(s: &SenderConn, r: &ReceiverConn) {
@@ -76,14 +95,7 @@ async fn pools_full(s: &SenderConn, r: &ReceiverConn) {
 /// sender's bytes (the receiver spreads them over the streams round robin).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfers_over_four_streams_verify_with_the_senders_bytes() {
-    let c = config(4);
-    let (prefill, decode) = (Node::new(c.clone()).unwrap(), Node::new(c).unwrap());
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let d = decode.clone();
-    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &d).await });
-    let s = SenderConn::connect(addr, &prefill).await.unwrap();
-    let r = accept.await.unwrap().unwrap();
+    let (s, r) = pair(&config(4)).await;
     let mut tasks = Vec::new();
     for id in 1..=24u64 {
         let (s, r) = (s.clone(), r.clone());
@@ -99,9 +111,9 @@ async fn transfers_over_four_streams_verify_with_the_senders_bytes() {
     pools_full(&s, &r).await;
 }
 
-/// A listener serves connections of three streams from two prefill nodes at once, the decode
-/// side as the client this time: both carry verified transfers, and the listener counts the
-/// four streams that joined beside the two connections.
+/// A prefill node's listener serves connections of three streams from two decode nodes (the
+/// decode side the client this time): both carry verified transfers, and the listener counts
+/// the four streams that joined beside the two connections.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_serves_multi_stream_connections_and_counts_the_joined_streams() {
     let c = config(3);
@@ -135,11 +147,7 @@ async fn mismatched_stream_counts_are_refused_at_both_ends() {
         dc.tcp_streams = decode_streams;
         pc.tcp_streams = prefill_streams;
         let (prefill, decode) = (Node::new(pc).unwrap(), Node::new(dc).unwrap());
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
-        let s = SenderConn::connect(addr, &prefill).await;
-        let r = accept.await.unwrap();
+        let (s, r) = connect(&prefill, &decode).await;
         for (side, e) in [("sender", s.err()), ("receiver", r.err())] {
             match e {
                 Some(EngineError::Transport(m)) => {
@@ -292,12 +300,7 @@ async fn losing_one_stream_fails_the_connection_safely() {
 async fn a_receiver_closing_after_its_last_verdict_loses_no_verdict() {
     let c = config(4);
     for round in 0..30u64 {
-        let (prefill, decode) = (Node::new(c.clone()).unwrap(), Node::new(c.clone()).unwrap());
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
-        let s = SenderConn::connect(addr, &prefill).await.unwrap();
-        let r = accept.await.unwrap().unwrap();
+        let (s, r) = pair(&c).await;
         let mut sends = Vec::new();
         let mut verdicts = Vec::new();
         for k in 0..8u64 {

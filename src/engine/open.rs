@@ -11,6 +11,25 @@ use crate::config::TransportConfig;
 use crate::transport::tcp::{TcpParams, TcpReceiver, TcpSender, MAX_STREAMS};
 use crate::transport::LaneSet;
 
+/// A connection's TCP transports: one stream's alone (no lanes to route), or several.
+enum Streams<T> {
+    One(T),
+    Several(Vec<T>),
+}
+
+fn one_or_several<T>(mut lanes: Vec<T>) -> Result<Streams<T>, EngineError> {
+    match (lanes.len(), lanes.pop()) {
+        (1, Some(t)) => Ok(Streams::One(t)),
+        (_, Some(t)) => {
+            lanes.push(t);
+            Ok(Streams::Several(lanes))
+        }
+        (_, None) => Err(EngineError::Transport(
+            "a connection without streams".into(),
+        )),
+    }
+}
+
 /// The TCP transport's handshake (its parameters carrying the page count and, with several
 /// streams, the stream count and a token) and the connection's streams, lane 0 first (SPEC
 /// §9.1): a server with several streams first hands a stream that joins another connection
@@ -73,7 +92,7 @@ async fn tcp_lanes(
         client,
         streams,
         join,
-        node.joins(),
+        node,
         listener,
         config.handshake_timeout,
     )
@@ -95,22 +114,16 @@ pub(crate) async fn sender(
             let (est, peer, lanes) =
                 tcp_lanes(stream, node, client, Role::SENDER, listener).await?;
             // The receiver's page count bounds the pages a reservation may name (SPEC §9.1).
-            let mut lanes: Vec<TcpSender> = lanes
+            let lanes: Vec<TcpSender> = lanes
                 .into_iter()
                 .map(|(s, sealer, opener)| {
                     TcpSender::new(s, sealer, opener, pool.clone())
                         .with_destination_pages(peer.pages)
                 })
                 .collect();
-            match (lanes.len(), lanes.pop()) {
-                (1, Some(t)) => SenderConn::run(est, pool, t, config),
-                (_, Some(last)) => {
-                    lanes.push(last);
-                    SenderConn::run(est, pool, LaneSet::sender(lanes), config)
-                }
-                (_, None) => Err(EngineError::Transport(
-                    "a connection without streams".into(),
-                )),
+            match one_or_several(lanes)? {
+                Streams::One(t) => SenderConn::run(est, pool, t, config),
+                Streams::Several(l) => SenderConn::run(est, pool, LaneSet::sender(l), config),
             }
         }
         #[cfg(feature = "rdma")]
@@ -171,22 +184,16 @@ pub(crate) async fn receiver(
         TransportConfig::Tcp => {
             let (est, _, lanes) = tcp_lanes(stream, node, client, Role::RECEIVER, listener).await?;
             let n = lanes.len() as u16;
-            let mut lanes: Vec<TcpReceiver> = lanes
+            let lanes: Vec<TcpReceiver> = lanes
                 .into_iter()
                 .zip(0u16..)
                 .map(|((s, sealer, opener), i)| {
                     TcpReceiver::new(s, sealer, opener, pool.clone()).with_lane(i, n)
                 })
                 .collect();
-            match (lanes.len(), lanes.pop()) {
-                (1, Some(t)) => ReceiverConn::run(est, pool, t, config),
-                (_, Some(last)) => {
-                    lanes.push(last);
-                    ReceiverConn::run(est, pool, LaneSet::receiver(lanes), config)
-                }
-                (_, None) => Err(EngineError::Transport(
-                    "a connection without streams".into(),
-                )),
+            match one_or_several(lanes)? {
+                Streams::One(t) => ReceiverConn::run(est, pool, t, config),
+                Streams::Several(l) => ReceiverConn::run(est, pool, LaneSet::receiver(l), config),
             }
         }
         #[cfg(feature = "rdma")]

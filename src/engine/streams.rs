@@ -156,10 +156,11 @@ pub(crate) async fn open_lanes(
     client: bool,
     streams: u16,
     token: [u8; 16],
-    joins: &Joins,
+    node: &super::Node,
     listener: Option<&TcpListener>,
     timeout: Duration,
 ) -> Result<Vec<LaneStream>, EngineError> {
+    let joins = node.joins();
     let channels = channel.lanes(streams.max(1));
     let mut others: Vec<Option<TcpStream>> = (1..streams).map(|_| None).collect();
     if streams > 1 {
@@ -200,9 +201,14 @@ pub(crate) async fn open_lanes(
                         Some(l) => tokio::select! {
                             j = claim.rx.recv() => j,
                             a = l.accept() => {
-                                // A stream for this connection, or not one of ours (closed).
-                                let mut s = a.ok().map(|(s, _)| s);
-                                let _ = route_join(&mut s, joins, timeout).await;
+                                // A stream for this connection, or not one of ours (closed
+                                // when its task ends); read apart, so a client that
+                                // connects and says nothing cannot hold up the others.
+                                let node = node.clone();
+                                tokio::spawn(async move {
+                                    let mut s = a.ok().map(|(s, _)| s);
+                                    let _ = route_join(&mut s, node.joins(), timeout).await;
+                                });
                                 continue;
                             }
                         },

@@ -13,4 +13,4 @@ mod faults;
 mod pair;
 
 pub use faults::{Fault, FaultPlan, FaultRule, FaultyReceiver, FaultySender, Request, Side, Step};
-pub use pair::{handshake, kv_pattern, Pair, PairConfig, PairError};
+pub use pair::{first_pattern_mismatch, handshake, kv_pattern, Pair, PairConfig, PairError};

@@ -149,6 +149,26 @@ pub fn kv_pattern(transfer_id: TransferId, ordinal: u32, buffer: usize, page: &m
     }
 }
 
+/// The first page (ordinal, buffer) of a delivered transfer whose bytes differ from
+/// [`kv_pattern`] of `transfer_id` (or cannot be read), if any: what tests check a verified
+/// transfer against.
+pub fn first_pattern_mismatch(
+    kv: &crate::engine::Verified,
+    transfer_id: TransferId,
+) -> Option<(usize, usize)> {
+    let mut want = Vec::new();
+    (0..kv.pages())
+        .flat_map(|o| (0..kv.buffers()).map(move |b| (o, b)))
+        .find(|&(o, b)| match kv.page(o, b) {
+            Ok(page) => {
+                want.resize(page.len(), 0);
+                kv_pattern(transfer_id, o as u32, b, &mut want);
+                *page != want[..]
+            }
+            Err(_) => true,
+        })
+}
+
 /// Runs a handshake between two machines over encoded bytes, in memory.
 pub fn handshake(
     now: Instant,

@@ -61,6 +61,15 @@ fn run_chunks(digests: &mut Digests, pool: &PagePool, alg: DigestAlgorithm, aux:
     }
 }
 
+/// A runtime with a blocking pool of 4 threads, for offloaded jobs.
+fn pool_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(4)
+        .build()
+        .unwrap()
+}
+
 fn outcomes(digests: &mut Digests) -> Vec<JobOutcome> {
     std::iter::from_fn(|| {
         digests.take_ready().map(|(t, o)| {
@@ -98,11 +107,7 @@ fn chunks_inline_equal_one_shot() {
 #[test]
 fn chunks_offloaded_run_in_order_and_equal_one_shot() {
     let pool = pool();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .max_blocking_threads(4)
-        .build()
-        .unwrap();
+    let rt = pool_runtime();
     let _guard = rt.enter();
     let mut digests = Digests::new(
         DigestMode::Verify,
@@ -261,11 +266,7 @@ fn poll_outcomes(digests: &mut Digests, n: usize, mut check: impl FnMut(usize)) 
 #[test]
 fn jobs_split_across_pool_threads_equal_one_shot_and_unpin_before_reporting() {
     let pool = pool();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .max_blocking_threads(4)
-        .build()
-        .unwrap();
+    let rt = pool_runtime();
     let _guard = rt.enter();
     for alg in [DigestAlgorithm::XXH3_64, DigestAlgorithm::CRC32] {
         let mut digests = Digests::new(
