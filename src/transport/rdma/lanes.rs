@@ -3,8 +3,7 @@
 //! them: poll their completions, wait on the completion channel, watch the bootstrap
 //! connection, reset them all when one fails.
 
-use kvwire_proto::wire::TransferId;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
