@@ -15,7 +15,7 @@
 //! the peer ended it, so that what the peer sent on the others before closing is still read),
 //! and the first lane's reason is reported once, as the connection's.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -27,23 +27,41 @@ use super::{
     Closed, Fence, ReceiverTransport, ScopeError, SenderTransport, Transport, TransportEvent,
 };
 
-/// Remembers which lane each live transfer uses, bounded (beyond 65 536 entries the lowest
-/// transfer id goes first): for routing frames and a sender's writes, where a forgotten lane
-/// costs liveness (the transfer's writes go to lane 0, where the receiver does not know the
-/// key) and never safety. A receiver's open scopes are tracked exactly ([`LaneSet`]).
+/// Remembers which lane each recent transfer uses, bounded: beyond [`LANE_MAP_CAPACITY`]
+/// transfers the one whose lane was set longest ago goes first (arrival order, never by id:
+/// ids are the engine's, often random). For routing frames and a sender's writes, where a
+/// forgotten lane costs liveness (the transfer's writes go to lane 0, where the receiver does
+/// not know the key) and never safety. A receiver's open scopes are tracked exactly
+/// ([`LaneSet`]).
 #[derive(Debug, Default)]
-pub(crate) struct LaneMap(BTreeMap<TransferId, usize>);
+pub(crate) struct LaneMap {
+    /// Each transfer's lane and the number of the `set` that gave it.
+    lanes: HashMap<TransferId, (usize, u64)>,
+    /// `set`s in order (entries of transfers set again since are skipped when they come up).
+    order: VecDeque<(TransferId, u64)>,
+    sets: u64,
+}
+
+/// Transfers a [`LaneMap`] remembers at most.
+pub(crate) const LANE_MAP_CAPACITY: usize = 65_536;
 
 impl LaneMap {
     pub(crate) fn set(&mut self, transfer_id: TransferId, lane: usize) {
-        if self.0.len() >= 65_536 {
-            self.0.pop_first();
+        self.sets += 1;
+        self.lanes.insert(transfer_id, (lane, self.sets));
+        self.order.push_back((transfer_id, self.sets));
+        while self.lanes.len() > LANE_MAP_CAPACITY || self.order.len() > 2 * LANE_MAP_CAPACITY {
+            let Some((id, n)) = self.order.pop_front() else {
+                break;
+            };
+            if self.lanes.get(&id).is_some_and(|&(_, m)| m == n) {
+                self.lanes.remove(&id);
+            }
         }
-        self.0.insert(transfer_id, lane);
     }
 
     pub(crate) fn get(&self, transfer_id: TransferId) -> usize {
-        self.0.get(&transfer_id).copied().unwrap_or(0)
+        self.lanes.get(&transfer_id).map_or(0, |&(lane, _)| lane)
     }
 
     /// The lane of a frame: its transfer's, or lane 0 for a frame of no live transfer.
@@ -162,17 +180,21 @@ impl<T: Transport> LaneSet<T> {
     /// fences before its own end; the connection's end is reported once, after all.
     fn lane_ended(&mut self, lane: usize, why: Closed, now: Instant) {
         self.ended[lane] = true;
-        if self.closing.is_some() {
-            return;
-        }
         let by_peer = matches!(why, Closed::PeerGone(_));
-        self.closing = Some(why);
+        match &self.closing {
+            None => self.closing = Some(why),
+            // A worse reason during the grace (a frame that failed authentication, bytes
+            // that break the format) is the connection's, and ends the grace now.
+            Some(Closed::PeerGone(_)) if !by_peer => self.closing = Some(why),
+            Some(_) => return,
+        }
         if by_peer {
             self.grace_until = Some(now + CLOSE_GRACE);
             return;
         }
+        self.grace_until = None;
         for (i, l) in self.lanes.iter_mut().enumerate() {
-            if i != lane {
+            if i != lane && !self.ended[i] {
                 l.close(now);
             }
         }
@@ -377,5 +399,36 @@ mod tests {
         assert_eq!(r.fence(t(2)), Fence::Done);
         assert_eq!(per_lane(&r), vec![0, 0, 0]);
         assert_eq!(r.open_scopes(), 0);
+    }
+
+    /// Regression (review): full, the map evicted the lowest transfer id, so with random ids
+    /// (SGLang's rooms) a new transfer lost its lane while still sending. It evicts in
+    /// arrival order: the latest `LANE_MAP_CAPACITY` transfers keep theirs, whatever their ids.
+    #[test]
+    fn a_full_lane_map_forgets_the_oldest_transfer_not_the_lowest_id() {
+        let mut m = LaneMap::default();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut ids = Vec::new();
+        for _ in 0..LANE_MAP_CAPACITY + 1000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ids.push(TransferId(x));
+            m.set(TransferId(x), 1 + (x % 3) as usize);
+        }
+        // Small ids arriving late keep their lane.
+        m.set(TransferId(1), 2);
+        assert_eq!(m.get(TransferId(1)), 2);
+        for &id in &ids[ids.len() - LANE_MAP_CAPACITY + 1..] {
+            assert_eq!(m.get(id), 1 + (id.0 % 3) as usize, "{id:?} lost its lane");
+        }
+        assert_eq!(m.get(ids[0]), 0, "the oldest is forgotten");
+        assert!(m.lanes.len() <= LANE_MAP_CAPACITY);
+        // Setting one transfer over and over does not grow the order without bound.
+        for _ in 0..3 * LANE_MAP_CAPACITY {
+            m.set(TransferId(1), 1);
+        }
+        assert!(m.order.len() <= 2 * LANE_MAP_CAPACITY);
+        assert_eq!(m.get(TransferId(1)), 1);
     }
 }

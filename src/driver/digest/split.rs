@@ -39,8 +39,10 @@ pub(super) fn spawn(
     let n = job.page_count();
     let parts = parts.clamp(1, n.max(1));
     let job = Arc::new(job);
+    // Every part's handle, made before any part runs, so `spawn` keeps none past its loop.
+    let mut handles: Vec<Arc<DigestJob>> = (0..parts).map(|_| job.clone()).collect();
     let shared = Arc::new(Shared {
-        job: Mutex::new(Some(job.clone())),
+        job: Mutex::new(Some(job)),
         state: Mutex::new(state),
         parts: Mutex::new((0..parts).map(|_| None).collect()),
         left: AtomicUsize::new(parts),
@@ -49,7 +51,8 @@ pub(super) fn spawn(
     for k in 0..parts {
         // Part k covers positions [k*n/parts, (k+1)*n/parts): consecutive, together the chunk.
         let (from, to) = (k * n / parts, (k + 1) * n / parts);
-        let (job, shared, report) = (job.clone(), shared.clone(), report.clone());
+        let Some(job) = handles.pop() else { break };
+        let (shared, report) = (shared.clone(), report.clone());
         tokio::task::spawn_blocking(move || {
             let part = job.page_digests_of(from, to);
             drop(job);
@@ -64,7 +67,6 @@ pub(super) fn spawn(
             }
         });
     }
-    drop(job);
 }
 
 /// The last part: folds every part's page digests into the transfer's digests, then drops the
