@@ -191,6 +191,10 @@ pub enum DigestJobError {
         /// Pages in the chunk.
         pages: usize,
     },
+    /// The job panicked (a bug); the pages it read are no longer pinned and the transfer
+    /// fails instead of waiting for digests that never come.
+    #[error("digest job panicked: {0}")]
+    Panicked(String),
     /// The chunk does not continue the digests so far (a driver bug: jobs of a transfer run
     /// in order).
     #[error("chunk starts at ordinal {first}, the digests so far cover {covered} pages")]
@@ -282,7 +286,24 @@ pub struct DigestJob {
     pages: SharedPages,
 }
 
+/// Under `cfg(test)`, a job of this transfer panics when it reads its pages (the driver's
+/// panic guard is tested with it).
+#[cfg(test)]
+pub(crate) const PANICS_IN_TESTS: kvwire_proto::wire::TransferId =
+    kvwire_proto::wire::TransferId(0xDEAD_0000_0000_BEEF);
+
 impl DigestJob {
+    /// Panics under `cfg(test)` for [`PANICS_IN_TESTS`].
+    #[inline]
+    fn test_panic(&self) {
+        #[cfg(test)]
+        assert!(
+            self.transfer.transfer_id != PANICS_IN_TESTS,
+            "digest job of transfer {} panics (test)",
+            self.transfer.transfer_id.0
+        );
+    }
+
     /// A job over `pages` (the chunk's pages in ordinal order, from ordinal `first`).
     pub fn new(
         transfer: TransferRef,
@@ -363,6 +384,7 @@ impl DigestJob {
     /// memory only ([`DigestJob::steps_on_host`]).
     pub fn step(&self, state: &mut TransferDigester, from: usize, to: usize) {
         debug_assert!(self.steps_on_host() && from <= to && to <= self.pages.pages());
+        self.test_panic();
         state.update(to - from, |b, i| self.pages.page(from + i, b));
     }
 
@@ -396,6 +418,7 @@ impl DigestJob {
         to: usize,
     ) -> Result<PageDigestPart, DigestJobError> {
         debug_assert!(self.splits_on_host() && from <= to && to <= self.pages.pages());
+        self.test_panic();
         let kind = Kind::new(self.algorithm)?;
         let pages = to - from;
         let mut digests = Vec::with_capacity(self.pages.buffers() * pages);
@@ -457,6 +480,7 @@ impl DigestJob {
     /// [`DigestJobError`] if the algorithm is not supported, or `state` does not end where
     /// the chunk starts.
     pub fn run(&self, state: Option<TransferDigester>) -> Result<DigestProgress, DigestJobError> {
+        self.test_panic();
         let mut state = self.begin(state)?;
         let n = self.pages.pages();
         if self.steps_on_host() {

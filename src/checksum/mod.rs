@@ -71,6 +71,8 @@ mod landed;
 mod tests;
 
 pub use job::{DigestJob, DigestJobError, DigestProgress, PageDigestPart, TransferDigester};
+#[cfg(test)]
+pub(crate) use job::PANICS_IN_TESTS;
 pub use landed::LandedDigests;
 
 /// The 4-byte domain-separation prefix of every buffer digest input (ASCII `"KVWD"`).

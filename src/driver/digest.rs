@@ -16,6 +16,24 @@ use tokio::sync::mpsc;
 use crate::checksum::{DigestJob, DigestJobError, DigestMode, DigestProgress, TransferDigester};
 use crate::memory::{PoolError, SharedPages};
 
+/// Runs `f`, a digest job's work, turning a panic into [`DigestJobError::Panicked`]: the job
+/// (and its pin on the pages) is dropped by the unwinding, and the transfer gets an outcome
+/// instead of waiting forever for one.
+pub(super) fn guarded<T>(
+    f: impl FnOnce() -> Result<T, DigestJobError>,
+) -> Result<T, DigestJobError> {
+    // AssertUnwindSafe: on a panic nothing `f` touched is used again; its job and digest
+    // state are dropped, and the outcome says the job failed.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into());
+        Err(DigestJobError::Panicked(message))
+    })
+}
+
 /// How a digest job ended, for the session.
 #[derive(Debug)]
 pub(crate) enum JobOutcome {
@@ -219,7 +237,7 @@ impl Digests {
             }
             let final_chunk = job.is_final();
             if !offload {
-                let result = job.run(state);
+                let result = guarded(|| job.run(state));
                 drop(job);
                 self.complete(transfer, final_chunk, result);
                 continue;
@@ -235,7 +253,7 @@ impl Digests {
                 return;
             }
             tokio::task::spawn_blocking(move || {
-                let result = job.run(state);
+                let result = guarded(|| job.run(state));
                 drop(job);
                 let _ = done.send((transfer, final_chunk, result));
             });
@@ -276,7 +294,19 @@ impl Digests {
         let n = s.job.page_count();
         let to = (through.saturating_sub(s.job.first) as usize).min(n);
         if to > s.done {
-            s.job.step(&mut s.state, s.done, to);
+            let (job, state, done) = (&s.job, &mut s.state, s.done);
+            if let Err(e) = guarded(|| {
+                job.step(state, done, to);
+                Ok(())
+            }) {
+                // The stepped job ends here: its state is not continued.
+                let final_chunk = s.job.is_final();
+                stream.stepped = None;
+                self.stepping.remove(&transfer);
+                self.complete(transfer, final_chunk, Err(e));
+                self.pump(transfer);
+                return;
+            }
             s.done = to;
         }
         if s.done < n {

@@ -54,7 +54,7 @@ pub(super) fn spawn(
         let Some(job) = handles.pop() else { break };
         let (shared, report) = (shared.clone(), report.clone());
         tokio::task::spawn_blocking(move || {
-            let part = job.page_digests_of(from, to);
+            let part = super::guarded(|| job.page_digests_of(from, to));
             drop(job);
             lock(&shared.parts)[k] = Some(part);
             // AcqRel: the last part sees every other part's result and dropped handle.
@@ -83,7 +83,7 @@ fn fold(shared: &Shared) -> Result<DigestProgress, DigestJobError> {
             pages: 0,
         });
     };
-    let result = parts.and_then(|parts| job.run_from_parts(state, &parts));
+    let result = parts.and_then(|parts| super::guarded(|| job.run_from_parts(state, &parts)));
     // Every other handle was dropped before its part counted itself done.
     match Arc::try_unwrap(job) {
         Ok(job) => drop(job),

@@ -328,3 +328,62 @@ fn parts_that_do_not_cover_the_chunk_are_refused() {
         );
     }
 }
+
+/// A digest job that panics (a bug) fails its transfer instead of leaving it waiting: inline,
+/// stepped while sending, on the pool, and split across pool threads, the outcome is
+/// `Failed`, the pages are unpinned, and no state is kept.
+#[test]
+fn a_panicking_job_fails_its_transfer_and_unpins_its_pages() {
+    let panics = TransferRef {
+        transfer_id: crate::checksum::PANICS_IN_TESTS,
+        nonce: 5,
+    };
+    let pool = pool();
+    let rt = pool_runtime();
+    let _guard = rt.enter();
+    let offload = |threads| DigestExecution::Offload {
+        min_bytes: 0,
+        threads,
+    };
+    for (name, execution, stepped) in [
+        ("inline", DigestExecution::Inline, false),
+        ("stepped", DigestExecution::Inline, true),
+        ("pool", offload(1), false),
+        ("split", offload(3), false),
+    ] {
+        let mut digests = Digests::new(DigestMode::Verify, execution);
+        digests.while_sending = stepped;
+        digests.min_part_bytes = 1;
+        let view = pool.share_pages(PAGES.to_vec());
+        digests.start(panics, DigestAlgorithm::XXH3_64, true, 0, view, Some(Vec::new()));
+        if stepped {
+            digests.advance(panics, 2);
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let got = loop {
+            if let Some(done) = digests.take_ready() {
+                break done;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name}: the panicking job never reported"
+            );
+            if digests.poll_done(&mut cx).is_pending() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        };
+        assert!(
+            matches!(got, (t, JobOutcome::Failed { final_chunk: true }) if t == panics),
+            "{name}: {got:?}"
+        );
+        for &p in &PAGES {
+            assert!(
+                pool.raw_page_mut(p, 0).is_some(),
+                "{name}: page {p} still pinned"
+            );
+        }
+        assert_eq!(digests.streams(), 0, "{name}: state kept");
+        assert_eq!(digests.stepping().count(), 0, "{name}");
+    }
+}
