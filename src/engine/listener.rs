@@ -48,7 +48,8 @@ pub struct ListenerStats {
     pub accepted: u64,
     /// Handshakes that succeeded (connections handed out, or waiting to be).
     pub established: u64,
-    /// Handshakes that failed: refused by either side (wrong key, layout, version, ...).
+    /// Handshakes that failed: refused by either side (wrong key, layout, version, ...), and
+    /// joining streams that name no connection of this node.
     pub refused: u64,
     /// Handshakes that failed on bytes that are not kvwire frames (a port scan, HTTP).
     pub malformed: u64,
@@ -207,7 +208,9 @@ impl<C> Listener<C> {
 pub(crate) fn failure_class(e: &EngineError) -> &'static str {
     use kvwire_proto::handshake::HandshakeError as H;
     match e {
-        EngineError::Handshake(H::Refused(_) | H::RefusedByPeer(_)) => "refused",
+        EngineError::Handshake(H::Refused(_) | H::RefusedByPeer(_)) | EngineError::StrayJoin(_) => {
+            "refused"
+        }
         EngineError::Handshake(H::Unexpected(_)) | EngineError::Stream(_) => "malformed",
         _ => "failed",
     }

@@ -87,6 +87,10 @@ pub enum EngineError {
     /// failure: a listener accepting it goes on to the next.
     #[error("the stream joined another connection as one of its TCP streams")]
     StreamJoined,
+    /// The accepted stream began with a join record naming no connection of this node (or
+    /// one that had all its streams already): closed at once (SPEC §9.1, several streams).
+    #[error("a joining TCP stream names no connection of this node ({0})")]
+    StrayJoin(&'static str),
 }
 
 impl From<crate::transport::ConnectError> for EngineError {
@@ -197,6 +201,7 @@ pub(crate) async fn handshake(
     role: Role,
     transport_params: Vec<u8>,
     timeout: std::time::Duration,
+    on_frame: &mut (dyn FnMut(&kvwire_proto::wire::Frame) + Send),
 ) -> Result<
     (
         tokio::net::TcpStream,
@@ -219,7 +224,8 @@ pub(crate) async fn handshake(
     if channel.is_authenticated() {
         hs = hs.with_confirmation();
     }
-    let est = crate::transport::stream::handshake(&mut stream, hs, &mut channel, timeout).await?;
+    let est = crate::transport::stream::handshake(&mut stream, hs, &mut channel, timeout, on_frame)
+            .await?;
     Ok((stream, est, channel))
 }
 

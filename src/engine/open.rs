@@ -74,8 +74,21 @@ async fn tcp_lanes(
         token,
     };
     let left = config.handshake_timeout.saturating_sub(started.elapsed());
+    // A server with several streams claims the client's token as soon as it reads the
+    // client's HELLO, before it answers: the client opens its extra streams only after the
+    // answer, so a join naming a token nobody claimed is never this client's (closed at once).
+    let mut claim = None;
+    let mut on_frame = |f: &kvwire_proto::wire::Frame| {
+        if let (false, true, kvwire_proto::wire::Frame::Hello(h)) = (client, streams > 1, f) {
+            if let Ok(p) = TcpParams::parse(&h.transport_params) {
+                if p.streams > 1 && claim.is_none() {
+                    claim = Some(node.joins().claim(p.token));
+                }
+            }
+        }
+    };
     let (stream, est, channel) =
-        handshake(stream, config, client, role, params.encode(), left).await?;
+        handshake(stream, config, client, role, params.encode(), left, &mut on_frame).await?;
     let peer = TcpParams::parse(&est.peer.transport_params)
         .map_err(|e| EngineError::Transport(format!("the peer's TCP transport parameters: {e}")))?;
     if peer.streams != streams {
@@ -92,6 +105,7 @@ async fn tcp_lanes(
         client,
         streams,
         join,
+        claim,
         node,
         listener,
         config.handshake_timeout,
@@ -150,6 +164,7 @@ pub(crate) async fn sender(
                 Role::SENDER,
                 params,
                 config.handshake_timeout,
+                &mut |_| {},
             )
             .await?;
             let t = prepared
@@ -220,6 +235,7 @@ pub(crate) async fn receiver(
                 Role::RECEIVER,
                 params,
                 config.handshake_timeout,
+                &mut |_| {},
             )
             .await?;
             let t = prepared

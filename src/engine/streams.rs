@@ -5,12 +5,15 @@
 //!
 //! The streams that join arrive at the server's listener like new connections. Whoever accepts
 //! them (a [`Listener`](super::Listener)'s accept loop, or the connection's own `accept` while it
-//! waits) hands them to the node's [`Joins`], where the server's connection claims those of its
-//! token. A stream whose token no connection claims within the handshake timeout is dropped.
+//! waits) hands them to the node's [`Joins`], where the server's connection claimed its client's
+//! token as soon as it read the client's HELLO, before it answered. The client opens its extra
+//! streams only after that answer, so a stream naming a token no connection claimed is never
+//! a client's and is closed at once: the registry holds no more tokens than the server has
+//! connections (established, or between HELLO and the end of their handshake).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvwire_proto::auth::{AuthChannel, Opener, Sealer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -18,16 +21,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
 use super::EngineError;
-use crate::transport::tcp::{JoinRecord, JOIN_MAGIC};
-
-/// Connection tokens with joined streams no connection claimed yet, at most (streams for
-/// further tokens are dropped at once, until older ones expire).
-const UNCLAIMED_LIMIT: usize = 1024;
+use crate::transport::tcp::{JoinRecord, JOIN_MAGIC, MAX_STREAMS};
 
 /// One stream of a connection, with its lane of the connection's authentication channel.
 pub(crate) type LaneStream = (TcpStream, Sealer, Opener);
 
-/// The streams that joined, by the token of the connection they name.
+/// The streams that join, by the token of the connection that claimed it.
 #[derive(Debug, Default)]
 pub(crate) struct Joins {
     slots: Mutex<HashMap<[u8; 16], Slot>>,
@@ -36,9 +35,21 @@ pub(crate) struct Joins {
 #[derive(Debug)]
 struct Slot {
     tx: mpsc::UnboundedSender<(JoinRecord, TcpStream)>,
-    /// Until the connection claims it.
-    rx: Option<mpsc::UnboundedReceiver<(JoinRecord, TcpStream)>>,
-    since: Instant,
+    /// Streams handed over so far: at most [`MAX_STREAMS`] per token (a party that learned the
+    /// token cannot queue streams without bound).
+    delivered: usize,
+}
+
+/// What became of a joining stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Delivery {
+    /// Handed to the connection that claimed its token.
+    Delivered,
+    /// No connection claims its token (closed).
+    Unclaimed,
+    /// Its token's connection had as many streams handed over as a connection can have
+    /// (closed).
+    TooMany,
 }
 
 impl Joins {
@@ -46,53 +57,51 @@ impl Joins {
         self.slots.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Hands a joining stream to the connection of `token` (now, or when it claims them).
-    /// Streams nobody claimed within `expiry` are dropped (closed); beyond
-    /// [`UNCLAIMED_LIMIT`] unclaimed tokens, a stream for a new one is dropped at once.
-    fn deliver(&self, join: JoinRecord, stream: TcpStream, expiry: Duration) {
-        let token = join.token;
+    /// Hands a joining stream to the connection that claimed its token; closes it when none
+    /// did, or when that connection had [`MAX_STREAMS`] streams handed over already.
+    pub(crate) fn deliver(&self, join: JoinRecord, stream: TcpStream) -> Delivery {
         let mut slots = self.slots();
-        let now = Instant::now();
-        slots.retain(|_, s| s.rx.is_none() || now.duration_since(s.since) < expiry);
-        if !slots.contains_key(&token) && slots.len() >= UNCLAIMED_LIMIT {
-            tracing::warn!("a joining stream dropped: too many unclaimed connection tokens");
-            return;
+        let Some(slot) = slots.get_mut(&join.token) else {
+            tracing::warn!("a joining stream names no connection of this node; closed");
+            return Delivery::Unclaimed;
+        };
+        if slot.delivered >= usize::from(MAX_STREAMS) {
+            tracing::warn!("a joining stream beyond its connection's stream count; closed");
+            return Delivery::TooMany;
         }
-        let slot = slots.entry(token).or_insert_with(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            Slot {
-                tx,
-                rx: Some(rx),
-                since: now,
-            }
-        });
+        slot.delivered += 1;
+        // A claim whose connection is gone removes its slot; until then it receives.
         let _ = slot.tx.send((join, stream));
+        Delivery::Delivered
     }
 
-    /// The connection of `token` takes its joining streams; `None` if another connection
-    /// already claimed that token (the new one is refused).
-    fn claim(&self, token: [u8; 16]) -> Option<Claim<'_>> {
+    /// Claims `token` for a connection: streams joining with it come to the claim until it
+    /// is dropped. `None` if another connection holds that token (the new one is refused).
+    pub(crate) fn claim(&self, token: [u8; 16]) -> Option<Claim<'_>> {
         let mut slots = self.slots();
-        let slot = slots.entry(token).or_insert_with(|| {
-            let (tx, rx) = mpsc::unbounded_channel();
-            Slot {
-                tx,
-                rx: Some(rx),
-                since: Instant::now(),
-            }
-        });
-        let rx = slot.rx.take()?;
+        if slots.contains_key(&token) {
+            return None;
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        slots.insert(token, Slot { tx, delivered: 0 });
         Some(Claim {
             joins: self,
             token,
             rx,
         })
     }
+
+    /// Tokens claimed now.
+    #[cfg(test)]
+    pub(crate) fn claimed(&self) -> usize {
+        self.slots().len()
+    }
 }
 
 /// A connection's claim on its token: the streams that join it; the token is forgotten when
-/// the claim is dropped (later streams naming it are dropped).
-struct Claim<'a> {
+/// the claim is dropped (later streams naming it are closed).
+#[derive(Debug)]
+pub(crate) struct Claim<'a> {
     joins: &'a Joins,
     token: [u8; 16],
     rx: mpsc::UnboundedReceiver<(JoinRecord, TcpStream)>,
@@ -106,7 +115,8 @@ impl Drop for Claim<'_> {
 
 /// Server side, before the handshake: if `stream` is an extra stream joining a connection
 /// (it starts with `KVJN`), reads its join record and hands it to `joins`, and returns
-/// [`EngineError::StreamJoined`]; otherwise leaves the stream untouched for the handshake.
+/// [`EngineError::StreamJoined`] ([`EngineError::StrayJoin`] when it names no connection:
+/// closed); otherwise leaves the stream untouched for the handshake.
 pub(crate) async fn route_join(
     stream: &mut Option<TcpStream>,
     joins: &Joins,
@@ -139,10 +149,16 @@ pub(crate) async fn route_join(
         .await
         .map_err(|_| EngineError::Stream("a join record did not arrive in time".into()))??;
     let j = JoinRecord::decode(&b).map_err(EngineError::Stream)?;
-    if let Some(s) = stream.take() {
-        joins.deliver(j, s, timeout);
+    let Some(s) = stream.take() else {
+        return Ok(());
+    };
+    match joins.deliver(j, s) {
+        Delivery::Delivered => Err(EngineError::StreamJoined),
+        Delivery::Unclaimed => Err(EngineError::StrayJoin("no connection claims its token")),
+        Delivery::TooMany => Err(EngineError::StrayJoin(
+            "its connection had all its streams handed over",
+        )),
     }
-    Err(EngineError::StreamJoined)
 }
 
 /// The streams of a connection whose handshake just completed on `stream`, each with its
@@ -156,11 +172,11 @@ pub(crate) async fn open_lanes(
     client: bool,
     streams: u16,
     token: [u8; 16],
+    claim: Option<Option<Claim<'_>>>,
     node: &super::Node,
     listener: Option<&TcpListener>,
     timeout: Duration,
 ) -> Result<Vec<LaneStream>, EngineError> {
-    let joins = node.joins();
     let channels = channel.lanes(streams.max(1));
     let mut others: Vec<Option<TcpStream>> = (1..streams).map(|_| None).collect();
     if streams > 1 {
@@ -189,7 +205,7 @@ pub(crate) async fn open_lanes(
         } else {
             // The handshake is done: a listener's slot can serve the streams joining now.
             super::listener::release_handshake_slot();
-            let mut claim = joins.claim(token).ok_or_else(|| {
+            let mut claim = claim.flatten().ok_or_else(|| {
                 EngineError::Transport(
                     "another connection already uses this client's stream token".into(),
                 )
@@ -254,4 +270,58 @@ pub(crate) async fn open_lanes(
         lanes.push((s, sealer, opener));
     }
     Ok(lanes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connected pair of loopback streams (the accepted end returned).
+    async fn stream(l: &TcpListener) -> TcpStream {
+        let addr = l.local_addr().unwrap();
+        let (_c, a) = tokio::join!(TcpStream::connect(addr), l.accept());
+        a.unwrap().0
+    }
+
+    fn join(token: u8, lane: u16) -> JoinRecord {
+        JoinRecord {
+            lane,
+            streams: 2,
+            token: [token; 16],
+        }
+    }
+
+    /// Streams come only to a claimed token, at most `MAX_STREAMS` of them; a token is held by
+    /// one claim at a time and forgotten when its claim is dropped.
+    #[tokio::test]
+    async fn joins_reach_only_a_claimed_token_and_a_bounded_number_of_them() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let joins = Joins::default();
+        assert_eq!(
+            joins.deliver(join(1, 1), stream(&l).await),
+            Delivery::Unclaimed
+        );
+        assert_eq!(joins.claimed(), 0, "an unclaimed join leaves nothing behind");
+        let mut claim = joins.claim([1; 16]).unwrap();
+        assert!(joins.claim([1; 16]).is_none(), "a token is claimed once");
+        for _ in 0..MAX_STREAMS {
+            assert_eq!(
+                joins.deliver(join(1, 1), stream(&l).await),
+                Delivery::Delivered
+            );
+        }
+        assert_eq!(
+            joins.deliver(join(1, 1), stream(&l).await),
+            Delivery::TooMany
+        );
+        assert!(claim.rx.try_recv().is_ok());
+        drop(claim);
+        assert_eq!(joins.claimed(), 0);
+        assert_eq!(
+            joins.deliver(join(1, 1), stream(&l).await),
+            Delivery::Unclaimed,
+            "a dropped claim's token is forgotten"
+        );
+        assert!(joins.claim([1; 16]).is_some());
+    }
 }

@@ -70,12 +70,14 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
 /// How long a node whose handshake timed out tries to send its HELLO_REJECT.
 const REJECT_SEND_LIMIT: Duration = Duration::from_millis(200);
 
-/// Runs a handshake on a fresh stream.
+/// Runs a handshake on a fresh stream; `on_frame` sees each frame from the peer (opened and
+/// decoded) before the handshake handles it.
 pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     mut hs: Handshake,
     channel: &mut AuthChannel,
     timeout: Duration,
+    on_frame: &mut (dyn FnMut(&kvwire_proto::wire::Frame) + Send),
 ) -> Result<Established, ConnectError> {
     let work = async {
         let mut buf = Vec::new();
@@ -96,7 +98,10 @@ pub(crate) async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
             };
             let mut open = |b: &[u8]| channel.open(b);
             match read_frame(stream, &mut buf, &mut open).await {
-                Ok(Some(frame)) => hs.handle_frame(frame),
+                Ok(Some(frame)) => {
+                    on_frame(&frame);
+                    hs.handle_frame(frame);
+                }
                 Ok(None) => hs.handle_peer_lost(),
                 // Refused with HELLO_REJECT(AUTH_MISMATCH / AUTH_FAILED), then closed.
                 Err(ReadError::Auth(e)) => hs.handle_auth_error(&e),
