@@ -203,13 +203,15 @@ async fn stray_join_records_do_not_stop_the_listener() {
 }
 
 /// A proxy that forwards every connection to `target` and can cut the `n`-th one (0-based)
-/// alone: both its sockets dropped, the other streams untouched.
+/// alone (both its sockets dropped) or freeze it (nothing forwarded either way, both sockets
+/// kept open: a black-holed flow), the other streams untouched.
 async fn proxy(target: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Cutter>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let cutter = Arc::new(Cutter {
         seen: AtomicUsize::new(0),
         cuts: (0..8).map(|_| tokio::sync::Notify::new()).collect(),
+        freezes: (0..8).map(|_| tokio::sync::Notify::new()).collect(),
     });
     let c = cutter.clone();
     tokio::spawn(async move {
@@ -224,6 +226,10 @@ async fn proxy(target: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Cutte
                 tokio::select! {
                     _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
                     _ = c.cuts[i].notified() => {}
+                    _ = c.freezes[i].notified() => {
+                        // Both sockets stay open; nothing moves any more.
+                        std::future::pending::<()>().await;
+                    }
                 }
             });
         }
@@ -234,6 +240,7 @@ async fn proxy(target: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Cutte
 struct Cutter {
     seen: AtomicUsize,
     cuts: Vec<tokio::sync::Notify>,
+    freezes: Vec<tokio::sync::Notify>,
 }
 
 /// Losing one of a connection's streams (the third, cut at a proxy) is the loss of the
@@ -285,6 +292,65 @@ async fn losing_one_stream_fails_the_connection_safely() {
         }
     }
     assert!(failed > 0, "no transfer failed after a stream was cut");
+    for _ in 0..400 {
+        let (ss, rs) = (s.stats().await.unwrap(), r.stats().await.unwrap());
+        if ss.peer_lost && rs.peer_lost {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(s.stats().await.unwrap().peer_lost && r.stats().await.unwrap().peer_lost);
+    pools_full(&s, &r).await;
+}
+
+/// One stream of a connection goes silent without closing (frozen at a proxy: a black-holed
+/// flow) while the others carry heartbeats: each end finds it within about its liveness
+/// timeout (SPEC §9.1, several streams; heartbeats on every lane) and fails the connection as
+/// unresponsive, instead of waiting for each transfer's deadline; both pools come back to full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_fails_the_connection_as_unresponsive() {
+    use kvwire::proto::liveness::LivenessConfig;
+    use kvwire::proto::FailureReason;
+    use kvwire::TransferError;
+    let mut c = config(3);
+    c.liveness = LivenessConfig {
+        interval: Duration::from_millis(50),
+        timeout: Duration::from_millis(600),
+    };
+    let (prefill, decode) = (Node::new(c.clone()).unwrap(), Node::new(c).unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (via, cutter) = proxy(listener.local_addr().unwrap()).await;
+    let d = decode.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &d).await });
+    let s = SenderConn::connect(via, &prefill).await.unwrap();
+    let r = accept.await.unwrap().unwrap();
+    for id in 1..=3 {
+        transfer(&s, &r, id, 64).await;
+    }
+    // A transfer admitted and reserved with a long deadline, its data not sent: it waits on
+    // the connection; then stream 1 freezes.
+    let waiting = r.reserve(ReserveParams::new(
+        TransferId(40),
+        64,
+        Duration::from_secs(60),
+    ));
+    let _admitted = s
+        .admit(Request {
+            transfer_id: TransferId(40),
+            tokens: 64,
+        })
+        .unwrap();
+    cutter.freezes[1].notify_one();
+    let got = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the silent stream was not found: the reservation still waits");
+    assert!(
+        matches!(
+            got,
+            Err(TransferError::Failed(FailureReason::PeerUnresponsive))
+        ),
+        "{got:?}"
+    );
     for _ in 0..400 {
         let (ss, rs) = (s.stats().await.unwrap(), r.stats().await.unwrap());
         if ss.peer_lost && rs.peer_lost {

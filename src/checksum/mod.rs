@@ -70,9 +70,9 @@ mod landed;
 #[cfg(test)]
 mod tests;
 
-pub use job::{DigestJob, DigestJobError, DigestProgress, PageDigestPart, TransferDigester};
 #[cfg(test)]
 pub(crate) use job::PANICS_IN_TESTS;
+pub use job::{DigestJob, DigestJobError, DigestProgress, PageDigestPart, TransferDigester};
 pub use landed::LandedDigests;
 
 /// The 4-byte domain-separation prefix of every buffer digest input (ASCII `"KVWD"`).

@@ -196,7 +196,12 @@ impl<S: Session, T: Transport> Core<S, T> {
             }
             TransportEvent::Closed(why) => {
                 if self.closed.is_none() {
-                    if let Some(silent_for) = self.unresponsive {
+                    // The driver's verdict, or the transport's (one lane of several silent).
+                    let unresponsive = self.unresponsive.or(match why {
+                        Closed::Unresponsive { silent_for } => Some(silent_for),
+                        _ => None,
+                    });
+                    if let Some(silent_for) = unresponsive {
                         self.closed = Some(Closed::Unresponsive { silent_for });
                         self.session.handle_peer_unresponsive(now);
                     } else {

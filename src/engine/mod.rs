@@ -225,7 +225,7 @@ pub(crate) async fn handshake(
         hs = hs.with_confirmation();
     }
     let est = crate::transport::stream::handshake(&mut stream, hs, &mut channel, timeout, on_frame)
-            .await?;
+        .await?;
     Ok((stream, est, channel))
 }
 

@@ -87,8 +87,16 @@ async fn tcp_lanes(
             }
         }
     };
-    let (stream, est, channel) =
-        handshake(stream, config, client, role, params.encode(), left, &mut on_frame).await?;
+    let (stream, est, channel) = handshake(
+        stream,
+        config,
+        client,
+        role,
+        params.encode(),
+        left,
+        &mut on_frame,
+    )
+    .await?;
     let peer = TcpParams::parse(&est.peer.transport_params)
         .map_err(|e| EngineError::Transport(format!("the peer's TCP transport parameters: {e}")))?;
     if peer.streams != streams {
@@ -137,7 +145,12 @@ pub(crate) async fn sender(
                 .collect();
             match one_or_several(lanes)? {
                 Streams::One(t) => SenderConn::run(est, pool, t, config),
-                Streams::Several(l) => SenderConn::run(est, pool, LaneSet::sender(l), config),
+                Streams::Several(l) => SenderConn::run(
+                    est,
+                    pool,
+                    LaneSet::sender(l).with_silence_limit(config.liveness.timeout),
+                    config,
+                ),
             }
         }
         #[cfg(feature = "rdma")]
@@ -208,7 +221,12 @@ pub(crate) async fn receiver(
                 .collect();
             match one_or_several(lanes)? {
                 Streams::One(t) => ReceiverConn::run(est, pool, t, config),
-                Streams::Several(l) => ReceiverConn::run(est, pool, LaneSet::receiver(l), config),
+                Streams::Several(l) => ReceiverConn::run(
+                    est,
+                    pool,
+                    LaneSet::receiver(l).with_silence_limit(config.liveness.timeout),
+                    config,
+                ),
             }
         }
         #[cfg(feature = "rdma")]

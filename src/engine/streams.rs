@@ -301,7 +301,11 @@ mod tests {
             joins.deliver(join(1, 1), stream(&l).await),
             Delivery::Unclaimed
         );
-        assert_eq!(joins.claimed(), 0, "an unclaimed join leaves nothing behind");
+        assert_eq!(
+            joins.claimed(),
+            0,
+            "an unclaimed join leaves nothing behind"
+        );
         let mut claim = joins.claim([1; 16]).unwrap();
         assert!(joins.claim([1; 16]).is_none(), "a token is claimed once");
         for _ in 0..MAX_STREAMS {

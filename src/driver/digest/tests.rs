@@ -355,7 +355,14 @@ fn a_panicking_job_fails_its_transfer_and_unpins_its_pages() {
         digests.while_sending = stepped;
         digests.min_part_bytes = 1;
         let view = pool.share_pages(PAGES.to_vec());
-        digests.start(panics, DigestAlgorithm::XXH3_64, true, 0, view, Some(Vec::new()));
+        digests.start(
+            panics,
+            DigestAlgorithm::XXH3_64,
+            true,
+            0,
+            view,
+            Some(Vec::new()),
+        );
         if stepped {
             digests.advance(panics, 2);
         }

@@ -8,7 +8,9 @@
 //!   (round robin), and its RESERVE, fence and later frames use that lane;
 //! * the **sender** learns it from the lane the RESERVE arrived on, and posts the transfer's
 //!   writes and sends its frames there;
-//! * a frame of no known transfer (PING, PONG, or a transfer with no lane yet) goes on lane 0.
+//! * a PING goes on every lane and a PONG on the lane of the PING it answers ([`heartbeats`]),
+//!   so a lane the peer went silent on is found; any other frame of no known transfer (or of
+//!   a transfer with no lane yet) goes on lane 0.
 //!
 //! The connection is one: when any lane ends, every other lane is closed too (their
 //! outstanding writes reported failed, as a lane's own close does; after a short grace when
@@ -22,6 +24,10 @@ use std::time::{Duration, Instant};
 
 use kvwire_proto::sender::PageWrite;
 use kvwire_proto::wire::{Frame, TransferId, TransferRef};
+
+mod heartbeats;
+
+use heartbeats::LaneHeartbeats;
 
 use super::{
     Closed, Fence, ReceiverTransport, ScopeError, SenderTransport, Transport, TransportEvent,
@@ -104,6 +110,8 @@ pub struct LaneSet<T> {
     grace_until: Option<Instant>,
     /// Events taken from the lanes and not handed out yet.
     ready: VecDeque<TransportEvent>,
+    /// Heartbeats per lane.
+    heartbeats: LaneHeartbeats,
 }
 
 /// How long the other lanes are read on after the peer ended one ([`LaneSet`]).
@@ -124,6 +132,7 @@ impl<T: Transport> LaneSet<T> {
             closing: None,
             grace_until: None,
             ready: VecDeque::new(),
+            heartbeats: LaneHeartbeats::new(),
         }
     }
 
@@ -155,6 +164,14 @@ impl<T: Transport> LaneSet<T> {
     /// default.
     pub fn with_first_lane(mut self, lane: usize) -> Self {
         self.next_lane = lane % self.lanes.len();
+        self
+    }
+
+    /// Judges each lane by the liveness timeout `limit` (SPEC §9.1, several streams): a lane
+    /// on which nothing arrived from the peer for `limit`, while another lane was heard
+    /// since, closes the connection as unresponsive ([`Closed::Unresponsive`]).
+    pub fn with_silence_limit(mut self, limit: Duration) -> Self {
+        self.heartbeats.set_limit(limit);
         self
     }
 
@@ -203,7 +220,19 @@ impl<T: Transport> LaneSet<T> {
 
 impl<T: Transport> Transport for LaneSet<T> {
     fn send_frame(&mut self, now: Instant, frame: &Frame) {
-        let lane = frame.transfer().map_or(0, |t| self.lane_of(t.transfer_id));
+        let lane = match frame {
+            Frame::Ping(_) => {
+                for (l, ended) in self.lanes.iter_mut().zip(&self.ended) {
+                    if !ended {
+                        l.send_frame(now, frame);
+                    }
+                }
+                return;
+            }
+            Frame::Pong(_) => self.heartbeats.pong_lane(),
+            f => f.transfer().map_or(0, |t| self.lane_of(t.transfer_id)),
+        };
+        let lane = lane.min(self.lanes.len() - 1);
         self.lanes[lane].send_frame(now, frame);
     }
 
@@ -232,16 +261,40 @@ impl<T: Transport> Transport for LaneSet<T> {
             match self.lanes[i].poll_event(cx, now) {
                 Poll::Ready(TransportEvent::Closed(why)) => self.lane_ended(i, why, now),
                 Poll::Ready(event) => {
-                    if let (End::Sender, TransportEvent::Frame(Frame::Reserve(r))) =
-                        (self.end, &event)
-                    {
-                        // The transfer's writes and COMMIT go back on this lane.
-                        self.recent.set(r.transfer_id, i);
+                    match (self.end, &event) {
+                        (End::Sender, TransportEvent::Frame(Frame::Reserve(r))) => {
+                            // The transfer's writes and COMMIT go back on this lane.
+                            self.recent.set(r.transfer_id, i);
+                        }
+                        (_, TransportEvent::Frame(Frame::Ping(_))) => self.heartbeats.ping_from(i),
+                        _ => {}
+                    }
+                    if matches!(
+                        event,
+                        TransportEvent::Frame(_) | TransportEvent::Landed { .. }
+                    ) {
+                        self.heartbeats.heard(i, now);
                     }
                     self.ready.push_back(event);
                     self.first = (i + 1) % n;
                 }
                 Poll::Pending => {}
+            }
+        }
+        if self.closing.is_none() {
+            if let Some((lane, silent_for)) = self.heartbeats.end_pass(n, &self.ended, now) {
+                tracing::warn!(
+                    lane,
+                    silent_ms = silent_for.as_millis() as u64,
+                    "nothing from the peer on one TCP stream of the connection while the others were heard; closing the connection"
+                );
+                self.closing = Some(Closed::Unresponsive { silent_for });
+                self.grace_until = None;
+                for l in &mut self.lanes {
+                    l.close(now);
+                }
+                // The lanes report their ends on the next pass.
+                cx.waker().wake_by_ref();
             }
         }
         if self.ended.iter().all(|&e| e) {
@@ -350,85 +403,4 @@ impl<T: ReceiverTransport> ReceiverTransport for LaneSet<T> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::memory::{PagePool, PoolGeometry, Scrub};
-    use crate::transport::loopback;
-
-    fn pool() -> Arc<PagePool> {
-        Arc::new(
-            PagePool::new(
-                PoolGeometry {
-                    tokens_per_page: 1,
-                    buffer_page_bytes: vec![8],
-                    pages: 8,
-                },
-                Scrub::None,
-            )
-            .unwrap(),
-        )
-    }
-
-    /// Reservations take the lanes round robin; a transfer reserved again on another lane
-    /// has its old scope closed there first (as one table would); the fence reaches the lane
-    /// that holds the scope, however the reservations went round.
-    #[test]
-    fn scopes_go_round_robin_and_a_fence_reaches_the_scopes_lane() {
-        let (a, b) = (pool(), pool());
-        let lanes: Vec<_> = (0..3)
-            .map(|_| loopback::connect(a.clone(), b.clone(), std::time::Duration::ZERO).1)
-            .collect();
-        let mut r = LaneSet::receiver(lanes).with_first_lane(1);
-        let t = |id| TransferRef {
-            transfer_id: TransferId(id),
-            nonce: 1,
-        };
-        r.open_scope(TransferId(1), &[0]).unwrap();
-        r.open_scope(TransferId(2), &[1]).unwrap();
-        let per_lane = |r: &LaneSet<_>| -> Vec<usize> {
-            r.lanes()
-                .iter()
-                .map(ReceiverTransport::open_scopes)
-                .collect()
-        };
-        assert_eq!(per_lane(&r), vec![0, 1, 1]);
-        // Transfer 1 again: lane 0 now; its scope on lane 1 is closed first.
-        r.open_scope(TransferId(1), &[2]).unwrap();
-        assert_eq!(per_lane(&r), vec![1, 0, 1]);
-        assert_eq!(r.fence(t(1)), Fence::Done);
-        assert_eq!(r.fence(t(2)), Fence::Done);
-        assert_eq!(per_lane(&r), vec![0, 0, 0]);
-        assert_eq!(r.open_scopes(), 0);
-    }
-
-    /// Regression (review): full, the map evicted the lowest transfer id, so with random ids
-    /// (SGLang's rooms) a new transfer lost its lane while still sending. It evicts in
-    /// arrival order: the latest `LANE_MAP_CAPACITY` transfers keep theirs, whatever their ids.
-    #[test]
-    fn a_full_lane_map_forgets_the_oldest_transfer_not_the_lowest_id() {
-        let mut m = LaneMap::default();
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut ids = Vec::new();
-        for _ in 0..LANE_MAP_CAPACITY + 1000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ids.push(TransferId(x));
-            m.set(TransferId(x), 1 + (x % 3) as usize);
-        }
-        // Small ids arriving late keep their lane.
-        m.set(TransferId(1), 2);
-        assert_eq!(m.get(TransferId(1)), 2);
-        for &id in &ids[ids.len() - LANE_MAP_CAPACITY + 1..] {
-            assert_eq!(m.get(id), 1 + (id.0 % 3) as usize, "{id:?} lost its lane");
-        }
-        assert_eq!(m.get(ids[0]), 0, "the oldest is forgotten");
-        assert!(m.lanes.len() <= LANE_MAP_CAPACITY);
-        // Setting one transfer over and over does not grow the order without bound.
-        for _ in 0..3 * LANE_MAP_CAPACITY {
-            m.set(TransferId(1), 1);
-        }
-        assert!(m.order.len() <= 2 * LANE_MAP_CAPACITY);
-        assert_eq!(m.get(TransferId(1)), 1);
-    }
-}
+mod tests;
