@@ -111,6 +111,39 @@ async fn transfers_over_four_streams_verify_with_the_senders_bytes() {
     pools_full(&s, &r).await;
 }
 
+/// Every stream carries its share of the transfers, not lane 0 alone: 24 transfers over four
+/// streams through a proxy that counts each stream's bytes; each stream carried at least an
+/// eighth of the bytes from the sender (round robin gives each a quarter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_stream_carries_its_share_of_the_transfers() {
+    let c = config(4);
+    let (prefill, decode) = (Node::new(c.clone()).unwrap(), Node::new(c).unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (via, counter) = proxy(listener.local_addr().unwrap()).await;
+    let d = decode.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &d).await });
+    let s = SenderConn::connect(via, &prefill).await.unwrap();
+    let r = accept.await.unwrap().unwrap();
+    for id in 1..=24u64 {
+        transfer(&s, &r, id, 96).await;
+    }
+    drop((s, r));
+    for _ in 0..400 {
+        if counter.ended.load(Ordering::SeqCst) == 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let bytes: Vec<usize> = (0..4)
+        .map(|i| counter.forwarded[i].load(Ordering::SeqCst))
+        .collect();
+    let total: usize = bytes.iter().sum();
+    assert!(
+        total > 0 && bytes.iter().all(|&b| b * 8 >= total),
+        "bytes from the sender per stream: {bytes:?}"
+    );
+}
+
 /// A prefill node's listener serves connections of three streams from two decode nodes (the
 /// decode side the client this time): both carry verified transfers, and the listener counts
 /// the four streams that joined beside the two connections.
@@ -212,6 +245,8 @@ async fn proxy(target: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Cutte
         seen: AtomicUsize::new(0),
         cuts: (0..8).map(|_| tokio::sync::Notify::new()).collect(),
         freezes: (0..8).map(|_| tokio::sync::Notify::new()).collect(),
+        forwarded: (0..8).map(|_| AtomicUsize::new(0)).collect(),
+        ended: AtomicUsize::new(0),
     });
     let c = cutter.clone();
     tokio::spawn(async move {
@@ -224,7 +259,11 @@ async fn proxy(target: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Cutte
             tokio::spawn(async move {
                 let mut server = TcpStream::connect(target).await.unwrap();
                 tokio::select! {
-                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                    copied = tokio::io::copy_bidirectional(&mut client, &mut server) => {
+                        let up = copied.map_or(0, |(up, _)| up as usize);
+                        c.forwarded[i].store(up, Ordering::SeqCst);
+                        c.ended.fetch_add(1, Ordering::SeqCst);
+                    }
                     _ = c.cuts[i].notified() => {}
                     _ = c.freezes[i].notified() => {
                         // Both sockets stay open; nothing moves any more.
@@ -241,6 +280,10 @@ struct Cutter {
     seen: AtomicUsize,
     cuts: Vec<tokio::sync::Notify>,
     freezes: Vec<tokio::sync::Notify>,
+    /// Bytes each stream carried from client to server, once it ended.
+    forwarded: Vec<AtomicUsize>,
+    /// Streams that ended.
+    ended: AtomicUsize,
 }
 
 /// Losing one of a connection's streams (the third, cut at a proxy) is the loss of the
@@ -286,6 +329,14 @@ async fn losing_one_stream_fails_the_connection_safely() {
             .unwrap();
         if !sent || got.is_err() {
             failed += 1;
+        }
+        // A receiver's failure is the connection's loss: retryable, never a verdict on the
+        // bytes (a digest mismatch would mean bytes of one stream landed under another's).
+        if let Err(e) = &got {
+            assert!(
+                matches!(e, kvwire::TransferError::Failed(reason) if reason.is_retryable()),
+                "transfer {id}: {e:?}"
+            );
         }
         if let Ok(kv) = got {
             kv.release().unwrap();
