@@ -15,6 +15,9 @@
 
 #include <stddef.h>
 #include <stdint.h>
+// Fills `*config` with the defaults (kvwire_config_init_sized with the size this program
+// was compiled with).
+#define kvwire_config_init(config) kvwire_config_init_sized((config), sizeof *(config))
 
 // Success.
 #define KVWIRE_OK 0
@@ -151,9 +154,15 @@ typedef struct kvwire_receiver_t kvwire_receiver_t;
 // The prefill side of one request.
 typedef struct kvwire_sender_t kvwire_sender_t;
 
-// How a manager is set up. Fill it with kvwire_config_init, then set the fields. Fields
-// are only ever appended in later versions.
+// How a manager is set up. Fill it with kvwire_config_init (a macro: it passes the size
+// of the struct this program was compiled with), then set the fields. Fields are only ever
+// appended in later versions: the library reads only the first `size` bytes, and a field
+// beyond them keeps its default, so a program built against an older header runs with a
+// newer library (an older library ignores fields it does not know).
 typedef struct {
+  // The size of this struct as the program was compiled (kvwire_config_init sets it).
+  // Do not change it.
+  size_t size;
   // KVWIRE_ROLE_PREFILL or KVWIRE_ROLE_DECODE.
   int role;
   // Tokens per page (the same on both engines).
@@ -279,11 +288,14 @@ const char *kvwire_error_name(int code);
 
 // Fills `*config` with the defaults: TCP, no fingerprint, the key from the environment,
 // a random node id, 2 worker threads, 30 s call and 60 s release bounds, one TCP stream.
-// Role, tokens per page and context length are left 0: set them.
+// Role, tokens per page and context length are left 0: set them. Call it through the
+// `kvwire_config_init(config)` macro, which passes `sizeof *config`: only that many bytes
+// are written, and `config->size` records it. Fails with KVWIRE_ERR_INVALID_ARGUMENT when
+// `size` is below the smallest kvwire_config_t.
 //
 // # Safety
-// `config` is null or valid for a write of a kvwire_config_t.
-int kvwire_config_init(kvwire_config_t *config);
+// `config` is null or valid for a write of `size` bytes.
+int kvwire_config_init_sized(kvwire_config_t *config, size_t size);
 
 // Registers the engine's KV buffers (`buffers[0..n]`) and starts a manager; `*out` gets
 // the handle. Fails with KVWIRE_ERR_CONFIG when the pool (pages x tokens per page) cannot

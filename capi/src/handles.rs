@@ -35,12 +35,18 @@ pub struct kvwire_aux_buffer_t {
     pub item_len: usize,
 }
 
-/// How a manager is set up. Fill it with kvwire_config_init, then set the fields. Fields
-/// are only ever appended in later versions.
+/// How a manager is set up. Fill it with kvwire_config_init (a macro: it passes the size
+/// of the struct this program was compiled with), then set the fields. Fields are only ever
+/// appended in later versions: the library reads only the first `size` bytes, and a field
+/// beyond them keeps its default, so a program built against an older header runs with a
+/// newer library (an older library ignores fields it does not know).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 #[allow(non_camel_case_types)]
 pub struct kvwire_config_t {
+    /// The size of this struct as the program was compiled (kvwire_config_init sets it).
+    /// Do not change it.
+    pub size: usize,
     /// KVWIRE_ROLE_PREFILL or KVWIRE_ROLE_DECODE.
     pub role: c_int,
     /// Tokens per page (the same on both engines).
@@ -71,6 +77,32 @@ pub struct kvwire_config_t {
     /// TCP streams per connection, 1 to 64, the same on both engines (default 1; 0 reads as
     /// 1); transfers spread over them, each on one stream.
     pub tcp_streams: u32,
+}
+
+/// The smallest `size` a kvwire_config_t may declare: every field up to `tcp_streams`,
+/// the struct of the first header that carried `size`.
+pub(crate) const CONFIG_MIN_SIZE: usize =
+    std::mem::offset_of!(kvwire_config_t, tcp_streams) + std::mem::size_of::<u32>();
+
+impl kvwire_config_t {
+    /// The defaults (kvwire_config_init), declaring this library's size.
+    pub(crate) fn defaults() -> Self {
+        Self {
+            size: std::mem::size_of::<Self>(),
+            role: 0,
+            tokens_per_page: 0,
+            max_context_tokens: 0,
+            fingerprint: std::ptr::null(),
+            psk_hex: std::ptr::null(),
+            insecure_no_auth: 0,
+            rdma_device: std::ptr::null(),
+            node_id: 0,
+            worker_threads: 2,
+            call_timeout_ms: 30_000,
+            release_timeout_ms: 60_000,
+            tcp_streams: 1,
+        }
+    }
 }
 
 /// Why a transfer failed (kvwire_receiver_failure, kvwire_sender_failure).

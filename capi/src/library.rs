@@ -46,28 +46,42 @@ pub extern "C" fn kvwire_error_name(code: c_int) -> *const c_char {
 
 /// Fills `*config` with the defaults: TCP, no fingerprint, the key from the environment,
 /// a random node id, 2 worker threads, 30 s call and 60 s release bounds, one TCP stream.
-/// Role, tokens per page and context length are left 0: set them.
+/// Role, tokens per page and context length are left 0: set them. Call it through the
+/// `kvwire_config_init(config)` macro, which passes `sizeof *config`: only that many bytes
+/// are written, and `config->size` records it. Fails with KVWIRE_ERR_INVALID_ARGUMENT when
+/// `size` is below the smallest kvwire_config_t.
 ///
 /// # Safety
-/// `config` is null or valid for a write of a kvwire_config_t.
+/// `config` is null or valid for a write of `size` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn kvwire_config_init(config: *mut kvwire_config_t) -> c_int {
+pub unsafe extern "C" fn kvwire_config_init_sized(
+    config: *mut kvwire_config_t,
+    size: usize,
+) -> c_int {
     guard(|| {
-        let c = kvwire_config_t {
-            role: 0,
-            tokens_per_page: 0,
-            max_context_tokens: 0,
-            fingerprint: std::ptr::null(),
-            psk_hex: std::ptr::null(),
-            insecure_no_auth: 0,
-            rdma_device: std::ptr::null(),
-            node_id: 0,
-            worker_threads: 2,
-            call_timeout_ms: 30_000,
-            release_timeout_ms: 60_000,
-            tcp_streams: 1,
-        };
-        // SAFETY: the caller's contract.
-        unsafe { put(config, c, "config") }
+        if config.is_null() {
+            return Err(invalid("config: null output pointer"));
+        }
+        if !config.is_aligned() {
+            return Err(invalid("config: misaligned output pointer"));
+        }
+        if size < CONFIG_MIN_SIZE {
+            return Err(invalid(format!(
+                "config size {size}: a kvwire_config_t is at least {CONFIG_MIN_SIZE} bytes"
+            )));
+        }
+        let mut c = kvwire_config_t::defaults();
+        c.size = size;
+        let n = size.min(std::mem::size_of::<kvwire_config_t>());
+        // SAFETY: `config` is aligned and the caller promises `size` writable bytes; `n` is
+        // at most `size` and at most the size of `c`, and the two do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                std::ptr::from_ref(&c).cast::<u8>(),
+                config.cast::<u8>(),
+                n,
+            );
+        }
+        Ok(())
     })
 }

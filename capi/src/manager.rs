@@ -9,6 +9,35 @@ use kvwire::{Auth, TransportConfig};
 
 use crate::*;
 
+/// Copies the caller's configuration: its first `size` bytes over the defaults, so a field
+/// beyond the caller's struct (a program built against an older header) keeps its default.
+///
+/// # Safety
+/// `config` is non-null and valid for reads of `config->size` bytes (its first field).
+unsafe fn read_config(config: *const kvwire_config_t) -> Result<kvwire_config_t, Error> {
+    if !config.is_aligned() {
+        return Err(invalid("config: misaligned pointer"));
+    }
+    // SAFETY: aligned and readable: `size` is the first field of every version.
+    let size = unsafe { std::ptr::addr_of!((*config).size).read() };
+    if size < CONFIG_MIN_SIZE {
+        return Err(invalid(format!(
+            "config size {size}: fill the config with kvwire_config_init (a kvwire_config_t is at least {CONFIG_MIN_SIZE} bytes)"
+        )));
+    }
+    let mut c = kvwire_config_t::defaults();
+    let n = size.min(std::mem::size_of::<kvwire_config_t>());
+    // SAFETY: the caller's `size` readable bytes, at most the size of `c`; no overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            config.cast::<u8>(),
+            std::ptr::from_mut(&mut c).cast::<u8>(),
+            n,
+        );
+    }
+    Ok(c)
+}
+
 /// Reads a C configuration.
 ///
 /// # Safety
@@ -105,8 +134,11 @@ pub unsafe extern "C" fn kvwire_manager_new_with_aux(
         if config.is_null() {
             return Err(invalid("config: null pointer"));
         }
-        // SAFETY: non-null; the caller promises a valid kvwire_config_t.
-        let c = unsafe { &*config };
+        // SAFETY: non-null; the caller promises a kvwire_config_t filled by
+        // kvwire_config_init, whose `size` (the first field, in every version) says how
+        // many bytes of it there are.
+        let c = unsafe { read_config(config)? };
+        let c = &c;
         // SAFETY: the caller's contract for its strings.
         let config = unsafe { manager_config(c)? };
         // SAFETY: the caller promises `n` and `n_aux` entries.

@@ -90,7 +90,10 @@ fn null_and_foreign_pointers_get_an_error_code() {
             KVWIRE_ERR_INVALID_ARGUMENT
         );
         let mut config = std::mem::MaybeUninit::<kvwire_config_t>::uninit();
-        assert_eq!(kvwire_config_init(config.as_mut_ptr()), KVWIRE_OK);
+        assert_eq!(
+            kvwire_config_init_sized(config.as_mut_ptr(), std::mem::size_of::<kvwire_config_t>()),
+            KVWIRE_OK
+        );
         let mut config = config.assume_init();
         config.role = KVWIRE_ROLE_DECODE;
         config.tokens_per_page = 16;
@@ -196,7 +199,10 @@ unsafe fn manager(role: c_int, context: u64, psk: *const c_char) -> *mut kvwire_
     let mut c = std::mem::MaybeUninit::<kvwire_config_t>::uninit();
     // SAFETY: every pointer is valid; the buffers are leaked (live for the process).
     unsafe {
-        assert_eq!(kvwire_config_init(c.as_mut_ptr()), KVWIRE_OK);
+        assert_eq!(
+            kvwire_config_init_sized(c.as_mut_ptr(), std::mem::size_of::<kvwire_config_t>()),
+            KVWIRE_OK
+        );
         let mut c = c.assume_init();
         c.role = role;
         c.tokens_per_page = 16;
@@ -321,7 +327,10 @@ unsafe fn manager_with_aux(
     // SAFETY: every pointer is valid; the buffers are leaked (live for the process), and
     // the test touches only what kvwire does not hold.
     unsafe {
-        assert_eq!(kvwire_config_init(c.as_mut_ptr()), KVWIRE_OK);
+        assert_eq!(
+            kvwire_config_init_sized(c.as_mut_ptr(), std::mem::size_of::<kvwire_config_t>()),
+            KVWIRE_OK
+        );
         let mut c = c.assume_init();
         c.role = role;
         c.tokens_per_page = 16;
@@ -445,5 +454,56 @@ fn a_decode_caller_finds_its_prefill_dials_it_and_gets_the_aux_record_in_its_slo
         kvwire_sender_free(s);
         kvwire_manager_free(prefill);
         kvwire_manager_free(decode);
+    }
+}
+
+/// kvwire_config_init writes only the size the program declares and records it there; a
+/// config whose size is below the smallest struct (never filled by kvwire_config_init) is
+/// refused by init and by kvwire_manager_new, naming the size.
+#[test]
+fn a_config_declares_its_size_and_nothing_beyond_it_is_written() {
+    let ours = std::mem::size_of::<kvwire_config_t>();
+    // A program built against a newer header: its struct is 16 bytes longer.
+    #[repr(C, align(8))]
+    struct Newer([u8; std::mem::size_of::<kvwire_config_t>() + 16]);
+    let mut newer = Newer([0xAB; std::mem::size_of::<kvwire_config_t>() + 16]);
+    let p = newer.0.as_mut_ptr().cast::<kvwire_config_t>();
+    // SAFETY: `newer` is aligned and writable for the size passed.
+    unsafe {
+        assert_eq!(kvwire_config_init_sized(p, ours + 16), KVWIRE_OK);
+        assert_eq!((*p).size, ours + 16);
+        assert_eq!((*p).tcp_streams, 1);
+        assert_eq!((*p).worker_threads, 2);
+    }
+    assert!(
+        newer.0[ours..].iter().all(|&b| b == 0xAB),
+        "bytes beyond this library's struct were written"
+    );
+    let mut small = std::mem::MaybeUninit::<kvwire_config_t>::zeroed();
+    // SAFETY: valid pointers; sizes below the smallest struct must be refused.
+    unsafe {
+        assert_eq!(
+            kvwire_config_init_sized(small.as_mut_ptr(), CONFIG_MIN_SIZE - 4),
+            KVWIRE_ERR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("config size"), "{}", last_error());
+        // Zeroed, never filled: size 0.
+        let c = small.assume_init();
+        let mem: &'static mut [u8] = Box::leak(vec![0u8; 64 * 4096].into_boxed_slice());
+        let buf = kvwire_buffer_t {
+            ptr: mem.as_mut_ptr().cast(),
+            len: mem.len(),
+            page_bytes: 4096,
+        };
+        let mut m = std::ptr::null_mut();
+        assert_eq!(
+            kvwire_manager_new(&c, &buf, 1, &mut m),
+            KVWIRE_ERR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("fill the config with kvwire_config_init"),
+            "{}",
+            last_error()
+        );
     }
 }
