@@ -8,8 +8,8 @@
 //!   (round robin), and its RESERVE, fence and later frames use that lane;
 //! * the **sender** learns it from the lane the RESERVE arrived on, and posts the transfer's
 //!   writes and sends its frames there;
-//! * a PING goes on every lane and a PONG on the lane of the PING it answers (`lanes/heartbeats.rs`),
-//!   so a lane the peer went silent on is found; any other frame of no known transfer (or of
+//! * a PING goes on every lane and a PONG on the lane of the PING it answers
+//!   (`lanes/heartbeats.rs`), so a lane the peer went silent on is found; any other frame of no known transfer (or of
 //!   a transfer with no lane yet) goes on lane 0.
 //!
 //! The connection is one: when any lane ends, every other lane is closed too (their
