@@ -9,8 +9,8 @@
 //! * the **sender** learns it from the lane the RESERVE arrived on, and posts the transfer's
 //!   writes and sends its frames there;
 //! * a PING goes on every lane and a PONG on the lane of the PING it answers
-//!   (`lanes/heartbeats.rs`), so a lane the peer went silent on is found; any other frame of no known transfer (or of
-//!   a transfer with no lane yet) goes on lane 0.
+//!   (`lanes/heartbeats.rs`), so a lane the peer went silent on is found; any other frame of
+//!   no known transfer (or of a transfer with no lane yet) goes on lane 0.
 //!
 //! The connection is one: when any lane ends, every other lane is closed too (their
 //! outstanding writes reported failed, as a lane's own close does; after a short grace when
