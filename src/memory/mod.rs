@@ -59,5 +59,5 @@ pub use error::PoolError;
 pub use geometry::PoolGeometry;
 pub use lease::{Holder, PageLease, RawLease};
 pub use page_pool::{PagePool, PageState, PoolStats, Scrub, POISON_BYTE};
-pub use region::{KvBuffer, KvMemory, ALIGN};
+pub use region::{advise_huge_pages, KvBuffer, KvMemory, ALIGN};
 pub use scope::{AccessError, AccessKey, AccessScope, ScopeTable};

@@ -112,13 +112,20 @@ pub(super) struct RawMemory {
 }
 
 impl RawMemory {
-    /// `fill` must not be 0: `vec![0; n]` maps zero pages lazily (calloc), and the baseline
-    /// would then pay a page fault per 4 KiB inside the clock, which kvwire does not.
+    /// `fill` must not be 0: every byte is written before the clock starts, as kvwire's own
+    /// memory is, so no page fault lands inside the clock.
     pub(super) fn new(page: usize, buffers: usize, pages: u32, fill: u8) -> Self {
         assert_ne!(fill, 0, "a raw baseline memory must be written through");
         Self {
             buffers: (0..buffers)
-                .map(|_| vec![fill; page * pages as usize])
+                .map(|_| {
+                    // Backed as kvwire backs the memory it allocates: huge pages asked for
+                    // before the first touch (`vec![0; n]` maps nothing yet), then written.
+                    let mut b = vec![0u8; page * pages as usize];
+                    kvwire::memory::advise_huge_pages(&mut b);
+                    b.fill(fill);
+                    b
+                })
                 .collect(),
             page,
         }
