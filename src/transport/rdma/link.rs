@@ -381,30 +381,68 @@ impl RcLink {
         len: u64,
         wr_id: u64,
     ) -> Result<u32, RdmaError> {
-        // A rebind must change the key byte of the window's current rkey (the last one bound;
-        // the provider does not update `ibv_mw::rkey` for type-2 binds), or rxe refuses it.
-        let current = if window.rkey != 0 {
-            window.rkey
-        } else {
-            // SAFETY: `mw` is a live window from ibv_alloc_mw; its rkey field is plain data.
-            unsafe { window.mw.as_ref().rkey }
-        };
-        // SAFETY: ibv_inc_rkey is pure arithmetic on the key.
-        let rkey = unsafe { rdma_mummy_sys::ibv_inc_rkey(current) };
-        let info = rdma_mummy_sys::ibv_mw_bind_info {
-            mr: memory.mr_ptr(b),
-            addr: memory.addr(b, offset),
-            length: len,
-            mw_access_flags: rdma_mummy_sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0 as _,
-        };
+        self.bind_windows(
+            std::slice::from_mut(window),
+            memory,
+            &[(b, offset, len)],
+            Some(wr_id),
+        )?;
+        Ok(window.rkey)
+    }
+
+    /// Binds `windows[i]` over `ranges[i]` (buffer, byte offset, bytes) of `memory`, remote
+    /// write only, behind one doorbell on this queue pair; each window's new rkey is in its
+    /// [`MemoryWindow::rkey`]. With `signal`, the last bind asks for a completion
+    /// ([`RdmaEvent::LocalDone`] with that id); the others never do unless they fail (a
+    /// failed work request always completes, in error). A window may have been bound and
+    /// invalidated before: each bind takes the next key. Nothing is posted on error.
+    pub fn bind_windows(
+        &mut self,
+        windows: &mut [MemoryWindow],
+        memory: &RegisteredMemory,
+        ranges: &[(usize, u64, u64)],
+        signal: Option<u64>,
+    ) -> Result<(), RdmaError> {
+        assert_eq!(windows.len(), ranges.len(), "one range per window");
+        if windows.is_empty() {
+            return Ok(());
+        }
+        let mut rkeys = Vec::with_capacity(windows.len());
+        let last = windows.len() - 1;
         // SAFETY: the QP was created with bind support (send_ops_flags); qpx is its extended
-        // handle; the window and the MR outlive the posted bind (the caller holds both).
+        // handle; every window and the MRs outlive the posted binds (the caller holds them
+        // until the binds completed or the queue pair was reset). Writing `ibv_mw::rkey`
+        // tells the provider the window's current key (it does not track type-2 binds), which
+        // the device checks a rebind against.
         let rc = unsafe {
             let qpx = rdma_mummy_sys::ibv_qp_to_qp_ex(self.qp.qp().as_ptr());
             rdma_mummy_sys::ibv_wr_start(qpx);
-            (*qpx).wr_id = TAG_LOCAL | wr_id;
-            (*qpx).wr_flags = rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _;
-            rdma_mummy_sys::ibv_wr_bind_mw(qpx, window.mw.as_ptr(), rkey, &info);
+            for (i, (w, &(b, offset, len))) in windows.iter().zip(ranges).enumerate() {
+                // A rebind must change the key byte of the window's current rkey, or the
+                // device refuses it (and the old rkey must never come back to life).
+                let current = w.current_rkey();
+                (*w.mw.as_ptr()).rkey = current;
+                let rkey = rdma_mummy_sys::ibv_inc_rkey(current);
+                let info = rdma_mummy_sys::ibv_mw_bind_info {
+                    mr: memory.mr_ptr(b),
+                    addr: memory.addr(b, offset),
+                    length: len,
+                    mw_access_flags: rdma_mummy_sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+                        as _,
+                };
+                match signal.filter(|_| i == last) {
+                    Some(id) => {
+                        (*qpx).wr_id = TAG_LOCAL | id;
+                        (*qpx).wr_flags = rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _;
+                    }
+                    None => {
+                        (*qpx).wr_id = TAG_LOCAL;
+                        (*qpx).wr_flags = 0;
+                    }
+                }
+                rdma_mummy_sys::ibv_wr_bind_mw(qpx, w.mw.as_ptr(), rkey, &info);
+                rkeys.push(rkey);
+            }
             rdma_mummy_sys::ibv_wr_complete(qpx)
         };
         if rc != 0 {
@@ -413,20 +451,40 @@ impl RcLink {
                 detail: std::io::Error::from_raw_os_error(rc).to_string(),
             });
         }
-        window.rkey = rkey;
-        Ok(rkey)
+        for (w, rkey) in windows.iter_mut().zip(rkeys) {
+            w.rkey = rkey;
+            w.binds += 1;
+        }
+        Ok(())
     }
 
     /// Invalidates the window with `rkey` (the fence): once [`RdmaEvent::LocalDone`] for
     /// `wr_id` arrives, no write with that rkey can land.
     pub fn invalidate(&mut self, rkey: u32, wr_id: u64) -> Result<(), RdmaError> {
+        self.invalidate_all(&[rkey], wr_id)
+    }
+
+    /// Invalidates the windows with `rkeys` behind one doorbell; only the last asks for a
+    /// completion ([`RdmaEvent::LocalDone`] with `wr_id`). The send queue completes in order,
+    /// so when it arrives (ok) every one of them has completed: no write with any of those
+    /// rkeys can land any more. One that fails completes in error on its own.
+    pub fn invalidate_all(&mut self, rkeys: &[u32], wr_id: u64) -> Result<(), RdmaError> {
+        let Some(last) = rkeys.len().checked_sub(1) else {
+            return Ok(());
+        };
         // SAFETY: the QP was created with local-invalidate support; qpx is its extended handle.
         let rc = unsafe {
             let qpx = rdma_mummy_sys::ibv_qp_to_qp_ex(self.qp.qp().as_ptr());
             rdma_mummy_sys::ibv_wr_start(qpx);
-            (*qpx).wr_id = TAG_LOCAL | wr_id;
-            (*qpx).wr_flags = rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _;
-            rdma_mummy_sys::ibv_wr_local_inv(qpx, rkey);
+            for (i, &rkey) in rkeys.iter().enumerate() {
+                (*qpx).wr_id = TAG_LOCAL | wr_id;
+                (*qpx).wr_flags = if i == last {
+                    rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _
+                } else {
+                    0
+                };
+                rdma_mummy_sys::ibv_wr_local_inv(qpx, rkey);
+            }
             rdma_mummy_sys::ibv_wr_complete(qpx)
         };
         if rc != 0 {
