@@ -33,7 +33,11 @@
 //! key (the rkey's low byte), so the rkeys of its earlier bindings stay dead, and a window is
 //! deallocated after `MemoryWindow::MAX_BINDS` binds, before its key could repeat. Devices
 //! without memory windows fall back to the region's rkeys, with a warning and a counter.
-
+//!
+//! **Signaling.** Only the completions something waits for are asked for: the write that
+//! closes a group of pages, the last invalidation of a fence, and every eighth control-frame
+//! SEND (which frees its slot and the slots of the SENDs before it). A work request that fails
+//! completes in error whether it asked for a completion or not.
 //!
 //! **Failure.** A failed work request or a frame that cannot be opened breaks the link: every
 //! queue pair is reset at once (after which none of its work requests touches memory), every
