@@ -251,6 +251,63 @@ mod primitive {
         drop((window, window2));
     }
 
+    /// Control frames keep their bytes when many more are sent than there are send slots:
+    /// only every eighth SEND asks for a completion, and a slot is written again only after
+    /// a completion has retired its SEND (a slot rewritten early would send the later
+    /// frame's bytes, or a mix, in place of the earlier one).
+    #[test]
+    fn frames_beyond_the_send_slots_arrive_intact_and_in_order() {
+        let Some(d) = super::device("frames_beyond_the_send_slots_arrive_intact_and_in_order")
+        else {
+            return;
+        };
+        let dev = RdmaDevice::open(Some(&d.name)).unwrap();
+        let mut a = RcLink::new(&dev, 64, None).unwrap();
+        let mut b = RcLink::new(&dev, 64, None).unwrap();
+        let (pa, pb) = (a.params(), b.params());
+        a.connect(&pb).unwrap();
+        b.connect(&pa).unwrap();
+        let frame = |i: u32| -> Vec<u8> {
+            (0..(64 + i % 300))
+                .map(|k| (i.wrapping_mul(31) ^ k) as u8)
+                .collect()
+        };
+        let total = 40 * kvwire::transport::rdma::SEND_SLOTS as u32;
+        let (mut sent, mut got) = (0u32, Vec::new());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut events = Vec::new();
+        while got.len() < total as usize {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {total} frames arrived",
+                got.len()
+            );
+            // As many as the slots take, then poll both ends (a busy slot is retried later).
+            while sent < total {
+                match a.post_frame(&frame(sent)) {
+                    Ok(()) => sent += 1,
+                    Err(kvwire::transport::rdma::RdmaError::SendSlotsBusy) => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            a.poll(&mut events).unwrap();
+            assert!(
+                !events.iter().any(|e| matches!(e, RdmaEvent::SendFailed(_))),
+                "{events:?}"
+            );
+            events.clear();
+            b.poll(&mut events).unwrap();
+            for e in events.drain(..) {
+                if let RdmaEvent::Frame(bytes) = e {
+                    got.push(bytes);
+                }
+            }
+        }
+        for (i, bytes) in got.iter().enumerate() {
+            assert_eq!(bytes, &frame(i as u32), "frame {i} arrived changed");
+        }
+    }
+
     /// A window is bound again after its invalidation (the receiver reuses windows): the
     /// rebind takes a new key, the rkey of its fenced binding stays dead (a late write with it
     /// fails at the NIC and lands nowhere, not even in the range the window now covers), and
