@@ -250,6 +250,146 @@ mod primitive {
         println!("recovery (reset, reconnect, rebind) {:?}", t.elapsed());
         drop((window, window2));
     }
+
+    /// Control frames keep their bytes when many more are sent than there are send slots:
+    /// only every eighth SEND asks for a completion, and a slot is written again only after
+    /// a completion has retired its SEND (a slot rewritten early would send the later
+    /// frame's bytes, or a mix, in place of the earlier one).
+    #[test]
+    fn frames_beyond_the_send_slots_arrive_intact_and_in_order() {
+        let Some(d) = super::device("frames_beyond_the_send_slots_arrive_intact_and_in_order")
+        else {
+            return;
+        };
+        let dev = RdmaDevice::open(Some(&d.name)).unwrap();
+        let mut a = RcLink::new(&dev, 64, None).unwrap();
+        let mut b = RcLink::new(&dev, 64, None).unwrap();
+        let (pa, pb) = (a.params(), b.params());
+        a.connect(&pb).unwrap();
+        b.connect(&pa).unwrap();
+        let frame = |i: u32| -> Vec<u8> {
+            (0..(64 + i % 300))
+                .map(|k| (i.wrapping_mul(31) ^ k) as u8)
+                .collect()
+        };
+        let total = 40 * kvwire::transport::rdma::SEND_SLOTS as u32;
+        let (mut sent, mut got) = (0u32, Vec::new());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut events = Vec::new();
+        while got.len() < total as usize {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {total} frames arrived",
+                got.len()
+            );
+            // As many as the slots take, then poll both ends (a busy slot is retried later).
+            while sent < total {
+                match a.post_frame(&frame(sent)) {
+                    Ok(()) => sent += 1,
+                    Err(kvwire::transport::rdma::RdmaError::SendSlotsBusy) => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            a.poll(&mut events).unwrap();
+            assert!(
+                !events.iter().any(|e| matches!(e, RdmaEvent::SendFailed(_))),
+                "{events:?}"
+            );
+            events.clear();
+            b.poll(&mut events).unwrap();
+            for e in events.drain(..) {
+                if let RdmaEvent::Frame(bytes) = e {
+                    got.push(bytes);
+                }
+            }
+        }
+        for (i, bytes) in got.iter().enumerate() {
+            assert_eq!(bytes, &frame(i as u32), "frame {i} arrived changed");
+        }
+    }
+
+    /// A window is bound again after its invalidation (the receiver reuses windows): the
+    /// rebind takes a new key, the rkey of its fenced binding stays dead (a late write with it
+    /// fails at the NIC and lands nowhere, not even in the range the window now covers), and
+    /// the new rkey admits writes into the new range only.
+    #[test]
+    fn a_window_bound_again_after_its_fence_refuses_the_fenced_rkey() {
+        let Some(d) = super::device("a_window_bound_again_after_its_fence_refuses_the_fenced_rkey")
+        else {
+            return;
+        };
+        let dev = RdmaDevice::open(Some(&d.name)).unwrap();
+        let g = geometry();
+        let src = PagePool::new(g.clone(), Scrub::None).unwrap();
+        let dst = PagePool::new(g.clone(), Scrub::None).unwrap();
+        for p in 0..g.pages {
+            src.raw_page_mut(p, 0).unwrap().fill(0x11);
+            dst.raw_page_mut(p, 0).unwrap().fill(0xA5);
+        }
+        let src_reg = dev.register(src.memory()).unwrap();
+        let dst_reg = dev.register(dst.memory()).unwrap();
+        let mut a = RcLink::new(&dev, 64, None).unwrap();
+        let mut b = RcLink::new(&dev, 64, None).unwrap();
+        let (pa, pb) = (a.params(), b.params());
+        a.connect(&pb).unwrap();
+        b.connect(&pa).unwrap();
+        let page = u64::from(g.buffer_page_bytes[0]);
+        let write = |a: &mut RcLink, id: u64, rkey: u32, dst_page: u64| {
+            a.post_writes(&[RdmaWrite {
+                wr_id: id,
+                local: (src_reg.lkey(0), src_reg.addr(0, 0), page as u32),
+                remote: (rkey, dst_reg.addr(0, dst_page * page)),
+                signaled: true,
+            }])
+            .unwrap();
+            wait_for(
+                a,
+                |e| matches!(e, RdmaEvent::WriteDone { wr_id, .. } if *wr_id == id),
+            )
+        };
+        let done = |id: u64, ok: bool| RdmaEvent::WriteDone { wr_id: id, ok };
+
+        // Bound over pages 4..8 (unsignaled, behind one doorbell), used, fenced.
+        let mut windows = vec![dev.alloc_window().unwrap()];
+        b.bind_windows(&mut windows, &dst_reg, &[(0, 4 * page, 4 * page)], None)
+            .unwrap();
+        let old = windows[0].rkey;
+        assert_eq!(write(&mut a, 10, old, 4), done(10, true));
+        b.invalidate_all(&[old], 1).unwrap();
+        assert_eq!(
+            wait_for(&mut b, |e| matches!(
+                e,
+                RdmaEvent::LocalDone { wr_id: 1, .. }
+            )),
+            RdmaEvent::LocalDone { wr_id: 1, ok: true }
+        );
+        // The same window bound again, over pages 8..12 this time.
+        b.bind_windows(&mut windows, &dst_reg, &[(0, 8 * page, 4 * page)], Some(2))
+            .unwrap();
+        assert_eq!(
+            wait_for(&mut b, |e| matches!(
+                e,
+                RdmaEvent::LocalDone { wr_id: 2, .. }
+            )),
+            RdmaEvent::LocalDone { wr_id: 2, ok: true },
+            "the device refused to bind an invalidated window again"
+        );
+        let new = windows[0].rkey;
+        assert_ne!(new, old, "a rebind must take a new key");
+        assert_eq!(new >> 8, old >> 8, "the same window");
+        // The new rkey writes into the new range.
+        assert_eq!(write(&mut a, 11, new, 9), done(11, true));
+        assert!(dst.raw_page(9, 0).unwrap().iter().all(|&x| x == 0x11));
+        // A late write with the fenced rkey, aimed at the range the window covers now and at
+        // its old range: refused at the NIC; neither page changes.
+        assert_eq!(write(&mut a, 12, old, 10), done(12, false));
+        assert!(
+            dst.raw_page(10, 0).unwrap().iter().all(|&x| x == 0xA5),
+            "a write with the fenced rkey landed through the window's new binding"
+        );
+        assert!(dst.raw_page(5, 0).unwrap().iter().all(|&x| x == 0xA5));
+        drop(windows);
+    }
 }
 
 /// The production drivers over the RDMA transport, both ends in this process on one device
@@ -608,6 +748,71 @@ mod driven {
             pair.receiver_failures
         );
         assert_invariants(&pair);
+    }
+
+    /// The receiver binds the windows of a fenced transfer again for the next reservation
+    /// (new keys): a sender that keeps writing with the fenced transfer's rkeys while those
+    /// windows are bound over the next reservation's pages is refused at the NIC, and neither
+    /// reservation's pages change.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_late_write_with_a_reused_windows_old_rkey_fails_at_the_nic() {
+        let Some(d) = super::device("a_late_write_with_a_reused_windows_old_rkey_fails_at_the_nic")
+        else {
+            return;
+        };
+        let (_dev, mut pair) = pair(&d.name, 1);
+        transfer(&mut pair, 7, 64);
+        assert!(pair.drive_live(LIMIT).await);
+        assert_eq!(pair.verified, vec![TransferId(7)]);
+        let t = kvwire::proto::wire::TransferRef {
+            transfer_id: TransferId(7),
+            nonce: pair
+                .sender_events
+                .iter()
+                .find_map(|e| match e {
+                    kvwire::proto::sender::SenderEvent::Verified(t) => Some(t.nonce),
+                    _ => None,
+                })
+                .unwrap(),
+        };
+        // The next reservation (its request not admitted yet: the sender parks the RESERVE)
+        // is scoped by the windows transfer 7 used, bound again.
+        let before = pair.receiver.transport().inner().stats();
+        reserve(&mut pair, 8, 64);
+        pair.drive_live(Duration::from_millis(500)).await;
+        let after = pair.receiver.transport().inner().stats();
+        assert!(
+            after.windows_reused > before.windows_reused,
+            "the reservation did not reuse the fenced windows: {after:?}"
+        );
+        let pool = pair.receiver.pool().clone();
+        let snapshot: Vec<Vec<u8>> = (0..64)
+            .map(|p| pool.raw_page(p, 0).unwrap().to_vec())
+            .collect();
+        let page = pair
+            .sender
+            .transport_mut()
+            .inner_mut()
+            .inject_late_write(t)
+            .unwrap()
+            .expect("descriptor known");
+        let end = Instant::now() + LIMIT;
+        while pair.sender.closed().is_none() && Instant::now() < end {
+            pair.drive_live(Duration::from_millis(200)).await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            matches!(pair.sender.closed(), Some(Closed::LinkFailed(_))),
+            "{:?}",
+            pair.sender.closed()
+        );
+        for p in 0..64u32 {
+            assert_eq!(
+                *pool.raw_page(p, 0).unwrap(),
+                snapshot[p as usize][..],
+                "a late write landed in page {p} (aimed at {page})"
+            );
+        }
     }
 
     /// The fault matrix's cells that apply to one-sided writes (no landing events, so no

@@ -95,6 +95,12 @@ pub const SLOT: usize = 64 * 1024;
 const RECV_SLOTS: usize = 32;
 /// Control frames in flight at once per link (each in its own registered slot).
 pub const SEND_SLOTS: usize = 32;
+/// SENDs per completion: every `SIGNAL_SENDS`th SEND asks for one, which retires it and the
+/// unsignaled ones before it (RC completes in order). A SEND's completion needs no action
+/// but freeing its slot, so the others would only wake the end that sent it.
+const SIGNAL_SENDS: usize = SEND_SLOTS / 4;
+/// Where a signaled SEND's work request id counts the SENDs its completion retires.
+const SEND_COUNT_SHIFT: u32 = 16;
 const TAG_RECV: u64 = 1 << 63;
 const TAG_SEND: u64 = 1 << 62;
 const TAG_LOCAL: u64 = 1 << 61;
@@ -143,6 +149,13 @@ pub struct RcLink {
     slots_mr: Arc<MemoryRegion>,
     next_send: usize,
     sends_in_flight: usize,
+    /// SENDs posted since the last signaled one.
+    unsignaled_sends: usize,
+    /// Send-queue work requests posted since the last signaled one, and the count at which
+    /// the next one asks for a completion anyway (half the send queue): some devices free
+    /// send-queue entries only when a completion after them is polled.
+    unsignaled: u32,
+    signal_at: u32,
     psn: u32,
     gid: Gid,
     gid_index: u8,
@@ -210,6 +223,9 @@ impl RcLink {
             slots_mr,
             next_send: 0,
             sends_in_flight: 0,
+            unsignaled_sends: 0,
+            unsignaled: 0,
+            signal_at: (max_send / 2).max(1),
             psn,
             gid: dev.gid,
             gid_index: dev.gid_index,
@@ -307,10 +323,17 @@ impl RcLink {
             // pages stay leased (and are not released) until the write completes.
             unsafe { h.setup_sge(w.local.0, w.local.1, w.local.2) };
         }
-        g.post().map_err(verbs("ibv_post_send(WRITE)"))
+        g.post().map_err(verbs("ibv_post_send(WRITE)"))?;
+        self.unsignaled = match writes.iter().rposition(|w| w.signaled) {
+            Some(i) => (writes.len() - 1 - i) as u32,
+            None => self.unsignaled + writes.len() as u32,
+        };
+        Ok(())
     }
 
     /// Sends a control frame (a SEND on this queue pair, after everything posted before it).
+    /// Only every `SIGNAL_SENDS`th SEND asks for a completion (it retires the slots of the
+    /// ones before it); a SEND that fails completes in error whether signaled or not.
     pub fn post_frame(&mut self, frame: &[u8]) -> Result<(), RdmaError> {
         if frame.len() > SLOT {
             return Err(RdmaError::FrameTooLarge(frame.len()));
@@ -323,16 +346,30 @@ impl RcLink {
         let off = slot * SLOT;
         self.slots[off..off + frame.len()].copy_from_slice(frame);
         let addr = self.slots.as_ptr() as u64 + off as u64;
+        let retires = self.unsignaled_sends + 1;
+        let signaled = retires >= SIGNAL_SENDS || self.unsignaled + 1 >= self.signal_at;
+        let (wr_id, flags) = if signaled {
+            (
+                TAG_SEND | ((retires as u64) << SEND_COUNT_SHIFT) | slot as u64,
+                WorkRequestFlags::Signaled,
+            )
+        } else {
+            (TAG_SEND | slot as u64, WorkRequestFlags::none())
+        };
         let mut g = self.qp.start_post_send();
-        let h = g
-            .construct_wr(TAG_SEND | slot as u64, WorkRequestFlags::Signaled)
-            .setup_send();
+        let h = g.construct_wr(wr_id, flags).setup_send();
         // SAFETY: the slot lies in the registered `slots` buffer; it is rewritten only after
         // its SEND completed: slots are used in rotation, SENDs complete in order (RC), and at
-        // most SEND_SLOTS are in flight (counted down in `poll`).
+        // most SEND_SLOTS are in flight (counted down in `poll` when a signaled SEND
+        // completes, for it and every SEND before it).
         unsafe { h.setup_sge(self.slots_mr.lkey(), addr, frame.len() as u32) };
         g.post().map_err(verbs("ibv_post_send(SEND)"))?;
         self.sends_in_flight += 1;
+        (self.unsignaled_sends, self.unsignaled) = if signaled {
+            (0, 0)
+        } else {
+            (retires, self.unsignaled + 1)
+        };
         Ok(())
     }
 
@@ -363,6 +400,8 @@ impl RcLink {
         self.psn = random_psn();
         self.next_send = 0;
         self.sends_in_flight = 0;
+        self.unsignaled_sends = 0;
+        self.unsignaled = 0;
         for i in 0..RECV_SLOTS {
             self.post_recv(i)?;
         }
@@ -381,30 +420,73 @@ impl RcLink {
         len: u64,
         wr_id: u64,
     ) -> Result<u32, RdmaError> {
-        // A rebind must change the key byte of the window's current rkey (the last one bound;
-        // the provider does not update `ibv_mw::rkey` for type-2 binds), or rxe refuses it.
-        let current = if window.rkey != 0 {
-            window.rkey
-        } else {
-            // SAFETY: `mw` is a live window from ibv_alloc_mw; its rkey field is plain data.
-            unsafe { window.mw.as_ref().rkey }
-        };
-        // SAFETY: ibv_inc_rkey is pure arithmetic on the key.
-        let rkey = unsafe { rdma_mummy_sys::ibv_inc_rkey(current) };
-        let info = rdma_mummy_sys::ibv_mw_bind_info {
-            mr: memory.mr_ptr(b),
-            addr: memory.addr(b, offset),
-            length: len,
-            mw_access_flags: rdma_mummy_sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0 as _,
-        };
+        self.bind_windows(
+            std::slice::from_mut(window),
+            memory,
+            &[(b, offset, len)],
+            Some(wr_id),
+        )?;
+        Ok(window.rkey)
+    }
+
+    /// Binds `windows[i]` over `ranges[i]` (buffer, byte offset, bytes) of `memory`, remote
+    /// write only, behind one doorbell on this queue pair; each window's new rkey is in its
+    /// [`MemoryWindow::rkey`]. With `signal`, the last bind asks for a completion
+    /// ([`RdmaEvent::LocalDone`] with that id); the others never do unless they fail (a
+    /// failed work request always completes, in error). Without `signal` the last asks for
+    /// one anyway (id 0) when half the send queue has been posted unsignaled since the last
+    /// completion asked for. A window may have been bound and
+    /// invalidated before: each bind takes the next key. Nothing is posted on error.
+    pub fn bind_windows(
+        &mut self,
+        windows: &mut [MemoryWindow],
+        memory: &RegisteredMemory,
+        ranges: &[(usize, u64, u64)],
+        signal: Option<u64>,
+    ) -> Result<(), RdmaError> {
+        assert_eq!(windows.len(), ranges.len(), "one range per window");
+        if windows.is_empty() {
+            return Ok(());
+        }
+        let mut rkeys = Vec::with_capacity(windows.len());
+        let last = windows.len() - 1;
+        // Signaled when asked, or when the send queue needs a completion (id 0: no action).
+        let signal =
+            signal.or((self.unsignaled + windows.len() as u32 >= self.signal_at).then_some(0));
         // SAFETY: the QP was created with bind support (send_ops_flags); qpx is its extended
-        // handle; the window and the MR outlive the posted bind (the caller holds both).
+        // handle; every window and the MRs outlive the posted binds (the caller holds them
+        // until the binds completed or the queue pair was reset). Writing `ibv_mw::rkey`
+        // tells the provider the window's current key (it does not track type-2 binds), which
+        // the device checks a rebind against.
         let rc = unsafe {
             let qpx = rdma_mummy_sys::ibv_qp_to_qp_ex(self.qp.qp().as_ptr());
             rdma_mummy_sys::ibv_wr_start(qpx);
-            (*qpx).wr_id = TAG_LOCAL | wr_id;
-            (*qpx).wr_flags = rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _;
-            rdma_mummy_sys::ibv_wr_bind_mw(qpx, window.mw.as_ptr(), rkey, &info);
+            for (i, (w, &(b, offset, len))) in windows.iter().zip(ranges).enumerate() {
+                // A rebind must change the key byte of the window's current rkey, or the
+                // device refuses it (and the old rkey must never come back to life).
+                let current = w.current_rkey();
+                (*w.mw.as_ptr()).rkey = current;
+                let rkey = rdma_mummy_sys::ibv_inc_rkey(current);
+                let info = rdma_mummy_sys::ibv_mw_bind_info {
+                    mr: memory.mr_ptr(b),
+                    addr: memory.addr(b, offset),
+                    length: len,
+                    mw_access_flags: rdma_mummy_sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+                        as _,
+                };
+                match signal.filter(|_| i == last) {
+                    Some(id) => {
+                        (*qpx).wr_id = TAG_LOCAL | id;
+                        (*qpx).wr_flags = rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _;
+                    }
+                    None => {
+                        (*qpx).wr_id = TAG_LOCAL;
+                        (*qpx).wr_flags = 0;
+                    }
+                }
+                rdma_mummy_sys::ibv_wr_bind_mw(qpx, w.mw.as_ptr(), rkey, &info);
+                rkeys.push(rkey);
+            }
             rdma_mummy_sys::ibv_wr_complete(qpx)
         };
         if rc != 0 {
@@ -413,20 +495,44 @@ impl RcLink {
                 detail: std::io::Error::from_raw_os_error(rc).to_string(),
             });
         }
-        window.rkey = rkey;
-        Ok(rkey)
+        for (w, rkey) in windows.iter_mut().zip(rkeys) {
+            w.rkey = rkey;
+            w.binds += 1;
+        }
+        self.unsignaled = match signal {
+            Some(_) => 0,
+            None => self.unsignaled + windows.len() as u32,
+        };
+        Ok(())
     }
 
     /// Invalidates the window with `rkey` (the fence): once [`RdmaEvent::LocalDone`] for
     /// `wr_id` arrives, no write with that rkey can land.
     pub fn invalidate(&mut self, rkey: u32, wr_id: u64) -> Result<(), RdmaError> {
+        self.invalidate_all(&[rkey], wr_id)
+    }
+
+    /// Invalidates the windows with `rkeys` behind one doorbell; only the last asks for a
+    /// completion ([`RdmaEvent::LocalDone`] with `wr_id`). The send queue completes in order,
+    /// so when it arrives (ok) every one of them has completed: no write with any of those
+    /// rkeys can land any more. One that fails completes in error on its own.
+    pub fn invalidate_all(&mut self, rkeys: &[u32], wr_id: u64) -> Result<(), RdmaError> {
+        let Some(last) = rkeys.len().checked_sub(1) else {
+            return Ok(());
+        };
         // SAFETY: the QP was created with local-invalidate support; qpx is its extended handle.
         let rc = unsafe {
             let qpx = rdma_mummy_sys::ibv_qp_to_qp_ex(self.qp.qp().as_ptr());
             rdma_mummy_sys::ibv_wr_start(qpx);
-            (*qpx).wr_id = TAG_LOCAL | wr_id;
-            (*qpx).wr_flags = rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _;
-            rdma_mummy_sys::ibv_wr_local_inv(qpx, rkey);
+            for (i, &rkey) in rkeys.iter().enumerate() {
+                (*qpx).wr_id = TAG_LOCAL | wr_id;
+                (*qpx).wr_flags = if i == last {
+                    rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0 as _
+                } else {
+                    0
+                };
+                rdma_mummy_sys::ibv_wr_local_inv(qpx, rkey);
+            }
             rdma_mummy_sys::ibv_wr_complete(qpx)
         };
         if rc != 0 {
@@ -435,6 +541,7 @@ impl RcLink {
                 detail: std::io::Error::from_raw_os_error(rc).to_string(),
             });
         }
+        self.unsignaled = 0;
         Ok(())
     }
 
@@ -459,8 +566,11 @@ impl RcLink {
                         ok,
                     });
                 } else if id & TAG_SEND != 0 {
-                    self.sends_in_flight = self.sends_in_flight.saturating_sub(1);
-                    if !ok {
+                    // A signaled SEND retires itself and the unsignaled ones before it.
+                    let retired = ((id & !TAG_SEND) >> SEND_COUNT_SHIFT) as usize;
+                    if ok {
+                        self.sends_in_flight = self.sends_in_flight.saturating_sub(retired);
+                    } else {
                         out.push(RdmaEvent::SendFailed(wc.status()));
                     }
                 } else {

@@ -22,10 +22,22 @@
 //! sleeps until the NIC has something, instead of spinning (a busy-poll mode exists).
 //!
 //! **Scope and fence.** The receiver binds one type-2 `MemoryWindow` per run of consecutive
-//! reserved pages and per buffer, and RESERVE carries their rkeys. The fence invalidates them;
-//! only when every invalidation has completed is the fence reported. A write with an
-//! invalidated rkey fails at the NIC (a remote access error) and lands nowhere. Devices
+//! reserved pages and per buffer, and RESERVE carries their rkeys. The binds of a reservation
+//! go behind one doorbell, unsignaled, right before its RESERVE on the same queue pair: the
+//! receiver never waits for them (the send queue executes them before the RESERVE; a bind
+//! that fails completes in error and breaks the link). The fence invalidates the windows,
+//! behind one doorbell with only the last invalidation signaled (the send queue completes in
+//! order); only when it has completed is the fence reported. A write with an invalidated rkey
+//! fails at the NIC (a remote access error) and lands nowhere. Invalidated windows are bound
+//! again by later reservations instead of being deallocated: each bind takes the window's next
+//! key (the rkey's low byte), so the rkeys of its earlier bindings stay dead, and a window is
+//! deallocated after `MemoryWindow::MAX_BINDS` binds, before its key could repeat. Devices
 //! without memory windows fall back to the region's rkeys, with a warning and a counter.
+//!
+//! **Signaling.** Only the completions something waits for are asked for: the write that
+//! closes a group of pages, the last invalidation of a fence, and every eighth control-frame
+//! SEND (which frees its slot and the slots of the SENDs before it). A work request that fails
+//! completes in error whether it asked for a completion or not.
 //!
 //! **Failure.** A failed work request or a frame that cannot be opened breaks the link: every
 //! queue pair is reset at once (after which none of its work requests touches memory), every

@@ -19,8 +19,8 @@ use crate::transport::{Closed, Fence, ReceiverTransport, ScopeError, Transport, 
 /// Send-queue depth of each of a receiver's queue pairs (binds, invalidations, frames).
 pub const RECEIVER_QUEUE_DEPTH: u32 = 4096;
 
-/// Marks bind work requests, whose completions need no action.
-const TAG_BIND: u64 = 1 << 40;
+/// Invalidated windows kept for reuse at most (the rest are deallocated).
+const SPARE_WINDOWS: usize = 4096;
 
 /// Counters of an RDMA receiver.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -30,6 +30,9 @@ pub struct RdmaReceiverStats {
     pub binds: u64,
     /// Memory windows invalidated (fences at the NIC).
     pub invalidations: u64,
+    /// Binds of a window invalidated earlier (no allocation; each bind takes a new key, so
+    /// the rkeys of its earlier bindings stay dead).
+    pub windows_reused: u64,
     /// Reservations scoped by the region's rkeys because the device has no memory windows.
     pub region_fallbacks: u64,
     /// Total time from posting a transfer's invalidations to the last completing.
@@ -63,6 +66,8 @@ pub struct RdmaReceiver {
     kind: AccessKind,
     /// Windows of open scopes, per transfer id.
     bound: BTreeMap<TransferId, Vec<MemoryWindow>>,
+    /// Invalidated windows with keys left, bound again by the next reservations.
+    spare: Vec<MemoryWindow>,
     fencing: BTreeMap<TransferId, Fencing>,
     /// Invalidation work request → transfer id.
     fence_wrs: BTreeMap<u64, TransferId>,
@@ -115,6 +120,7 @@ impl RdmaReceiver {
             page_bytes,
             kind,
             bound: BTreeMap::new(),
+            spare: Vec::new(),
             fencing: BTreeMap::new(),
             fence_wrs: BTreeMap::new(),
             next_wr: 1,
@@ -153,7 +159,10 @@ impl RdmaReceiver {
         Ok(())
     }
 
-    /// Binds one window per run of `pages` and per buffer on `lane`; the descriptor.
+    /// Binds one window per run of `pages` and per buffer on `lane`, behind one doorbell and
+    /// unsignaled (the RESERVE posted after them on the same queue pair cannot be executed
+    /// before them; a bind that fails completes in error and breaks the link); the
+    /// descriptor. Invalidated windows are bound again before new ones are allocated.
     fn bind(
         &mut self,
         lane: usize,
@@ -169,38 +178,55 @@ impl RdmaReceiver {
             ));
         }
         let base = (0..b).map(|i| self.reg.addr(i, 0)).collect();
-        let mut out = Vec::with_capacity(runs.len());
-        for (first, n) in runs {
-            let mut rkeys = Vec::with_capacity(b);
-            for (i, &bytes) in self.page_bytes.iter().enumerate() {
-                if self.kind == AccessKind::REGION {
-                    rkeys.push(self.reg.rkey(i));
-                    continue;
-                }
-                let mut w = self.dev.alloc_window().map_err(|e| e.to_string())?;
-                let id = TAG_BIND | self.next_wr;
-                self.next_wr += 1;
-                let rkey = self.lanes.lanes[lane]
-                    .link
-                    .bind_window(
-                        &mut w,
-                        &self.reg,
-                        i,
-                        u64::from(first) * u64::from(bytes),
-                        u64::from(n) * u64::from(bytes),
-                        id,
-                    )
-                    .map_err(|e| e.to_string())?;
-                self.stats.binds += 1;
-                rkeys.push(rkey);
-                windows.push(w);
+        if self.kind == AccessKind::REGION {
+            let runs = runs
+                .into_iter()
+                .map(|(first, n)| AccessRun {
+                    first_page: first,
+                    pages: n,
+                    rkeys: (0..b).map(|i| self.reg.rkey(i)).collect(),
+                })
+                .collect();
+            return AccessDescriptor {
+                kind: self.kind,
+                base,
+                runs,
             }
-            out.push(AccessRun {
+            .encode()
+            .map_err(|e| e.to_string());
+        }
+        let mut ranges = Vec::with_capacity(runs.len() * b);
+        for &(first, n) in &runs {
+            for (i, &bytes) in self.page_bytes.iter().enumerate() {
+                let w = match self.spare.pop() {
+                    Some(w) => {
+                        self.stats.windows_reused += 1;
+                        w
+                    }
+                    None => self.dev.alloc_window().map_err(|e| e.to_string())?,
+                };
+                windows.push(w);
+                ranges.push((
+                    i,
+                    u64::from(first) * u64::from(bytes),
+                    u64::from(n) * u64::from(bytes),
+                ));
+            }
+        }
+        self.lanes.lanes[lane]
+            .link
+            .bind_windows(windows, &self.reg, &ranges, None)
+            .map_err(|e| e.to_string())?;
+        self.stats.binds += windows.len() as u64;
+        let out = runs
+            .into_iter()
+            .enumerate()
+            .map(|(r, (first, n))| AccessRun {
                 first_page: first,
                 pages: n,
-                rkeys,
-            });
-        }
+                rkeys: windows[r * b..(r + 1) * b].iter().map(|w| w.rkey).collect(),
+            })
+            .collect();
         AccessDescriptor {
             kind: self.kind,
             base,
@@ -224,6 +250,7 @@ impl RdmaReceiver {
         self.lanes.reset();
         // Deallocating a window invalidates it: no write through it can land any more.
         self.bound.clear();
+        self.spare.clear();
         self.fence_wrs.clear();
         for (_, f) in std::mem::take(&mut self.fencing) {
             drop(f.windows);
@@ -278,10 +305,14 @@ impl Transport for RdmaReceiver {
                 if done {
                     if let Some(f) = self.fencing.remove(&tid) {
                         self.stats.fence_time += now.saturating_duration_since(f.since);
-                        // Deallocated, not reused: rxe refuses to rebind an invalidated type-2
-                        // window (seen on rdma-core 44 / Linux 6.1).
-                        drop(f.windows);
                         self.events.push_back(TransportEvent::Fenced(f.transfer));
+                        // Invalidated: bound again (with new keys) by later reservations while
+                        // they have keys left, else deallocated.
+                        for w in f.windows {
+                            if w.reusable() && self.spare.len() < SPARE_WINDOWS {
+                                self.spare.push(w);
+                            }
+                        }
                     }
                 }
             }
@@ -346,33 +377,32 @@ impl ReceiverTransport for RdmaReceiver {
             return Fence::Done;
         }
         let lane = self.lane_of.get(transfer.transfer_id);
-        let mut posted = 0;
-        for w in &windows {
-            let id = self.next_wr;
-            self.next_wr += 1;
-            match self.lanes.lanes[lane].link.invalidate(w.rkey, id) {
-                Ok(()) => {
-                    self.fence_wrs.insert(id, transfer.transfer_id);
-                    posted += 1;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, lane, "invalidate could not be posted");
-                    break;
-                }
+        // One doorbell, one completion: the last invalidation's covers the others (the send
+        // queue completes in order; one that fails completes in error and breaks the link).
+        let id = self.next_wr;
+        self.next_wr += 1;
+        let rkeys: Vec<u32> = windows.iter().map(|w| w.rkey).collect();
+        let posted = match self.lanes.lanes[lane].link.invalidate_all(&rkeys, id) {
+            Ok(()) => {
+                self.fence_wrs.insert(id, transfer.transfer_id);
+                self.stats.invalidations += rkeys.len() as u64;
+                true
             }
-        }
-        self.stats.invalidations += posted as u64;
-        let all = posted == windows.len();
+            Err(e) => {
+                tracing::error!(error = %e, lane, "invalidations could not be posted");
+                false
+            }
+        };
         self.fencing.insert(
             transfer.transfer_id,
             Fencing {
                 transfer,
-                remaining: posted,
+                remaining: usize::from(posted),
                 windows,
                 since: Instant::now(),
             },
         );
-        if !all {
+        if !posted {
             // A fence that cannot be posted: tear the link down (SPEC §8.2), which fences.
             self.fail(Closed::LinkFailed(
                 "an invalidation could not be posted".into(),

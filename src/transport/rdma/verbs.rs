@@ -225,6 +225,7 @@ impl RdmaDevice {
         Ok(MemoryWindow {
             mw,
             rkey: 0,
+            binds: 0,
             _pd: Arc::clone(&self.pd),
         })
     }
@@ -232,11 +233,39 @@ impl RdmaDevice {
 
 /// A type-2 memory window: remote write access to exactly the range it is bound over, until
 /// it is invalidated. Holds its protection domain, so it is freed before it.
+///
+/// An invalidated window may be bound again: each bind takes the next key (the low 8 bits of
+/// the rkey), so the rkeys of its earlier bindings stay dead. The key repeats after 256 binds,
+/// so a window is bound at most [`MemoryWindow::MAX_BINDS`] times and then deallocated.
 pub struct MemoryWindow {
     pub(super) mw: NonNull<rdma_mummy_sys::ibv_mw>,
     /// The rkey of the current binding (0 before the first bind).
     pub rkey: u32,
+    /// Binds posted over this window's life.
+    pub(super) binds: u32,
     _pd: Arc<ProtectionDomain>,
+}
+
+impl MemoryWindow {
+    /// Binds of one window over its life: fewer than the 256 keys of an rkey's low byte, so
+    /// no rkey of an earlier binding of the window ever becomes valid again.
+    pub const MAX_BINDS: u32 = 255;
+
+    /// Whether the window may be bound again once invalidated (it has keys left).
+    pub fn reusable(&self) -> bool {
+        self.binds < Self::MAX_BINDS
+    }
+
+    /// The rkey the device holds for this window now: the last one bound, or the one it was
+    /// allocated with.
+    pub(super) fn current_rkey(&self) -> u32 {
+        if self.rkey != 0 {
+            self.rkey
+        } else {
+            // SAFETY: `mw` is a live window from ibv_alloc_mw; its rkey field is plain data.
+            unsafe { self.mw.as_ref().rkey }
+        }
+    }
 }
 
 // SAFETY: an `ibv_mw` is a handle libibverbs lets any thread use (its verbs are thread-safe);
