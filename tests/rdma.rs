@@ -682,34 +682,33 @@ mod driven {
         assert_invariants(&pair);
     }
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn late_write_after_the_fence_fails_at_the_nic_and_a_new_connection_serves_the_memory() {
-        let Some(d) = super::device(
-            "late_write_after_the_fence_fails_at_the_nic_and_a_new_connection_serves_the_memory",
-        ) else {
-            return;
-        };
-        let (dev, mut pair) = pair(&d.name, 1);
-        transfer(&mut pair, 7, 64);
-        assert!(pair.drive_live(LIMIT).await);
-        assert_eq!(pair.verified, vec![TransferId(7)]);
-        // The transfer is over: its windows are invalidated and its pages are free. A sender
-        // that keeps writing with the old rkeys:
-        let pool = pair.receiver.pool().clone();
-        let snapshot: Vec<Vec<u8>> = (0..64)
-            .map(|p| pool.raw_page(p, 0).unwrap().to_vec())
-            .collect();
-        let t = kvwire::proto::wire::TransferRef {
-            transfer_id: TransferId(7),
+    /// The reference (id and nonce) of `id`, which the sender saw verified.
+    fn verified_ref(pair: &RdmaPair, id: TransferId) -> kvwire::proto::wire::TransferRef {
+        kvwire::proto::wire::TransferRef {
+            transfer_id: id,
             nonce: pair
                 .sender_events
                 .iter()
                 .find_map(|e| match e {
-                    kvwire::proto::sender::SenderEvent::Verified(t) => Some(t.nonce),
+                    kvwire::proto::sender::SenderEvent::Verified(t) if t.transfer_id == id => {
+                        Some(t.nonce)
+                    }
                     _ => None,
                 })
-                .unwrap(),
-        };
+                .expect("the transfer verified at the sender"),
+        }
+    }
+
+    /// The sender writes again with `t`'s (fenced) rkeys: the write must fail at the NIC
+    /// (the link fails) and none of the receiver's first 64 pages of buffer 0 may change.
+    async fn late_write_fails_at_the_nic(
+        pair: &mut RdmaPair,
+        t: kvwire::proto::wire::TransferRef,
+        pool: &PagePool,
+    ) {
+        let snapshot: Vec<Vec<u8>> = (0..64)
+            .map(|p| pool.raw_page(p, 0).unwrap().to_vec())
+            .collect();
         let page = pair
             .sender
             .transport_mut()
@@ -734,6 +733,24 @@ mod driven {
                 "a late write landed in page {p} (aimed at {page})"
             );
         }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn late_write_after_the_fence_fails_at_the_nic_and_a_new_connection_serves_the_memory() {
+        let Some(d) = super::device(
+            "late_write_after_the_fence_fails_at_the_nic_and_a_new_connection_serves_the_memory",
+        ) else {
+            return;
+        };
+        let (dev, mut pair) = pair(&d.name, 1);
+        transfer(&mut pair, 7, 64);
+        assert!(pair.drive_live(LIMIT).await);
+        assert_eq!(pair.verified, vec![TransferId(7)]);
+        // The transfer is over: its windows are invalidated and its pages are free. A sender
+        // that keeps writing with the old rkeys:
+        let pool = pair.receiver.pool().clone();
+        let t = verified_ref(&pair, TransferId(7));
+        late_write_fails_at_the_nic(&mut pair, t, &pool).await;
         // A new connection over the same memory serves the next transfer.
         let cfg = config();
         let pools = (pair.sender.pool().clone(), pool.clone());
@@ -764,17 +781,7 @@ mod driven {
         transfer(&mut pair, 7, 64);
         assert!(pair.drive_live(LIMIT).await);
         assert_eq!(pair.verified, vec![TransferId(7)]);
-        let t = kvwire::proto::wire::TransferRef {
-            transfer_id: TransferId(7),
-            nonce: pair
-                .sender_events
-                .iter()
-                .find_map(|e| match e {
-                    kvwire::proto::sender::SenderEvent::Verified(t) => Some(t.nonce),
-                    _ => None,
-                })
-                .unwrap(),
-        };
+        let t = verified_ref(&pair, TransferId(7));
         // The next reservation (its request not admitted yet: the sender parks the RESERVE)
         // is scoped by the windows transfer 7 used, bound again.
         let before = pair.receiver.transport().inner().stats();
@@ -786,33 +793,7 @@ mod driven {
             "the reservation did not reuse the fenced windows: {after:?}"
         );
         let pool = pair.receiver.pool().clone();
-        let snapshot: Vec<Vec<u8>> = (0..64)
-            .map(|p| pool.raw_page(p, 0).unwrap().to_vec())
-            .collect();
-        let page = pair
-            .sender
-            .transport_mut()
-            .inner_mut()
-            .inject_late_write(t)
-            .unwrap()
-            .expect("descriptor known");
-        let end = Instant::now() + LIMIT;
-        while pair.sender.closed().is_none() && Instant::now() < end {
-            pair.drive_live(Duration::from_millis(200)).await;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert!(
-            matches!(pair.sender.closed(), Some(Closed::LinkFailed(_))),
-            "{:?}",
-            pair.sender.closed()
-        );
-        for p in 0..64u32 {
-            assert_eq!(
-                *pool.raw_page(p, 0).unwrap(),
-                snapshot[p as usize][..],
-                "a late write landed in page {p} (aimed at {page})"
-            );
-        }
+        late_write_fails_at_the_nic(&mut pair, t, &pool).await;
     }
 
     /// The fault matrix's cells that apply to one-sided writes (no landing events, so no
