@@ -91,13 +91,56 @@ mod primitive {
     use std::time::{Duration, Instant};
 
     use kvwire::memory::{PagePool, PoolGeometry, Scrub};
-    use kvwire::transport::rdma::{RcLink, RdmaDevice, RdmaEvent, RdmaWrite};
+    use kvwire::transport::rdma::{RcLink, RdmaDevice, RdmaEvent, RdmaWrite, RegisteredMemory};
 
     fn geometry() -> PoolGeometry {
         PoolGeometry {
             tokens_per_page: 16,
             buffer_page_bytes: vec![4096, 8192, 4096],
             pages: 32,
+        }
+    }
+
+    /// Two connected queue pairs on one device: `a` writes from `src` (every byte 0x11 in
+    /// buffer 0) into `dst` (every byte 0xA5), whose windows `b` binds. Fields drop in
+    /// order: the links, then the registrations, then the pools and the device.
+    struct Linked {
+        a: RcLink,
+        b: RcLink,
+        src_reg: RegisteredMemory,
+        dst_reg: RegisteredMemory,
+        src: PagePool,
+        dst: PagePool,
+        dev: RdmaDevice,
+        /// Bytes of a page of buffer 0.
+        page: u64,
+    }
+
+    fn linked(name: &str) -> Linked {
+        let dev = RdmaDevice::open(Some(name)).unwrap();
+        let g = geometry();
+        let src = PagePool::new(g.clone(), Scrub::None).unwrap();
+        let dst = PagePool::new(g.clone(), Scrub::None).unwrap();
+        for p in 0..g.pages {
+            src.raw_page_mut(p, 0).unwrap().fill(0x11);
+            dst.raw_page_mut(p, 0).unwrap().fill(0xA5);
+        }
+        let src_reg = dev.register(src.memory()).unwrap();
+        let dst_reg = dev.register(dst.memory()).unwrap();
+        let mut a = RcLink::new(&dev, 64, None).unwrap();
+        let mut b = RcLink::new(&dev, 64, None).unwrap();
+        let (pa, pb) = (a.params(), b.params());
+        a.connect(&pb).unwrap();
+        b.connect(&pa).unwrap();
+        Linked {
+            a,
+            b,
+            src_reg,
+            dst_reg,
+            src,
+            dst,
+            dev,
+            page: u64::from(g.buffer_page_bytes[0]),
         }
     }
 
@@ -125,24 +168,18 @@ mod primitive {
         ) else {
             return;
         };
-        let dev = RdmaDevice::open(Some(&d.name)).unwrap();
-        let g = geometry();
-        let src = PagePool::new(g.clone(), Scrub::None).unwrap();
-        let dst = PagePool::new(g.clone(), Scrub::None).unwrap();
-        for p in 0..g.pages {
-            src.raw_page_mut(p, 0).unwrap().fill(0x11);
-            dst.raw_page_mut(p, 0).unwrap().fill(0xA5);
-        }
-        let src_reg = dev.register(src.memory()).unwrap();
-        let dst_reg = dev.register(dst.memory()).unwrap();
-        let mut a = RcLink::new(&dev, 64, None).unwrap();
-        let mut b = RcLink::new(&dev, 64, None).unwrap();
-        let (pa, pb) = (a.params(), b.params());
-        a.connect(&pb).unwrap();
-        b.connect(&pa).unwrap();
+        let Linked {
+            dev,
+            src: _src,
+            dst,
+            src_reg,
+            dst_reg,
+            mut a,
+            mut b,
+            page,
+        } = linked(&d.name);
 
         // A window over pages 4..8 of buffer 0 (a reservation's pages).
-        let page = u64::from(g.buffer_page_bytes[0]);
         let mut window = dev.alloc_window().unwrap();
         let t = Instant::now();
         let rkey = b
@@ -318,22 +355,16 @@ mod primitive {
         else {
             return;
         };
-        let dev = RdmaDevice::open(Some(&d.name)).unwrap();
-        let g = geometry();
-        let src = PagePool::new(g.clone(), Scrub::None).unwrap();
-        let dst = PagePool::new(g.clone(), Scrub::None).unwrap();
-        for p in 0..g.pages {
-            src.raw_page_mut(p, 0).unwrap().fill(0x11);
-            dst.raw_page_mut(p, 0).unwrap().fill(0xA5);
-        }
-        let src_reg = dev.register(src.memory()).unwrap();
-        let dst_reg = dev.register(dst.memory()).unwrap();
-        let mut a = RcLink::new(&dev, 64, None).unwrap();
-        let mut b = RcLink::new(&dev, 64, None).unwrap();
-        let (pa, pb) = (a.params(), b.params());
-        a.connect(&pb).unwrap();
-        b.connect(&pa).unwrap();
-        let page = u64::from(g.buffer_page_bytes[0]);
+        let Linked {
+            dev,
+            src: _src,
+            dst,
+            src_reg,
+            dst_reg,
+            mut a,
+            mut b,
+            page,
+        } = linked(&d.name);
         let write = |a: &mut RcLink, id: u64, rkey: u32, dst_page: u64| {
             a.post_writes(&[RdmaWrite {
                 wr_id: id,
