@@ -28,8 +28,8 @@ use crate::memory::{PoolError, PoolGeometry};
 /// (the kernel pins whole pages around any range).
 pub const ALIGN: usize = 64;
 
-/// Transparent huge pages are asked for over whole 2 MiB pages only: smaller memory gains
-/// nothing from them.
+/// Transparent huge pages are asked for only over memory of at least one huge page (2 MiB):
+/// smaller memory gains nothing from them.
 const HUGE_PAGE: usize = 2 << 20;
 
 /// Asks the kernel to back `memory` with transparent huge pages (Linux `madvise(2)`
@@ -37,9 +37,10 @@ const HUGE_PAGE: usize = 2 << 20;
 /// across (a gigabyte and more, written and read at random page indices) costs a TLB miss
 /// per 4 KiB without them; numpy and PyTorch ask for them on large host allocations, and
 /// [`KvMemory::allocate`] does for the memory kvwire allocates. Only the whole 4 KiB pages
-/// inside `memory` are advised; on hosts where the advice is refused (THP `never`, not
-/// Linux) nothing changes. Returns whether the kernel took it. Best effort: the bytes are
-/// never changed.
+/// inside `memory` are advised, and only when they span at least 2 MiB (else `false`
+/// without asking); on hosts where the advice is refused (not Linux, a kernel without THP)
+/// nothing changes. Returns whether the kernel took it. Best effort: the bytes are never
+/// changed.
 pub fn advise_huge_pages(memory: &mut [u8]) -> bool {
     match NonNull::new(memory.as_mut_ptr()) {
         Some(ptr) => advise_huge_pages_raw(ptr, memory.len()),
