@@ -278,6 +278,10 @@ impl BenchSpec {
         c.digests = digests;
         c.digest_mode = mode;
         c.window = self.pages.max(1);
+        // Each decode worker reserves before its prefill counterpart submits: up to
+        // `concurrency` reservations can arrive for requests the sender does not know yet
+        // (SPEC §5.1); parking fewer would refuse the rest with PARKED_LIMIT.
+        c.sender.max_parked = c.sender.max_parked.max(self.concurrency as usize);
         c.metrics = self.metrics.clone();
         c.digest_offload_bytes = self.digest_offload_bytes;
         c.digest_threads = self.digest_threads;
@@ -311,5 +315,27 @@ impl BenchSpec {
 
     pub(super) fn tokens(&self) -> u32 {
         self.pages * self.tokens_per_page
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: at `--concurrency` above the sender's default `max_parked` (256), the
+    /// decode side's reservations for requests the prefill had not submitted yet were refused
+    /// with PARKED_LIMIT, each refusal let that decode worker run further ahead, and a 1 GiB
+    /// two-process run at 400 in flight failed 247,897 of 262,144 transfers.
+    #[test]
+    fn the_sender_parks_a_reservation_for_every_transfer_in_flight() {
+        for concurrency in [1, 100, 400, 10_000] {
+            let spec = BenchSpec {
+                concurrency,
+                ..BenchSpec::default()
+            };
+            let parked = spec.node_config(4096).sender.max_parked;
+            assert!(parked >= concurrency as usize, "{concurrency}: {parked}");
+            assert!(parked >= 256, "never below the default: {parked}");
+        }
     }
 }
