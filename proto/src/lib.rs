@@ -11,6 +11,7 @@ pub mod error;
 pub mod handshake;
 mod history;
 pub mod liveness;
+mod open;
 pub mod receiver;
 mod scope;
 mod timers;

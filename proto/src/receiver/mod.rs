@@ -18,8 +18,8 @@ mod transfer;
 mod types;
 mod verify;
 
+use crate::open::OpenTransfers;
 use crate::wire::TransferId;
-use std::collections::BTreeMap;
 use std::time::Instant;
 
 use crate::error::{FailureReason, Wait};
@@ -49,7 +49,7 @@ pub struct ReceiverSession {
     max_aux: u32,
     config: ReceiverConfig,
     nonce_counter: u64,
-    transfers: BTreeMap<TransferId, Transfer>,
+    transfers: OpenTransfers<Transfer>,
     history: History,
     timers: Timers,
     out: Out,
@@ -82,7 +82,7 @@ impl ReceiverSession {
                 ..Out::default()
             },
             config,
-            transfers: BTreeMap::new(),
+            transfers: OpenTransfers::default(),
             history,
             timers: Timers::default(),
             lost: false,
@@ -428,7 +428,7 @@ impl ReceiverSession {
         }
         self.lost = true;
         self.out.transmit.clear();
-        let open = std::mem::take(&mut self.transfers);
+        let open = self.transfers.drain_in_order();
         for (_, t) in open {
             let next = match t.state {
                 State::AwaitingAbortAck(s) => Next::Done(Some(s.outcome)),

@@ -24,6 +24,8 @@ mod types;
 
 use crate::wire::TransferId;
 use std::collections::BTreeMap;
+
+use crate::open::OpenTransfers;
 use std::time::Instant;
 
 use crate::admission::Rejected;
@@ -53,7 +55,7 @@ pub struct SenderSession {
     /// The receiver's page slots per buffer, when its transport advertised them.
     destination_pages: Option<u32>,
     config: SenderConfig,
-    transfers: BTreeMap<TransferId, Transfer>,
+    transfers: OpenTransfers<Transfer>,
     /// Reservations naming no known request, held briefly (the request may be on its way).
     /// Each with its park deadline and the instant it was received.
     parked: BTreeMap<TransferId, (Reserve, Instant, Instant)>,
@@ -75,7 +77,7 @@ impl SenderSession {
             destination_pages: None,
             history: History::new(config.history),
             config,
-            transfers: BTreeMap::new(),
+            transfers: OpenTransfers::default(),
             parked: BTreeMap::new(),
             timers: Timers::default(),
             out: Out::default(),
@@ -101,10 +103,18 @@ impl SenderSession {
         let id = t.transfer.transfer_id;
         match next {
             Next::Stay(state) => {
-                if let Some(d) = state.deadline() {
+                let deadline = state.deadline();
+                if let Some(d) = deadline.filter(|&d| t.armed != Some(d)) {
                     self.timers.arm(d, id);
                 }
-                self.transfers.insert(id, Transfer { state, ..t });
+                self.transfers.insert(
+                    id,
+                    Transfer {
+                        state,
+                        armed: deadline,
+                        ..t
+                    },
+                );
             }
             Next::Done(failure) => self
                 .history
@@ -311,6 +321,8 @@ impl SenderSession {
             let Some(mut t) = self.transfers.remove(&id) else {
                 continue;
             };
+            // Its timer entry has just been taken out of the heap.
+            t.armed = None;
             let state = t.take_state(now);
             let mut cx = self.ctx(now);
             let timeout = |waiting_for| FailureReason::Timeout { waiting_for };
@@ -360,7 +372,7 @@ impl SenderSession {
         }
         self.lost = true;
         self.parked.clear();
-        let open = std::mem::take(&mut self.transfers);
+        let open = self.transfers.drain_in_order();
         for (_, mut t) in open {
             let state = t.take_state(now);
             let mut cx = self.ctx(now);

@@ -90,6 +90,7 @@ impl SenderSession {
                 nonce: 0,
             },
             state: State::AwaitingReservation(AwaitingReservation { deadline }),
+            armed: None,
         };
         self.settle(
             t,

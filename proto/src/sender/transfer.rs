@@ -28,6 +28,9 @@ pub(super) struct Transfer {
     /// Nonce 0 until a reservation is accepted.
     pub(super) transfer: TransferRef,
     pub(super) state: State,
+    /// The deadline last armed in the session's timers for this transfer, while that entry
+    /// is still there: settling with the same deadline again arms nothing.
+    pub(super) armed: Option<Instant>,
 }
 
 impl Clone for Transfer {
@@ -38,6 +41,7 @@ impl Clone for Transfer {
             aux: self.aux.clone(),
             transfer: self.transfer,
             state: self.state.clone(),
+            armed: self.armed,
         }
     }
 }
