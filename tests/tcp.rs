@@ -439,3 +439,78 @@ async fn a_non_kvwire_server_is_named_by_its_bytes_in_hex_and_ascii() {
         .to_string();
     assert!(e.contains(r#"48 54 54 50 "HTTP""#), "{e}");
 }
+
+/// Write coalescing (issue 12): frames queued while the transport holds its writes stay off
+/// the socket until 16 are queued or the hold is released; then every one of them arrives,
+/// in order, and nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_frames_go_out_on_release_or_once_a_batch_is_queued() {
+    use kvwire::proto::auth::AuthChannel;
+    use kvwire::proto::wire::Frame;
+    use kvwire::transport::tcp::TcpReceiver;
+    use kvwire::transport::Transport;
+    use std::task::Poll;
+    use tokio::io::AsyncReadExt;
+
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (a, b) = tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+    let (mut peer, ours) = (a.unwrap(), b.unwrap().0);
+    let (_, pool) = kvwire::testkit::PairConfig::small().pools().unwrap();
+    let (sealer, opener) = AuthChannel::off().split();
+    let mut rx = TcpReceiver::new(ours, sealer, opener, pool);
+    let now = std::time::Instant::now();
+    async fn poll_once(rx: &mut TcpReceiver, now: std::time::Instant) {
+        std::future::poll_fn(|cx| {
+            let _ = rx.poll_event(cx, now);
+            Poll::Ready(())
+        })
+        .await
+    }
+    // What the peer has received within `wait`, decoded.
+    async fn received(peer: &mut tokio::net::TcpStream, wait: Duration) -> Vec<Frame> {
+        let mut bytes = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(Ok(n)) = tokio::time::timeout(wait, peer.read(&mut buf)).await {
+            if n == 0 {
+                break;
+            }
+            bytes.extend_from_slice(&buf[..n]);
+        }
+        let (mut frames, mut at) = (Vec::new(), 0);
+        while at < bytes.len() {
+            let (f, len) = Frame::decode(&bytes[at..]).unwrap();
+            frames.push(f);
+            at += len;
+        }
+        frames
+    }
+    let wait = Duration::from_millis(100);
+
+    rx.hold_writes(true);
+    for token in 0..3 {
+        rx.send_frame(now, &Frame::Ping(token));
+    }
+    poll_once(&mut rx, now).await;
+    assert!(
+        received(&mut peer, wait).await.is_empty(),
+        "held frames were written before the release"
+    );
+    rx.hold_writes(false);
+    poll_once(&mut rx, now).await;
+    assert_eq!(
+        received(&mut peer, wait).await,
+        (0..3).map(Frame::Ping).collect::<Vec<_>>()
+    );
+
+    // Still held, but a batch's worth (16) is queued: it goes out.
+    rx.hold_writes(true);
+    for token in 10..26 {
+        rx.send_frame(now, &Frame::Ping(token));
+    }
+    poll_once(&mut rx, now).await;
+    assert_eq!(
+        received(&mut peer, wait).await,
+        (10..26).map(Frame::Ping).collect::<Vec<_>>()
+    );
+}

@@ -365,6 +365,9 @@ macro_rules! impl_driver {
             fn poll_input(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<()> {
                 $driver::poll_input(self, cx, now)
             }
+            fn hold_writes(&mut self, held: bool) {
+                self.core.transport.hold_writes(held)
+            }
             fn poll_timeout(&mut self) -> Option<Instant> {
                 $driver::poll_timeout(self)
             }

@@ -32,6 +32,9 @@ pub trait Driver {
     /// Waits for the next input (a transport event, or a digest job finished elsewhere) and
     /// handles it; `Ready` when something was handled.
     fn poll_input(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<()>;
+    /// Holds the transport's queued writes back, or lets them go at the next
+    /// [`Driver::poll_input`] ([`crate::transport::Transport::hold_writes`]).
+    fn hold_writes(&mut self, held: bool);
     /// When [`Driver::handle_timeout`] must next be called.
     fn poll_timeout(&mut self) -> Option<Instant>;
     /// Handles the passage of time.

@@ -320,8 +320,43 @@ pub(crate) trait ConnectionTask {
 /// Inputs a connection task handles per wake-up at most (then it reports and polls again).
 const INPUT_BATCH: usize = 64;
 
+/// Handles up to [`INPUT_BATCH`] inputs; `Ready` if any was handled. With `hold`, the
+/// transport's writes are held from the first input on (what the rest produce joins it).
+fn poll_inputs<D: crate::driver::Driver>(
+    driver: &mut D,
+    cx: &mut std::task::Context<'_>,
+    hold: bool,
+) -> std::task::Poll<()> {
+    let mut handled = false;
+    for _ in 0..INPUT_BATCH {
+        if driver
+            .poll_input(cx, std::time::Instant::now())
+            .is_pending()
+        {
+            break;
+        }
+        if hold && !handled {
+            driver.hold_writes(true);
+        }
+        handled = true;
+    }
+    if handled {
+        std::task::Poll::Ready(())
+    } else {
+        std::task::Poll::Pending
+    }
+}
+
 /// Runs a connection's task until every engine handle is gone and nothing is open: waits for
 /// the driver's next input, an engine command, or the driver's deadline, whichever first.
+///
+/// **Write coalescing.** What one wake-up produces leaves in one write: while the task handles
+/// a batch of inputs the transport holds its writes; then the task reports (waking the engine
+/// tasks whose transfers finished), yields once (when two or more transfers are open) so that
+/// those tasks run and queue their next commands, takes those commands, and only then lets
+/// the writes go. With 100 single-page transfers in flight this cut the system calls per
+/// transfer several-fold (docs/BENCHMARKS.md); a large batch still goes out in parts
+/// ([`crate::transport::Transport::hold_writes`]) so that the peer is never idle for long.
 pub(crate) async fn run_task<T: ConnectionTask>(
     mut task: T,
     mut commands: tokio::sync::mpsc::UnboundedReceiver<T::Command>,
@@ -333,8 +368,33 @@ pub(crate) async fn run_task<T: ConnectionTask>(
     // One timer for the task's life, moved when the deadline moves (not one per wake-up).
     let sleep = tokio::time::sleep(far);
     tokio::pin!(sleep);
+    // Writes are held (or commands were handled) since the last release.
+    let mut held = false;
     loop {
         task.report();
+        if held {
+            held = false;
+            // Only worth a scheduler turn when other transfers are under way: with one (or
+            // none) in flight nothing would join the write, and the answer goes out at once.
+            if task.driver().open_transfers() >= 2 {
+                tokio::task::yield_now().await;
+            }
+            for _ in 0..INPUT_BATCH {
+                match commands.try_recv() {
+                    Ok(c) => task.command(c),
+                    // Empty, or every handle gone (the next `recv` sees it).
+                    Err(_) => break,
+                }
+            }
+            task.driver().hold_writes(false);
+            // Released: this pass writes what is queued (and handles whatever came in).
+            let _ = std::future::poll_fn(|cx| {
+                let _ = poll_inputs(task.driver(), cx, false);
+                std::task::Poll::Ready(())
+            })
+            .await;
+            task.report();
+        }
         // Checked before waiting: once every engine handle is gone and nothing is open,
         // nothing more can happen on this connection (its pool lives on in the verified
         // handles the engine still holds).
@@ -355,24 +415,18 @@ pub(crate) async fn run_task<T: ConnectionTask>(
             Deadline,
         }
         let woke = tokio::select! {
+            // Inputs first: the first poll after a release writes what was held.
+            biased;
             // Up to INPUT_BATCH inputs per wake-up: what arrived together is handled together
             // (and the transport writes the answers together) before the task reports.
-            _ = std::future::poll_fn(|cx| {
-                let mut handled = false;
-                for _ in 0..INPUT_BATCH {
-                    if task.driver().poll_input(cx, Instant::now()).is_pending() {
-                        break;
-                    }
-                    handled = true;
-                }
-                if handled { std::task::Poll::Ready(()) } else { std::task::Poll::Pending }
-            }) => Wake::Input,
+            _ = std::future::poll_fn(|cx| poll_inputs(task.driver(), cx, true)) => Wake::Input,
             c = commands.recv(), if engine_open => Wake::Command(c),
             _ = &mut sleep => Wake::Deadline,
         };
         match woke {
-            Wake::Input => {}
+            Wake::Input => held = true,
             Wake::Command(Some(c)) => {
+                held = true;
                 task.command(c);
                 // Commands that queued meanwhile, in order (a disconnection is seen by the
                 // next `recv`).

@@ -166,6 +166,14 @@ pub trait Transport: Send {
     /// fences still pending are then reported, then [`TransportEvent::Closed`]`(Local)`.
     fn close(&mut self, now: Instant);
 
+    /// Holds queued writes back (`true`) or lets them go (`false`). While held, `poll_event`
+    /// still reads and reports, but writes only once a batch's worth is queued; after
+    /// release, the next `poll_event` writes the rest. The connection task holds writes
+    /// while it handles one wake-up's inputs and the commands of the engine tasks those
+    /// inputs woke, so that what they produce leaves in one system call instead of one per
+    /// input (issue 12: 4 KiB transfers). Transports that post every write at once ignore it.
+    fn hold_writes(&mut self, _held: bool) {}
+
     /// When the transport must be polled again even if nothing wakes it (a simulated link's
     /// next delivery). Most transports never need this.
     fn poll_timeout(&self) -> Option<Instant> {

@@ -236,6 +236,12 @@ impl<T: Transport> Transport for LaneSet<T> {
         self.lanes[lane].send_frame(now, frame);
     }
 
+    fn hold_writes(&mut self, held: bool) {
+        for l in &mut self.lanes {
+            l.hold_writes(held);
+        }
+    }
+
     /// Polls every lane once per pass (each sends what it has queued, then reads), starting
     /// after the lane that last had something, and hands their events out in that order.
     fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {

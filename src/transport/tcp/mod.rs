@@ -52,6 +52,13 @@ pub type TcpSenderLanes = crate::transport::LaneSet<TcpSender>;
 /// The decode end of a connection over several TCP streams: one [`TcpReceiver`] per stream.
 pub type TcpReceiverLanes = crate::transport::LaneSet<TcpReceiver>;
 
+/// Queued items (frames and data records) at which held writes go out anyway
+/// ([`Transport::hold_writes`](crate::transport::Transport::hold_writes)): the peer starts on
+/// the first part of a large batch while this end still handles the rest.
+const HELD_WRITE_ITEMS: usize = 16;
+/// Queued page bytes at which held writes go out anyway (a 64 KiB page is never held).
+const HELD_WRITE_BYTES: usize = 64 * 1024;
+
 /// The `kind` of the TCP transport parameters (SPEC §9.1; RDMA's are kind 1, §9.2).
 pub const TCP_PARAMS_KIND: u16 = 2;
 

@@ -41,6 +41,8 @@ pub struct TcpReceiver {
     copying: VecDeque<(DataHeader, usize)>,
     /// Device memory: fences waiting for those copies of their transfer to complete.
     fences: Vec<TransferRef>,
+    /// Frames are held back until a batch's worth is queued ([`Transport::hold_writes`]).
+    writes_held: bool,
 }
 
 impl TcpReceiver {
@@ -70,6 +72,7 @@ impl TcpReceiver {
             closed: false,
             copying: VecDeque::with_capacity(STAGING_BUFFERS),
             fences: Vec::new(),
+            writes_held: false,
         };
         if let Some(e) = failed {
             receiver.shut(Closed::LinkFailed(format!("device staging: {e}")));
@@ -164,6 +167,11 @@ impl TcpReceiver {
     }
 
     /// Writes queued frames until the socket would block, many per system call.
+    /// Whether queued frames go out now: not held, or a batch's worth is queued.
+    fn write_now(&self) -> bool {
+        !self.writes_held || self.out.len() >= super::HELD_WRITE_ITEMS
+    }
+
     fn poll_flush(&mut self, cx: &mut Context<'_>) {
         while !self.out.is_empty() {
             let Some(stream) = self.stream.as_mut() else {
@@ -277,7 +285,9 @@ impl TcpReceiver {
                 // copy completed).
                 return None;
             }
-            self.poll_flush(cx);
+            if self.write_now() {
+                self.poll_flush(cx);
+            }
             let stream = self.stream.as_mut()?;
             let read = {
                 let mut target = self.reader.target(&self.pool, &self.scopes);
@@ -336,7 +346,9 @@ impl Transport for TcpReceiver {
         if let Some(e) = self.poll_read_records(cx) {
             return Poll::Ready(e);
         }
-        self.poll_flush(cx);
+        if self.write_now() {
+            self.poll_flush(cx);
+        }
         match self.events.pop_front() {
             Some(e) => Poll::Ready(e),
             None => Poll::Pending,
@@ -345,6 +357,10 @@ impl Transport for TcpReceiver {
 
     fn close(&mut self, _now: Instant) {
         self.shut(Closed::Local);
+    }
+
+    fn hold_writes(&mut self, held: bool) {
+        self.writes_held = held;
     }
 }
 

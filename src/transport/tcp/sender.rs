@@ -77,6 +77,8 @@ pub struct TcpSender {
     destination_pages: Option<u32>,
     /// Device memory: records go device → pinned staging → socket.
     staging: Option<Staging>,
+    /// Writes are held back until a batch's worth is queued ([`Transport::hold_writes`]).
+    writes_held: bool,
 }
 
 impl TcpSender {
@@ -103,6 +105,7 @@ impl TcpSender {
             stats: TcpSenderStats::default(),
             destination_pages: None,
             staging: None,
+            writes_held: false,
         };
         match staging {
             Ok(s) => sender.staging = s,
@@ -172,6 +175,13 @@ impl TcpSender {
     }
 
     /// Writes what is queued until the socket would block.
+    /// Whether queued writes go out now: not held, or a batch's worth is queued.
+    fn write_now(&self) -> bool {
+        !self.writes_held
+            || self.out.len() >= super::HELD_WRITE_ITEMS
+            || self.data_queued * self.record_len as usize >= super::HELD_WRITE_BYTES
+    }
+
     fn poll_flush(&mut self, cx: &mut Context<'_>) {
         if self.staging.is_some() {
             return self.poll_flush_staged(cx);
@@ -503,7 +513,9 @@ impl Transport for TcpSender {
         if let Some(e) = self.take_frame() {
             return Poll::Ready(e);
         }
-        self.poll_flush(cx);
+        if self.write_now() {
+            self.poll_flush(cx);
+        }
         if let Some(e) = self.events.pop_front() {
             return Poll::Ready(e);
         }
@@ -518,6 +530,10 @@ impl Transport for TcpSender {
 
     fn close(&mut self, _now: Instant) {
         self.shut(Closed::Local);
+    }
+
+    fn hold_writes(&mut self, held: bool) {
+        self.writes_held = held;
     }
 }
 
