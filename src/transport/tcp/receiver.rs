@@ -338,7 +338,8 @@ impl Transport for TcpReceiver {
     }
 
     /// Queued frames are written before the stream is read and before waiting, not after
-    /// every event: the frames a burst of records produces leave together.
+    /// every event: the frames a burst of records produces leave together. While writes are
+    /// held ([`Transport::hold_writes`]), only once 16 frames are queued.
     fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
         if let Some(e) = self.events.pop_front() {
             return Poll::Ready(e);

@@ -505,7 +505,8 @@ impl Transport for TcpSender {
 
     /// Frames already read are handed out before anything is written: what queues while the
     /// driver handles them (frames, data records) leaves in one vectored write, made before
-    /// the socket is read again and before waiting.
+    /// the socket is read again and before waiting. While writes are held
+    /// ([`Transport::hold_writes`]), only once 16 items or 64 KiB of page bytes are queued.
     fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
         if let Some(e) = self.events.pop_front() {
             return Poll::Ready(e);
