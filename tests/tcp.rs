@@ -486,6 +486,7 @@ async fn held_frames_go_out_on_release_or_once_a_batch_is_queued() {
         frames
     }
     let wait = Duration::from_millis(100);
+    assert!(rx.coalesces_writes(), "TCP says it coalesces held writes");
 
     rx.hold_writes(true);
     for token in 0..3 {

@@ -368,6 +368,9 @@ macro_rules! impl_driver {
             fn hold_writes(&mut self, held: bool) {
                 self.core.transport.hold_writes(held)
             }
+            fn coalesces_writes(&self) -> bool {
+                self.core.transport.coalesces_writes()
+            }
             fn poll_timeout(&mut self) -> Option<Instant> {
                 $driver::poll_timeout(self)
             }

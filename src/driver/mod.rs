@@ -35,6 +35,9 @@ pub trait Driver {
     /// Holds the transport's queued writes back, or lets them go at the next
     /// [`Driver::poll_input`] ([`crate::transport::Transport::hold_writes`]).
     fn hold_writes(&mut self, held: bool);
+    /// Whether the transport coalesces held writes
+    /// ([`crate::transport::Transport::coalesces_writes`]).
+    fn coalesces_writes(&self) -> bool;
     /// When [`Driver::handle_timeout`] must next be called.
     fn poll_timeout(&mut self) -> Option<Instant>;
     /// Handles the passage of time.

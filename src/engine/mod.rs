@@ -352,7 +352,8 @@ fn poll_inputs<D: crate::driver::Driver>(
 ///
 /// **Write coalescing.** What one wake-up produces leaves in one write: while the task handles
 /// a batch of inputs the transport holds its writes; then the task reports (waking the engine
-/// tasks whose transfers finished), yields once (when two or more transfers are open) so that
+/// tasks whose transfers finished), yields once (when two or more transfers are open and the
+/// transport coalesces: TCP; RDMA and loopback post every write at once) so that
 /// those tasks run and queue their next commands, takes those commands, and only then lets
 /// the writes go. With 100 single-page transfers in flight this cut the system calls per
 /// transfer several-fold (docs/BENCHMARKS.md); a large batch still goes out in parts
@@ -374,9 +375,10 @@ pub(crate) async fn run_task<T: ConnectionTask>(
         task.report();
         if held {
             held = false;
-            // Only worth a scheduler turn when other transfers are under way: with one (or
-            // none) in flight nothing would join the write, and the answer goes out at once.
-            if task.driver().open_transfers() >= 2 {
+            // Only worth a scheduler turn when the transport coalesces what it holds and other
+            // transfers are under way: with one (or none) in flight nothing would join the
+            // write, and the answer goes out at once.
+            if task.driver().coalesces_writes() && task.driver().open_transfers() >= 2 {
                 tokio::task::yield_now().await;
             }
             for _ in 0..INPUT_BATCH {

@@ -171,8 +171,15 @@ pub trait Transport: Send {
     /// release, the next `poll_event` writes the rest. The connection task holds writes
     /// while it handles one wake-up's inputs and the commands of the engine tasks those
     /// inputs woke, so that what they produce leaves in one system call instead of one per
-    /// input (issue 12: 4 KiB transfers). Transports that post every write at once ignore it.
+    /// input (issue 12: 4 KiB transfers). Transports that post every write at once ignore it
+    /// (and say so in [`Transport::coalesces_writes`]).
     fn hold_writes(&mut self, _held: bool) {}
+
+    /// Whether [`Transport::hold_writes`] does anything: only then does the connection task
+    /// spend a scheduler turn gathering the engine's next commands before releasing.
+    fn coalesces_writes(&self) -> bool {
+        false
+    }
 
     /// When the transport must be polled again even if nothing wakes it (a simulated link's
     /// next delivery). Most transports never need this.

@@ -242,6 +242,10 @@ impl<T: Transport> Transport for LaneSet<T> {
         }
     }
 
+    fn coalesces_writes(&self) -> bool {
+        self.lanes.iter().any(Transport::coalesces_writes)
+    }
+
     /// Polls every lane once per pass (each sends what it has queued, then reads), starting
     /// after the lane that last had something, and hands their events out in that order.
     fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {

@@ -363,6 +363,10 @@ impl Transport for TcpReceiver {
     fn hold_writes(&mut self, held: bool) {
         self.writes_held = held;
     }
+
+    fn coalesces_writes(&self) -> bool {
+        true
+    }
 }
 
 /// The reader checks the scope before every read into a page: once it is closed, the rest

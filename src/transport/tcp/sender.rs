@@ -536,6 +536,10 @@ impl Transport for TcpSender {
     fn hold_writes(&mut self, held: bool) {
         self.writes_held = held;
     }
+
+    fn coalesces_writes(&self) -> bool {
+        true
+    }
 }
 
 impl SenderTransport for TcpSender {
