@@ -166,12 +166,12 @@ impl TcpReceiver {
         self.events.push_back(TransportEvent::Closed(why));
     }
 
-    /// Writes queued frames until the socket would block, many per system call.
     /// Whether queued frames go out now: not held, or a batch's worth is queued.
     fn write_now(&self) -> bool {
         !self.writes_held || self.out.len() >= super::HELD_WRITE_ITEMS
     }
 
+    /// Writes queued frames until the socket would block, many per system call.
     fn poll_flush(&mut self, cx: &mut Context<'_>) {
         while !self.out.is_empty() {
             let Some(stream) = self.stream.as_mut() else {

@@ -174,7 +174,6 @@ impl TcpSender {
         });
     }
 
-    /// Writes what is queued until the socket would block.
     /// Whether queued writes go out now: not held, or a batch's worth is queued.
     fn write_now(&self) -> bool {
         !self.writes_held
@@ -182,6 +181,7 @@ impl TcpSender {
             || self.data_queued * self.record_len as usize >= super::HELD_WRITE_BYTES
     }
 
+    /// Writes what is queued until the socket would block.
     fn poll_flush(&mut self, cx: &mut Context<'_>) {
         if self.staging.is_some() {
             return self.poll_flush_staged(cx);
