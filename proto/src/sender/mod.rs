@@ -24,14 +24,13 @@ mod types;
 
 use crate::wire::TransferId;
 use std::collections::BTreeMap;
-
-use crate::open::OpenTransfers;
 use std::time::Instant;
 
 use crate::admission::Rejected;
 use crate::error::{FailureReason, Wait};
 use crate::handshake::Established;
 use crate::history::{Finished, History};
+use crate::open::OpenTransfers;
 use crate::scope::FrameError;
 use crate::timers::Timers;
 use crate::wire::{DigestAlgorithm, ErrorCode, Frame, Reserve, TransferDigests, TransferRef};
