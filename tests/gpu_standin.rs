@@ -692,7 +692,7 @@ async fn a_sender_abort_mid_pipeline_keeps_source_pages_until_the_copies_complet
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_transfer_verifies_with_digest_jobs_on_the_blocking_pool() {
     let mut config = NodeConfig::example();
-    config.digest_offload_bytes = 1 << 20;
+    config.digest_offload_bytes = Some(1 << 20);
     config.pool.pages = 80;
     config.pool.buffer_page_bytes = vec![64 << 10; BUFFERS];
     config.engine.max_context_tokens = 80 * u64::from(config.pool.tokens_per_page);

@@ -283,7 +283,7 @@ fn a_registration_smaller_than_the_context_is_refused_naming_both_numbers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn offloaded_digests_verify_and_release() {
     let mut config = NodeConfig::example();
-    config.digest_offload_bytes = 1; // every job on the blocking pool
+    config.digest_offload_bytes = Some(1); // every job on the blocking pool
     let (s, r) = pair(&config).await;
     let mut tasks = Vec::new();
     for id in 1..=8u64 {
@@ -309,7 +309,7 @@ async fn digests_split_across_threads_verify_and_release() {
     config.pool.buffer_page_bytes = vec![64 << 10, 64 << 10];
     config.pool.pages = 64;
     config.engine = kvwire::config::EngineConfig::new(1024);
-    config.digest_offload_bytes = 1 << 20;
+    config.digest_offload_bytes = Some(1 << 20);
     config.digest_threads = 3;
     config.digest_at_landing = false;
     let (s, r) = pair(&config).await;

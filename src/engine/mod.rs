@@ -179,10 +179,13 @@ impl TransferError {
 }
 
 /// Where a connection of a node with `config` digests (both roles alike): jobs of at least
-/// `digest_offload_bytes` on the blocking pool, over up to `digest_threads` threads each.
+/// `digest_offload_bytes` (or the transport's threshold) on the blocking pool, over up to
+/// `digest_threads` threads each.
 fn digest_execution(config: &NodeConfig) -> crate::driver::DigestExecution {
     crate::driver::DigestExecution::Offload {
-        min_bytes: config.digest_offload_bytes,
+        min_bytes: config
+            .digest_offload_bytes
+            .unwrap_or_else(|| config.transport.default_digest_offload_bytes()),
         threads: match config.digest_threads {
             0 => crate::driver::default_digest_threads(),
             n => n,
@@ -447,5 +450,36 @@ pub(crate) async fn run_task<T: ConnectionTask>(
             }
             Wake::Deadline => task.driver().handle_timeout(Instant::now()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::digest_execution;
+    use crate::config::{NodeConfig, TransportConfig};
+    use crate::driver::DigestExecution;
+
+    fn threshold(config: &NodeConfig) -> u64 {
+        match digest_execution(config) {
+            DigestExecution::Offload { min_bytes, .. } => min_bytes,
+            DigestExecution::Inline => panic!("a node's connections always may offload"),
+        }
+    }
+
+    /// Unset, the threshold is the transport's: RDMA digests every transfer on the blocking
+    /// pool (the connection's thread only posts and completes work requests), TCP from 8 MiB;
+    /// a threshold the node sets wins on both.
+    #[test]
+    fn the_digest_offload_threshold_is_the_transports_unless_the_node_sets_one() {
+        let mut tcp = NodeConfig::example();
+        assert_eq!(tcp.digest_offload_bytes, None);
+        assert_eq!(threshold(&tcp), 8 << 20);
+        let mut rdma = NodeConfig::example();
+        rdma.transport = TransportConfig::rdma(Some("rxe0"));
+        assert_eq!(threshold(&rdma), 1, "every transfer with page bytes");
+        tcp.digest_offload_bytes = Some(1 << 20);
+        rdma.digest_offload_bytes = Some(32 << 20);
+        assert_eq!(threshold(&tcp), 1 << 20);
+        assert_eq!(threshold(&rdma), 32 << 20);
     }
 }

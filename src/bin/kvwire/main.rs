@@ -148,10 +148,11 @@ struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Digest transfers of at least this many bytes on the blocking pool instead of the
-    /// connection's task (suffixes K, M, G). Measured on 2 cores: offloading costs ~9% for
-    /// 2 MiB transfers and gains ~9% for 32 MiB ones (docs/BENCHMARKS.md).
-    #[arg(long, default_value = "8M", value_parser = parse_size)]
-    digest_offload: u64,
+    /// connection's task (suffixes K, M, G). Default: the transport's, 8M over TCP (measured
+    /// on 2 cores: offloading costs ~9% for 2 MiB transfers and gains ~9% for 32 MiB ones),
+    /// every transfer over RDMA (docs/BENCHMARKS.md).
+    #[arg(long, value_parser = parse_size)]
+    digest_offload: Option<u64>,
     /// Threads one offloaded transfer's digests may use at once (its pages split into that
     /// many runs of at least 1 MiB); 1: one thread (the default); 0: the process's cores, at
     /// most 8.

@@ -91,8 +91,9 @@ pub struct BenchSpec {
     pub verify: Verify,
     /// Compare every delivered byte with what the sender wrote, too.
     pub check_bytes: bool,
-    /// Transfers of at least this many bytes are digested on the blocking pool.
-    pub digest_offload_bytes: u64,
+    /// Transfers of at least this many bytes are digested on the blocking pool (`None`: the
+    /// transport's threshold).
+    pub digest_offload_bytes: Option<u64>,
     /// `NodeConfig::digest_threads` of both nodes.
     pub digest_threads: usize,
     /// `NodeConfig::tcp_streams` of both nodes.
@@ -145,7 +146,7 @@ impl Default for BenchSpec {
             concurrency: 4,
             verify: Verify::Xxh3,
             check_bytes: false,
-            digest_offload_bytes: 8 << 20,
+            digest_offload_bytes: None,
             digest_threads: 1,
             tcp_streams: 1,
             digest_at_landing: true,
