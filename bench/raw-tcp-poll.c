@@ -1,0 +1,125 @@
+/* Raw TCP loopback, blocking or polling: how much of a polling engine's lead (NIXL/UCX
+ * busy-polls its sockets) is the polling itself, with no protocol at all.
+ *
+ *   cc -O2 -o target/raw-tcp-poll bench/raw-tcp-poll.c
+ *   target/raw-tcp-poll MODE CHUNK MIB PORT
+ *
+ * MODE: 0 both ends block; 1 the sender polls; 2 the receiver polls; 3 both poll (polling:
+ * MSG_DONTWAIT, and sched_yield after EAGAIN, as UCX's progress loop does). CHUNK bytes per
+ * send/recv, each to or from a pseudo-random CHUNK-sized slot of a 256 MiB region (a page
+ * landing at its slot); MIB mebibytes in all, over one TCP connection on 127.0.0.1:PORT
+ * (TCP_NODELAY, default buffers), the receiver a forked process. Prints GB/s (10^9) and
+ * each end's CPU seconds (getrusage). docs/BENCHMARKS.md, "Does polling explain NIXL's lead".
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static double cpu(void) {
+  struct rusage r;
+  getrusage(RUSAGE_SELF, &r);
+  return r.ru_utime.tv_sec + r.ru_utime.tv_usec * 1e-6 + r.ru_stime.tv_sec +
+         r.ru_stime.tv_usec * 1e-6;
+}
+
+int main(int argc, char **argv) {
+  if (argc != 5) {
+    fprintf(stderr, "usage: %s MODE(0-3) CHUNK MIB PORT\n", argv[0]);
+    return 2;
+  }
+  int mode = atoi(argv[1]);
+  int send_polls = mode & 1, recv_polls = mode & 2;
+  size_t chunk = (size_t)atol(argv[2]);
+  size_t total = (size_t)atol(argv[3]) << 20;
+  int port = atoi(argv[4]);
+  size_t mem = (size_t)256 << 20;
+  if (chunk == 0 || chunk > mem) {
+    fprintf(stderr, "CHUNK must be 1 to %zu bytes\n", mem);
+    return 2;
+  }
+  size_t slots = mem / chunk;
+  char *buf = malloc(mem);
+  if (!buf) return 1;
+  memset(buf, 0x5a, mem); /* written through before the clock: no page faults inside it */
+  int one = 1;
+  int ls = socket(AF_INET, SOCK_STREAM, 0);
+  setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  struct sockaddr_in a = {0};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(0x7f000001);
+  if (bind(ls, (void *)&a, sizeof a) || listen(ls, 1)) {
+    perror("bind/listen");
+    return 1;
+  }
+  pid_t child = fork();
+  if (child == 0) {
+    int s = accept(ls, 0, 0);
+    size_t got = 0;
+    double c0 = cpu();
+    while (got < total) {
+      char *dst = buf + ((got / chunk) * 2654435761u % slots) * chunk;
+      size_t off = got % chunk;
+      ssize_t n = recv(s, dst + off, chunk - off, recv_polls ? MSG_DONTWAIT : 0);
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EINTR) {
+          if (recv_polls) sched_yield();
+          continue;
+        }
+        perror("recv");
+        return 1;
+      }
+      if (n == 0) break;
+      got += (size_t)n;
+    }
+    printf("receiver_cpu_s=%.3f\n", cpu() - c0);
+    return got == total ? 0 : 1;
+  }
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  if (connect(s, (void *)&a, sizeof a)) {
+    perror("connect");
+    return 1;
+  }
+  double t0 = now(), c0 = cpu();
+  size_t sent = 0;
+  while (sent < total) {
+    char *src = buf + ((sent / chunk) * 40503u % slots) * chunk;
+    size_t off = sent % chunk;
+    ssize_t n = send(s, src + off, chunk - off, send_polls ? MSG_DONTWAIT : 0);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) {
+        if (send_polls) sched_yield();
+        continue;
+      }
+      perror("send");
+      return 1;
+    }
+    sent += (size_t)n;
+  }
+  double sender_cpu = cpu() - c0;
+  int status = 0;
+  fflush(stdout);
+  waitpid(child, &status, 0);
+  double dt = now() - t0;
+  printf("mode=%d chunk=%zu GB/s=%.3f sender_cpu_s=%.3f\n", mode, chunk, total / dt / 1e9,
+         sender_cpu);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
+}
