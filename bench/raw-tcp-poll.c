@@ -39,6 +39,32 @@ static double cpu(void) {
          r.ru_stime.tv_usec * 1e-6;
 }
 
+/* Moves `total` bytes over `s` in `chunk`-byte calls, each to or from a pseudo-random slot of
+ * `buf` (`mult` spreads the chunk numbers over the slots); polling when `polls`. Returns the
+ * bytes moved (less than `total` if the peer closed), or -1 on an error. */
+static long long move_bytes(int s, int sending, int polls, char *buf, size_t slots,
+                            size_t chunk, size_t total, unsigned long mult) {
+  size_t done = 0;
+  while (done < total) {
+    char *page = buf + ((done / chunk) * mult % slots) * chunk;
+    size_t off = done % chunk;
+    int flags = polls ? MSG_DONTWAIT : 0;
+    ssize_t n = sending ? send(s, page + off, chunk - off, flags | MSG_NOSIGNAL)
+                        : recv(s, page + off, chunk - off, flags);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) {
+        if (polls) sched_yield();
+        continue;
+      }
+      perror(sending ? "send" : "recv");
+      return -1;
+    }
+    if (n == 0) break;
+    done += (size_t)n;
+  }
+  return (long long)done;
+}
+
 int main(int argc, char **argv) {
   if (argc != 5) {
     fprintf(stderr, "usage: %s MODE(0-3) CHUNK MIB PORT\n", argv[0]);
@@ -72,25 +98,10 @@ int main(int argc, char **argv) {
   pid_t child = fork();
   if (child == 0) {
     int s = accept(ls, 0, 0);
-    size_t got = 0;
     double c0 = cpu();
-    while (got < total) {
-      char *dst = buf + ((got / chunk) * 2654435761u % slots) * chunk;
-      size_t off = got % chunk;
-      ssize_t n = recv(s, dst + off, chunk - off, recv_polls ? MSG_DONTWAIT : 0);
-      if (n < 0) {
-        if (errno == EAGAIN || errno == EINTR) {
-          if (recv_polls) sched_yield();
-          continue;
-        }
-        perror("recv");
-        return 1;
-      }
-      if (n == 0) break;
-      got += (size_t)n;
-    }
+    long long got = move_bytes(s, 0, recv_polls, buf, slots, chunk, total, 2654435761ul);
     printf("receiver_cpu_s=%.3f\n", cpu() - c0);
-    return got == total ? 0 : 1;
+    return got == (long long)total ? 0 : 1;
   }
   int s = socket(AF_INET, SOCK_STREAM, 0);
   setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -99,21 +110,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   double t0 = now(), c0 = cpu();
-  size_t sent = 0;
-  while (sent < total) {
-    char *src = buf + ((sent / chunk) * 40503u % slots) * chunk;
-    size_t off = sent % chunk;
-    ssize_t n = send(s, src + off, chunk - off, send_polls ? MSG_DONTWAIT : 0);
-    if (n < 0) {
-      if (errno == EAGAIN || errno == EINTR) {
-        if (send_polls) sched_yield();
-        continue;
-      }
-      perror("send");
-      return 1;
-    }
-    sent += (size_t)n;
-  }
+  if (move_bytes(s, 1, send_polls, buf, slots, chunk, total, 40503ul) != (long long)total) return 1;
   double sender_cpu = cpu() - c0;
   int status = 0;
   fflush(stdout);
