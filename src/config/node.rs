@@ -132,10 +132,10 @@ impl TransportConfig {
     ///   socket, so a smaller transfer's digest costs that thread no more inline than on the
     ///   pool, and inline saves the handoff (the pages are also digested as they land and as
     ///   they are sent, while in cache).
-    /// * RDMA: 1 byte, every transfer with page bytes. The NIC moves the bytes while the connection's thread only
-    ///   posts and completes work requests; a digest on that thread holds back the posting
-    ///   of every other transfer while the link idles. On SoftRoCE at 64 KiB pages
-    ///   (512 KiB transfers, four in flight) moving them to the pool gained 1.11x
+    /// * RDMA: 1 byte, every transfer with page bytes. The NIC moves the bytes while the
+    ///   connection's thread only posts and completes work requests; a digest on that thread
+    ///   holds back the posting of every other transfer while the link idles. On SoftRoCE at
+    ///   64 KiB pages (512 KiB transfers, four in flight) moving them to the pool gained 1.11x
     ///   (docs/BENCHMARKS.md, "RDMA digests on the blocking pool").
     pub fn default_digest_offload_bytes(&self) -> u64 {
         match self {
