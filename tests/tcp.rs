@@ -7,7 +7,7 @@ use std::time::Duration;
 use kvwire::driver::ReserveParams;
 use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::proto::admission::Request;
-use kvwire::proto::wire::ErrorCode;
+use kvwire::proto::wire::{DigestAlgorithm, ErrorCode};
 use kvwire::proto::{FailureReason, Wait};
 use kvwire::testkit::{first_pattern_mismatch, kv_pattern};
 use tokio::net::TcpListener;
@@ -90,12 +90,25 @@ async fn concurrent_transfers_verify_with_the_senders_bytes() {
 
 /// Over TCP the receiver verifies from the digests it took as each page landed (SPEC §6,
 /// digests at landing); turned off, it reads every transfer's memory after the fence. Both
-/// deliver the sender's bytes.
+/// deliver the sender's bytes. Pages of small records are digested by the receiver as each
+/// landing is reported; large ones (here 340 KiB per page, more than one digested read's
+/// piece in a buffer) by the transport, piece by piece as each read lands, under each
+/// transfer's algorithm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_verifies_from_digests_taken_at_landing_unless_turned_off() {
-    for at_landing in [true, false] {
+    for (at_landing, page_bytes, alg) in [
+        (true, vec![4096, 4096], DigestAlgorithm::XXH3_64),
+        (true, vec![40 * 1024, 300 * 1024], DigestAlgorithm::XXH3_64),
+        (true, vec![40 * 1024, 300 * 1024], DigestAlgorithm::CRC32),
+        (false, vec![40 * 1024, 300 * 1024], DigestAlgorithm::XXH3_64),
+    ] {
         let mut config = NodeConfig::example();
         config.digest_at_landing = at_landing;
+        config.pool.buffer_page_bytes = page_bytes.clone();
+        config.pool.pages = 64;
+        config.engine = kvwire::EngineConfig::new(1024);
+        config.digests = vec![alg];
+        let large = page_bytes.iter().sum::<u32>() > 16 * 1024;
         let (s, r) = pair(&config).await;
         for id in 1..=4u64 {
             let verified = r.reserve(params(id, 300));
@@ -113,6 +126,12 @@ async fn tcp_verifies_from_digests_taken_at_landing_unless_turned_off() {
             st.digests_at_landing,
             if at_landing { 4 } else { 0 },
             "{st:?}"
+        );
+        assert_eq!(st.pages_landed, 4 * 19, "{st:?}");
+        assert_eq!(
+            st.pages_digested_by_transport,
+            if at_landing && large { 4 * 19 } else { 0 },
+            "{page_bytes:?} {alg:?}: {st:?}"
         );
         assert_receiver_pool_full(&r).await;
     }

@@ -64,6 +64,12 @@ impl LandedDigests {
         })
     }
 
+    /// The algorithm of the table's digests.
+    #[must_use]
+    pub fn algorithm(&self) -> DigestAlgorithm {
+        self.alg
+    }
+
     /// The page digest of `bytes` under this transfer's algorithm.
     #[inline]
     #[must_use]

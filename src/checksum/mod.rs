@@ -67,6 +67,7 @@ pub use kvwire_proto::wire::{Digest128, DigestAlgorithm, TransferDigests};
 
 mod job;
 mod landed;
+mod page_stream;
 #[cfg(test)]
 mod tests;
 
@@ -74,6 +75,7 @@ mod tests;
 pub(crate) use job::PANICS_IN_TESTS;
 pub use job::{DigestJob, DigestJobError, DigestProgress, PageDigestPart, TransferDigester};
 pub use landed::LandedDigests;
+pub(crate) use page_stream::PageDigestStream;
 
 /// The 4-byte domain-separation prefix of every buffer digest input (ASCII `"KVWD"`).
 pub const BUFFER_DIGEST_DOMAIN: [u8; 4] = *b"KVWD";

@@ -7,6 +7,7 @@ use kvwire_proto::wire::{DigestAlgorithm, TransferDigests, TransferRef};
 
 use crate::checksum::{DigestBinding, LandedDigests};
 use crate::memory::PagePool;
+use crate::transport::LandingDigests;
 
 /// One open reservation's landings.
 #[derive(Debug)]
@@ -34,17 +35,34 @@ impl Landings {
         }
     }
 
-    /// Page `page` (ordinal `ordinal`) received all its bytes: covered, and digested now,
-    /// from `pool`, in every buffer.
-    pub(super) fn land(&mut self, pool: &PagePool, ordinal: u32, page: u32) {
+    /// Page `page` (ordinal `ordinal`) received all its bytes: covered, and digested in
+    /// every buffer: by the transport as the bytes landed (`taken`, when it took them under
+    /// this transfer's algorithm), else now, from `pool`. Whether the transport's digests
+    /// were used.
+    pub(super) fn land(
+        &mut self,
+        pool: &PagePool,
+        ordinal: u32,
+        page: u32,
+        taken: Option<&LandingDigests>,
+    ) -> bool {
         let ordinal = ordinal as usize;
         let Some(l) = self.landed.get_mut(ordinal) else {
-            return;
+            return false;
         };
         *l = true;
         let Some(digests) = &mut self.digests else {
-            return;
+            return false;
         };
+        if let Some(taken) = taken
+            .filter(|t| t.algorithm == digests.algorithm() && t.per_buffer.len() == pool.buffers())
+        {
+            for (buffer, &d) in taken.per_buffer.iter().enumerate() {
+                digests.record(ordinal, buffer, d);
+            }
+            digests.complete_page(ordinal);
+            return true;
+        }
         for buffer in 0..pool.buffers() {
             // A page another holder writes at this instant cannot be digested now; it then
             // needs the pass after the fence.
@@ -55,11 +73,12 @@ impl Landings {
                 }
                 None => {
                     digests.forget(ordinal);
-                    return;
+                    return false;
                 }
             }
         }
         digests.complete_page(ordinal);
+        false
     }
 
     /// A landing wrote a page of the scope other than the one reserved at its ordinal: it

@@ -178,6 +178,10 @@ pub struct ReceiverDriverStats {
     /// Transfers verified from the page digests taken as their pages landed (no pass over
     /// the memory after the fence; SPEC §6, digests at landing).
     pub verified_from_landing: u64,
+    /// Page landings whose digests the transport took as the page's bytes landed
+    /// ([`ReceiverTransport::digest_landings`]; TCP, records longer than 16 KiB); the
+    /// driver digested the other landings itself when they were reported.
+    pub pages_digested_by_transport: u64,
     /// Digest jobs split across several threads of the blocking pool
     /// (`DigestExecution::Offload::threads`).
     pub digest_jobs_split: u64,
@@ -297,6 +301,10 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                     .then(|| self.core.session.digest_algorithm(transfer))
                     .flatten();
                     let buffers = self.core.pool.buffers();
+                    if let Some(alg) = digest {
+                        // Where the transport can, it digests each page as its bytes land.
+                        self.core.transport.digest_landings(p.transfer_id, alg);
+                    }
                     self.coverage.insert(
                         p.transfer_id,
                         Landings::new(transfer, leases.len(), buffers, digest),
@@ -355,6 +363,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 transfer,
                 ordinal,
                 page,
+                digests,
             } => {
                 self.stats.pages_landed += 1;
                 // Only the page reserved at that ordinal counts as its landing: bytes put
@@ -368,7 +377,9 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 if let Some(l) = self.coverage.get_mut(&transfer.transfer_id) {
                     if l.transfer == transfer {
                         if reserved == Some(page) {
-                            l.land(&self.core.pool, ordinal, page);
+                            if l.land(&self.core.pool, ordinal, page, digests.as_ref()) {
+                                self.stats.pages_digested_by_transport += 1;
+                            }
                         } else {
                             l.misplaced();
                         }

@@ -50,6 +50,10 @@ pub struct ReceiverConnStats {
     /// Transfers whose digests were taken as their pages landed (TCP, loopback), not read
     /// again after the fence (`NodeConfig::digest_at_landing`).
     pub digests_at_landing: u64,
+    /// Page landings whose digests the transport took as the bytes landed, in pieces, while
+    /// they were in cache (TCP, pages of more than 16 KiB in all buffers); the receiver
+    /// digested the other landings as each was reported.
+    pub pages_digested_by_transport: u64,
     /// Digest jobs split across several threads (`NodeConfig::digest_threads`).
     pub digest_jobs_split: u64,
     /// Pages free in the connection's pool.
@@ -353,6 +357,7 @@ impl<T: ReceiverTransport> Task<T> {
                 s.pages_quarantined = pool.quarantined_pages();
                 s.fences = d.fences;
                 s.digests_at_landing = d.verified_from_landing;
+                s.pages_digested_by_transport = d.pages_digested_by_transport;
                 s.digest_jobs_split = d.digest_jobs_split;
                 s.peer_lost = self.driver.closed().is_some();
                 let _ = reply.send(s);

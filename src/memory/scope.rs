@@ -8,7 +8,7 @@
 use kvwire_proto::wire::TransferId;
 use std::collections::HashMap;
 
-use kvwire_proto::wire::TransferRef;
+use kvwire_proto::wire::{DigestAlgorithm, TransferRef};
 
 /// The key a sender presents with each write; carried in RESERVE's access descriptor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -53,6 +53,9 @@ pub struct AccessScope {
     pages: Vec<u32>,
     /// Its pages in ordinal order (as reserved).
     by_ordinal: Vec<u32>,
+    /// The algorithm the transport digests each landing page under as its bytes land
+    /// (SPEC §6, digests at landing), if the receiver asked for that.
+    landing_digest: Option<DigestAlgorithm>,
 }
 
 impl AccessScope {
@@ -64,6 +67,12 @@ impl AccessScope {
     /// The page reserved at `ordinal`, if the reservation has that many pages.
     pub fn page_at(&self, ordinal: u32) -> Option<u32> {
         self.by_ordinal.get(ordinal as usize).copied()
+    }
+
+    /// The algorithm to digest each landing page under as its bytes land, if the receiver
+    /// asked for that ([`ScopeTable::digest_landings`]).
+    pub fn landing_digest(&self) -> Option<DigestAlgorithm> {
+        self.landing_digest
     }
 }
 
@@ -106,6 +115,7 @@ impl ScopeTable {
                 },
                 pages: sorted,
                 by_ordinal: pages.to_vec(),
+                landing_digest: None,
             },
         );
         if let Some(old) = self.by_transfer.insert(transfer_id, key) {
@@ -122,6 +132,19 @@ impl ScopeTable {
             .and_then(|k| self.open.get_mut(k))
         {
             scope.transfer = transfer;
+        }
+    }
+
+    /// Asks the transport to digest each page of `transfer_id`'s open scope under `alg` as
+    /// the page's bytes land (SPEC §6, digests at landing), and to report the digests with
+    /// the landing.
+    pub fn digest_landings(&mut self, transfer_id: TransferId, alg: DigestAlgorithm) {
+        if let Some(scope) = self
+            .by_transfer
+            .get(&transfer_id)
+            .and_then(|k| self.open.get_mut(k))
+        {
+            scope.landing_digest = Some(alg);
         }
     }
 

@@ -43,7 +43,7 @@ use std::time::Instant;
 
 use kvwire_proto::auth::AuthError;
 use kvwire_proto::sender::PageWrite;
-use kvwire_proto::wire::{Frame, TransferRef};
+use kvwire_proto::wire::{DigestAlgorithm, Frame, TransferRef};
 
 pub use crate::memory::{AccessError, AccessKey, AccessScope, ScopeTable};
 pub use lanes::LaneSet;
@@ -77,6 +77,9 @@ pub enum TransportEvent {
         ordinal: u32,
         /// The destination page index.
         page: u32,
+        /// The page's digests, taken by the transport as its bytes landed, if it was asked
+        /// to ([`ReceiverTransport::digest_landings`]) and could.
+        digests: Option<LandingDigests>,
     },
     /// Receiver: the fence of `transfer` completed (after [`ReceiverTransport::fence`]
     /// returned [`Fence::Pending`]).
@@ -84,6 +87,17 @@ pub enum TransportEvent {
     /// The connection is gone: nothing more will be sent or received. Outcomes of writes
     /// still outstanding and fences still pending are reported (failed / done) before this.
     Closed(Closed),
+}
+
+/// The page digests (SPEC §6) of one landed page, one per buffer, that the transport took as
+/// the page's bytes landed: each slot's bytes were digested right after the read that wrote
+/// them, in order, and no other write reached the slot before the record was whole.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LandingDigests {
+    /// The algorithm they were taken under.
+    pub algorithm: DigestAlgorithm,
+    /// Buffer `b`'s page digest at index `b`.
+    pub per_buffer: Box<[u64]>,
 }
 
 /// Why a connection is gone.
@@ -237,6 +251,12 @@ pub trait ReceiverTransport: Transport {
         false
     }
 
+    /// Asks the transport to digest each page of `transfer_id`'s open scope under `alg` as
+    /// its bytes land, while they are in cache, and to report the digests with
+    /// [`TransportEvent::Landed`] (SPEC §6, digests at landing). A transport may ignore it
+    /// (the default): the driver then digests each page when its landing is reported.
+    fn digest_landings(&mut self, _transfer_id: TransferId, _alg: DigestAlgorithm) {}
+
     /// Closes `transfer`'s scope: the fence. After [`Fence::Done`], or once
     /// [`TransportEvent::Fenced`] is reported, no write for it can land any more.
     fn fence(&mut self, transfer: TransferRef) -> Fence;
@@ -288,6 +308,10 @@ impl<T: TableScoped> ReceiverTransport for T {
 
     fn reports_landings(&self) -> bool {
         true
+    }
+
+    fn digest_landings(&mut self, transfer_id: TransferId, alg: DigestAlgorithm) {
+        self.scopes_mut().digest_landings(transfer_id, alg);
     }
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {

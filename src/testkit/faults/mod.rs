@@ -27,7 +27,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use kvwire_proto::sender::PageWrite;
-use kvwire_proto::wire::{Frame, FrameType, TransferRef};
+use kvwire_proto::wire::{DigestAlgorithm, Frame, FrameType, TransferRef};
 
 use crate::memory::PagePool;
 mod receiver;

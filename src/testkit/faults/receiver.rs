@@ -42,7 +42,7 @@ impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
         {
             return Poll::Ready(TransportEvent::Fenced(slow.swap_remove(i).transfer));
         }
-        let Some(e) = poll_common(&mut self.0, cx, now) else {
+        let Some(mut e) = poll_common(&mut self.0, cx, now) else {
             return Poll::Pending;
         };
         if let TransportEvent::Fenced(t) = &e {
@@ -56,8 +56,10 @@ impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
             transfer,
             ordinal,
             page,
-        } = e
+            digests,
+        } = &mut e
         {
+            let (transfer, ordinal, page) = (*transfer, *ordinal, *page);
             let damage = {
                 let mut plan = self.0.plan();
                 let i = plan
@@ -68,6 +70,9 @@ impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
             };
             if let (Some(d), Some(pool)) = (damage, &self.0.pool) {
                 damage_page(pool, page, d);
+                // The damage stands for bytes that landed altered: digests the transport
+                // took of what it wrote are not those of what landed.
+                *digests = None;
             }
         }
         Poll::Ready(e)
@@ -105,6 +110,10 @@ impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {
 
     fn reports_landings(&self) -> bool {
         self.0.inner.reports_landings()
+    }
+
+    fn digest_landings(&mut self, transfer_id: TransferId, alg: DigestAlgorithm) {
+        self.0.inner.digest_landings(transfer_id, alg);
     }
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {

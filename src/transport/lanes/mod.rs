@@ -23,7 +23,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use kvwire_proto::sender::PageWrite;
-use kvwire_proto::wire::{Frame, TransferId, TransferRef};
+use kvwire_proto::wire::{DigestAlgorithm, Frame, TransferId, TransferRef};
 
 mod heartbeats;
 
@@ -399,6 +399,12 @@ impl<T: ReceiverTransport> ReceiverTransport for LaneSet<T> {
 
     fn reports_landings(&self) -> bool {
         self.lanes.iter().all(ReceiverTransport::reports_landings)
+    }
+
+    fn digest_landings(&mut self, transfer_id: TransferId, alg: DigestAlgorithm) {
+        if let Some(&lane) = self.scoped.get(&transfer_id) {
+            self.lanes[lane].digest_landings(transfer_id, alg);
+        }
     }
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {

@@ -333,6 +333,7 @@ impl Transport for LoopbackReceiver {
                             transfer: op.transfer,
                             ordinal: op.ordinal,
                             page: op.dst_page,
+                            digests: None,
                         });
                     }
                 }

@@ -5,8 +5,11 @@ use kvwire_proto::auth::{AuthChannel, OpenError, Opener};
 use kvwire_proto::wire::{DecodeError, HEADER_LEN, MAGIC, TRAILER_LEN};
 
 use super::records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};
+use crate::checksum::{Kind, PageDigestStream};
 use crate::memory::{PagePool, ScopeTable};
 use crate::transport::staging::Staging;
+use crate::transport::LandingDigests;
+use kvwire_proto::wire::DigestAlgorithm;
 
 #[derive(Debug)]
 enum ReadState {
@@ -50,6 +53,63 @@ const AHEAD: usize = 64 * 1024;
 const SMALL_RECORD: usize = 16 * 1024;
 /// Bytes read ahead behind the payload of a large data record.
 const LARGE_AHEAD: usize = 4 * 1024;
+/// While a record's page is digested as it lands, each read into the page asks for at most
+/// this many bytes, which are then digested at once: they are still in the core's cache
+/// (a read of several MiB would have pushed its first bytes out before they are digested).
+const DIGEST_PIECE: usize = 256 * 1024;
+
+/// The page digests of the record landing now, taken as its bytes land (SPEC §6, digests
+/// at landing): one stream per buffer, fed the record's bytes in order, read back from the
+/// page right after each read or copy wrote them.
+#[derive(Debug)]
+struct RowDigests {
+    algorithm: DigestAlgorithm,
+    streams: Vec<PageDigestStream>,
+    /// The record's bytes fed so far.
+    fed: usize,
+}
+
+impl RowDigests {
+    fn new(algorithm: DigestAlgorithm, buffers: usize) -> Option<Self> {
+        let kind = Kind::new(algorithm).ok()?;
+        Some(Self {
+            algorithm,
+            streams: (0..buffers).map(|_| PageDigestStream::new(kind)).collect(),
+            fed: 0,
+        })
+    }
+
+    /// Feeds the record's bytes `fed .. to`: `digest(b, range, stream)` feeds `stream` the
+    /// bytes `range` of buffer `b`'s slot (of `page_bytes[b]` bytes), read from the page,
+    /// and says whether it could. False when one could not: the record's digests are then
+    /// not taken at landing.
+    fn feed(
+        &mut self,
+        page_bytes: &[usize],
+        to: usize,
+        mut digest: impl FnMut(usize, std::ops::Range<usize>, &mut PageDigestStream) -> bool,
+    ) -> bool {
+        let mut start = 0;
+        for (b, &len) in page_bytes.iter().enumerate() {
+            let end = start + len;
+            let (lo, hi) = (self.fed.max(start), to.min(end));
+            if lo < hi && !digest(b, lo - start..hi - start, &mut self.streams[b]) {
+                return false;
+            }
+            start = end;
+        }
+        self.fed = self.fed.max(to);
+        true
+    }
+
+    /// The page digests, if every one of the record's `len` bytes was fed.
+    fn finish(self, len: usize) -> Option<LandingDigests> {
+        (self.fed == len).then(|| LandingDigests {
+            algorithm: self.algorithm,
+            per_buffer: self.streams.iter().map(PageDigestStream::finish).collect(),
+        })
+    }
+}
 
 /// Where the next read lands: the rest of the current data record straight in its page (every
 /// buffer's slice, under one write lock) or staging buffer, then the reader's read-ahead
@@ -63,8 +123,9 @@ pub struct ReadTarget<'a> {
 #[derive(Debug)]
 enum Direct<'a> {
     None,
-    /// A destination page (every buffer) from this byte of the record.
-    Row(crate::memory::PageRowMut<'a>, usize),
+    /// A destination page (every buffer) from this byte of the record, at most this many
+    /// bytes.
+    Row(crate::memory::PageRowMut<'a>, usize, usize),
     /// Device memory: the rest of a staging buffer.
     Staging(&'a mut [u8]),
 }
@@ -76,14 +137,19 @@ impl ReadTarget<'_> {
         let mut out = Vec::new();
         match &mut self.direct {
             Direct::None => {}
-            Direct::Row(row, off) => {
-                let mut off = *off;
+            Direct::Row(row, off, max) => {
+                let (mut off, mut left) = (*off, *max);
                 for b in row.buffers_mut().iter_mut() {
+                    if left == 0 {
+                        break;
+                    }
                     if off >= b.len() {
                         off -= b.len();
                         continue;
                     }
-                    out.push(IoSliceMut::new(&mut b[off..]));
+                    let n = (b.len() - off).min(left);
+                    out.push(IoSliceMut::new(&mut b[off..off + n]));
+                    left -= n;
                     off = 0;
                 }
             }
@@ -112,6 +178,9 @@ pub struct StreamStats {
     /// Payload bytes that arrived in the read-ahead buffer and were copied into their pages
     /// (the rest landed by reads straight into the pages).
     pub bytes_copied: u64,
+    /// Data records landed whose page digests the stream took as their bytes landed (SPEC
+    /// §6, digests at landing).
+    pub digested_at_landing: u64,
 }
 
 /// The receiving side of a stream, as an incremental, cancel-safe parser.
@@ -136,6 +205,10 @@ pub struct StreamReader {
     /// Bytes of the last target before its read-ahead part.
     direct_len: usize,
     record_len: usize,
+    /// Bytes of each buffer's slot, in buffer order.
+    page_bytes: Vec<usize>,
+    /// The landing record's digests in progress, when its scope asked for them.
+    digesting: Option<RowDigests>,
     opener: Opener,
     /// Device memory: payloads go to staging buffers, then to the device.
     pub(crate) staging: Option<Staging>,
@@ -159,6 +232,8 @@ impl StreamReader {
             },
             direct_len: 0,
             record_len,
+            page_bytes: page_bytes.iter().map(|&b| b as usize).collect(),
+            digesting: None,
             opener: AuthChannel::off().split().1,
             staging: None,
             stats: StreamStats::default(),
@@ -196,6 +271,8 @@ impl StreamReader {
             ReadState::Land { header, done }
                 if scopes.check(header.key, header.dst_page).is_err() =>
             {
+                // Cut short: it covers nothing, and its partial digests are dropped.
+                self.digesting = None;
                 self.state = ReadState::Discard { header, done };
             }
             ReadState::Stage { header, done, slot }
@@ -234,9 +311,15 @@ impl StreamReader {
             // Unparsed bytes wait for a page to be copied into (next_buffered copies them).
             ReadState::Land { .. } | ReadState::Stage { .. } if buffered > 0 => (Direct::None, 0),
             ReadState::Land { header, done } => match pool.raw_row_mut(header.dst_page) {
-                Some(row) => (Direct::Row(row, *done), limit),
+                // A page digested as it lands is read in pieces that are digested at once,
+                // and with nothing read ahead behind a piece short of the record's end.
+                Some(row) if self.digesting.is_some() && record_len - *done > DIGEST_PIECE => {
+                    (Direct::Row(row, *done, DIGEST_PIECE), 0)
+                }
+                Some(row) => (Direct::Row(row, *done, record_len - *done), limit),
                 None => {
                     self.state = ReadState::busy(*header, *done);
+                    self.digesting = None;
                     return self.target(pool, scopes);
                 }
             },
@@ -249,7 +332,7 @@ impl StreamReader {
         };
         self.direct_len = match &direct {
             Direct::None => 0,
-            Direct::Row(_, off) => record_len - off,
+            Direct::Row(_, _, max) => *max,
             Direct::Staging(s) => s.len(),
         };
         let want = want.max(usize::from(self.direct_len == 0));
@@ -265,7 +348,7 @@ impl StreamReader {
     /// Accounts for `n` bytes read into the last target; returns the data record they
     /// completed, if they did. Bytes read ahead are parsed by
     /// [`StreamReader::next_buffered`].
-    pub fn advance(&mut self, n: usize, scopes: &ScopeTable) -> Option<Record> {
+    pub fn advance(&mut self, n: usize, pool: &PagePool, scopes: &ScopeTable) -> Option<Record> {
         self.stats.reads += 1;
         let direct = n.min(self.direct_len);
         self.direct_len = 0;
@@ -273,6 +356,18 @@ impl StreamReader {
         match &mut self.state {
             ReadState::Land { header, done } => {
                 *done += direct;
+                if let Some(d) = &mut self.digesting {
+                    // The piece just read is digested now, from the page, while in cache.
+                    let page = header.dst_page;
+                    let ok = d.feed(&self.page_bytes, *done, |b, range, stream| {
+                        pool.raw_page(page, b)
+                            .map(|bytes| stream.update(&bytes[range]))
+                            .is_some()
+                    });
+                    if !ok {
+                        self.digesting = None;
+                    }
+                }
                 (*done == header.len as usize).then(|| self.landed())
             }
             ReadState::Stage { header, done, .. } => {
@@ -291,7 +386,12 @@ impl StreamReader {
         };
         self.stats.writes_landed += 1;
         self.stats.bytes_landed += u64::from(header.len);
-        Record::Landed(header)
+        let digests = self
+            .digesting
+            .take()
+            .and_then(|d| d.finish(header.len as usize));
+        self.stats.digested_at_landing += u64::from(digests.is_some());
+        Record::Landed(header, digests)
     }
 
     /// The record in `Stage` state has all its bytes in its staging buffer. The scope is
@@ -406,6 +506,7 @@ impl StreamReader {
                     }
                     let Some(mut row) = pool.raw_row_mut(header.dst_page) else {
                         self.state = ReadState::busy(*header, *done);
+                        self.digesting = None;
                         continue;
                     };
                     let k = avail.min(header.len as usize - *done);
@@ -423,6 +524,16 @@ impl StreamReader {
                         b[off..off + n].copy_from_slice(&src[..n]);
                         src = &src[n..];
                         off = 0;
+                    }
+                    if let Some(d) = &mut self.digesting {
+                        let slots = row.buffers_mut();
+                        let ok = d.feed(&self.page_bytes, *done + k, |b, range, stream| {
+                            stream.update(&slots[b][range]);
+                            true
+                        });
+                        if !ok {
+                            self.digesting = None;
+                        }
                     }
                     drop(row);
                     *done += k;
@@ -475,6 +586,7 @@ impl StreamReader {
                 expected: self.record_len as u64,
             });
         }
+        self.digesting = None;
         // A key naming no open scope is a late record (its transfer was fenced) or a stray
         // one: its bytes are discarded. Under an open scope the record MUST be that
         // reservation's, at the page reserved for its ordinal (SPEC §9.1).
@@ -497,6 +609,14 @@ impl StreamReader {
                         slot: self.staging.as_mut().and_then(Staging::take_free),
                     }
                 } else {
+                    // Pages of large records are digested as they land, when the scope asks
+                    // for that; small ones are whole after one copy and still in cache when
+                    // the driver digests them on their landing.
+                    if self.record_len > SMALL_RECORD {
+                        self.digesting = scope
+                            .landing_digest()
+                            .and_then(|alg| RowDigests::new(alg, self.page_bytes.len()));
+                    }
                     ReadState::Land { header, done: 0 }
                 }
             }

@@ -120,6 +120,7 @@ impl TcpReceiver {
                 transfer: header.transfer,
                 ordinal: header.ordinal,
                 page: header.dst_page,
+                digests: None,
             });
         }
         if let Some(e) = failed {
@@ -216,10 +217,11 @@ impl TcpReceiver {
     fn on_record(&mut self, record: Record) -> Option<TransportEvent> {
         match record {
             Record::Frame(f) => Some(TransportEvent::Frame(f)),
-            Record::Landed(h) => Some(TransportEvent::Landed {
+            Record::Landed(h, digests) => Some(TransportEvent::Landed {
                 transfer: h.transfer,
                 ordinal: h.ordinal,
                 page: h.dst_page,
+                digests,
             }),
             Record::Staged(h, slot) => {
                 let st = self.reader.staging.as_mut()?;
@@ -317,7 +319,7 @@ impl TcpReceiver {
                 self.shut(Closed::PeerGone("end of stream".into()));
                 return None;
             }
-            if let Some(record) = self.reader.advance(n, &self.scopes) {
+            if let Some(record) = self.reader.advance(n, &self.pool, &self.scopes) {
                 if let Some(e) = self.on_record(record) {
                     return Some(e);
                 }

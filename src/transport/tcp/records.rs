@@ -6,6 +6,7 @@ use kvwire_proto::wire::TransferId;
 use kvwire_proto::wire::{DecodeError, Frame, TransferRef, MAGIC};
 
 use crate::memory::AccessKey;
+use crate::transport::LandingDigests;
 
 /// Magic of a data record.
 pub const DATA_MAGIC: [u8; 4] = *b"KVDT";
@@ -119,8 +120,9 @@ pub enum StreamError {
 pub enum Record {
     /// A control frame.
     Frame(Frame),
-    /// A data record whose bytes landed in its destination page.
-    Landed(DataHeader),
+    /// A data record whose bytes landed in its destination page, with the page digests taken
+    /// as they landed when its scope asked for them (and every byte was digested).
+    Landed(DataHeader, Option<LandingDigests>),
     /// A data record refused (no open scope or page out of scope): its bytes were dropped.
     Refused(DataHeader),
     /// Device memory: a data record whose bytes are all in staging buffer `slot`, its scope

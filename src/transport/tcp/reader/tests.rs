@@ -46,7 +46,7 @@ fn feed_in_reads_of(
         };
         assert!(n > 0, "the reader offered nothing to read into");
         bytes = &bytes[n..];
-        if let Some(r) = reader.advance(n, scopes) {
+        if let Some(r) = reader.advance(n, pool, scopes) {
             out.push(r);
         }
     }
@@ -116,7 +116,7 @@ fn a_record_that_does_not_match_its_scopes_reservation_ends_the_connection() {
     // The reservation's own record lands.
     let mut reader = StreamReader::new(&[8]);
     let got = feed(&mut reader, &pool, &scopes, &record(t, 1, 2)).unwrap();
-    assert!(matches!(&got[..], [Record::Landed(h)] if h.dst_page == 2));
+    assert!(matches!(&got[..], [Record::Landed(h, None)] if h.dst_page == 2));
     for (transfer, ordinal, dst_page) in [
         (TransferRef { nonce: 0x9999, ..t }, 1, 2),
         (
@@ -155,11 +155,25 @@ fn a_record_that_does_not_match_its_scopes_reservation_ends_the_connection() {
 /// splits into reads (one byte at a time, odd sizes, everything at once), for layouts of
 /// small records (read ahead many at a time, then copied) and large ones (vectored reads
 /// straight into every buffer's page): frames, landed records, a record refused because
-/// its scope is closed, and a frame longer than the read-ahead buffer.
+/// its scope is closed, and a frame longer than the read-ahead buffer. Where the scope asks
+/// for digests at landing, every large record lands with the page digests of exactly the
+/// bytes it left in each buffer's slot (SPEC §6), whatever the splits.
 #[test]
 fn records_land_alike_however_the_stream_splits_into_reads() {
     use kvwire_proto::wire::Frame;
-    for buffer_page_bytes in [vec![8u32, 24], vec![3000], vec![40 * 1024, 8 * 1024, 1]] {
+    let layouts = [
+        (vec![8u32, 24], None),
+        (vec![3000], Some(DigestAlgorithm::XXH3_64)),
+        (vec![40 * 1024, 8 * 1024, 1], None),
+        (vec![40 * 1024, 8 * 1024, 1], Some(DigestAlgorithm::XXH3_64)),
+        (vec![40 * 1024, 8 * 1024, 1], Some(DigestAlgorithm::CRC32)),
+        // Slots longer than a digested read's piece, one of them not a multiple of it.
+        (
+            vec![300 * 1024, 3, 600 * 1024],
+            Some(DigestAlgorithm::XXH3_64),
+        ),
+    ];
+    for (buffer_page_bytes, landing_digest) in layouts {
         let pages = 6u32;
         let geometry = PoolGeometry {
             tokens_per_page: 1,
@@ -178,6 +192,10 @@ fn records_land_alike_however_the_stream_splits_into_reads() {
         let mut scopes = ScopeTable::default();
         let key = scopes.open(t.transfer_id, &[4, 1, 5]);
         scopes.bind(t);
+        if let Some(alg) = landing_digest {
+            scopes.digest_landings(t.transfer_id, alg);
+        }
+        let digested = landing_digest.is_some() && record_len > SMALL_RECORD;
         let dead_key = scopes.open(dead.transfer_id, &[0]);
         scopes.bind(dead);
         scopes.close(dead.transfer_id);
@@ -216,7 +234,12 @@ fn records_land_alike_however_the_stream_splits_into_reads() {
         expected.push("landed");
         stream.extend(sealer.seal_to_vec(&Frame::Pong(2)).unwrap());
         expected.push("frame");
-        for step in [1, 7, 36, 4096, 5000, 70 * 1024, usize::MAX] {
+        let steps: &[usize] = if record_len > 100_000 {
+            &[4096, 5000, 70 * 1024, 300 * 1024 + 1, usize::MAX]
+        } else {
+            &[1, 7, 36, 4096, 5000, 70 * 1024, usize::MAX]
+        };
+        for &step in steps {
             let pool = PagePool::new(geometry.clone(), Scrub::None).unwrap();
             let mut reader = StreamReader::new(&buffer_page_bytes);
             let got = feed_in_reads_of(&mut reader, &pool, &scopes, &stream, step).unwrap();
@@ -224,7 +247,27 @@ fn records_land_alike_however_the_stream_splits_into_reads() {
                 .iter()
                 .map(|r| match r {
                     Record::Frame(_) => "frame",
-                    Record::Landed(_) => "landed",
+                    Record::Landed(h, digests) => {
+                        // Digests taken at landing are those of the page as it holds now.
+                        let want = digested.then(|| LandingDigests {
+                            algorithm: landing_digest.unwrap(),
+                            per_buffer: (0..buffer_page_bytes.len())
+                                .map(|b| {
+                                    crate::checksum::page_digest(
+                                        landing_digest.unwrap(),
+                                        &pool.raw_page(h.dst_page, b).unwrap(),
+                                    )
+                                    .unwrap()
+                                })
+                                .collect(),
+                        });
+                        assert_eq!(
+                            digests, &want,
+                            "layout {buffer_page_bytes:?}, reads of {step}, page {}",
+                            h.dst_page
+                        );
+                        "landed"
+                    }
                     Record::Refused(_) => "refused",
                     Record::Staged(..) => "staged",
                 })
@@ -251,6 +294,10 @@ fn records_land_alike_however_the_stream_splits_into_reads() {
             assert!(pool.raw_page(0, 0).unwrap().iter().all(|&x| x == 0));
             assert_eq!(reader.stats.writes_landed, 3);
             assert_eq!(reader.stats.writes_refused, 1);
+            assert_eq!(
+                reader.stats.digested_at_landing,
+                if digested { 3 } else { 0 }
+            );
             if step == usize::MAX && record_len > SMALL_RECORD {
                 // Large records land mostly by reads straight into their pages.
                 assert!(
