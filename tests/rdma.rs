@@ -962,6 +962,12 @@ mod engine {
             }
             let s = decode.stats().await.unwrap();
             assert_eq!((s.verified, s.pages_free), (3, s.pages_total));
+            // RDMA digests every transfer on the blocking pool by default (the connection's
+            // thread only posts and completes work requests): the receiver's one pass after
+            // each fence, and the sender's chunks.
+            assert_eq!(s.digest_jobs_offloaded, 3, "{s:?}");
+            let p = prefill.stats().await.unwrap();
+            assert!(p.digest_jobs_offloaded >= 3, "{p:?}");
         }
         for node in [&decode_node, &prefill_node] {
             assert!(node.pool().held_pages().is_empty());

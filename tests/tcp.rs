@@ -298,26 +298,37 @@ fn a_registration_smaller_than_the_context_is_refused_naming_both_numbers() {
 }
 
 /// Transfers large enough to be digested on the blocking pool verify, and their pages come
-/// back once the jobs are done.
+/// back once the jobs are done. By default TCP digests a transfer this small (300 tokens, 19
+/// pages of 8 KiB) on the connection's thread: none goes to the pool.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn offloaded_digests_verify_and_release() {
-    let mut config = NodeConfig::example();
-    config.digest_offload_bytes = Some(1); // every job on the blocking pool
-    let (s, r) = pair(&config).await;
-    let mut tasks = Vec::new();
-    for id in 1..=8u64 {
-        let verified = r.reserve(params(id, 300));
-        let s = s.clone();
-        tasks.push(tokio::spawn(async move {
-            send(&s, id, 300).await.unwrap();
-            verified.await.unwrap().release().unwrap();
-        }));
+    for offload in [Some(1), None] {
+        let mut config = NodeConfig::example();
+        config.digest_offload_bytes = offload; // Some(1): every job on the blocking pool
+        let (s, r) = pair(&config).await;
+        let mut tasks = Vec::new();
+        for id in 1..=8u64 {
+            let verified = r.reserve(params(id, 300));
+            let s = s.clone();
+            tasks.push(tokio::spawn(async move {
+                send(&s, id, 300).await.unwrap();
+                verified.await.unwrap().release().unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(r.stats().await.unwrap().verified, 8);
+        // The sender digests every transfer (its COMMIT's digests); the receiver here
+        // verifies from the digests it took at landing, which need no job.
+        let st = s.stats().await.unwrap();
+        if offload.is_some() {
+            assert!(st.digest_jobs_offloaded >= 8, "{st:?}");
+        } else {
+            assert_eq!(st.digest_jobs_offloaded, 0, "{st:?}");
+        }
+        assert_receiver_pool_full(&r).await;
     }
-    for t in tasks {
-        t.await.unwrap();
-    }
-    assert_eq!(r.stats().await.unwrap().verified, 8);
-    assert_receiver_pool_full(&r).await;
 }
 
 /// Digest jobs split across pool threads (`digest_threads`) on both ends, the receiver's after

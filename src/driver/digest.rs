@@ -124,6 +124,8 @@ pub(crate) struct Digests {
     pub(crate) min_part_bytes: u64,
     /// Jobs split across pool threads so far.
     pub(crate) split_jobs: u64,
+    /// Jobs run on the blocking pool so far (split or not).
+    pub(crate) offloaded_jobs: u64,
     streams: BTreeMap<TransferRef, Stream>,
     /// The transfers with a stepped job.
     stepping: BTreeSet<TransferRef>,
@@ -141,6 +143,7 @@ impl Digests {
             while_sending: false,
             min_part_bytes: MIN_PART_BYTES,
             split_jobs: 0,
+            offloaded_jobs: 0,
             streams: BTreeMap::new(),
             stepping: BTreeSet::new(),
             ready: VecDeque::new(),
@@ -243,6 +246,7 @@ impl Digests {
                 continue;
             }
             stream.running = true;
+            self.offloaded_jobs += 1;
             let done = self.done_tx.clone();
             let parts = self.parts(&job, threads);
             if parts > 1 {

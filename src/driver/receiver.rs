@@ -185,6 +185,8 @@ pub struct ReceiverDriverStats {
     /// Digest jobs split across several threads of the blocking pool
     /// (`DigestExecution::Offload::threads`).
     pub digest_jobs_split: u64,
+    /// Digest jobs run on the blocking pool, split or not (`DigestExecution::Offload`).
+    pub digest_jobs_offloaded: u64,
 }
 
 /// Who waits for a fence that has not completed yet.
@@ -593,6 +595,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
     pub fn stats(&self) -> ReceiverDriverStats {
         let mut s = self.stats;
         s.digest_jobs_split = self.core.digests.split_jobs;
+        s.digest_jobs_offloaded = self.core.digests.offloaded_jobs;
         s
     }
 }

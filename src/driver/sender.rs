@@ -92,6 +92,8 @@ pub struct SenderDriverStats {
     /// Digest jobs split across several threads of the blocking pool
     /// (`DigestExecution::Offload::threads`).
     pub digest_jobs_split: u64,
+    /// Digest jobs run on the blocking pool, split or not (`DigestExecution::Offload`).
+    pub digest_jobs_offloaded: u64,
 }
 
 /// The writes of one transfer not yet posted, and how many are posted and not yet done.
@@ -577,6 +579,7 @@ impl<T: SenderTransport> SenderDriver<T> {
     pub fn stats(&self) -> SenderDriverStats {
         let mut s = self.stats;
         s.digest_jobs_split = self.core.digests.split_jobs;
+        s.digest_jobs_offloaded = self.core.digests.offloaded_jobs;
         s
     }
 }

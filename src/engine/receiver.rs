@@ -56,6 +56,9 @@ pub struct ReceiverConnStats {
     pub pages_digested_by_transport: u64,
     /// Digest jobs split across several threads (`NodeConfig::digest_threads`).
     pub digest_jobs_split: u64,
+    /// Digest jobs run on the blocking pool beside the connection, split or not
+    /// (`NodeConfig::digest_offload_bytes`; by default RDMA's every one, TCP's from 8 MiB).
+    pub digest_jobs_offloaded: u64,
     /// Pages free in the connection's pool.
     pub pages_free: u32,
     /// Pages in the connection's pool.
@@ -359,6 +362,7 @@ impl<T: ReceiverTransport> Task<T> {
                 s.digests_at_landing = d.verified_from_landing;
                 s.pages_digested_by_transport = d.pages_digested_by_transport;
                 s.digest_jobs_split = d.digest_jobs_split;
+                s.digest_jobs_offloaded = d.digest_jobs_offloaded;
                 s.peer_lost = self.driver.closed().is_some();
                 let _ = reply.send(s);
             }

@@ -88,6 +88,9 @@ pub struct SenderConnStats {
     pub peer_lost: bool,
     /// Digest jobs split across several threads (`NodeConfig::digest_threads`).
     pub digest_jobs_split: u64,
+    /// Digest jobs run on the blocking pool beside the connection, split or not
+    /// (`NodeConfig::digest_offload_bytes`; by default RDMA's every one, TCP's from 8 MiB).
+    pub digest_jobs_offloaded: u64,
 }
 
 /// The prefill side of one connection.
@@ -387,6 +390,7 @@ impl<T: SenderTransport> Task<T> {
                 let d = self.driver.stats();
                 s.writes = d.writes_completed;
                 s.digest_jobs_split = d.digest_jobs_split;
+                s.digest_jobs_offloaded = d.digest_jobs_offloaded;
                 s.bytes = d.writes_completed * pool.geometry().bytes_per_page_index();
                 s.pages_free = pool.free_pages();
                 s.pages_total = pool.capacity_pages();
