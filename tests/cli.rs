@@ -43,6 +43,34 @@ fn bench_verifies_and_byte_checks_every_transfer() {
     assert!(case["raw_gb_per_s"].as_f64().unwrap() > 0.0);
 }
 
+/// `--worker-threads` sizes the bench's runtime (the report says how many ran) and the run
+/// verifies as with the default; 0 is refused before anything runs.
+#[test]
+fn bench_runs_on_the_worker_threads_it_is_given() {
+    let args = [
+        "bench",
+        "--page-sizes",
+        "16K",
+        "--bytes",
+        "2M",
+        "--check-bytes",
+        "--json",
+    ];
+    let (code, out, err) = kvwire(&[&args[..], &["--worker-threads", "1"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let report = json(&out);
+    assert_eq!(report["worker_threads"].as_u64(), Some(1), "{report}");
+    let case = &report["cases"][0];
+    assert_eq!(case["verified"], case["transfers"], "{case}");
+    assert_eq!(case["bytes_checked"], case["transfers"], "{case}");
+    let (code, out, err) = kvwire(&[&args[..], &["--worker-threads", "3"]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json(&out)["worker_threads"].as_u64(), Some(3));
+    let (code, _, err) = kvwire(&[&args[..], &["--worker-threads", "0"]].concat());
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--worker-threads"), "{err}");
+}
+
 /// Regression: the sender connection ignored the digest mode, so `--verify none` failed
 /// every transfer (fail closed: the receiver never accepted the mismatch).
 #[test]

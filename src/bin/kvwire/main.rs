@@ -105,6 +105,11 @@ struct BenchArgs {
     /// completion channel.
     #[arg(long)]
     busy_poll: bool,
+    /// Worker threads of the bench's tokio runtime (default: one per core). Engines choose
+    /// their own runtime; with both ends of a two-process run on one small host, fewer
+    /// workers mean fewer wake-ups across threads per transfer (docs/BENCHMARKS.md).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    worker_threads: Option<u16>,
     /// Two-process mode, decode side: listen here and receive.
     #[arg(long, conflicts_with = "connect")]
     listen: Option<SocketAddr>,
@@ -415,10 +420,11 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     if spec.verify == Verify::None {
         eprintln!("kvwire bench: --verify none: transfers are NOT verified; this mode only measures the integrity tax");
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = a.worker_threads {
+        builder.worker_threads(usize::from(n));
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("kvwire bench: {e}");

@@ -321,6 +321,7 @@ pub async fn run_in_process(
             ref t => t.name().into(),
         },
         metrics: spec.metrics.as_ref().map(|m| m.encode()),
+        worker_threads: tokio::runtime::Handle::current().metrics().num_workers(),
         cases,
     })
 }
@@ -461,6 +462,7 @@ pub async fn run_listen(
         spec: spec.clone(),
         transport: spec.transport.name().into(),
         metrics: spec.metrics.as_ref().map(|m| m.encode()),
+        worker_threads: tokio::runtime::Handle::current().metrics().num_workers(),
         cases,
     })
 }
@@ -535,6 +537,7 @@ pub async fn run_connect(
         spec: spec.clone(),
         transport: spec.transport.name().into(),
         metrics: spec.metrics.as_ref().map(|m| m.encode()),
+        worker_threads: tokio::runtime::Handle::current().metrics().num_workers(),
         cases,
     })
 }

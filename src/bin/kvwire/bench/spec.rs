@@ -223,6 +223,9 @@ pub struct Report {
     pub cases: Vec<CaseResult>,
     /// The run's counters, in the Prometheus text format (when metrics were on).
     pub metrics: Option<String>,
+    /// Worker threads of the tokio runtime the run used (`--worker-threads`, else one per
+    /// core).
+    pub worker_threads: usize,
 }
 
 impl BenchSpec {
