@@ -309,3 +309,77 @@ fn records_land_alike_however_the_stream_splits_into_reads() {
         }
     }
 }
+
+/// SPEC §6 rule 2 and §9.1: a record whose scope closes part-way (a fence) covers nothing and
+/// brings no digests, whatever it fed before; the next record into the same page, under a new
+/// scope, lands with the digests of exactly its own bytes.
+#[test]
+fn a_record_cut_by_a_fence_drops_its_partial_digests() {
+    let page_bytes = [96 * 1024u32, 32 * 1024];
+    let record_len: usize = page_bytes.iter().map(|&b| b as usize).sum();
+    let pool = PagePool::new(
+        PoolGeometry {
+            tokens_per_page: 1,
+            buffer_page_bytes: page_bytes.to_vec(),
+            pages: 4,
+        },
+        Scrub::None,
+    )
+    .unwrap();
+    let alg = DigestAlgorithm::XXH3_64;
+    let record = |transfer: TransferRef, key, fill: u8| {
+        let mut b = DataHeader {
+            transfer,
+            key,
+            ordinal: 0,
+            dst_page: 3,
+            len: record_len as u32,
+        }
+        .encode()
+        .to_vec();
+        b.extend((0..record_len).map(|i| fill ^ (i as u8)));
+        b
+    };
+    let first = TransferRef {
+        transfer_id: TransferId(1),
+        nonce: 1,
+    };
+    let mut scopes = ScopeTable::default();
+    let key = scopes.open(first.transfer_id, &[3]);
+    scopes.bind(first);
+    scopes.digest_landings(first.transfer_id, alg);
+    let mut reader = StreamReader::new(&page_bytes);
+    let cut = record(first, key, 0x11);
+    // Half the record lands and is digested; then the fence.
+    let got = feed_in_reads_of(&mut reader, &pool, &scopes, &cut[..cut.len() / 2], 10_000).unwrap();
+    assert!(got.is_empty());
+    scopes.close(first.transfer_id);
+    let got = feed(&mut reader, &pool, &scopes, &cut[cut.len() / 2..]).unwrap();
+    assert!(matches!(&got[..], [Record::Refused(_)]), "{got:?}");
+    assert_eq!(reader.stats.digested_at_landing, 0);
+    // The page now holds half of the cut record; a new reservation's record replaces it all.
+    let second = TransferRef {
+        transfer_id: TransferId(2),
+        nonce: 2,
+    };
+    let key = scopes.open(second.transfer_id, &[3]);
+    scopes.bind(second);
+    scopes.digest_landings(second.transfer_id, alg);
+    let got = feed_in_reads_of(
+        &mut reader,
+        &pool,
+        &scopes,
+        &record(second, key, 0x22),
+        10_000,
+    )
+    .unwrap();
+    let [Record::Landed(h, Some(d))] = &got[..] else {
+        panic!("{got:?}");
+    };
+    assert_eq!(h.transfer, second);
+    let want: Vec<u64> = (0..page_bytes.len())
+        .map(|b| crate::checksum::page_digest(alg, &pool.raw_page(3, b).unwrap()).unwrap())
+        .collect();
+    assert_eq!((d.algorithm, &d.per_buffer[..]), (alg, &want[..]));
+    assert_eq!(reader.stats.digested_at_landing, 1);
+}
