@@ -70,11 +70,18 @@ struct RowDigests {
 }
 
 impl RowDigests {
-    fn new(algorithm: DigestAlgorithm, buffers: usize) -> Option<Self> {
+    /// Empty streams for `buffers` buffers, in `streams`' allocation (the last record's).
+    fn new(
+        algorithm: DigestAlgorithm,
+        buffers: usize,
+        mut streams: Vec<PageDigestStream>,
+    ) -> Option<Self> {
         let kind = Kind::new(algorithm).ok()?;
+        streams.clear();
+        streams.extend((0..buffers).map(|_| PageDigestStream::new(kind)));
         Some(Self {
             algorithm,
-            streams: (0..buffers).map(|_| PageDigestStream::new(kind)).collect(),
+            streams,
             fed: 0,
         })
     }
@@ -102,12 +109,14 @@ impl RowDigests {
         true
     }
 
-    /// The page digests, if every one of the record's `len` bytes was fed.
-    fn finish(self, len: usize) -> Option<LandingDigests> {
-        (self.fed == len).then(|| LandingDigests {
+    /// The page digests, if every one of the record's `len` bytes was fed; and the streams'
+    /// allocation, for the next record.
+    fn finish(self, len: usize) -> (Option<LandingDigests>, Vec<PageDigestStream>) {
+        let digests = (self.fed == len).then(|| LandingDigests {
             algorithm: self.algorithm,
             per_buffer: self.streams.iter().map(PageDigestStream::finish).collect(),
-        })
+        });
+        (digests, self.streams)
     }
 }
 
@@ -209,6 +218,9 @@ pub struct StreamReader {
     page_bytes: Vec<usize>,
     /// The landing record's digests in progress, when its scope asked for them.
     digesting: Option<RowDigests>,
+    /// The streams of the last record digested, kept for the next one (no allocation per
+    /// record).
+    spare_streams: Vec<PageDigestStream>,
     opener: Opener,
     /// Device memory: payloads go to staging buffers, then to the device.
     pub(crate) staging: Option<Staging>,
@@ -234,6 +246,7 @@ impl StreamReader {
             record_len,
             page_bytes: page_bytes.iter().map(|&b| b as usize).collect(),
             digesting: None,
+            spare_streams: Vec::new(),
             opener: AuthChannel::off().split().1,
             staging: None,
             stats: StreamStats::default(),
@@ -386,10 +399,11 @@ impl StreamReader {
         };
         self.stats.writes_landed += 1;
         self.stats.bytes_landed += u64::from(header.len);
-        let digests = self
-            .digesting
-            .take()
-            .and_then(|d| d.finish(header.len as usize));
+        let digests = self.digesting.take().and_then(|d| {
+            let (digests, streams) = d.finish(header.len as usize);
+            self.spare_streams = streams;
+            digests
+        });
         self.stats.digested_at_landing += u64::from(digests.is_some());
         Record::Landed(header, digests)
     }
@@ -613,9 +627,10 @@ impl StreamReader {
                     // for that; small ones are whole after one copy and still in cache when
                     // the driver digests them on their landing.
                     if self.record_len > SMALL_RECORD {
+                        let spare = std::mem::take(&mut self.spare_streams);
                         self.digesting = scope
                             .landing_digest()
-                            .and_then(|alg| RowDigests::new(alg, self.page_bytes.len()));
+                            .and_then(|alg| RowDigests::new(alg, self.page_bytes.len(), spare));
                     }
                     ReadState::Land { header, done: 0 }
                 }
