@@ -93,14 +93,31 @@ async fn concurrent_transfers_verify_with_the_senders_bytes() {
 /// deliver the sender's bytes. Pages of small records are digested by the receiver as each
 /// landing is reported; large ones (here 340 KiB per page, more than one digested read's
 /// piece in a buffer) by the transport, piece by piece as each read lands, under each
-/// transfer's algorithm.
+/// transfer's algorithm, also over a connection of two TCP streams (the request reaches the
+/// transfer's lane).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_verifies_from_digests_taken_at_landing_unless_turned_off() {
-    for (at_landing, page_bytes, alg) in [
-        (true, vec![4096, 4096], DigestAlgorithm::XXH3_64),
-        (true, vec![40 * 1024, 300 * 1024], DigestAlgorithm::XXH3_64),
-        (true, vec![40 * 1024, 300 * 1024], DigestAlgorithm::CRC32),
-        (false, vec![40 * 1024, 300 * 1024], DigestAlgorithm::XXH3_64),
+    for (at_landing, page_bytes, alg, streams) in [
+        (true, vec![4096, 4096], DigestAlgorithm::XXH3_64, 1),
+        (
+            true,
+            vec![40 * 1024, 300 * 1024],
+            DigestAlgorithm::XXH3_64,
+            1,
+        ),
+        (true, vec![40 * 1024, 300 * 1024], DigestAlgorithm::CRC32, 1),
+        (
+            true,
+            vec![40 * 1024, 300 * 1024],
+            DigestAlgorithm::XXH3_64,
+            2,
+        ),
+        (
+            false,
+            vec![40 * 1024, 300 * 1024],
+            DigestAlgorithm::XXH3_64,
+            1,
+        ),
     ] {
         let mut config = NodeConfig::example();
         config.digest_at_landing = at_landing;
@@ -108,6 +125,7 @@ async fn tcp_verifies_from_digests_taken_at_landing_unless_turned_off() {
         config.pool.pages = 64;
         config.engine = kvwire::EngineConfig::new(1024);
         config.digests = vec![alg];
+        config.tcp_streams = streams;
         let large = page_bytes.iter().sum::<u32>() > 16 * 1024;
         let (s, r) = pair(&config).await;
         for id in 1..=4u64 {
@@ -131,7 +149,7 @@ async fn tcp_verifies_from_digests_taken_at_landing_unless_turned_off() {
         assert_eq!(
             st.pages_digested_by_transport,
             if at_landing && large { 4 * 19 } else { 0 },
-            "{page_bytes:?} {alg:?}: {st:?}"
+            "{page_bytes:?} {alg:?} over {streams} streams: {st:?}"
         );
         assert_receiver_pool_full(&r).await;
     }

@@ -2,7 +2,7 @@
 //! digests each piece of a page slot right after the read that landed it, while the bytes are
 //! still in cache, instead of reading the whole slot again once the record is complete.
 
-use twox_hash::xxhash3_64::{RawHasher, SecretBuffer};
+use twox_hash::xxhash3_64::{RawHasher, SecretBuffer, DEFAULT_SECRET_LENGTH};
 
 use super::Kind;
 
@@ -15,7 +15,7 @@ use super::Kind;
 #[derive(Clone)]
 pub(crate) enum PageDigestStream {
     /// XXH3-64, seed 0, default secret (the streaming form of the same function).
-    Xxh3(RawHasher<&'static [u8; 192]>),
+    Xxh3(RawHasher<&'static [u8; DEFAULT_SECRET_LENGTH]>),
     /// CRC-32/ISO-HDLC.
     Crc32(crc32fast::Hasher),
 }
