@@ -158,6 +158,32 @@ mod primitive {
         }
     }
 
+    /// `TransportConfig::Rdma::ack_timeout` reaches the device: each end's queue pair holds
+    /// the exponent it was given (or the default, 14) once connected, as `ibv_query_qp`
+    /// reports it; an exponent outside 1 to 31 is refused before it could reach a queue pair.
+    #[test]
+    fn each_queue_pair_connects_with_the_ack_timeout_it_was_given() {
+        let Some(d) = super::device("each_queue_pair_connects_with_the_ack_timeout_it_was_given")
+        else {
+            return;
+        };
+        let dev = RdmaDevice::open(Some(&d.name)).unwrap();
+        let mut a = RcLink::new(&dev, 64, None).unwrap();
+        let mut b = RcLink::new(&dev, 64, None).unwrap();
+        for bad in [0, 32] {
+            assert!(a.set_ack_timeout(bad).is_err(), "exponent {bad} accepted");
+        }
+        a.set_ack_timeout(18).unwrap();
+        let (pa, pb) = (a.params(), b.params());
+        a.connect(&pb).unwrap();
+        b.connect(&pa).unwrap();
+        assert_eq!(a.ack_timeout().unwrap(), 18);
+        assert_eq!(
+            b.ack_timeout().unwrap(),
+            kvwire::config::DEFAULT_ACK_TIMEOUT
+        );
+    }
+
     /// The fence on RDMA: the receiver's memory window over the reserved pages admits writes
     /// until it is invalidated; a late write with its rkey then fails at the NIC (remote access
     /// error) and the page keeps its bytes.

@@ -10,7 +10,9 @@ pub mod auth;
 pub mod file;
 mod node;
 
-pub use node::{random_bytes, Auth, NodeConfig, NodeConfigBuilder, TransportConfig};
+pub use node::{
+    random_bytes, Auth, NodeConfig, NodeConfigBuilder, TransportConfig, DEFAULT_ACK_TIMEOUT,
+};
 
 use std::fmt;
 
@@ -335,5 +337,45 @@ mod tests {
         assert!(planned.capacity_tokens() >= 4096);
         let built = pool(255, 16);
         assert!(EngineConfig::new(4096).validate(&built).is_err());
+    }
+
+    #[test]
+    fn the_rdma_ack_timeout_is_checked_when_built() {
+        let geometry = PoolGeometry {
+            tokens_per_page: 16,
+            buffer_page_bytes: vec![1],
+            pages: 256,
+        };
+        let with = |ack: Option<u8>| {
+            let mut t = TransportConfig::rdma(None);
+            if let (TransportConfig::Rdma { ack_timeout, .. }, Some(a)) = (&mut t, ack) {
+                *ack_timeout = a;
+            }
+            NodeConfig::builder(geometry.clone(), 4096)
+                .auth(Auth::Off)
+                .transport(t)
+                .build()
+        };
+        let default = with(None).unwrap();
+        assert!(matches!(
+            default.transport,
+            TransportConfig::Rdma {
+                ack_timeout: DEFAULT_ACK_TIMEOUT,
+                ..
+            }
+        ));
+        assert_eq!(
+            DEFAULT_ACK_TIMEOUT, 14,
+            "ib_write_bw's default, which the lane compares with"
+        );
+        for ok in [1, 18, 31] {
+            assert!(with(Some(ok)).is_ok(), "ack_timeout {ok}");
+        }
+        for bad in [0, 32, u8::MAX] {
+            match with(Some(bad)) {
+                Err(ConfigError::Invalid(m)) => assert!(m.contains("ack_timeout"), "{m}"),
+                other => panic!("ack_timeout {bad}: {other:?}"),
+            }
+        }
     }
 }

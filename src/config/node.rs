@@ -111,8 +111,21 @@ pub enum TransportConfig {
         /// Poll completion queues in a loop instead of sleeping on the completion channel
         /// (lower latency, one core busy per connection).
         busy_poll: bool,
+        /// The queue pairs' local ACK timeout, as the exponent verbs takes: a sent packet
+        /// not acknowledged within 4.096 µs x 2^`ack_timeout` is sent again (with every
+        /// packet after it), up to 7 times before the link fails. 1 to 31;
+        /// [`DEFAULT_ACK_TIMEOUT`] (14, about 67 ms: perftest's) by default. Raise it (18 is
+        /// about 1.1 s, the order of UCX's default) where queueing on the path can hold an
+        /// acknowledgement longer: a timeout shorter than that retransmits data that was not
+        /// lost (docs/BENCHMARKS.md, "Retransmissions on SoftRoCE"). A local setting; the two
+        /// ends need not agree.
+        ack_timeout: u8,
     },
 }
+
+/// [`TransportConfig::Rdma`]'s default `ack_timeout`: 14, 4.096 µs x 2^14 (about 67 ms), as
+/// perftest's `ib_write_bw`.
+pub const DEFAULT_ACK_TIMEOUT: u8 = 14;
 
 impl TransportConfig {
     /// RDMA on `device` (or the first device) with one queue pair, waiting on the completion
@@ -122,6 +135,7 @@ impl TransportConfig {
             device: device.map(str::to_owned),
             queue_pairs: 1,
             busy_poll: false,
+            ack_timeout: DEFAULT_ACK_TIMEOUT,
         }
     }
 
@@ -394,6 +408,13 @@ impl NodeConfigBuilder {
                 c.tcp_streams,
                 crate::transport::tcp::MAX_STREAMS
             )));
+        }
+        if let TransportConfig::Rdma { ack_timeout, .. } = c.transport {
+            if !(1..=31).contains(&ack_timeout) {
+                return Err(ConfigError::Invalid(format!(
+                    "ack_timeout = {ack_timeout}: the exponent of the RDMA ACK timeout is 1 to 31 (0 would wait for ever)"
+                )));
+            }
         }
         if c.digests.is_empty() {
             return Err(ConfigError::Invalid(

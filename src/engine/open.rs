@@ -158,6 +158,7 @@ pub(crate) async fn sender(
             device,
             queue_pairs,
             busy_poll,
+            ack_timeout,
         } => {
             use crate::transport::rdma::bootstrap;
             let reg = node.rdma(device.as_deref())?;
@@ -168,6 +169,7 @@ pub(crate) async fn sender(
                 config.window,
                 config.pool.buffers(),
                 *busy_poll,
+                *ack_timeout,
             )
             .map_err(rdma)?;
             let (stream, est, channel) = handshake(
@@ -234,6 +236,7 @@ pub(crate) async fn receiver(
             device,
             queue_pairs,
             busy_poll,
+            ack_timeout,
         } => {
             use crate::transport::rdma::bootstrap;
             let reg = node.rdma(device.as_deref())?;
@@ -244,6 +247,7 @@ pub(crate) async fn receiver(
                 config.window,
                 config.pool.buffers(),
                 *busy_poll,
+                *ack_timeout,
             )
             .map_err(rdma)?;
             let (stream, est, channel) = handshake(

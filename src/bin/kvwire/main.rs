@@ -105,6 +105,12 @@ struct BenchArgs {
     /// completion channel.
     #[arg(long)]
     busy_poll: bool,
+    /// With --transport rdma: the queue pairs' local ACK timeout, 4.096 µs x 2^N (1 to 31;
+    /// 14, about 67 ms, as ib_write_bw's default -u). Higher where acknowledgements can queue
+    /// longer than that (docs/BENCHMARKS.md, "Retransmissions on SoftRoCE").
+    #[arg(long, default_value_t = kvwire::config::DEFAULT_ACK_TIMEOUT,
+          value_parser = clap::value_parser!(u8).range(1..=31))]
+    ack_timeout: u8,
     /// Worker threads of the bench's tokio runtime (default: one per core). Engines choose
     /// their own runtime; with both ends of a two-process run on one small host, fewer
     /// workers mean fewer wake-ups across threads per transfer (docs/BENCHMARKS.md).
@@ -387,6 +393,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
                 device: a.device.clone(),
                 queue_pairs: a.queue_pairs,
                 busy_poll: a.busy_poll,
+                ack_timeout: a.ack_timeout,
             },
         },
     };

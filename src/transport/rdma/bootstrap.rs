@@ -97,7 +97,8 @@ impl std::fmt::Debug for Prepared {
 /// Before the handshake: `queue_pairs` RC queue pairs (in INIT) on `dev` for the `role` end
 /// of a connection (a sender's sized for `window` pages of `buffers` buffers in flight), and
 /// the HELLO transport parameters that describe them. Their completions go to a completion
-/// channel registered with the current tokio runtime, unless `busy_poll`.
+/// channel registered with the current tokio runtime, unless `busy_poll`; they connect with
+/// the local ACK timeout exponent `ack_timeout` (`TransportConfig::Rdma::ack_timeout`).
 pub fn prepare(
     dev: &Arc<RdmaDevice>,
     role: Role,
@@ -105,6 +106,7 @@ pub fn prepare(
     window: u32,
     buffers: usize,
     busy_poll: bool,
+    ack_timeout: u8,
 ) -> Result<(Prepared, Vec<u8>), BootstrapError> {
     let depth = if role == Role::SENDER {
         sender_queue_depth(window, buffers)
@@ -117,7 +119,11 @@ pub fn prepare(
         Some(dev.event_channel()?)
     };
     let links = (0..queue_pairs.max(1))
-        .map(|_| RcLink::new(dev, depth, events.as_ref()))
+        .map(|_| {
+            let mut link = RcLink::new(dev, depth, events.as_ref())?;
+            link.set_ack_timeout(ack_timeout)?;
+            Ok::<_, RdmaError>(link)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let lanes = Lanes::new(links, events);
     let params = encode_params(&lanes.params());
@@ -202,8 +208,25 @@ pub fn in_process(
     busy_poll: bool,
 ) -> Result<(RdmaSender, RdmaReceiver), BootstrapError> {
     let buffers = source.buffers();
-    let (s, _) = prepare(dev, Role::SENDER, queue_pairs, window, buffers, busy_poll)?;
-    let (r, _) = prepare(dev, Role::RECEIVER, queue_pairs, window, buffers, busy_poll)?;
+    let ack = crate::config::DEFAULT_ACK_TIMEOUT;
+    let (s, _) = prepare(
+        dev,
+        Role::SENDER,
+        queue_pairs,
+        window,
+        buffers,
+        busy_poll,
+        ack,
+    )?;
+    let (r, _) = prepare(
+        dev,
+        Role::RECEIVER,
+        queue_pairs,
+        window,
+        buffers,
+        busy_poll,
+        ack,
+    )?;
     let (mut s_lanes, mut r_lanes) = (s.lanes, r.lanes);
     let (sp, rp) = (s_lanes.params(), r_lanes.params());
     s_lanes.connect(&rp)?;

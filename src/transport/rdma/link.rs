@@ -9,8 +9,8 @@ use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue, Generi
 use sideway::ibverbs::device_context::Mtu;
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::queue_pair::{
-    ExtendedQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
-    SendOperationFlags, SetScatterGatherEntry, WorkRequestFlags,
+    ExtendedQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairAttributeMask,
+    QueuePairState, SendOperationFlags, SetScatterGatherEntry, WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
 
@@ -160,6 +160,8 @@ pub struct RcLink {
     gid: Gid,
     gid_index: u8,
     mtu: u32,
+    /// The local ACK timeout exponent set when connecting ([`RcLink::set_ack_timeout`]).
+    ack_timeout: u8,
 }
 
 impl RcLink {
@@ -230,6 +232,7 @@ impl RcLink {
             gid: dev.gid,
             gid_index: dev.gid_index,
             mtu: dev.mtu,
+            ack_timeout: crate::config::DEFAULT_ACK_TIMEOUT,
         };
         for i in 0..RECV_SLOTS {
             link.post_recv(i)?;
@@ -271,6 +274,29 @@ impl RcLink {
         }
     }
 
+    /// Sets the local ACK timeout the queue pair gets when it connects: 4.096 µs x
+    /// 2^`exponent`, 1 to 31 (`TransportConfig::Rdma::ack_timeout`).
+    pub fn set_ack_timeout(&mut self, exponent: u8) -> Result<(), RdmaError> {
+        if !(1..=31).contains(&exponent) {
+            return Err(RdmaError::Verbs {
+                call: "ack timeout",
+                detail: format!("exponent {exponent} is outside 1 to 31"),
+            });
+        }
+        self.ack_timeout = exponent;
+        Ok(())
+    }
+
+    /// The local ACK timeout exponent the device holds for this queue pair (`ibv_query_qp`):
+    /// what [`RcLink::set_ack_timeout`] asked for, once connected.
+    pub fn ack_timeout(&self) -> Result<u8, RdmaError> {
+        let (attr, _) = self
+            .qp
+            .query(QueuePairAttributeMask::Timeout)
+            .map_err(verbs("ibv_query_qp"))?;
+        Ok(attr.timeout())
+    }
+
     /// Connects to the peer (RTR, then RTS), at the smaller of both ports' active MTUs.
     pub fn connect(&mut self, peer: &QpParams) -> Result<(), RdmaError> {
         let mtu = path_mtu(self.mtu, peer.mtu).ok_or(RdmaError::Mtu {
@@ -297,7 +323,7 @@ impl RcLink {
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.psn)
-            .setup_timeout(14)
+            .setup_timeout(self.ack_timeout)
             .setup_retry_cnt(7)
             .setup_rnr_retry(7)
             .setup_max_read_atomic(0);

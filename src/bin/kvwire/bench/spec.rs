@@ -26,6 +26,8 @@ pub enum BenchTransport {
         queue_pairs: u16,
         /// Busy-poll the completion queues.
         busy_poll: bool,
+        /// The queue pairs' local ACK timeout exponent.
+        ack_timeout: u8,
     },
     /// The in-process loopback wire.
     Loopback,
@@ -300,16 +302,19 @@ impl BenchSpec {
                 device,
                 queue_pairs,
                 busy_poll,
+                ack_timeout,
             } => {
                 let mut t = TransportConfig::rdma(device.as_deref());
                 if let TransportConfig::Rdma {
                     queue_pairs: q,
                     busy_poll: b,
+                    ack_timeout: a,
                     ..
                 } = &mut t
                 {
                     *q = (*queue_pairs).max(1);
                     *b = *busy_poll;
+                    *a = *ack_timeout;
                 }
                 t
             }
