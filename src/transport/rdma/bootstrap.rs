@@ -208,25 +208,11 @@ pub fn in_process(
     busy_poll: bool,
 ) -> Result<(RdmaSender, RdmaReceiver), BootstrapError> {
     let buffers = source.buffers();
-    let ack = crate::config::DEFAULT_ACK_TIMEOUT;
-    let (s, _) = prepare(
-        dev,
-        Role::SENDER,
-        queue_pairs,
-        window,
-        buffers,
-        busy_poll,
-        ack,
-    )?;
-    let (r, _) = prepare(
-        dev,
-        Role::RECEIVER,
-        queue_pairs,
-        window,
-        buffers,
-        busy_poll,
-        ack,
-    )?;
+    let end = |role| {
+        let ack = crate::config::DEFAULT_ACK_TIMEOUT;
+        prepare(dev, role, queue_pairs, window, buffers, busy_poll, ack)
+    };
+    let ((s, _), (r, _)) = (end(Role::SENDER)?, end(Role::RECEIVER)?);
     let (mut s_lanes, mut r_lanes) = (s.lanes, r.lanes);
     let (sp, rp) = (s_lanes.params(), r_lanes.params());
     s_lanes.connect(&rp)?;
