@@ -4,7 +4,8 @@
 Reads DIR/ib_write_bw-SIZE.txt (perftest output) and DIR/rdma-{xxh3,digest,none,digest-8m}.json
 (`kvwire bench --transport rdma --json`: verified with the harness's byte check, verified by
 digest alone, unverified, and verified by digest in 8 MiB requests); prints one row per message
-size, request size and mode with both throughputs and their ratio. Exits 1 if a file is missing
+size, request size and mode with both throughputs and their ratio, then each run's
+retransmissions from DIR/retries.txt where the run wrote one. Exits 1 if a file is missing
 or a bench case failed. A run from before the digest-only or the 8 MiB case prints the others.
 """
 import json
@@ -41,6 +42,13 @@ def main() -> None:
     print(f"{'message':>8} {'request':>8} {'verify':>6} {'kvwire MB/s':>12} {'ib_write_bw MB/s':>17} {'ratio':>6}")
     for size, request, verify, mbs, base, ratio in rows:
         print(f"{size:>8} {request:>8} {verify:>6} {mbs:>12.1f} {base:>17.1f} {ratio:>6.2f}")
+    retries = out / "retries.txt"
+    if retries.exists():
+        # rxe's retransmissions and duplicate packets during each run: a run that resent much
+        # measured its ACK timeout as much as the link (docs/BENCHMARKS.md).
+        print("retransmissions / duplicate packets per run: " + ", ".join(
+            f"{name} {r} / {d}" for name, r, d in
+            (line.split() for line in retries.read_text().splitlines() if line.strip())))
 
 
 if __name__ == "__main__":
