@@ -11,7 +11,8 @@ pub mod file;
 mod node;
 
 pub use node::{
-    random_bytes, Auth, NodeConfig, NodeConfigBuilder, TransportConfig, DEFAULT_ACK_TIMEOUT,
+    random_bytes, Auth, NodeConfig, NodeConfigBuilder, TransportConfig, ACK_TIMEOUTS,
+    DEFAULT_ACK_TIMEOUT,
 };
 
 use std::fmt;

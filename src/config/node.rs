@@ -127,6 +127,10 @@ pub enum TransportConfig {
 /// perftest's `ib_write_bw`.
 pub const DEFAULT_ACK_TIMEOUT: u8 = 14;
 
+/// The exponents [`TransportConfig::Rdma`]'s `ack_timeout` may take: 0 would wait for ever,
+/// and verbs' field holds 5 bits.
+pub const ACK_TIMEOUTS: std::ops::RangeInclusive<u8> = 1..=31;
+
 impl TransportConfig {
     /// RDMA on `device` (or the first device) with one queue pair, waiting on the completion
     /// channel.
@@ -410,9 +414,11 @@ impl NodeConfigBuilder {
             )));
         }
         if let TransportConfig::Rdma { ack_timeout, .. } = c.transport {
-            if !(1..=31).contains(&ack_timeout) {
+            if !ACK_TIMEOUTS.contains(&ack_timeout) {
                 return Err(ConfigError::Invalid(format!(
-                    "ack_timeout = {ack_timeout}: the exponent of the RDMA ACK timeout is 1 to 31 (0 would wait for ever)"
+                    "ack_timeout = {ack_timeout}: the exponent of the RDMA ACK timeout is {} to {} (0 would wait for ever)",
+                    ACK_TIMEOUTS.start(),
+                    ACK_TIMEOUTS.end()
                 )));
             }
         }

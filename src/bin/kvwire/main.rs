@@ -109,7 +109,7 @@ struct BenchArgs {
     /// 14, about 67 ms, as ib_write_bw's default -u). Higher where acknowledgements can queue
     /// longer than that (docs/BENCHMARKS.md, "Retransmissions on SoftRoCE").
     #[arg(long, default_value_t = kvwire::config::DEFAULT_ACK_TIMEOUT,
-          value_parser = clap::value_parser!(u8).range(1..=31))]
+          value_parser = ack_timeout_arg)]
     ack_timeout: u8,
     /// Worker threads of the bench's tokio runtime (default: one per core). Engines choose
     /// their own runtime; with both ends of a two-process run on one small host, fewer
@@ -515,4 +515,13 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// `--ack-timeout`: an exponent in `kvwire::config::ACK_TIMEOUTS`.
+fn ack_timeout_arg(s: &str) -> Result<u8, String> {
+    let range = kvwire::config::ACK_TIMEOUTS;
+    s.parse::<u8>()
+        .ok()
+        .filter(|n| range.contains(n))
+        .ok_or_else(|| format!("{s}: an exponent from {} to {}", range.start(), range.end()))
 }

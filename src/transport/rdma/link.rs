@@ -277,10 +277,15 @@ impl RcLink {
     /// Sets the local ACK timeout the queue pair gets when it connects: 4.096 µs x
     /// 2^`exponent`, 1 to 31 (`TransportConfig::Rdma::ack_timeout`).
     pub fn set_ack_timeout(&mut self, exponent: u8) -> Result<(), RdmaError> {
-        if !(1..=31).contains(&exponent) {
+        let range = crate::config::ACK_TIMEOUTS;
+        if !range.contains(&exponent) {
             return Err(RdmaError::Verbs {
                 call: "ack timeout",
-                detail: format!("exponent {exponent} is outside 1 to 31"),
+                detail: format!(
+                    "exponent {exponent} is outside {} to {}",
+                    range.start(),
+                    range.end()
+                ),
             });
         }
         self.ack_timeout = exponent;
