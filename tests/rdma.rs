@@ -487,8 +487,9 @@ mod driven {
         lanes: u16,
     ) -> RdmaPair {
         let (s_pool, r_pool) = pools;
+        let ack = kvwire::config::DEFAULT_ACK_TIMEOUT;
         let (s, r) =
-            bootstrap::in_process(dev, &s_pool, &r_pool, lanes, cfg.window, false).unwrap();
+            bootstrap::in_process(dev, &s_pool, &r_pool, lanes, cfg.window, false, ack).unwrap();
         assert_eq!(
             r.access_kind(),
             AccessKind::WINDOWS,
@@ -503,6 +504,25 @@ mod driven {
         let pools = cfg.pools().unwrap();
         let p = pair_over(&dev, &cfg, pools, lanes);
         (dev, p)
+    }
+
+    /// `bootstrap::prepare` (which every connection's ends go through) gives each queue pair
+    /// of a connection the configured ACK timeout: both ends of a two-lane connection hold it
+    /// once connected, as `ibv_query_qp` reports it.
+    #[test]
+    fn every_lane_of_a_connection_holds_the_configured_ack_timeout() {
+        let Some(d) = super::device("every_lane_of_a_connection_holds_the_configured_ack_timeout")
+        else {
+            return;
+        };
+        let dev = Arc::new(RdmaDevice::open(Some(&d.name)).unwrap());
+        let cfg = config();
+        let (s_pool, r_pool) = cfg.pools().unwrap();
+        assert_ne!(kvwire::config::DEFAULT_ACK_TIMEOUT, 18);
+        let (s, r) =
+            bootstrap::in_process(&dev, &s_pool, &r_pool, 2, cfg.window, true, 18).unwrap();
+        assert_eq!(s.ack_timeouts().unwrap(), [18, 18], "the sender's lanes");
+        assert_eq!(r.ack_timeouts().unwrap(), [18, 18], "the receiver's lanes");
     }
 
     /// Every window bound was invalidated (every reservation fenced at the NIC).

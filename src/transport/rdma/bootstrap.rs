@@ -197,8 +197,9 @@ impl Prepared {
 /// Both ends of one connection in this process, on one device (what `ib_write_bw` does with
 /// a server and a client on one host): the sender writes from `source` into `dest` over
 /// `queue_pairs` queue pairs connected to each other directly, with no bootstrap connection
-/// (so no liveness channel). Frames are unauthenticated (nothing leaves the host). Needs a
-/// tokio runtime unless `busy_poll`.
+/// (so no liveness channel), prepared as a connection's are ([`prepare`], with the local ACK
+/// timeout exponent `ack_timeout`). Frames are unauthenticated (nothing leaves the host).
+/// Needs a tokio runtime unless `busy_poll`.
 pub fn in_process(
     dev: &Arc<RdmaDevice>,
     source: &Arc<PagePool>,
@@ -206,11 +207,19 @@ pub fn in_process(
     queue_pairs: u16,
     window: u32,
     busy_poll: bool,
+    ack_timeout: u8,
 ) -> Result<(RdmaSender, RdmaReceiver), BootstrapError> {
     let buffers = source.buffers();
     let end = |role| {
-        let ack = crate::config::DEFAULT_ACK_TIMEOUT;
-        prepare(dev, role, queue_pairs, window, buffers, busy_poll, ack)
+        prepare(
+            dev,
+            role,
+            queue_pairs,
+            window,
+            buffers,
+            busy_poll,
+            ack_timeout,
+        )
     };
     let ((s, _), (r, _)) = (end(Role::SENDER)?, end(Role::RECEIVER)?);
     let (mut s_lanes, mut r_lanes) = (s.lanes, r.lanes);

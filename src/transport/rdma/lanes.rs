@@ -117,6 +117,11 @@ impl Lanes {
         }
     }
 
+    /// The local ACK timeout exponent each queue pair holds (`ibv_query_qp`), in lane order.
+    pub(crate) fn ack_timeouts(&self) -> Result<Vec<u8>, RdmaError> {
+        self.lanes.iter().map(|l| l.link.ack_timeout()).collect()
+    }
+
     /// This side's queue pair parameters, lane 0 first.
     pub(crate) fn params(&self) -> Vec<QpParams> {
         self.lanes.iter().map(|l| l.link.params()).collect()

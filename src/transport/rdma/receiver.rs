@@ -135,6 +135,12 @@ impl RdmaReceiver {
         self.kind
     }
 
+    /// The local ACK timeout exponent (`TransportConfig::Rdma::ack_timeout`) each queue pair
+    /// of this connection holds, as the device reports it (`ibv_query_qp`), in lane order.
+    pub fn ack_timeouts(&self) -> Result<Vec<u8>, super::RdmaError> {
+        self.lanes.ack_timeouts()
+    }
+
     /// Counters.
     pub fn stats(&self) -> RdmaReceiverStats {
         self.stats
