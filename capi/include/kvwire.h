@@ -193,6 +193,18 @@ typedef struct {
   // TCP streams per connection, 1 to 64, the same on both engines (default 1; 0 reads as
   // 1); transfers spread over them, each on one stream.
   uint32_t tcp_streams;
+  // RDMA: RC queue pairs per connection, the same on both engines (default 1; 0 reads
+  // as 1); transfers take them in turn. Appended after `tcp_streams`: a program built
+  // against an older header keeps the default.
+  uint32_t rdma_queue_pairs;
+  // RDMA: non-zero polls the completion queues in a loop instead of sleeping on the
+  // completion channel (lower latency, one core busy per connection). Default 0.
+  int rdma_busy_poll;
+  // RDMA: the queue pairs' local ACK timeout exponent, 1 to 31: a packet not
+  // acknowledged within 4.096 us x 2^n is sent again (up to 7 times before the link
+  // fails). Default 14 (about 67 ms); 0 reads as the default; 18 (about 1.1 s) where
+  // queueing on the path can exceed that. Out of range: KVWIRE_ERR_CONFIG.
+  uint32_t rdma_ack_timeout;
 } kvwire_config_t;
 
 // One of the engine's KV buffers: base pointer, length in bytes, bytes per page (SGLang's

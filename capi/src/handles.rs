@@ -77,6 +77,18 @@ pub struct kvwire_config_t {
     /// TCP streams per connection, 1 to 64, the same on both engines (default 1; 0 reads as
     /// 1); transfers spread over them, each on one stream.
     pub tcp_streams: u32,
+    /// RDMA: RC queue pairs per connection, the same on both engines (default 1; 0 reads
+    /// as 1); transfers take them in turn. Appended after `tcp_streams`: a program built
+    /// against an older header keeps the default.
+    pub rdma_queue_pairs: u32,
+    /// RDMA: non-zero polls the completion queues in a loop instead of sleeping on the
+    /// completion channel (lower latency, one core busy per connection). Default 0.
+    pub rdma_busy_poll: c_int,
+    /// RDMA: the queue pairs' local ACK timeout exponent, 1 to 31: a packet not
+    /// acknowledged within 4.096 us x 2^n is sent again (up to 7 times before the link
+    /// fails). Default 14 (about 67 ms); 0 reads as the default; 18 (about 1.1 s) where
+    /// queueing on the path can exceed that. Out of range: KVWIRE_ERR_CONFIG.
+    pub rdma_ack_timeout: u32,
 }
 
 /// The smallest `size` a kvwire_config_t may declare: every field up to `tcp_streams`,
@@ -101,6 +113,9 @@ impl kvwire_config_t {
             call_timeout_ms: 30_000,
             release_timeout_ms: 60_000,
             tcp_streams: 1,
+            rdma_queue_pairs: 1,
+            rdma_busy_poll: 0,
+            rdma_ack_timeout: kvwire::config::DEFAULT_ACK_TIMEOUT.into(),
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::*;
 ///
 /// # Safety
 /// `config` is non-null and valid for reads of `config->size` bytes (its first field).
-unsafe fn read_config(config: *const kvwire_config_t) -> Result<kvwire_config_t, Error> {
+pub(crate) unsafe fn read_config(config: *const kvwire_config_t) -> Result<kvwire_config_t, Error> {
     if !config.is_aligned() {
         return Err(invalid("config: misaligned pointer"));
     }
@@ -42,7 +42,7 @@ unsafe fn read_config(config: *const kvwire_config_t) -> Result<kvwire_config_t,
 ///
 /// # Safety
 /// The strings of `c` are null or NUL-terminated.
-unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig, Error> {
+pub(crate) unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig, Error> {
     let role = match c.role {
         KVWIRE_ROLE_PREFILL => Role::Prefill,
         KVWIRE_ROLE_DECODE => Role::Decode,
@@ -74,7 +74,22 @@ unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig, Error> {
     let mut config = ManagerConfig::new(role, c.tokens_per_page, c.max_context_tokens, auth)
         .fingerprint(fingerprint.unwrap_or_default());
     if let Some(dev) = rdma {
-        config = config.transport(TransportConfig::rdma((!dev.is_empty()).then_some(dev)));
+        let ack_timeout = match c.rdma_ack_timeout {
+            0 => kvwire::config::DEFAULT_ACK_TIMEOUT,
+            // 32 to 255 is refused when the manager starts, naming the value.
+            n => u8::try_from(n).map_err(|_| {
+                Error::new(
+                    ErrorKind::ConfigError,
+                    format!("rdma_ack_timeout = {n}: the exponent is 1 to 31 (0: the default)"),
+                )
+            })?,
+        };
+        config = config.transport(TransportConfig::Rdma {
+            device: (!dev.is_empty()).then(|| dev.to_owned()),
+            queue_pairs: u16::try_from(c.rdma_queue_pairs.max(1)).unwrap_or(u16::MAX),
+            busy_poll: c.rdma_busy_poll != 0,
+            ack_timeout,
+        });
     }
     config.node_id = c.node_id;
     config.worker_threads = (c.worker_threads as usize).max(1);

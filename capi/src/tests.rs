@@ -507,3 +507,81 @@ fn a_config_declares_its_size_and_nothing_beyond_it_is_written() {
         );
     }
 }
+
+/// The RDMA fields: read into the transport (0 reads as the default), kept at their defaults
+/// for a program built before them (its struct ends at `tcp_streams`), and an ACK timeout
+/// outside 1 to 31 refused by kvwire_manager_new naming the value, in any build (values are
+/// checked before the transport is looked for).
+#[test]
+fn rdma_settings_are_read_defaulted_and_checked() {
+    use kvwire::TransportConfig;
+    let mut c = kvwire_config_t::defaults();
+    c.role = KVWIRE_ROLE_DECODE;
+    c.insecure_no_auth = 1;
+    c.rdma_device = c"rxe9".as_ptr();
+    c.rdma_queue_pairs = 3;
+    c.rdma_busy_poll = 1;
+    c.rdma_ack_timeout = 18;
+    // SAFETY: a complete config whose strings are NUL-terminated or null.
+    let read = unsafe { crate::manager::manager_config(&c) }.unwrap();
+    assert_eq!(
+        read.transport,
+        TransportConfig::Rdma {
+            device: Some("rxe9".into()),
+            queue_pairs: 3,
+            busy_poll: true,
+            ack_timeout: 18
+        }
+    );
+    c.rdma_device = c"".as_ptr();
+    c.rdma_queue_pairs = 0;
+    c.rdma_busy_poll = 0;
+    c.rdma_ack_timeout = 0;
+    // SAFETY: as above.
+    let read = unsafe { crate::manager::manager_config(&c) }.unwrap();
+    assert_eq!(
+        read.transport,
+        TransportConfig::rdma(None),
+        "0 reads as the default"
+    );
+
+    // An older program's struct: the fields beyond its size keep their defaults.
+    let mut old = kvwire_config_t::defaults();
+    old.size = CONFIG_MIN_SIZE;
+    old.rdma_queue_pairs = 7;
+    old.rdma_busy_poll = 1;
+    old.rdma_ack_timeout = 99;
+    // SAFETY: valid for reads of its whole size.
+    let copied = unsafe { crate::manager::read_config(&old) }.unwrap();
+    assert_eq!(
+        (
+            copied.rdma_queue_pairs,
+            copied.rdma_busy_poll,
+            copied.rdma_ack_timeout
+        ),
+        (1, 0, u32::from(kvwire::config::DEFAULT_ACK_TIMEOUT))
+    );
+
+    let mem: &'static mut [u8] = Box::leak(vec![0u8; 64 * 4096].into_boxed_slice());
+    let buf = kvwire_buffer_t {
+        ptr: mem.as_mut_ptr().cast(),
+        len: mem.len(),
+        page_bytes: 4096,
+    };
+    let mut config = kvwire_config_t::defaults();
+    config.role = KVWIRE_ROLE_DECODE;
+    config.tokens_per_page = 1;
+    config.max_context_tokens = 64;
+    config.insecure_no_auth = 1;
+    config.rdma_device = c"".as_ptr();
+    for bad in [32, 300] {
+        config.rdma_ack_timeout = bad;
+        let mut m = std::ptr::null_mut();
+        // SAFETY: valid config, buffer and out pointer.
+        let rc = unsafe { kvwire_manager_new(&config, &buf, 1, &mut m) };
+        assert_eq!(rc, KVWIRE_ERR_CONFIG, "ack timeout {bad}");
+        assert!(m.is_null());
+        let named = format!("ack_timeout = {bad}");
+        assert!(last_error().contains(&named), "{}", last_error());
+    }
+}

@@ -128,6 +128,13 @@ class KVManager:
     ``tcp_streams``: TCP streams per connection (1 to 64, the same on both engines; transfers
     spread over them, each on one stream).
 
+    RDMA (``transport="rdma"``; the device is ``KVArgs.ib_device``, the first one if unset):
+    ``ib_queue_pairs`` RC queue pairs per connection (the same on both engines; transfers
+    take them in turn), ``ib_busy_poll`` (poll completion queues in a loop: lower latency,
+    one core busy per connection), ``ib_ack_timeout`` (the queue pairs' local ACK timeout
+    exponent, 1 to 31: 4.096 µs x 2^n before a packet is sent again; 14, about 67 ms, by
+    default; 18, about 1.1 s, where queueing on the path can exceed that).
+
     Discovery: ``bootstrap`` (an embedded bootstrap server's ``host:port``) or
     ``etcd_endpoints``, with ``cluster``: a prefill manager registers itself
     (``register()``), and a decode manager's receivers resolve the prefill by rank.
@@ -151,6 +158,9 @@ class KVManager:
         parked_reservation_s: float = 30.0,
         worker_threads: int = 2,
         tcp_streams: int = 1,
+        ib_queue_pairs: int = 1,
+        ib_busy_poll: bool = False,
+        ib_ack_timeout: int = 14,
         bootstrap: Optional[str] = None,
         etcd_endpoints: Optional[Sequence[str]] = None,
         cluster: str = "kvwire",
@@ -186,6 +196,9 @@ class KVManager:
             parked_reservation_s=parked_reservation_s,
             worker_threads=worker_threads,
             tcp_streams=tcp_streams,
+            ib_queue_pairs=ib_queue_pairs,
+            ib_busy_poll=ib_busy_poll,
+            ib_ack_timeout=ib_ack_timeout,
             keepalive=keepalive,
         )
         self._resolved: Dict[Tuple[str, str, int], str] = {}

@@ -134,7 +134,7 @@ impl Engine {
     /// writes of its length for as long as this engine and everything made from it live, the
     /// buffers do not overlap, and the engine writes no page kvwire holds.
     #[new]
-    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, parked_reservation_s=30.0, worker_threads=2, tcp_streams=1, keepalive=None))]
+    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, ib_queue_pairs=1, ib_busy_poll=false, ib_ack_timeout=14, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, parked_reservation_s=30.0, worker_threads=2, tcp_streams=1, keepalive=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -154,6 +154,9 @@ impl Engine {
         listen: Option<String>,
         transport: String,
         ib_device: Option<String>,
+        ib_queue_pairs: u16,
+        ib_busy_poll: bool,
+        ib_ack_timeout: u32,
         liveness_timeout_s: f64,
         reserve_timeout_s: f64,
         reservation_wait_s: f64,
@@ -206,7 +209,19 @@ impl Engine {
         };
         let transport = match transport.as_str() {
             "tcp" => TransportConfig::Tcp,
-            "rdma" => TransportConfig::rdma(ib_device.as_deref()),
+            "rdma" => TransportConfig::Rdma {
+                device: ib_device,
+                queue_pairs: ib_queue_pairs,
+                busy_poll: ib_busy_poll,
+                // 32 to 255 is refused when the manager starts, naming the value.
+                ack_timeout: u8::try_from(ib_ack_timeout).map_err(|_| {
+                    let e = Error::new(
+                        ErrorKind::ConfigError,
+                        format!("ib_ack_timeout = {ib_ack_timeout}: the exponent is 1 to 31"),
+                    );
+                    to_py(py, &e)
+                })?,
+            },
             other => {
                 return Err(PyValueError::new_err(format!(
                     "unknown transport {other:?} (tcp or rdma)"

@@ -31,12 +31,13 @@ def main() -> None:
     ap.add_argument("--ttl", type=float, default=10.0)
     ap.add_argument("--fingerprint", default="kvwire-python")
     ap.add_argument("--tcp-streams", type=int, default=1)
+    ap.add_argument("--ib-queue-pairs", type=int, default=1)
     a = ap.parse_args()
     psk = bytes.fromhex(a.psk) if a.psk else None
     mgr, kv, aux = common.manager(
         a.role, psk, pages=a.pages, fill=a.fill, bootstrap=a.bootstrap,
         etcd_endpoints=[a.etcd] if a.etcd else None, cluster=a.cluster, fingerprint=a.fingerprint,
-        tcp_streams=a.tcp_streams,
+        tcp_streams=a.tcp_streams, ib_queue_pairs=a.ib_queue_pairs,
         **({"listen": os.environ["KVWIRE_TEST_LISTEN"]} if a.role == "prefill" and os.environ.get("KVWIRE_TEST_LISTEN") else {}),
     )
     if a.bootstrap or a.etcd:

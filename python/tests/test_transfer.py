@@ -72,14 +72,19 @@ def test_chunked_transfer_every_byte_at_the_chosen_pages(prefill, psk):
     assert mgr.held_pages() == []
 
 
-def test_over_three_tcp_streams_every_byte_lands(psk):
-    """Both managers with tcp_streams=3 (SPEC §9.1, several streams): six requests spread over
-    the connection's streams, every byte at its pages, nothing held afterwards."""
-    if common.TRANSPORT != "tcp":
-        pytest.skip(f"tcp_streams applies to TCP; this run uses {common.TRANSPORT}")
-    prefill = Peer("prefill", "--psk", psk.hex(), "--tcp-streams", "3")
+def test_over_three_lanes_every_byte_lands(psk):
+    """Both managers with three lanes of the run's transport (SPEC §3.11.1): tcp_streams=3
+    over TCP (§9.1), ib_queue_pairs=3 over RDMA (§9.2, the decode end busy-polling its
+    completion queues, the prefill end sleeping on its completion channel): six requests
+    spread over the connection's lanes, every byte at its pages, nothing held afterwards."""
+    if common.TRANSPORT == "tcp":
+        prefill = Peer("prefill", "--psk", psk.hex(), "--tcp-streams", "3")
+        lanes = dict(tcp_streams=3)
+    else:
+        prefill = Peer("prefill", "--psk", psk.hex(), "--ib-queue-pairs", "3")
+        lanes = dict(ib_queue_pairs=3, ib_busy_poll=True)
     try:
-        mgr, kv, aux = decode_manager(psk, tcp_streams=3)
+        mgr, kv, aux = decode_manager(psk, **lanes)
         perm = [int(x) for x in np.random.default_rng(3).permutation(common.PAGES)]
         rooms = {}
         for i in range(6):
@@ -98,6 +103,16 @@ def test_over_three_tcp_streams_every_byte_lands(psk):
         assert mgr.held_pages() == []
     finally:
         prefill.close()
+
+
+@pytest.mark.parametrize("ack_timeout", [0, 32, 300])
+def test_an_rdma_ack_timeout_out_of_range_is_a_config_error(ack_timeout):
+    """ib_ack_timeout is the verbs exponent, 1 to 31: anything else is refused with
+    ConfigError naming the value, in any build (the value is checked before the transport is
+    looked for), rather than truncated or sent to the NIC."""
+    with pytest.raises(kvwire.ConfigError, match=f"ack_timeout = {ack_timeout}"):
+        common.manager("decode", None, insecure_no_auth=True, transport="rdma",
+                       ib_ack_timeout=ack_timeout)
 
 
 def test_prefill_rejects_a_prompt_over_its_pool_and_decode_gets_the_original_error(psk):

@@ -347,16 +347,6 @@ impl Manager {
         }
         let pages = u32::try_from(pages.unwrap_or(0))
             .map_err(|_| Error::invalid("more than 2^32 pages"))?;
-        if cfg!(not(feature = "rdma")) && config.transport != TransportConfig::Tcp {
-            return Err(Error::new(
-                ErrorKind::ConfigError,
-                format!(
-                    "this kvwire was built without the {} transport (rebuild with `--features {}`)",
-                    config.transport.name(),
-                    config.transport.name()
-                ),
-            ));
-        }
         let pool = PoolGeometry {
             tokens_per_page: config.tokens_per_page,
             buffer_page_bytes: page_bytes,
@@ -388,6 +378,17 @@ impl Manager {
         let mut node_config = builder
             .build()
             .map_err(|e| Error::new(ErrorKind::ConfigError, e.to_string()))?;
+        // After the checks of every value (an invalid one is named in any build).
+        if cfg!(not(feature = "rdma")) && config.transport != TransportConfig::Tcp {
+            return Err(Error::new(
+                ErrorKind::ConfigError,
+                format!(
+                    "this kvwire was built without the {} transport (rebuild with `--features {}`)",
+                    config.transport.name(),
+                    config.transport.name()
+                ),
+            ));
+        }
         node_config.max_aux = node_config.max_aux.max(aux.record_len() as u32);
         // SAFETY: the caller's contract (this function's) is from_raw_parts' contract.
         let memory = unsafe { KvMemory::from_raw_parts(&node_config.pool, regions) }
