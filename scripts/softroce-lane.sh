@@ -58,9 +58,10 @@ KVWIRE_RDMA_DEVICE=rxe0 target/capi-transfer decode target/capi-addr &
 for _ in \$(seq 1 300); do [ -s target/capi-addr ] && break; sleep 0.1; done
 KVWIRE_RDMA_DEVICE=rxe0 target/capi-transfer prefill \$(cat target/capi-addr)
 wait \$!
-echo '== Python: the verified chunked transfer between two processes, over RDMA'
+echo '== Python: verified transfers between two processes over RDMA (one queue pair, three)'
 KVWIRE_PY_TRANSPORT=rdma KVWIRE_PY_IB_DEVICE=rxe0 $pyvenv/bin/python -m pytest -q -rs \\
-  python/tests/test_transfer.py -k test_chunked_transfer_every_byte_at_the_chosen_pages
+  python/tests/test_transfer.py \\
+  -k 'test_chunked_transfer_every_byte_at_the_chosen_pages or test_over_three_lanes_every_byte_lands'
 echo '== kvwire bench --transport rdma beside ib_write_bw (same VM run, same sizes and bytes)'
 bash scripts/rdma-bench.sh $out"
 python3 scripts/rdma-ratio.py "$out"
