@@ -1,8 +1,8 @@
 //! A bounded memory of finished transfers, so late and duplicate frames for them are
 //! recognised (SPEC.md §7.4) instead of being mistaken for unknown transfers.
 
-use crate::wire::TransferId;
-use std::collections::{HashMap, VecDeque};
+use crate::wire::{TransferId, TransferIdMap};
+use std::collections::VecDeque;
 
 /// How a finished transfer ended, as remembered for late frames.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,7 +31,7 @@ impl Finished {
 pub(crate) struct History {
     capacity: usize,
     order: VecDeque<TransferId>,
-    entries: HashMap<TransferId, Finished>,
+    entries: TransferIdMap<Finished>,
 }
 
 impl History {
@@ -39,7 +39,7 @@ impl History {
         Self {
             capacity: capacity.max(1),
             order: VecDeque::new(),
-            entries: HashMap::new(),
+            entries: TransferIdMap::default(),
         }
     }
 

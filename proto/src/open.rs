@@ -1,7 +1,6 @@
 //! The open transfers of a session, by id.
 
-use crate::wire::TransferId;
-use std::collections::HashMap;
+use crate::wire::{TransferId, TransferIdMap};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
@@ -10,11 +9,11 @@ use std::ops::{Deref, DerefMut};
 /// entries every time; shown (`Debug`) and drained in id order, so that a session stays
 /// deterministic (the model checker fingerprints sessions by their `Debug` form).
 #[derive(Clone)]
-pub(crate) struct OpenTransfers<T>(HashMap<TransferId, T>);
+pub(crate) struct OpenTransfers<T>(TransferIdMap<T>);
 
 impl<T> Default for OpenTransfers<T> {
     fn default() -> Self {
-        Self(HashMap::new())
+        Self(TransferIdMap::default())
     }
 }
 
@@ -28,7 +27,7 @@ impl<T> OpenTransfers<T> {
 }
 
 impl<T> Deref for OpenTransfers<T> {
-    type Target = HashMap<TransferId, T>;
+    type Target = TransferIdMap<T>;
     fn deref(&self) -> &Self::Target {
         &self.0
     }

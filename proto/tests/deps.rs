@@ -47,11 +47,14 @@ fn no_io_dependencies() {
     );
     // An explicit allow-list: a new dependency of the protocol crate is a decision, made
     // here. crc32fast (frame CRC); hmac + sha2 and the RustCrypto crates under them
-    // (authenticated peers, SPEC.md §3.11) — pure Rust, no I/O; cpufeatures only reads CPUID.
+    // (authenticated peers, SPEC.md §3.11) — pure Rust, no I/O; cpufeatures only reads CPUID;
+    // foldhash (the maps keyed by transfer id, `wire::TransferIdMap`; no dependencies,
+    // seeded from addresses and the clock).
     let allowed = [
         "kvwire-proto",
         "crc32fast",
         "cfg-if",
+        "foldhash",
         "hmac",
         "sha2",
         "digest",

@@ -7,8 +7,8 @@
 //! releases them only after their fence. The engine receives a [`VerifiedKv`] only for a
 //! transfer whose digests matched.
 
-use kvwire_proto::wire::TransferId;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use kvwire_proto::wire::{TransferId, TransferIdMap};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -205,14 +205,14 @@ enum FenceWaiter {
 pub struct ReceiverDriver<T> {
     core: Core<ReceiverSession, T>,
     /// Leases of every open transfer (and their current reservation).
-    leases: BTreeMap<TransferId, (TransferRef, Vec<PageLease>)>,
+    leases: TransferIdMap<(TransferRef, Vec<PageLease>)>,
     /// Transfers whose access scope is open (reserved, not fenced yet).
     open: BTreeSet<TransferId>,
     /// Transfers whose fence was started and has not completed, and who waits for it.
-    fencing: BTreeMap<TransferId, (TransferRef, FenceWaiter)>,
+    fencing: TransferIdMap<(TransferRef, FenceWaiter)>,
     /// Coverage (transports that report landings): per open reservation, which ordinals
     /// received all their bytes under its scope (SPEC §6), and their digests at landing.
-    coverage: BTreeMap<TransferId, Landings>,
+    coverage: TransferIdMap<Landings>,
     /// Digest pages as they land, when the transport reports landings (SPEC §6, digests at landing).
     digest_at_landing: bool,
     outcomes: VecDeque<ReceiveOutcome>,
@@ -239,10 +239,10 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 transport,
                 pool,
             ),
-            leases: BTreeMap::new(),
+            leases: TransferIdMap::default(),
             open: BTreeSet::new(),
-            fencing: BTreeMap::new(),
-            coverage: BTreeMap::new(),
+            fencing: TransferIdMap::default(),
+            coverage: TransferIdMap::default(),
             digest_at_landing: true,
             outcomes: VecDeque::new(),
             stats: ReceiverDriverStats::default(),

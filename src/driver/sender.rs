@@ -6,8 +6,8 @@
 //! posting window so an abort can stop them, source pages released only after the drain),
 //! moves frames to the transport and feeds every transport event back into the session.
 
-use kvwire_proto::wire::TransferId;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use kvwire_proto::wire::{TransferId, TransferIdMap};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -112,8 +112,8 @@ pub struct SenderDriver<T> {
     core: Core<SenderSession, T>,
     admission: AdmissionPolicy,
     window: u32,
-    sources: BTreeMap<TransferId, Vec<PageLease>>,
-    postings: BTreeMap<TransferId, Posting>,
+    sources: TransferIdMap<Vec<PageLease>>,
+    postings: TransferIdMap<Posting>,
     /// The postings that may have writes pending (what [`SenderDriver::post`] visits, so
     /// its cost follows the transfers with writes left, not every open one).
     with_pending: BTreeSet<TransferId>,
@@ -149,8 +149,8 @@ impl<T: SenderTransport> SenderDriver<T> {
             core: Core::new(session, transport, pool),
             admission,
             window: window.max(1),
-            sources: BTreeMap::new(),
-            postings: BTreeMap::new(),
+            sources: TransferIdMap::default(),
+            postings: TransferIdMap::default(),
             with_pending: BTreeSet::new(),
             emptied: Vec::new(),
             stepping: Vec::new(),

@@ -2,8 +2,7 @@
 //! their pages in place, and the connection's task, which runs the receiver driver over the
 //! connection's transport.
 
-use kvwire_proto::wire::TransferId;
-use std::collections::HashMap;
+use kvwire_proto::wire::{TransferId, TransferIdMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -191,8 +190,8 @@ impl ReceiverConn {
             metrics: config.metrics.clone().map(|m| (m, next_connection_label())),
             fences_reported: 0,
             peer: est.peer.node_id,
-            spans: HashMap::new(),
-            waiting: HashMap::new(),
+            spans: TransferIdMap::default(),
+            waiting: TransferIdMap::default(),
             stats: ReceiverConnStats::default(),
             log: super::FailureLog::new("receiver", est.peer.node_id),
         };
@@ -261,8 +260,8 @@ struct Task<T> {
     peer: u64,
     /// A tracing span per open transfer (transfer id, nonce, peer), entered whenever the
     /// task handles it, closed when it ends.
-    spans: HashMap<TransferId, tracing::Span>,
-    waiting: HashMap<TransferId, oneshot::Sender<Result<Verified, TransferError>>>,
+    spans: TransferIdMap<tracing::Span>,
+    waiting: TransferIdMap<oneshot::Sender<Result<Verified, TransferError>>>,
     stats: ReceiverConnStats,
     log: super::FailureLog,
 }

@@ -1,8 +1,7 @@
 //! The prefill side of a connection: a handle for the engine, and the connection's task,
 //! which runs the sender driver over the connection's transport.
 
-use kvwire_proto::wire::TransferId;
-use std::collections::HashMap;
+use kvwire_proto::wire::{TransferId, TransferIdMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -127,10 +126,10 @@ impl SenderConn {
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
         let task = Task {
             driver,
-            spans: HashMap::new(),
+            spans: TransferIdMap::default(),
             metrics: config.metrics.clone(),
             peer: est.peer.node_id,
-            waiting: HashMap::new(),
+            waiting: TransferIdMap::default(),
             stats: SenderConnStats::default(),
             log: super::FailureLog::new("sender", est.peer.node_id),
         };
@@ -280,10 +279,10 @@ impl SenderConn {
 struct Task<T> {
     driver: SenderDriver<T>,
     /// A tracing span per open transfer, entered whenever the task handles it.
-    spans: HashMap<TransferId, tracing::Span>,
+    spans: TransferIdMap<tracing::Span>,
     metrics: Option<Arc<Metrics>>,
     peer: u64,
-    waiting: HashMap<TransferId, oneshot::Sender<Result<(), TransferError>>>,
+    waiting: TransferIdMap<oneshot::Sender<Result<(), TransferError>>>,
     stats: SenderConnStats,
     log: super::FailureLog,
 }

@@ -27,6 +27,17 @@ impl From<TransferId> for u64 {
     }
 }
 
+/// A hash map keyed by transfer id, as the sessions and drivers keep their per-transfer state.
+///
+/// Hashed with foldhash: every frame looks its transfer up (several times per transfer), and
+/// SipHash, std's default, cost 3.5-5% of a 4 KiB single-page transfer's CPU; foldhash
+/// raised those transfers' rate by 1.07-1.34x (docs/BENCHMARKS.md, 2026-12-04). Ids are
+/// chosen by the (authenticated) sending peer, so each map keeps foldhash's random state (a
+/// process seed from addresses and the clock, varied per map): foldhash promises only
+/// minimal resistance to chosen collisions, and the number of open transfers a peer can
+/// hold is bounded by admission in any case.
+pub type TransferIdMap<V> = std::collections::HashMap<TransferId, V, foldhash::fast::RandomState>;
+
 impl fmt::Display for TransferId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.0, f)

@@ -13,7 +13,7 @@ pub use codes::{DigestAlgorithm, ErrorCode, FrameType, Role};
 pub use digest::{Digest128, TransferDigests};
 pub use error::{show_bytes, DecodeError, EncodeError};
 pub use frame::{Abort, Commit, Frame, Hello, HelloReject, Nack, Reject, Reserve, TransferRef};
-pub use ids::TransferId;
+pub use ids::{TransferId, TransferIdMap};
 pub use layout::KvLayout;
 pub use limits::{
     commit_fits, HEADER_LEN, MAGIC, MAX_ACCESS, MAX_AUX, MAX_BUFFERS, MAX_DETAIL,
