@@ -8,7 +8,9 @@ the per-variant medians of GB/s, ratio to raw, CPU s/GB, CPU ratio and p50/p99 a
         --case 'engine 1 64K 32' --case 'engine 4 1M 2' --rounds 3 --bytes 1G
 
 A case is `WORKLOAD CONCURRENCY PAGE PAGES [BUFFERS]` (workload: engine or pool). Ratios are
-only compared within a round: the machine drifts between rounds (docs/BENCHMARKS.md).
+only compared within a round: the machine drifts between rounds (docs/BENCHMARKS.md). The
+variants' order rotates from round to round (`--fixed-order` keeps it): a run's position in
+its round biased some cases by up to 1.3x on one host (docs/BENCHMARKS.md, 2026-12-05).
 """
 
 import argparse
@@ -66,6 +68,9 @@ def main():
     ap.add_argument("--json-out", help="write every run as JSON lines here")
     ap.add_argument("--two-process", action="store_true",
                     help="decode and prefill as two processes (--listen / --connect), CPU of both summed")
+    ap.add_argument("--fixed-order", action="store_true",
+                    help="run the variants in the given order every round (default: rotated, round r "
+                         "starting with variant r-1, so that each takes every position equally often)")
     a = ap.parse_args()
     psk = None
     if a.two_process:
@@ -86,12 +91,13 @@ def main():
             parts = case.split()
             workload, conc, page, pages = parts[:4]
             buffers = parts[4] if len(parts) > 4 else "4"
-            for name, cmd in variants:
+            start = 0 if a.fixed_order else (r - 1) % len(variants)
+            for position, (name, cmd) in enumerate(variants[start:] + variants[:start]):
                 full = cmd[:1] + ["bench"] + cmd[1:] + ["--workload", workload, "--concurrency", conc,
                               "--page-sizes", page, "--pages", pages, "--buffers", buffers,
                               "--bytes", a.bytes, "--json"]
                 c = run_two(full, psk) if a.two_process else run(full)
-                row = dict(round=r, case=case, variant=name, **{k: c.get(k) for k in (
+                row = dict(round=r, case=case, variant=name, position=position, **{k: c.get(k) for k in (
                     "gb_per_s", "raw_gb_per_s", "ratio_to_raw", "cpu_s_per_gb", "raw_cpu_s_per_gb",
                     "cpu_ratio_to_raw", "p50_ms", "p99_ms", "transfers_per_s", "verified", "transfers")})
                 if c.get("failures"):
