@@ -193,8 +193,8 @@ typedef struct {
   // TCP streams per connection, 1 to 64, the same on both engines (default 1; 0 reads as
   // 1); transfers spread over them, each on one stream.
   uint32_t tcp_streams;
-  // RDMA: RC queue pairs per connection, the same on both engines (default 1; 0 reads
-  // as 1); transfers take them in turn. Appended after `tcp_streams`: a program built
+  // RDMA: RC queue pairs per connection, 1 to 146, the same on both engines (default 1;
+  // 0 reads as 1); transfers take them in turn; more: KVWIRE_ERR_CONFIG. Appended after `tcp_streams`: a program built
   // against an older header keeps the default.
   uint32_t rdma_queue_pairs;
   // RDMA: non-zero polls the completion queues in a loop instead of sleeping on the

@@ -86,7 +86,17 @@ pub(crate) unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig
         };
         config = config.transport(TransportConfig::Rdma {
             device: (!dev.is_empty()).then(|| dev.to_owned()),
-            queue_pairs: u16::try_from(c.rdma_queue_pairs.max(1)).unwrap_or(u16::MAX),
+            // 147 to 65535 is refused when the manager starts, naming the value.
+            queue_pairs: u16::try_from(c.rdma_queue_pairs.max(1)).map_err(|_| {
+                let n = c.rdma_queue_pairs;
+                Error::new(
+                    ErrorKind::ConfigError,
+                    format!(
+                        "rdma_queue_pairs = {n}: 1 to {} per connection",
+                        kvwire::config::MAX_QUEUE_PAIRS
+                    ),
+                )
+            })?,
             busy_poll: c.rdma_busy_poll != 0,
             ack_timeout,
         });

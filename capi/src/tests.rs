@@ -509,9 +509,9 @@ fn a_config_declares_its_size_and_nothing_beyond_it_is_written() {
 }
 
 /// The RDMA fields: read into the transport (0 reads as the default), kept at their defaults
-/// for a program built before them (its struct ends at `tcp_streams`), and an ACK timeout
-/// outside 1 to 31 refused by kvwire_manager_new naming the value, in any build (values are
-/// checked before the transport is looked for).
+/// for a program built before them (its struct ends at `tcp_streams`), and a queue pair count
+/// above 146 or an ACK timeout outside 1 to 31 refused by kvwire_manager_new naming the
+/// value, in any build (values are checked before the transport is looked for).
 #[test]
 fn rdma_settings_are_read_defaulted_and_checked() {
     use kvwire::TransportConfig;
@@ -574,6 +574,17 @@ fn rdma_settings_are_read_defaulted_and_checked() {
     config.max_context_tokens = 64;
     config.insecure_no_auth = 1;
     config.rdma_device = c"".as_ptr();
+    for bad in [147, 70_000] {
+        config.rdma_queue_pairs = bad;
+        let mut m = std::ptr::null_mut();
+        // SAFETY: valid config, buffer and out pointer.
+        let rc = unsafe { kvwire_manager_new(&config, &buf, 1, &mut m) };
+        assert_eq!(rc, KVWIRE_ERR_CONFIG, "queue pairs {bad}");
+        assert!(m.is_null());
+        let named = format!("queue_pairs = {bad}");
+        assert!(last_error().contains(&named), "{}", last_error());
+    }
+    config.rdma_queue_pairs = 1;
     for bad in [32, 300] {
         config.rdma_ack_timeout = bad;
         let mut m = std::ptr::null_mut();

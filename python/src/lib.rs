@@ -154,7 +154,7 @@ impl Engine {
         listen: Option<String>,
         transport: String,
         ib_device: Option<String>,
-        ib_queue_pairs: u16,
+        ib_queue_pairs: u32,
         ib_busy_poll: bool,
         ib_ack_timeout: u32,
         liveness_timeout_s: f64,
@@ -211,7 +211,17 @@ impl Engine {
             "tcp" => TransportConfig::Tcp,
             "rdma" => TransportConfig::Rdma {
                 device: ib_device,
-                queue_pairs: ib_queue_pairs,
+                // 147 to 65535 is refused when the manager starts, naming the value.
+                queue_pairs: u16::try_from(ib_queue_pairs).map_err(|_| {
+                    let e = Error::new(
+                        ErrorKind::ConfigError,
+                        format!(
+                            "ib_queue_pairs = {ib_queue_pairs}: 1 to {} per connection",
+                            kvwire::config::MAX_QUEUE_PAIRS
+                        ),
+                    );
+                    to_py(py, &e)
+                })?,
                 busy_poll: ib_busy_poll,
                 // 32 to 255 is refused when the manager starts, naming the value.
                 ack_timeout: u8::try_from(ib_ack_timeout).map_err(|_| {

@@ -105,14 +105,19 @@ def test_over_three_lanes_every_byte_lands(psk):
         prefill.close()
 
 
-@pytest.mark.parametrize("ack_timeout", [0, 32, 300])
-def test_an_rdma_ack_timeout_out_of_range_is_a_config_error(ack_timeout):
-    """ib_ack_timeout is the verbs exponent, 1 to 31: anything else is refused with
-    ConfigError naming the value, in any build (the value is checked before the transport is
-    looked for), rather than truncated or sent to the NIC."""
-    with pytest.raises(kvwire.ConfigError, match=f"ack_timeout = {ack_timeout}"):
+@pytest.mark.parametrize("setting,value", [
+    ("ib_ack_timeout", 0), ("ib_ack_timeout", 32), ("ib_ack_timeout", 300),
+    ("ib_queue_pairs", 0), ("ib_queue_pairs", 147), ("ib_queue_pairs", 70000),
+])
+def test_an_rdma_setting_out_of_range_is_a_config_error(setting, value):
+    """ib_ack_timeout is the verbs exponent, 1 to 31; ib_queue_pairs is 1 to 146 (what a
+    HELLO can list): anything else is refused with ConfigError naming the value, in any build
+    (values are checked before the transport is looked for), rather than truncated, sent to
+    the NIC or left to fail every handshake."""
+    name = setting.removeprefix("ib_")
+    with pytest.raises(kvwire.ConfigError, match=f"{name} = {value}"):
         common.manager("decode", None, insecure_no_auth=True, transport="rdma",
-                       ib_ack_timeout=ack_timeout)
+                       **{setting: value})
 
 
 def test_prefill_rejects_a_prompt_over_its_pool_and_decode_gets_the_original_error(psk):

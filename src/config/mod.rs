@@ -12,7 +12,7 @@ mod node;
 
 pub use node::{
     random_bytes, Auth, NodeConfig, NodeConfigBuilder, TransportConfig, ACK_TIMEOUTS,
-    DEFAULT_ACK_TIMEOUT,
+    DEFAULT_ACK_TIMEOUT, MAX_QUEUE_PAIRS,
 };
 
 use std::fmt;
@@ -338,6 +338,44 @@ mod tests {
         assert!(planned.capacity_tokens() >= 4096);
         let built = pool(255, 16);
         assert!(EngineConfig::new(4096).validate(&built).is_err());
+    }
+
+    /// Queue pairs beyond what a HELLO can list (or none) are refused when the config is
+    /// built, naming the count, instead of failing the handshake of every connection.
+    #[test]
+    fn the_rdma_queue_pair_count_is_checked_when_built() {
+        let geometry = PoolGeometry {
+            tokens_per_page: 16,
+            buffer_page_bytes: vec![1],
+            pages: 256,
+        };
+        let with = |queue_pairs: u16| {
+            NodeConfig::builder(geometry.clone(), 4096)
+                .auth(Auth::Off)
+                .transport(TransportConfig::Rdma {
+                    device: None,
+                    queue_pairs,
+                    busy_poll: false,
+                    ack_timeout: DEFAULT_ACK_TIMEOUT,
+                })
+                .build()
+        };
+        // The bound is the HELLO's: 4-byte header plus 28 bytes per queue pair.
+        let params = |n: usize| 4 + 28 * n;
+        let max = usize::from(MAX_QUEUE_PAIRS);
+        assert!(params(max) <= kvwire_proto::wire::MAX_TRANSPORT_PARAMS);
+        assert!(params(max + 1) > kvwire_proto::wire::MAX_TRANSPORT_PARAMS);
+        for ok in [1, 2, MAX_QUEUE_PAIRS] {
+            assert!(with(ok).is_ok(), "queue_pairs {ok}");
+        }
+        for bad in [0, MAX_QUEUE_PAIRS + 1, u16::MAX] {
+            match with(bad) {
+                Err(ConfigError::Invalid(m)) => {
+                    assert!(m.contains(&format!("queue_pairs = {bad}")), "{m}")
+                }
+                other => panic!("queue_pairs {bad}: {other:?}"),
+            }
+        }
     }
 
     #[test]

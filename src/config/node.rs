@@ -106,7 +106,8 @@ pub enum TransportConfig {
     Rdma {
         /// The RDMA device (e.g. `mlx5_0`, `rxe0`); `None` for the first one.
         device: Option<String>,
-        /// RC queue pairs per connection (both ends must agree; transfers take them in turn).
+        /// RC queue pairs per connection (both ends must agree; transfers take them in turn),
+        /// 1 to [`MAX_QUEUE_PAIRS`].
         queue_pairs: u16,
         /// Poll completion queues in a loop instead of sleeping on the completion channel
         /// (lower latency, one core busy per connection).
@@ -130,6 +131,15 @@ pub const DEFAULT_ACK_TIMEOUT: u8 = 14;
 /// The exponents [`TransportConfig::Rdma`]'s `ack_timeout` may take: 0 would wait for ever,
 /// and verbs' field holds 5 bits.
 pub const ACK_TIMEOUTS: std::ops::RangeInclusive<u8> = 1..=31;
+
+/// The most queue pairs [`TransportConfig::Rdma`] may ask for: what a HELLO's transport
+/// parameters (at most `MAX_TRANSPORT_PARAMS`, 4 096 bytes) can list at 28 bytes each after
+/// their 4-byte header (SPEC §9.2): 146.
+pub const MAX_QUEUE_PAIRS: u16 =
+    ((kvwire_proto::wire::MAX_TRANSPORT_PARAMS - 4) / RDMA_PARAMS_PER_QUEUE_PAIR) as u16;
+
+/// Bytes one queue pair takes in a HELLO's RDMA transport parameters (SPEC §9.2).
+const RDMA_PARAMS_PER_QUEUE_PAIR: usize = 28;
 
 impl TransportConfig {
     /// RDMA on `device` (or the first device) with one queue pair, waiting on the completion
@@ -413,7 +423,17 @@ impl NodeConfigBuilder {
                 crate::transport::tcp::MAX_STREAMS
             )));
         }
-        if let TransportConfig::Rdma { ack_timeout, .. } = c.transport {
+        if let TransportConfig::Rdma {
+            ack_timeout,
+            queue_pairs,
+            ..
+        } = c.transport
+        {
+            if !(1..=MAX_QUEUE_PAIRS).contains(&queue_pairs) {
+                return Err(ConfigError::Invalid(format!(
+                    "queue_pairs = {queue_pairs}: 1 to {MAX_QUEUE_PAIRS} RDMA queue pairs per connection (as many as a HELLO's transport parameters can list)"
+                )));
+            }
             if !ACK_TIMEOUTS.contains(&ack_timeout) {
                 return Err(ConfigError::Invalid(format!(
                     "ack_timeout = {ack_timeout}: the exponent of the RDMA ACK timeout is {} to {} (0 would wait for ever)",
