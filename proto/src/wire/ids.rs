@@ -31,7 +31,8 @@ impl From<TransferId> for u64 {
 ///
 /// Hashed with foldhash: every frame looks its transfer up (several times per transfer), and
 /// SipHash, std's default, cost 3.5-5% of a 4 KiB single-page transfer's CPU; foldhash
-/// raised those transfers' rate by 1.07-1.34x (docs/BENCHMARKS.md, 2026-12-04). Ids are
+/// raised those transfers' rate by 1.19-1.28x at the median of three runs, every round above
+/// 1 (docs/BENCHMARKS.md, 2026-12-04 and 2026-12-05). Ids are
 /// chosen by the (authenticated) sending peer, so each map keeps foldhash's random state (a
 /// process seed from addresses and the clock, varied per map): foldhash promises only
 /// minimal resistance to chosen collisions, and the number of open transfers a peer can
