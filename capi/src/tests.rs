@@ -574,25 +574,22 @@ fn rdma_settings_are_read_defaulted_and_checked() {
     config.max_context_tokens = 64;
     config.insecure_no_auth = 1;
     config.rdma_device = c"".as_ptr();
-    for bad in [147, 70_000] {
-        config.rdma_queue_pairs = bad;
+    // Refused with KVWIRE_ERR_CONFIG, no manager made, the message naming the value.
+    let refused = |config: &kvwire_config_t, named: String| {
         let mut m = std::ptr::null_mut();
         // SAFETY: valid config, buffer and out pointer.
-        let rc = unsafe { kvwire_manager_new(&config, &buf, 1, &mut m) };
-        assert_eq!(rc, KVWIRE_ERR_CONFIG, "queue pairs {bad}");
+        let rc = unsafe { kvwire_manager_new(config, &buf, 1, &mut m) };
+        assert_eq!(rc, KVWIRE_ERR_CONFIG, "{named}");
         assert!(m.is_null());
-        let named = format!("queue_pairs = {bad}");
         assert!(last_error().contains(&named), "{}", last_error());
+    };
+    for bad in [147, 70_000] {
+        config.rdma_queue_pairs = bad;
+        refused(&config, format!("queue_pairs = {bad}"));
     }
     config.rdma_queue_pairs = 1;
     for bad in [32, 300] {
         config.rdma_ack_timeout = bad;
-        let mut m = std::ptr::null_mut();
-        // SAFETY: valid config, buffer and out pointer.
-        let rc = unsafe { kvwire_manager_new(&config, &buf, 1, &mut m) };
-        assert_eq!(rc, KVWIRE_ERR_CONFIG, "ack timeout {bad}");
-        assert!(m.is_null());
-        let named = format!("ack_timeout = {bad}");
-        assert!(last_error().contains(&named), "{}", last_error());
+        refused(&config, format!("ack_timeout = {bad}"));
     }
 }

@@ -340,26 +340,29 @@ mod tests {
         assert!(EngineConfig::new(4096).validate(&built).is_err());
     }
 
-    /// Queue pairs beyond what a HELLO can list (or none) are refused when the config is
-    /// built, naming the count, instead of failing the handshake of every connection.
-    #[test]
-    fn the_rdma_queue_pair_count_is_checked_when_built() {
+    /// A node config over RDMA with these queue pairs and ACK timeout, as built.
+    fn rdma_config(queue_pairs: u16, ack_timeout: u8) -> Result<NodeConfig, ConfigError> {
         let geometry = PoolGeometry {
             tokens_per_page: 16,
             buffer_page_bytes: vec![1],
             pages: 256,
         };
-        let with = |queue_pairs: u16| {
-            NodeConfig::builder(geometry.clone(), 4096)
-                .auth(Auth::Off)
-                .transport(TransportConfig::Rdma {
-                    device: None,
-                    queue_pairs,
-                    busy_poll: false,
-                    ack_timeout: DEFAULT_ACK_TIMEOUT,
-                })
-                .build()
-        };
+        NodeConfig::builder(geometry, 4096)
+            .auth(Auth::Off)
+            .transport(TransportConfig::Rdma {
+                device: None,
+                queue_pairs,
+                busy_poll: false,
+                ack_timeout,
+            })
+            .build()
+    }
+
+    /// Queue pairs beyond what a HELLO can list (or none) are refused when the config is
+    /// built, naming the count, instead of failing the handshake of every connection.
+    #[test]
+    fn the_rdma_queue_pair_count_is_checked_when_built() {
+        let with = |queue_pairs: u16| rdma_config(queue_pairs, DEFAULT_ACK_TIMEOUT);
         // The bound is the HELLO's: 4-byte header plus 28 bytes per queue pair.
         let params = |n: usize| 4 + 28 * n;
         let max = usize::from(MAX_QUEUE_PAIRS);
@@ -380,21 +383,12 @@ mod tests {
 
     #[test]
     fn the_rdma_ack_timeout_is_checked_when_built() {
-        let geometry = PoolGeometry {
-            tokens_per_page: 16,
-            buffer_page_bytes: vec![1],
-            pages: 256,
-        };
-        let with = |ack: Option<u8>| {
-            let mut t = TransportConfig::rdma(None);
-            if let (TransportConfig::Rdma { ack_timeout, .. }, Some(a)) = (&mut t, ack) {
-                *ack_timeout = a;
-            }
-            NodeConfig::builder(geometry.clone(), 4096)
-                .auth(Auth::Off)
-                .transport(t)
-                .build()
-        };
+        // The default is TransportConfig::rdma's.
+        assert_eq!(
+            TransportConfig::rdma(None),
+            rdma_config(1, DEFAULT_ACK_TIMEOUT).unwrap().transport
+        );
+        let with = |ack: Option<u8>| rdma_config(1, ack.unwrap_or(DEFAULT_ACK_TIMEOUT));
         let default = with(None).unwrap();
         assert!(matches!(
             default.transport,
