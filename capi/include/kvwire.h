@@ -194,8 +194,9 @@ typedef struct {
   // 1); transfers spread over them, each on one stream.
   uint32_t tcp_streams;
   // RDMA: RC queue pairs per connection, 1 to 146, the same on both engines (default 1;
-  // 0 reads as 1); transfers take them in turn; more: KVWIRE_ERR_CONFIG. Appended after `tcp_streams`: a program built
-  // against an older header keeps the default.
+  // 0 reads as 1; more: KVWIRE_ERR_CONFIG); transfers take them in turn. This field and
+  // the two after it follow `tcp_streams`: a program built against an older header keeps
+  // their defaults.
   uint32_t rdma_queue_pairs;
   // RDMA: non-zero polls the completion queues in a loop instead of sleeping on the
   // completion channel (lower latency, one core busy per connection). Default 0.

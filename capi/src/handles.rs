@@ -78,8 +78,9 @@ pub struct kvwire_config_t {
     /// 1); transfers spread over them, each on one stream.
     pub tcp_streams: u32,
     /// RDMA: RC queue pairs per connection, 1 to 146, the same on both engines (default 1;
-    /// 0 reads as 1); transfers take them in turn; more: KVWIRE_ERR_CONFIG. Appended after `tcp_streams`: a program built
-    /// against an older header keeps the default.
+    /// 0 reads as 1; more: KVWIRE_ERR_CONFIG); transfers take them in turn. This field and
+    /// the two after it follow `tcp_streams`: a program built against an older header keeps
+    /// their defaults.
     pub rdma_queue_pairs: u32,
     /// RDMA: non-zero polls the completion queues in a loop instead of sleeping on the
     /// completion channel (lower latency, one core busy per connection). Default 0.

@@ -130,10 +130,11 @@ class KVManager:
 
     RDMA (``transport="rdma"``; the device is ``KVArgs.ib_device``, the first one if unset):
     ``ib_queue_pairs`` RC queue pairs per connection (1 to 146, the same on both engines;
-    transfers take them in turn), ``ib_busy_poll`` (poll completion queues in a loop: lower latency,
-    one core busy per connection), ``ib_ack_timeout`` (the queue pairs' local ACK timeout
-    exponent, 1 to 31: 4.096 µs x 2^n before a packet is sent again; 14, about 67 ms, by
-    default; 18, about 1.1 s, where queueing on the path can exceed that).
+    transfers take them in turn), ``ib_busy_poll`` (poll completion queues in a loop: lower
+    latency, one core busy per connection), ``ib_ack_timeout`` (the queue pairs' local ACK
+    timeout exponent, 1 to 31: 4.096 µs x 2^n before a packet is sent again; 14, about 67 ms,
+    by default; 18, about 1.1 s, where queueing on the path can exceed that). A value out of
+    range raises ``ConfigError`` naming it.
 
     Discovery: ``bootstrap`` (an embedded bootstrap server's ``host:port``) or
     ``etcd_endpoints``, with ``cluster``: a prefill manager registers itself

@@ -132,14 +132,8 @@ pub const DEFAULT_ACK_TIMEOUT: u8 = 14;
 /// and verbs' field holds 5 bits.
 pub const ACK_TIMEOUTS: std::ops::RangeInclusive<u8> = 1..=31;
 
-/// The most queue pairs [`TransportConfig::Rdma`] may ask for: what a HELLO's transport
-/// parameters (at most `MAX_TRANSPORT_PARAMS`, 4 096 bytes) can list at 28 bytes each after
-/// their 4-byte header (SPEC §9.2): 146.
-pub const MAX_QUEUE_PAIRS: u16 =
-    ((kvwire_proto::wire::MAX_TRANSPORT_PARAMS - 4) / RDMA_PARAMS_PER_QUEUE_PAIR) as u16;
-
-/// Bytes one queue pair takes in a HELLO's RDMA transport parameters (SPEC §9.2).
-const RDMA_PARAMS_PER_QUEUE_PAIR: usize = 28;
+/// The most queue pairs [`TransportConfig::Rdma`] may ask for (SPEC §9.2): 146.
+pub use crate::transport::rdma::MAX_QUEUE_PAIRS;
 
 impl TransportConfig {
     /// RDMA on `device` (or the first device) with one queue pair, waiting on the completion

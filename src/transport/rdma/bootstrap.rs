@@ -24,6 +24,7 @@ use super::link::{QpParams, RcLink};
 use super::receiver::{RdmaReceiver, RECEIVER_QUEUE_DEPTH};
 use super::sender::{sender_queue_depth, RdmaSender};
 use super::verbs::{RdmaDevice, RdmaError, RegisteredMemory};
+use super::QP_PARAMS_LEN;
 use crate::memory::PagePool;
 
 /// Transport-parameter kind of an RDMA RC queue pair in HELLO.
@@ -47,9 +48,9 @@ pub enum BootstrapError {
 /// HELLO transport parameters for a connection's queue pairs, lane 0 first:
 /// `u16 kind = 1, u16 length = 28 x n, n x QpParams`.
 pub fn encode_params(lanes: &[QpParams]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(4 + 28 * lanes.len());
+    let mut v = Vec::with_capacity(4 + QP_PARAMS_LEN * lanes.len());
     v.extend_from_slice(&PARAMS_RDMA_RC.to_le_bytes());
-    v.extend_from_slice(&((28 * lanes.len()) as u16).to_le_bytes());
+    v.extend_from_slice(&((QP_PARAMS_LEN * lanes.len()) as u16).to_le_bytes());
     for p in lanes {
         v.extend_from_slice(&p.encode());
     }
@@ -68,13 +69,13 @@ pub fn decode_params(b: &[u8]) -> Result<Vec<QpParams>, BootstrapError> {
     if b.len() != 4 + len {
         return Err(BootstrapError::NoRdmaParams("length disagrees"));
     }
-    if len == 0 || len % 28 != 0 {
+    if len == 0 || len % QP_PARAMS_LEN != 0 {
         return Err(BootstrapError::NoRdmaParams(
             "not a whole number of 28-byte records",
         ));
     }
     b[4..]
-        .chunks(28)
+        .chunks(QP_PARAMS_LEN)
         .map(|c| QpParams::decode(c).ok_or(BootstrapError::NoRdmaParams("not 28 bytes")))
         .collect()
 }
@@ -296,5 +297,15 @@ mod tests {
         let mut other = b.clone();
         other[0] = 2;
         assert!(decode_params(&other).is_err());
+        // The most queue pairs a config allows fit a HELLO's transport parameters; one more
+        // does not (config::MAX_QUEUE_PAIRS refuses it before any connection).
+        let most = vec![p; usize::from(super::super::MAX_QUEUE_PAIRS)];
+        let b = encode_params(&most);
+        assert!(b.len() <= kvwire_proto::wire::MAX_TRANSPORT_PARAMS);
+        assert_eq!(decode_params(&b).unwrap().len(), most.len());
+        assert!(
+            encode_params(&[most.as_slice(), &[p]].concat()).len()
+                > kvwire_proto::wire::MAX_TRANSPORT_PARAMS
+        );
     }
 }

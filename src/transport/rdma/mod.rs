@@ -50,6 +50,15 @@
 //! which holds the protection domain, which holds the device context; an `RcLink` holds its
 //! queue pair and completion queue. Dropping in any order is safe.
 
+/// Bytes one queue pair takes in a HELLO's RDMA transport parameters (SPEC §9.2: qpn, psn,
+/// gid, mtu).
+pub const QP_PARAMS_LEN: usize = 28;
+
+/// The most queue pairs a connection may have: what a HELLO's transport parameters (at most
+/// `MAX_TRANSPORT_PARAMS`, 4 096 bytes) can list after their 4-byte header (SPEC §9.2): 146.
+pub const MAX_QUEUE_PAIRS: u16 =
+    ((kvwire_proto::wire::MAX_TRANSPORT_PARAMS - 4) / QP_PARAMS_LEN) as u16;
+
 #[cfg(feature = "rdma")]
 pub mod bootstrap;
 pub mod descriptor;
