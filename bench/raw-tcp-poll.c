@@ -2,14 +2,16 @@
  * busy-polls its sockets) is the polling itself, with no protocol at all.
  *
  *   cc -O2 -o target/raw-tcp-poll bench/raw-tcp-poll.c
- *   target/raw-tcp-poll MODE CHUNK MIB PORT
+ *   target/raw-tcp-poll MODE CHUNK MIB PORT [REGION_MIB]
  *
  * MODE: 0 both ends block; 1 the sender polls; 2 the receiver polls; 3 both poll (polling:
  * MSG_DONTWAIT, and sched_yield after EAGAIN, as UCX's progress loop does). CHUNK bytes per
- * send/recv, each to or from a pseudo-random CHUNK-sized slot of a 256 MiB region (a page
- * landing at its slot); MIB mebibytes in all, over one TCP connection on 127.0.0.1:PORT
- * (TCP_NODELAY, default buffers), the receiver a forked process. Prints GB/s (10^9) and
- * each end's CPU seconds (getrusage). docs/BENCHMARKS.md, "Does polling explain NIXL's lead".
+ * send/recv, each to or from a pseudo-random CHUNK-sized slot of a REGION_MIB region (default
+ * 256; on transparent huge pages where the kernel gives them, as kvwire's and the peers' KV
+ * memory; a page landing at its slot); MIB mebibytes in all, over one TCP connection on
+ * 127.0.0.1:PORT (TCP_NODELAY, default buffers), the receiver a forked process. Prints GB/s
+ * (10^9), the bytes and each end's CPU seconds (getrusage). docs/BENCHMARKS.md, "Does polling
+ * explain NIXL's lead"; scripts/peer-compare.sh runs it beside the engines (plain TCP, same run).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -21,10 +23,23 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+/* The region, allocated and written through in the process that uses it (after the fork: a
+ * region shared copy-on-write would fault on the receiver's first write into each page, inside
+ * the clock). */
+static char *region(size_t mem) {
+  size_t huge = (size_t)2 << 20;
+  char *buf = aligned_alloc(huge, (mem + huge - 1) / huge * huge);
+  if (!buf) return NULL;
+  madvise(buf, mem, MADV_HUGEPAGE); /* before the first touch; where THP is "madvise" */
+  memset(buf, 0x5a, mem);
+  return buf;
+}
 
 static double now(void) {
   struct timespec t;
@@ -66,8 +81,8 @@ static long long move_bytes(int s, int sending, int polls, char *buf, size_t slo
 }
 
 int main(int argc, char **argv) {
-  if (argc != 5) {
-    fprintf(stderr, "usage: %s MODE(0-3) CHUNK MIB PORT\n", argv[0]);
+  if (argc != 5 && argc != 6) {
+    fprintf(stderr, "usage: %s MODE(0-3) CHUNK MIB PORT [REGION_MIB]\n", argv[0]);
     return 2;
   }
   int mode = atoi(argv[1]);
@@ -75,15 +90,12 @@ int main(int argc, char **argv) {
   size_t chunk = (size_t)atol(argv[2]);
   size_t total = (size_t)atol(argv[3]) << 20;
   int port = atoi(argv[4]);
-  size_t mem = (size_t)256 << 20;
+  size_t mem = (size_t)(argc == 6 ? atol(argv[5]) : 256) << 20;
   if (chunk == 0 || chunk > mem) {
     fprintf(stderr, "CHUNK must be 1 to %zu bytes\n", mem);
     return 2;
   }
   size_t slots = mem / chunk;
-  char *buf = malloc(mem);
-  if (!buf) return 1;
-  memset(buf, 0x5a, mem); /* written through before the clock: no page faults inside it */
   int one = 1;
   int ls = socket(AF_INET, SOCK_STREAM, 0);
   setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -97,16 +109,26 @@ int main(int argc, char **argv) {
   }
   pid_t child = fork();
   if (child == 0) {
+    char *buf = region(mem);
+    if (!buf) return 1;
     int s = accept(ls, 0, 0);
+    char ready = 1; /* the sender starts its clock when this arrives */
+    if (s < 0 || send(s, &ready, 1, MSG_NOSIGNAL) != 1) {
+      perror("accept/ready");
+      return 1;
+    }
     double c0 = cpu();
     long long got = move_bytes(s, 0, recv_polls, buf, slots, chunk, total, 2654435761ul);
     printf("receiver_cpu_s=%.3f\n", cpu() - c0);
     return got == (long long)total ? 0 : 1;
   }
+  char *buf = region(mem);
+  if (!buf) return 1;
   int s = socket(AF_INET, SOCK_STREAM, 0);
   setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  if (connect(s, (void *)&a, sizeof a)) {
-    perror("connect");
+  char ready = 0;
+  if (connect(s, (void *)&a, sizeof a) || recv(s, &ready, 1, MSG_WAITALL) != 1) {
+    perror("connect/ready");
     return 1;
   }
   double t0 = now(), c0 = cpu();
@@ -116,7 +138,7 @@ int main(int argc, char **argv) {
   fflush(stdout);
   waitpid(child, &status, 0);
   double dt = now() - t0;
-  printf("mode=%d chunk=%zu GB/s=%.3f sender_cpu_s=%.3f\n", mode, chunk, total / dt / 1e9,
-         sender_cpu);
+  printf("mode=%d chunk=%zu bytes=%zu GB/s=%.3f sender_cpu_s=%.3f\n", mode, chunk, total,
+         total / dt / 1e9, sender_cpu);
   return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
 }

@@ -18,6 +18,7 @@
 #   PEERS_CASES     "PAGE:PAGES:IN_FLIGHT ..." (default the four below)
 #   PEERS_OUT       where the JSON of every run and the table go (default target/peer-compare/DATE)
 #   PEERS_PYTHON    a CPython 3.11 (the wheels are cp311; default python3.11)
+#   PEERS_RAW       0: skip the raw TCP runs (default 1: below)
 #
 # Workload per case (src/bin/kvwire/bench/engine.rs): each process registers PEERS_MEMORY of
 # its own memory as 4 buffers; a request is 4 buffers x 32 pages of 64 KiB (or 4 x 2 pages of
@@ -29,6 +30,12 @@
 # --check-bytes, inside the window too, which charges kvwire for the test). Mooncake and NIXL verify
 # nothing: their drivers (bench/peers/) compare every landed byte after the timed window, and
 # any difference fails the run. Any failed run fails this script.
+#
+# Raw TCP (PEERS_RAW=1): before each page size's first case, bench/raw-tcp-poll.c (built with
+# cc) moves the same bytes over one TCP connection with no protocol, page-sized sends and
+# receives to and from random slots of PEERS_MEMORY, blocking on both ends and then polling on
+# both (as NIXL's UCX does): what plain TCP moves on this host during the same run. Not a bound:
+# an engine that writes several pages per call (kvwire) can pass it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +50,7 @@ CASES=${PEERS_CASES:-64K:32:1 1M:2:1 64K:32:4 1M:2:4}
 OUT=${PEERS_OUT:-target/peer-compare/$(date -u +%Y%m%dT%H%M%SZ)}
 PYTHON=${PEERS_PYTHON:-python3.11}
 RUN_TIMEOUT=300
+RAW=${PEERS_RAW:-1}
 
 say() { echo "peer-compare: $*" >&2; }
 die() { say "FAILED: $*"; exit 1; }
@@ -77,6 +85,20 @@ fi
 PY=$VENV/bin/python
 
 mkdir -p "$OUT"
+# mebibytes of a size written as kvwire's flags take it (1G, 256M, 1048576)
+mib() {
+  case $1 in
+    *G) echo $((${1%G} * 1024)) ;;
+    *M) echo "${1%M}" ;;
+    *K) echo $((${1%K} / 1024)) ;;
+    *) echo $(($1 / 1048576)) ;;
+  esac
+}
+bytes_of() { case $1 in *K) echo $((${1%K} * 1024)) ;; *M) echo $((${1%M} * 1048576)) ;; *) echo "$1" ;; esac; }
+if [ "$RAW" = 1 ]; then
+  command -v cc >/dev/null || die "PEERS_RAW=1 needs a C compiler (cc); PEERS_RAW=0 skips the raw TCP runs"
+  cc -O2 -o target/raw-tcp-poll bench/raw-tcp-poll.c
+fi
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 # run_pair NAME TARGET_CMD... -- INITIATOR_CMD...: both processes, target first; both must
@@ -105,8 +127,19 @@ export UCX_TLS=tcp UCX_NET_DEVICES=lo # NIXL's UCX: TCP only, over loopback only
 say "engines: $ENGINES; cases: $CASES; $BYTES per case, $MEMORY per process; out: $OUT"
 say "kvwire verifies every transfer (digests over the landed memory$([ "${PEERS_KVWIRE_CHECK_BYTES:-0}" = 1 ] && echo ', and compares every byte')); Mooncake and NIXL verify nothing (this harness compares every landed byte after their runs)"
 
+raw_done=" "
 for case in $CASES; do
   IFS=: read -r page pages inflight <<<"$case"
+  if [ "$RAW" = 1 ] && [ "${raw_done#* "$page" }" = "$raw_done" ]; then
+    raw_done="$raw_done$page "
+    for mode in block:0 poll:3; do
+      name="rawtcp.$page.${mode%:*}"
+      say "$name"
+      timeout "$RUN_TIMEOUT" target/raw-tcp-poll "${mode#*:}" "$(bytes_of "$page")" "$(mib "$BYTES")" \
+        "$(free_port)" "$(mib "$MEMORY")" >"$OUT/$name.txt" 2>"$OUT/$name.log" ||
+        die "$name: exit $? (log in $OUT)"
+    done
+  fi
   for engine in $ENGINES; do
     name="$engine.$page.c$inflight"
     say "$name"

@@ -5,6 +5,9 @@ best of the peers per case. Reads the JSON that scripts/peer-compare.sh left in 
 
 Fails (exit 1) when any run in OUT did not check out: a kvwire transfer that was not verified
 or whose bytes were not compared, or a peer run whose landed bytes differed.
+
+Where OUT holds the raw TCP runs (rawtcp.PAGE.{block,poll}.txt, bench/raw-tcp-poll.c), a
+third table sets each page size's engines beside what plain TCP moved in the same run.
 """
 
 import glob
@@ -83,6 +86,30 @@ def peer_row(out, name):
     )
 
 
+def page_bytes(text):
+    """64K, 1M or a number of bytes, as scripts/peer-compare.sh names a case's page."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def raw_runs(out):
+    """{page bytes: {"block"|"poll": (GB/s, CPU s/GB of both ends)}} from the raw TCP runs."""
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(out, "rawtcp.*.txt"))):
+        _, page, mode, _ = os.path.basename(path).split(".")
+        fields = {}
+        for line in open(path):
+            for word in line.split():
+                key, _, value = word.partition("=")
+                fields[key] = value
+        cpu = float(fields["sender_cpu_s"]) + float(fields["receiver_cpu_s"])
+        runs.setdefault(page_bytes(page), {})[mode] = (
+            float(fields["GB/s"]),
+            cpu / (int(fields["bytes"]) / 1e9),
+        )
+    return runs
+
+
 def main():
     out = sys.argv[1]
     rows = []
@@ -96,7 +123,15 @@ def main():
     vpath = os.path.join(out, "versions.json")
     if os.path.exists(vpath):
         versions = json.load(open(vpath))
-    json.dump({"versions": versions, "rows": rows}, open(os.path.join(out, "results.json"), "w"), indent=1)
+    tcp = raw_runs(out)
+    raw_json = [
+        dict(page_bytes=p, mode=m, gb_per_s=g, cpu_s_per_gb=c) for p in sorted(tcp) for m, (g, c) in tcp[p].items()
+    ]
+    json.dump(
+        {"versions": versions, "rows": rows, "raw_tcp": raw_json},
+        open(os.path.join(out, "results.json"), "w"),
+        indent=1,
+    )
 
     if versions:
         print(
@@ -136,6 +171,38 @@ def main():
         )
         print("|---:|---|---:|---:|---:|")
         print("\n".join(lines))
+    if tcp:
+        print()
+        print(
+            "| page | raw TCP GB/s, both ends blocking | both ends polling | CPU s/GB, blocking / polling "
+            "| fastest engine run | kvwire's best ÷ faster raw | best peer's ÷ faster raw |"
+        )
+        print("|---|---:|---:|---:|---|---:|---:|")
+        for p in sorted(tcp):
+            block, poll = tcp[p].get("block"), tcp[p].get("poll")
+            faster = max(x[0] for x in (block, poll) if x)
+            here = [r for r in rows if r["page_bytes"] == p]
+            best = max(here, key=lambda r: r["gb_per_s"], default=None)
+            kv = max((r["gb_per_s"] for r in here if r["engine"] == "kvwire"), default=None)
+            peer = max((r["gb_per_s"] for r in here if r["engine"] in PEERS), default=None)
+            cells = [
+                human(p),
+                f"{block[0]:.3f}" if block else "-",
+                f"{poll[0]:.3f}" if poll else "-",
+                " / ".join(f"{x[1]:.2f}" if x else "-" for x in (block, poll)),
+                f"{best['engine']}, {best['concurrency']} in flight ({best['gb_per_s']:.3f})" if best else "-",
+                f"{kv / faster:.2f}" if kv else "-",
+                f"{peer / faster:.2f}" if peer else "-",
+            ]
+            print("| " + " | ".join(cells) + " |")
+        print()
+        print(
+            "Raw TCP: bench/raw-tcp-poll.c, one connection, the same bytes in page-sized sends and "
+            "receives to and from random slots of the same memory size, no protocol; polling is "
+            "MSG_DONTWAIT with sched_yield after EAGAIN (UCX's progress loop). One run of each: "
+            "what plain TCP moved on this host during this run, not a bound (an engine that "
+            "writes several pages per call can pass it)."
+        )
     print()
     print(
         "kvwire verifies every transfer (xxh3 digests over the landed memory, inside its timed "
