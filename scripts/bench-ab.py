@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Interleaved A/B runs of `kvwire bench`: several binaries (or flag sets) over the same cases,
-round by round, each run a fresh process with its own raw TCP baseline; prints every run and
-the per-variant medians of GB/s, ratio to raw, CPU s/GB, CPU ratio and p50/p99 as Markdown.
+round by round, each run a fresh process with its own raw TCP baselines; prints every run and
+the per-variant medians of GB/s, ratio to raw (streaming, and for the engine workload with the
+case's requests in flight), CPU s/GB, CPU ratio and p50/p99 as Markdown.
 
     scripts/bench-ab.py --variant base=/tmp/kvwire-base --variant new=target/release/kvwire \
         --variant 'new-none=target/release/kvwire --verify none' \
@@ -30,6 +31,11 @@ def run(cmd):
     return json.loads(out)["cases"][0]
 
 
+def num(v, digits):
+    """A figure, or "-" where the case has none."""
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,6 +59,9 @@ def run_two(cmd, psk):
     c["cpu_s_per_gb"] = (prefill["cpu_seconds"] + decode["cpu_seconds"]) / gb
     c["raw_cpu_s_per_gb"] = prefill["raw_cpu_s_per_gb"] + decode["raw_cpu_s_per_gb"]
     c["cpu_ratio_to_raw"] = c["cpu_s_per_gb"] / c["raw_cpu_s_per_gb"]
+    if prefill.get("raw_in_flight_cpu_s_per_gb") is not None:
+        c["raw_in_flight_cpu_s_per_gb"] = (prefill["raw_in_flight_cpu_s_per_gb"]
+                                           + decode["raw_in_flight_cpu_s_per_gb"])
     c["verified"] = decode["verified"]
     c["failures"] = prefill.get("failures") or decode.get("failures")
     return c
@@ -99,7 +108,9 @@ def main():
                 c = run_two(full, psk) if a.two_process else run(full)
                 row = dict(round=r, case=case, variant=name, position=position, **{k: c.get(k) for k in (
                     "gb_per_s", "raw_gb_per_s", "ratio_to_raw", "cpu_s_per_gb", "raw_cpu_s_per_gb",
-                    "cpu_ratio_to_raw", "p50_ms", "p99_ms", "transfers_per_s", "verified", "transfers")})
+                    "cpu_ratio_to_raw", "raw_in_flight_gb_per_s", "ratio_to_raw_in_flight",
+                    "raw_in_flight_cpu_s_per_gb", "p50_ms", "p99_ms", "transfers_per_s", "verified",
+                    "transfers")})
                 if c.get("failures"):
                     print(f"failures in {name} {case}: {c['failures']}", file=sys.stderr)
                     sys.exit(1)
@@ -108,25 +119,31 @@ def main():
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                 print(f"round {r} {case:18s} {name:12s} {c['gb_per_s']:.3f} GB/s ratio "
-                      f"{c['ratio_to_raw']:.2f} cpu {c['cpu_s_per_gb']:.2f} ({c['cpu_ratio_to_raw']:.2f}) "
+                      f"{c['ratio_to_raw']:.2f} ({num(c.get('ratio_to_raw_in_flight'), 2)} in flight) cpu {c['cpu_s_per_gb']:.2f} ({c['cpu_ratio_to_raw']:.2f}) "
                       f"{c['transfers_per_s']:.0f}/s", file=sys.stderr)
-    print("| round | case | variant | GB/s | raw GB/s | ratio | CPU s/GB | raw CPU | CPU ratio | transfers/s | p50 ms | p99 ms |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| round | case | variant | GB/s | raw GB/s | ratio | raw GB/s, same requests in flight | ratio "
+          "| CPU s/GB | raw CPU | CPU ratio | transfers/s | p50 ms | p99 ms |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for x in rows:
         print(f"| {x['round']} | {x['case']} | {x['variant']} | {x['gb_per_s']:.3f} | {x['raw_gb_per_s']:.3f} | "
-              f"{x['ratio_to_raw']:.2f} | {x['cpu_s_per_gb']:.2f} | {x['raw_cpu_s_per_gb']:.2f} | "
+              f"{x['ratio_to_raw']:.2f} | {num(x.get('raw_in_flight_gb_per_s'), 3)} | "
+              f"{num(x.get('ratio_to_raw_in_flight'), 2)} | {x['cpu_s_per_gb']:.2f} | {x['raw_cpu_s_per_gb']:.2f} | "
               f"{x['cpu_ratio_to_raw']:.2f} | {x['transfers_per_s']:.0f} | {x['p50_ms']:.2f} | {x['p99_ms']:.2f} |")
     print()
     print("Medians over the rounds (min-max of the ratio to raw):")
     print()
-    print("| case | variant | GB/s | ratio to raw (min-max) | CPU s/GB | CPU ratio | transfers/s | p50 ms |")
-    print("|---|---|---:|---|---:|---:|---:|---:|")
+    print("| case | variant | GB/s | ratio to raw (min-max) | ratio to raw, same requests in flight (min-max) "
+          "| CPU s/GB | CPU ratio | transfers/s | p50 ms |")
+    print("|---|---|---:|---|---|---:|---:|---:|---:|")
     med = statistics.median
     for case in a.case:
         for name, _ in variants:
             xs = [x for x in rows if x["case"] == case and x["variant"] == name]
             rs = [x["ratio_to_raw"] for x in xs]
+            fs = [x["ratio_to_raw_in_flight"] for x in xs if x.get("ratio_to_raw_in_flight") is not None]
+            in_flight = f"{med(fs):.2f} ({min(fs):.2f}-{max(fs):.2f})" if fs else "-"
             print(f"| {case} | {name} | {med(x['gb_per_s'] for x in xs):.3f} | {med(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}) | "
+                  f"{in_flight} | "
                   f"{med(x['cpu_s_per_gb'] for x in xs):.2f} | {med(x['cpu_ratio_to_raw'] for x in xs):.2f} | "
                   f"{med(x['transfers_per_s'] for x in xs):.0f} | {med(x['p50_ms'] for x in xs):.2f} |")
     if len(variants) > 1:

@@ -41,6 +41,8 @@ fn bench_verifies_and_byte_checks_every_transfer() {
         "receiver pages leaked: {case}"
     );
     assert!(case["raw_gb_per_s"].as_f64().unwrap() > 0.0);
+    // The pool workload has no requests of several pages: no in-flight raw baseline.
+    assert!(case["raw_in_flight_gb_per_s"].is_null(), "{case}");
 }
 
 /// `--worker-threads` sizes the bench's runtime (the report says how many ran) and the run
@@ -121,6 +123,15 @@ fn bench_engine_workload_in_place_and_copied_checks_every_byte() {
         assert_eq!(case["bytes_checked"].as_u64(), Some(transfers), "{case}");
         assert_eq!(case["pages_free_after"], case["pages_total"], "{case}");
         assert!(case["raw_gb_per_s"].as_f64().unwrap() > 0.0);
+        // The same requests in flight over raw TCP, and kvwire's ratio to it.
+        assert!(
+            case["raw_in_flight_gb_per_s"].as_f64().unwrap() > 0.0,
+            "{case}"
+        );
+        assert!(
+            case["ratio_to_raw_in_flight"].as_f64().unwrap() > 0.0,
+            "{case}"
+        );
     }
 }
 
@@ -150,7 +161,8 @@ fn bench_engine_workload_across_two_processes() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let (code, _, err) = kvwire(&[&["bench", "--connect", &addr][..], &common[..]].concat());
+    let (code, prefill_out, err) =
+        kvwire(&[&["bench", "--connect", &addr][..], &common[..]].concat());
     assert_eq!(code, 0, "prefill: {err}");
     let out = decode.wait_with_output().unwrap();
     assert!(
@@ -163,6 +175,17 @@ fn bench_engine_workload_across_two_processes() {
     let transfers = case["transfers"].as_u64().unwrap();
     assert_eq!(case["bytes_checked"].as_u64(), Some(transfers), "{case}");
     assert!(case["raw_gb_per_s"].as_f64().unwrap() > 0.0, "{case}");
+    assert!(
+        case["raw_in_flight_gb_per_s"].as_f64().unwrap() > 0.0,
+        "{case}"
+    );
+    for side in [&report, &json(&prefill_out)] {
+        let c = &side["cases"][0];
+        assert!(
+            c["raw_in_flight_cpu_s_per_gb"].as_f64().unwrap() > 0.0,
+            "{c}"
+        );
+    }
 }
 
 #[test]
@@ -170,7 +193,8 @@ fn bench_table_names_its_columns() {
     let (code, out, err) = kvwire(&["bench", "--page-sizes", "8K", "--bytes", "1M"]);
     assert_eq!(code, 0, "{err}");
     for col in [
-        "GB/s", "xfer/s", "p50 ms", "p99 ms", "verified", "raw GB/s", "ratio", "failures",
+        "GB/s", "xfer/s", "p50 ms", "p99 ms", "verified", "raw GB/s", "ratio", "raw@conc",
+        "failures",
     ] {
         assert!(out.contains(col), "missing {col}: {out}");
     }

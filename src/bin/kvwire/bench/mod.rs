@@ -115,6 +115,9 @@ impl Tally {
             failures: self.failures,
             raw_gb_per_s: None,
             ratio_to_raw: None,
+            raw_in_flight_gb_per_s: None,
+            ratio_to_raw_in_flight: None,
+            raw_in_flight_cpu_s_per_gb: None,
             pages_free_after: None,
             pages_total: None,
         }
@@ -220,7 +223,17 @@ async fn run_case_pair(
     .await
 }
 
-fn with_baseline(mut case: CaseResult, raw: Option<RawRun>) -> CaseResult {
+fn with_baseline(
+    mut case: CaseResult,
+    raw: Option<RawRun>,
+    raw_in_flight: Option<RawRun>,
+) -> CaseResult {
+    case.raw_in_flight_gb_per_s = raw_in_flight.map(|r| r.gb_per_s);
+    case.ratio_to_raw_in_flight = case
+        .raw_in_flight_gb_per_s
+        .filter(|r| *r > 0.0)
+        .map(|r| case.gb_per_s / r);
+    case.raw_in_flight_cpu_s_per_gb = raw_in_flight.and_then(|r| r.cpu_s_per_gb);
     case.raw_gb_per_s = raw.map(|r| r.gb_per_s);
     case.ratio_to_raw = case
         .raw_gb_per_s
@@ -289,30 +302,39 @@ pub async fn run_in_process(
                 with_pool_state(case, &r).await
             }
         };
-        // The raw baseline is a TCP program: it compares with the TCP transport only (RDMA
+        // The raw baselines are TCP programs: they compare with the TCP transport only (RDMA
         // is compared with ib_write_bw by scripts/rdma-bench.sh).
-        let raw = if spec.transport == BenchTransport::Tcp {
+        let (mut raw, mut raw_in_flight) = (None, None);
+        if spec.transport == BenchTransport::Tcp {
             let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
             match spec.workload {
-                Workload::Pool => raw_tcp_baseline(case.bytes.max(1), record).await.ok(),
+                Workload::Pool => raw = raw_tcp_baseline(case.bytes.max(1), record).await.ok(),
                 Workload::Engine { .. } => {
-                    let (src, dst) =
-                        engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
-                    raw_engine_baseline(
-                        page as usize,
-                        spec.buffers as usize,
-                        engine::memory_pages(spec, page),
-                        src,
-                        dst,
-                    )
-                    .await
-                    .ok()
+                    for in_flight in [None, spec.in_flight()] {
+                        let (src, dst) = engine::raw_pages(
+                            spec,
+                            page,
+                            spec.transfers(page) * u64::from(spec.pages),
+                        );
+                        let run = raw_engine_baseline(
+                            page as usize,
+                            spec.buffers as usize,
+                            engine::memory_pages(spec, page),
+                            src,
+                            dst,
+                            in_flight,
+                        )
+                        .await
+                        .ok();
+                        match in_flight {
+                            None => raw = run,
+                            Some(_) => raw_in_flight = run,
+                        }
+                    }
                 }
             }
-        } else {
-            None
-        };
-        cases.push(with_baseline(case, raw));
+        }
+        cases.push(with_baseline(case, raw, raw_in_flight));
     }
     Ok(Report {
         spec: spec.clone(),
@@ -372,41 +394,13 @@ pub async fn run_listen(
     let mut cases = Vec::new();
     for _ in 0..connections.max(1) {
         for &page in &spec.page_sizes {
-            let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
-            let total = spec.transfers(page) * spec.transfer_bytes(page);
-            let raw_run = if raw && spec.transport == BenchTransport::Tcp {
-                // The destination memory is written through before the clock starts and
-                // freed after it stopped.
-                let engine_memory = match spec.workload {
-                    Workload::Pool => None,
-                    Workload::Engine { .. } => {
-                        let (_, dst) = engine::raw_pages(
-                            spec,
-                            page,
-                            spec.transfers(page) * u64::from(spec.pages),
-                        );
-                        let memory = raw::RawMemory::new(
-                            page as usize,
-                            spec.buffers as usize,
-                            engine::memory_pages(spec, page),
-                            0xa5,
-                        );
-                        Some((memory, dst))
-                    }
-                };
-                let mut s = raw::accept_raw(&listener).await;
-                let (start, cpu) = (Instant::now(), CpuClock::start());
-                let landed = match engine_memory {
-                    None => raw_read(&mut s, total, record).await.map(|()| None),
-                    Some((memory, dst)) => engine_raw_read(s, memory, dst).await.map(Some),
+            let (mut raw_run, mut raw_in_flight) = (None, None);
+            if raw && spec.transport == BenchTransport::Tcp {
+                raw_run = Some(listen_raw(spec, page, &listener, None).await?);
+                if let Some(f) = spec.in_flight() {
+                    raw_in_flight = Some(listen_raw(spec, page, &listener, Some(f)).await?);
                 }
-                .map_err(|e| e.to_string())?;
-                let run = RawRun::since(start, cpu, total);
-                drop(landed);
-                Some(run)
-            } else {
-                None
-            };
+            }
             let engine = match spec.workload {
                 Workload::Pool => None,
                 Workload::Engine { .. } => Some(EngineSide::new(spec, page, engine::RECEIVE_SEED)?),
@@ -455,7 +449,7 @@ pub async fn run_listen(
                 case.pages_free_after.unwrap_or(0),
                 case.pages_total.unwrap_or(0)
             ));
-            cases.push(with_baseline(case, raw_run));
+            cases.push(with_baseline(case, raw_run, raw_in_flight));
         }
     }
     Ok(Report {
@@ -467,6 +461,79 @@ pub async fn run_listen(
     })
 }
 
+/// Two-process mode, decode side: one raw baseline run (streaming, or with the case's
+/// requests in flight), reading into memory written through before the clock starts and
+/// freed after it stopped.
+async fn listen_raw(
+    spec: &BenchSpec,
+    page: u32,
+    listener: &TcpListener,
+    in_flight: Option<raw::InFlight>,
+) -> Result<RawRun, String> {
+    let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
+    let total = spec.transfers(page) * spec.transfer_bytes(page);
+    let engine_memory = match spec.workload {
+        Workload::Pool => None,
+        Workload::Engine { .. } => {
+            let (_, dst) =
+                engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
+            let memory = raw::RawMemory::new(
+                page as usize,
+                spec.buffers as usize,
+                engine::memory_pages(spec, page),
+                0xa5,
+            );
+            Some((memory, dst))
+        }
+    };
+    let mut s = raw::accept_raw(listener).await;
+    let (start, cpu) = (Instant::now(), CpuClock::start());
+    let landed = match engine_memory {
+        None => raw_read(&mut s, total, record).await.map(|()| None),
+        Some((memory, dst)) => engine_raw_read(s, memory, dst, in_flight).await.map(Some),
+    }
+    .map_err(|e| e.to_string())?;
+    let run = RawRun::since(start, cpu, total);
+    drop(landed);
+    Ok(run)
+}
+
+/// Two-process mode, prefill side: one raw baseline run against [`listen_raw`].
+async fn connect_raw(
+    spec: &BenchSpec,
+    page: u32,
+    addr: SocketAddr,
+    in_flight: Option<raw::InFlight>,
+) -> Result<RawRun, String> {
+    let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
+    let total = spec.transfers(page) * spec.transfer_bytes(page);
+    let engine_memory = match spec.workload {
+        Workload::Pool => None,
+        Workload::Engine { .. } => {
+            let (src, _) =
+                engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
+            let memory = raw::RawMemory::new(
+                page as usize,
+                spec.buffers as usize,
+                engine::memory_pages(spec, page),
+                0x5a,
+            );
+            Some((memory, src))
+        }
+    };
+    let mut s = connect_retry(addr).await?;
+    raw::announce_raw(&mut s).await.map_err(|e| e.to_string())?;
+    let (start, cpu) = (Instant::now(), CpuClock::start());
+    let sent = match engine_memory {
+        None => raw_write(&mut s, total, record).await.map(|()| None),
+        Some((memory, src)) => engine_raw_write(s, memory, src, in_flight).await.map(Some),
+    }
+    .map_err(|e| e.to_string())?;
+    let run = RawRun::since(start, cpu, total);
+    drop(sent);
+    Ok(run)
+}
+
 /// Two-process mode, prefill side: connects to [`run_listen`] and sends every case.
 pub async fn run_connect(
     spec: &BenchSpec,
@@ -476,37 +543,13 @@ pub async fn run_connect(
 ) -> Result<Report, String> {
     let mut cases = Vec::new();
     for &page in &spec.page_sizes {
-        let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
-        let total = spec.transfers(page) * spec.transfer_bytes(page);
-        let raw_run = if raw && spec.transport == BenchTransport::Tcp {
-            let engine_memory = match spec.workload {
-                Workload::Pool => None,
-                Workload::Engine { .. } => {
-                    let (src, _) =
-                        engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
-                    let memory = raw::RawMemory::new(
-                        page as usize,
-                        spec.buffers as usize,
-                        engine::memory_pages(spec, page),
-                        0x5a,
-                    );
-                    Some((memory, src))
-                }
-            };
-            let mut s = connect_retry(addr).await?;
-            raw::announce_raw(&mut s).await.map_err(|e| e.to_string())?;
-            let (start, cpu) = (Instant::now(), CpuClock::start());
-            let sent = match engine_memory {
-                None => raw_write(&mut s, total, record).await.map(|()| None),
-                Some((memory, src)) => engine_raw_write(s, memory, src).await.map(Some),
+        let (mut raw_run, mut raw_in_flight) = (None, None);
+        if raw && spec.transport == BenchTransport::Tcp {
+            raw_run = Some(connect_raw(spec, page, addr, None).await?);
+            if let Some(f) = spec.in_flight() {
+                raw_in_flight = Some(connect_raw(spec, page, addr, Some(f)).await?);
             }
-            .map_err(|e| e.to_string())?;
-            let run = RawRun::since(start, cpu, total);
-            drop(sent);
-            Some(run)
-        } else {
-            None
-        };
+        }
         let engine = match spec.workload {
             Workload::Pool => None,
             Workload::Engine { .. } => Some(EngineSide::new(spec, page, engine::SEND_SEED)?),
@@ -531,7 +574,7 @@ pub async fn run_connect(
                 run_side(spec, page, move |id| tx.send_one(&s, &spec2, id)).await
             }
         };
-        cases.push(with_baseline(case, raw_run));
+        cases.push(with_baseline(case, raw_run, raw_in_flight));
     }
     Ok(Report {
         spec: spec.clone(),

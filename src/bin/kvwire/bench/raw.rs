@@ -73,28 +73,29 @@ pub(super) async fn raw_read(s: &mut TcpStream, total: u64, record: usize) -> st
 /// `src[i]` of every buffer of the source memory written with `writev`, read with `readv`
 /// straight into page `dst[i]` of every buffer of the destination memory, up to
 /// [`RAW_BATCH_PAGES`] pages and [`RAW_BATCH_BYTES`] per system call (one page index at
-/// least), on blocking sockets in two threads. Both memories are `pages` page indices of
-/// `buffers` buffers of `page` bytes, written through before the clock starts (no zero-page
-/// reads).
+/// least), on blocking sockets in two threads; streaming, or with the case's requests in
+/// flight ([`InFlight`]). Both memories are `pages` page indices of `buffers` buffers of
+/// `page` bytes, written through before the clock starts (no zero-page reads).
 pub async fn raw_engine_baseline(
     page: usize,
     buffers: usize,
     pages: u32,
     src: Vec<u32>,
     dst: Vec<u32>,
+    in_flight: Option<InFlight>,
 ) -> std::io::Result<RawRun> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let dest = RawMemory::new(page, buffers, pages, 0xa5);
     let reader = tokio::spawn(async move {
         let (s, _) = listener.accept().await?;
-        engine_raw_read(s, dest, dst).await
+        engine_raw_read(s, dest, dst, in_flight).await
     });
     let source = RawMemory::new(page, buffers, pages, 0x5a);
     let s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
     let (start, cpu) = (Instant::now(), CpuClock::start());
-    let (total, source) = engine_raw_write(s, source, src).await?;
+    let (total, source) = engine_raw_write(s, source, src, in_flight).await?;
     let dest = reader.await.map_err(std::io::Error::other)??;
     let run = RawRun::since(start, cpu, total);
     // Both memories are freed after the clock stopped, as kvwire's engines outlive theirs.
@@ -153,26 +154,59 @@ fn blocking(s: TcpStream) -> std::io::Result<std::net::TcpStream> {
     Ok(s)
 }
 
+/// Requests in flight in a raw baseline: the case's requests (`pages` page indices each),
+/// at most `depth` of them written and not yet acknowledged. The reader acknowledges each
+/// request with one byte once every byte of it was read into its pages; the writer's clock
+/// stops at the last acknowledgement. What kvwire's requests cost with the protocol taken
+/// away: the same page writes, the same requests in flight, one round trip per request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InFlight {
+    /// Page indices per request.
+    pub pages: usize,
+    /// Requests written and not yet acknowledged, at most (at least 1).
+    pub depth: usize,
+}
+
 /// Writes page index `p` of every buffer, for each `p` of `pages`, in order, batched
-/// `writev`s on a blocking thread; returns the bytes written and the memory (to be freed by
-/// the caller once its clock stopped).
+/// `writev`s on a blocking thread, streaming (`in_flight` `None`) or request by request;
+/// returns the bytes written and the memory (to be freed by the caller once its clock
+/// stopped).
 pub(super) async fn engine_raw_write(
     s: TcpStream,
     memory: RawMemory,
     pages: Vec<u32>,
+    in_flight: Option<InFlight>,
 ) -> std::io::Result<(u64, RawMemory)> {
     let mut s = blocking(s)?;
     tokio::task::spawn_blocking(move || {
         let n = memory.page;
-        for batch in pages.chunks(memory.batch()) {
-            let mut slices: Vec<&[u8]> = Vec::with_capacity(batch.len() * memory.buffers.len());
-            for &p in batch {
-                let at = p as usize * n;
-                slices.extend(memory.buffers.iter().map(|b| &b[at..at + n]));
+        let per_request = in_flight.map_or(pages.len(), |f| f.pages).max(1);
+        let (mut written, mut acked) = (0usize, 0usize);
+        let mut ack = [0u8; 1];
+        for request in pages.chunks(per_request) {
+            if let Some(f) = in_flight {
+                if written - acked >= f.depth.max(1) {
+                    s.read_exact(&mut ack)?;
+                    acked += 1;
+                }
             }
-            write_all_vectored(&mut s, &mut slices)?;
+            for batch in request.chunks(memory.batch()) {
+                let mut slices: Vec<&[u8]> = Vec::with_capacity(batch.len() * memory.buffers.len());
+                for &p in batch {
+                    let at = p as usize * n;
+                    slices.extend(memory.buffers.iter().map(|b| &b[at..at + n]));
+                }
+                write_all_vectored(&mut s, &mut slices)?;
+            }
+            written += 1;
         }
         s.flush()?;
+        if in_flight.is_some() {
+            while acked < written {
+                s.read_exact(&mut ack)?;
+                acked += 1;
+            }
+        }
         Ok((
             pages.len() as u64 * (n * memory.buffers.len()) as u64,
             memory,
@@ -183,71 +217,90 @@ pub(super) async fn engine_raw_write(
 }
 
 /// Reads each page of `pages` straight into that page of every buffer, in order, batched
-/// `readv`s on a blocking thread; gives the memory back.
+/// `readv`s on a blocking thread, acknowledging each request with one byte when `in_flight`
+/// says the writer waits for that; gives the memory back.
 pub(super) async fn engine_raw_read(
     s: TcpStream,
     mut memory: RawMemory,
     pages: Vec<u32>,
+    in_flight: Option<InFlight>,
 ) -> std::io::Result<RawMemory> {
     let mut s = blocking(s)?;
     tokio::task::spawn_blocking(move || {
-        let n = memory.page;
         let batch_pages = memory.batch();
-        for batch in pages.chunks(batch_pages) {
-            // The slots of this batch, in stream order. A page index may repeat within a
-            // batch only if the workload repeats it; slots are taken disjointly by reading
-            // one batch of distinct pages at a time.
-            let mut slots: Vec<&mut [u8]> = Vec::with_capacity(batch.len() * memory.buffers.len());
-            let mut order: Vec<(usize, usize)> = batch
-                .iter()
-                .enumerate()
-                .map(|(i, &p)| (p as usize, i))
-                .collect();
-            order.sort_unstable();
-            if order.windows(2).any(|w| w[0].0 == w[1].0) {
-                // Repeated page in one batch: fall back to one page at a time.
-                for &p in batch {
-                    let at = p as usize * n;
-                    let mut one: Vec<&mut [u8]> = memory
-                        .buffers
-                        .iter_mut()
-                        .map(|b| &mut b[at..at + n])
-                        .collect();
-                    read_exact_vectored(&mut s, &mut one)?;
-                }
-                continue;
+        let per_request = in_flight.map_or(pages.len(), |f| f.pages).max(1);
+        for request in pages.chunks(per_request) {
+            read_request(&mut s, &mut memory, request, batch_pages)?;
+            if in_flight.is_some() {
+                s.write_all(&[1])?;
             }
-            // Split every buffer into this batch's page slots (disjoint, sorted by page),
-            // then put them back into stream order.
-            let mut per_buffer: Vec<Vec<Option<&mut [u8]>>> = memory
-                .buffers
-                .iter_mut()
-                .map(|b| {
-                    let mut out: Vec<Option<&mut [u8]>> = (0..batch.len()).map(|_| None).collect();
-                    let mut rest: &mut [u8] = b;
-                    let mut base = 0;
-                    for &(p, i) in &order {
-                        let tail = std::mem::take(&mut rest);
-                        let (_, from) = tail.split_at_mut(p * n - base);
-                        let (slot, after) = from.split_at_mut(n);
-                        out[i] = Some(slot);
-                        rest = after;
-                        base = p * n + n;
-                    }
-                    out
-                })
-                .collect();
-            for i in 0..batch.len() {
-                for b in per_buffer.iter_mut() {
-                    slots.push(b[i].take().expect("each slot taken once"));
-                }
-            }
-            read_exact_vectored(&mut s, &mut slots)?;
         }
         Ok(memory)
     })
     .await
     .map_err(std::io::Error::other)?
+}
+
+/// Reads one request's pages into their slots, `batch_pages` page indices per `readv`.
+fn read_request(
+    s: &mut std::net::TcpStream,
+    memory: &mut RawMemory,
+    pages: &[u32],
+    batch_pages: usize,
+) -> std::io::Result<()> {
+    let n = memory.page;
+    for batch in pages.chunks(batch_pages) {
+        // The slots of this batch, in stream order. A page index may repeat within a
+        // batch only if the workload repeats it; slots are taken disjointly by reading
+        // one batch of distinct pages at a time.
+        let mut slots: Vec<&mut [u8]> = Vec::with_capacity(batch.len() * memory.buffers.len());
+        let mut order: Vec<(usize, usize)> = batch
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| (p as usize, i))
+            .collect();
+        order.sort_unstable();
+        if order.windows(2).any(|w| w[0].0 == w[1].0) {
+            // Repeated page in one batch: fall back to one page at a time.
+            for &p in batch {
+                let at = p as usize * n;
+                let mut one: Vec<&mut [u8]> = memory
+                    .buffers
+                    .iter_mut()
+                    .map(|b| &mut b[at..at + n])
+                    .collect();
+                read_exact_vectored(s, &mut one)?;
+            }
+            continue;
+        }
+        // Split every buffer into this batch's page slots (disjoint, sorted by page),
+        // then put them back into stream order.
+        let mut per_buffer: Vec<Vec<Option<&mut [u8]>>> = memory
+            .buffers
+            .iter_mut()
+            .map(|b| {
+                let mut out: Vec<Option<&mut [u8]>> = (0..batch.len()).map(|_| None).collect();
+                let mut rest: &mut [u8] = b;
+                let mut base = 0;
+                for &(p, i) in &order {
+                    let tail = std::mem::take(&mut rest);
+                    let (_, from) = tail.split_at_mut(p * n - base);
+                    let (slot, after) = from.split_at_mut(n);
+                    out[i] = Some(slot);
+                    rest = after;
+                    base = p * n + n;
+                }
+                out
+            })
+            .collect();
+        for i in 0..batch.len() {
+            for b in per_buffer.iter_mut() {
+                slots.push(b[i].take().expect("each slot taken once"));
+            }
+        }
+        read_exact_vectored(s, &mut slots)?;
+    }
+    Ok(())
 }
 
 /// Writes every slice, in order, with vectored writes (what kvwire's TCP transport does
@@ -333,40 +386,110 @@ mod tests {
     use super::*;
 
     /// The baseline must move the same bytes kvwire does: every source page lands in its
-    /// destination slot (batched readv over scattered, unsorted slots).
+    /// destination slot (batched readv over scattered, unsorted slots), streaming and with
+    /// requests in flight (the last request shorter than the others).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_engine_baseline_lands_every_page_in_its_slot() {
-        let (page, buffers, pages) = (256usize, 3usize, 200u32);
-        let mut source = RawMemory::new(page, buffers, pages, 1);
-        for (b, buf) in source.buffers.iter_mut().enumerate() {
-            for (i, x) in buf.iter_mut().enumerate() {
-                *x = (i / page * 7 + b * 31 + i % 251) as u8;
+        for in_flight in [
+            None,
+            Some(InFlight { pages: 7, depth: 1 }),
+            Some(InFlight {
+                pages: 32,
+                depth: 4,
+            }),
+        ] {
+            let (page, buffers, pages) = (256usize, 3usize, 200u32);
+            let mut source = RawMemory::new(page, buffers, pages, 1);
+            for (b, buf) in source.buffers.iter_mut().enumerate() {
+                for (i, x) in buf.iter_mut().enumerate() {
+                    *x = (i / page * 7 + b * 31 + i % 251) as u8;
+                }
+            }
+            let src: Vec<u32> = (0..pages).map(|i| (i * 37) % pages).collect();
+            let dst: Vec<u32> = (0..pages).map(|i| (i * 91 + 5) % pages).collect();
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let dest = RawMemory::new(page, buffers, pages, 0xa5);
+            let dst2 = dst.clone();
+            let reader = tokio::spawn(async move {
+                let (s, _) = listener.accept().await.unwrap();
+                engine_raw_read(s, dest, dst2, in_flight).await.unwrap()
+            });
+            let expected = source.buffers.clone();
+            let s = TcpStream::connect(addr).await.unwrap();
+            engine_raw_write(s, source, src.clone(), in_flight)
+                .await
+                .unwrap();
+            let dest = reader.await.unwrap();
+            for (i, (&from, &to)) in src.iter().zip(&dst).enumerate() {
+                for (b, (landed, sent)) in dest.buffers.iter().zip(&expected).enumerate() {
+                    let (f, t) = (from as usize * page, to as usize * page);
+                    assert_eq!(
+                        landed[t..t + page],
+                        sent[f..f + page],
+                        "{in_flight:?}: record {i} buffer {b}"
+                    );
+                }
             }
         }
-        let src: Vec<u32> = (0..pages).map(|i| (i * 37) % pages).collect();
-        let dst: Vec<u32> = (0..pages).map(|i| (i * 91 + 5) % pages).collect();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    }
+
+    /// With requests in flight the writer keeps at most `depth` requests unacknowledged: a
+    /// reader that takes every byte but acknowledges nothing gets exactly `depth` requests
+    /// (the writer blocks in its read of the next acknowledgement), and the rest once it
+    /// acknowledges them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_in_flight_baseline_waits_for_each_acknowledgement() {
+        let (page, buffers, pages) = (1024usize, 2usize, 12u32);
+        let f = InFlight { pages: 3, depth: 2 };
+        let request_bytes = f.pages * page * buffers;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let dest = RawMemory::new(page, buffers, pages, 0xa5);
-        let dst2 = dst.clone();
-        let reader = tokio::spawn(async move {
-            let (s, _) = listener.accept().await.unwrap();
-            engine_raw_read(s, dest, dst2).await.unwrap()
+        let source = RawMemory::new(page, buffers, pages, 1);
+        let writer = tokio::spawn(async move {
+            let s = TcpStream::connect(addr).await.unwrap();
+            engine_raw_write(s, source, (0..pages).collect(), Some(f))
+                .await
+                .unwrap()
+                .0
         });
-        let expected = source.buffers.clone();
-        let s = TcpStream::connect(addr).await.unwrap();
-        engine_raw_write(s, source, src.clone()).await.unwrap();
-        let dest = reader.await.unwrap();
-        for (i, (&from, &to)) in src.iter().zip(&dst).enumerate() {
-            for (b, (landed, sent)) in dest.buffers.iter().zip(&expected).enumerate() {
-                let (f, t) = (from as usize * page, to as usize * page);
-                assert_eq!(
-                    landed[t..t + page],
-                    sent[f..f + page],
-                    "record {i} buffer {b}"
-                );
+        let got = tokio::task::spawn_blocking(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(300)))
+                .unwrap();
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; 1 << 16];
+            loop {
+                match s.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        break
+                    }
+                    Err(e) => panic!("{e}"),
+                }
             }
-        }
+            let before_acks = got.len();
+            // Acknowledge every request; the writer finishes and closes.
+            s.set_read_timeout(None).unwrap();
+            s.write_all(&[1; 4]).unwrap();
+            s.read_to_end(&mut got).unwrap();
+            (before_acks, got.len())
+        })
+        .await
+        .unwrap();
+        assert_eq!(got.0, f.depth * request_bytes, "unacknowledged bytes");
+        assert_eq!(
+            got.1,
+            pages as usize * page * buffers,
+            "all bytes in the end"
+        );
+        assert_eq!(writer.await.unwrap(), got.1 as u64);
     }
 
     /// A system call moves at most `RAW_BATCH_BYTES` (or one page index, where that alone is

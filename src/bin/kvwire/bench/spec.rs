@@ -208,6 +208,15 @@ pub struct CaseResult {
     pub raw_cpu_s_per_gb: Option<f64>,
     /// `cpu_s_per_gb / raw_cpu_s_per_gb` (1.2 means kvwire spent 20% more CPU per byte).
     pub cpu_ratio_to_raw: Option<f64>,
+    /// Engine workload: raw TCP doing the same page writes with the case's requests in flight
+    /// (each request acknowledged by one byte once it was read into its pages), 10^9
+    /// bytes/s. The streaming baseline above is what the connection carries; this one is what
+    /// requests of this size and depth cost with no protocol.
+    pub raw_in_flight_gb_per_s: Option<f64>,
+    /// `gb_per_s / raw_in_flight_gb_per_s`.
+    pub ratio_to_raw_in_flight: Option<f64>,
+    /// That baseline's CPU-seconds per 10^9 bytes.
+    pub raw_in_flight_cpu_s_per_gb: Option<f64>,
     /// Receiver pool pages free once the case ended (decode side only).
     pub pages_free_after: Option<u32>,
     /// Receiver pool pages in all (decode side only).
@@ -231,6 +240,18 @@ pub struct Report {
 }
 
 impl BenchSpec {
+    /// The engine workload's requests in flight, as the raw baseline that keeps them runs
+    /// them (`None` for the pool workload).
+    pub(super) fn in_flight(&self) -> Option<super::raw::InFlight> {
+        match self.workload {
+            Workload::Pool => None,
+            Workload::Engine { .. } => Some(super::raw::InFlight {
+                pages: self.pages as usize,
+                depth: self.concurrency.max(1) as usize,
+            }),
+        }
+    }
+
     pub(super) fn transfer_bytes(&self, page: u32) -> u64 {
         u64::from(page) * u64::from(self.buffers) * u64::from(self.pages)
     }

@@ -40,7 +40,7 @@ pub fn table(report: &Report) -> String {
         report.transport, workload, verify
     );
     out += &format!(
-        "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>8} {:>7}  failures\n",
+        "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8} {:>9} {:>8} {:>8} {:>9} {:>9} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>7}  failures\n",
         "page",
         "pages",
         "bufs",
@@ -54,6 +54,8 @@ pub fn table(report: &Report) -> String {
         "verified",
         "checked",
         "raw GB/s",
+        "ratio",
+        "raw@conc",
         "ratio",
         "CPU s/GB",
         "raw CPU"
@@ -69,7 +71,7 @@ pub fn table(report: &Report) -> String {
                 .join(",")
         };
         out += &format!(
-            "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8.3} {:>9.1} {:>8.2} {:>8.2} {:>9.2} {:>9} {:>8} {:>8} {:>6} {:>8} {:>7}  {}\n",
+            "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8.3} {:>9.1} {:>8.2} {:>8.2} {:>9.2} {:>9} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>7}  {}\n",
             human_bytes(u64::from(c.page_bytes)),
             c.pages,
             c.buffers,
@@ -84,6 +86,10 @@ pub fn table(report: &Report) -> String {
             c.bytes_checked,
             c.raw_gb_per_s.map_or("-".into(), |r| format!("{r:.3}")),
             c.ratio_to_raw.map_or("-".into(), |r| format!("{r:.2}")),
+            c.raw_in_flight_gb_per_s
+                .map_or("-".into(), |r| format!("{r:.3}")),
+            c.ratio_to_raw_in_flight
+                .map_or("-".into(), |r| format!("{r:.2}")),
             c.cpu_s_per_gb.map_or("-".into(), |r| format!("{r:.2}")),
             c.raw_cpu_s_per_gb.map_or("-".into(), |r| format!("{r:.2}")),
             failures
