@@ -461,6 +461,42 @@ pub async fn run_listen(
     })
 }
 
+/// Which end of a two-process raw baseline this process is.
+#[derive(Clone, Copy)]
+enum RawSide {
+    /// Writes the source pages.
+    Prefill,
+    /// Reads into the destination pages.
+    Decode,
+}
+
+/// The engine workload's memory for one end of a raw baseline (written through) and that
+/// end's page indices in stream order; `None` for the pool workload.
+fn raw_engine_memory(
+    spec: &BenchSpec,
+    page: u32,
+    side: RawSide,
+) -> Option<(raw::RawMemory, Vec<u32>)> {
+    match spec.workload {
+        Workload::Pool => None,
+        Workload::Engine { .. } => {
+            let (src, dst) =
+                engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
+            let (pages, fill) = match side {
+                RawSide::Prefill => (src, 0x5a),
+                RawSide::Decode => (dst, 0xa5),
+            };
+            let memory = raw::RawMemory::new(
+                page as usize,
+                spec.buffers as usize,
+                engine::memory_pages(spec, page),
+                fill,
+            );
+            Some((memory, pages))
+        }
+    }
+}
+
 /// Two-process mode, decode side: one raw baseline run (streaming, or with the case's
 /// requests in flight), reading into memory written through before the clock starts and
 /// freed after it stopped.
@@ -472,20 +508,7 @@ async fn listen_raw(
 ) -> Result<RawRun, String> {
     let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
     let total = spec.transfers(page) * spec.transfer_bytes(page);
-    let engine_memory = match spec.workload {
-        Workload::Pool => None,
-        Workload::Engine { .. } => {
-            let (_, dst) =
-                engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
-            let memory = raw::RawMemory::new(
-                page as usize,
-                spec.buffers as usize,
-                engine::memory_pages(spec, page),
-                0xa5,
-            );
-            Some((memory, dst))
-        }
-    };
+    let engine_memory = raw_engine_memory(spec, page, RawSide::Decode);
     let mut s = raw::accept_raw(listener).await;
     let (start, cpu) = (Instant::now(), CpuClock::start());
     let landed = match engine_memory {
@@ -507,20 +530,7 @@ async fn connect_raw(
 ) -> Result<RawRun, String> {
     let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
     let total = spec.transfers(page) * spec.transfer_bytes(page);
-    let engine_memory = match spec.workload {
-        Workload::Pool => None,
-        Workload::Engine { .. } => {
-            let (src, _) =
-                engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
-            let memory = raw::RawMemory::new(
-                page as usize,
-                spec.buffers as usize,
-                engine::memory_pages(spec, page),
-                0x5a,
-            );
-            Some((memory, src))
-        }
-    };
+    let engine_memory = raw_engine_memory(spec, page, RawSide::Prefill);
     let mut s = connect_retry(addr).await?;
     raw::announce_raw(&mut s).await.map_err(|e| e.to_string())?;
     let (start, cpu) = (Instant::now(), CpuClock::start());
