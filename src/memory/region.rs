@@ -22,9 +22,9 @@ use crate::memory::device::{DeviceError, DeviceMemoryOps, DevicePtr, DeviceSlots
 use crate::memory::{PoolError, PoolGeometry};
 
 /// Alignment of memory allocated here: a 4 KiB page. Where a page starts within a 4 KiB page
-/// decides how fast the kernel copies it in and out of a socket: the copy (`rep movsb`) slows
-/// down when source and destination sit at nearly the same offset within 4 KiB, and a TCP
-/// data record's page bytes land in socket buffers at offsets shifted by its 36-byte header.
+/// decides how fast the kernel copies it in and out of a socket: the copy (`rep movsb` on
+/// CPUs with fast strings) depends on how source and destination are aligned, and a TCP data
+/// record's page bytes land in socket buffers at offsets shifted by its 36-byte header.
 /// With buffers at offset 64 (this constant was 64 until 2026-12-05), the sender's copy of
 /// 1 MiB pages ran at about 0.65x and 1.5x the CPU per byte; at offset 0 the engine workload
 /// gained 1.21x at 1 MiB pages with one request in flight, with 64 KiB pages and four in
