@@ -125,7 +125,8 @@ struct BenchArgs {
     /// With --listen: serve this many sender connections in turn.
     #[arg(long, default_value_t = 1)]
     connections: u32,
-    /// In two-process mode, skip the raw TCP baseline.
+    /// In two-process mode, skip the raw TCP baselines (streaming, and for the engine workload
+    /// with the same requests in flight).
     #[arg(long)]
     no_raw: bool,
     /// Bytes per page per buffer, one case each (suffixes K, M).
