@@ -310,18 +310,15 @@ pub async fn run_in_process(
             match spec.workload {
                 Workload::Pool => raw = raw_tcp_baseline(case.bytes.max(1), record).await.ok(),
                 Workload::Engine { .. } => {
+                    let (src, dst) =
+                        engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
                     for in_flight in [None, spec.in_flight()] {
-                        let (src, dst) = engine::raw_pages(
-                            spec,
-                            page,
-                            spec.transfers(page) * u64::from(spec.pages),
-                        );
                         let run = raw_engine_baseline(
                             page as usize,
                             spec.buffers as usize,
                             engine::memory_pages(spec, page),
-                            src,
-                            dst,
+                            src.clone(),
+                            dst.clone(),
                             in_flight,
                         )
                         .await

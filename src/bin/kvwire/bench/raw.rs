@@ -455,24 +455,21 @@ mod tests {
         });
         let got = tokio::task::spawn_blocking(move || {
             let (mut s, _) = listener.accept().unwrap();
+            // The first `depth` requests, however long the writer takes to send them...
+            let mut got = vec![0u8; f.depth * request_bytes];
+            s.read_exact(&mut got).unwrap();
+            // ...and then nothing more while none is acknowledged.
             s.set_read_timeout(Some(Duration::from_millis(300)))
                 .unwrap();
-            let mut got = Vec::new();
             let mut buf = vec![0u8; 1 << 16];
-            loop {
-                match s.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => got.extend_from_slice(&buf[..n]),
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                        ) =>
-                    {
-                        break
-                    }
-                    Err(e) => panic!("{e}"),
-                }
+            match s.read(&mut buf) {
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => panic!("{e}"),
             }
             let before_acks = got.len();
             // Acknowledge every request; the writer finishes and closes.
