@@ -81,8 +81,9 @@ fn advise_huge_pages_raw(ptr: NonNull<u8>, len: usize) -> bool {
 }
 
 enum Owner {
-    /// Allocated by [`KvMemory::allocate`] with this layout.
-    Allocated(Layout),
+    /// Allocated by [`KvMemory::allocate`] (or [`KvMemory::allocate_at_offset`]) with this
+    /// layout; the region starts this many bytes into the allocation.
+    Allocated(Layout, usize),
     /// A boxed slice handed over by [`KvMemory::from_buffers`].
     Boxed,
     /// Owned elsewhere ([`KvMemory::from_raw_parts`]); never freed here.
@@ -182,11 +183,26 @@ impl KvMemory {
         }
     }
 
-    /// Allocates zeroed, cache-line-aligned memory for `geometry`, asks for transparent huge
-    /// pages over it ([`advise_huge_pages`]), and writes it so it is faulted in: a pool that
-    /// cannot really be backed fails at start.
+    /// Allocates zeroed memory for `geometry`, every buffer starting on a 4 KiB page
+    /// ([`ALIGN`]), asks for transparent huge pages over it ([`advise_huge_pages`]), and
+    /// writes it so it is faulted in: a pool that cannot really be backed fails at start.
     pub fn allocate(geometry: &PoolGeometry) -> Result<Self, PoolError> {
+        Self::allocate_at_offset(geometry, 0)
+    }
+
+    /// [`KvMemory::allocate`], with every buffer starting `offset` bytes past a 4 KiB
+    /// boundary instead of on one (`offset < ALIGN`): memory placed as an engine's allocator
+    /// may place it (glibc's `malloc` puts large blocks 16 bytes into a page, PyTorch's CPU
+    /// allocator 64), to measure what that costs (`kvwire bench --buffer-offset`). Over TCP
+    /// the kernel's copies in and out of socket buffers slow down sharply on some CPUs for
+    /// some pairings of offsets (docs/BENCHMARKS.md, "Which offsets are slow").
+    pub fn allocate_at_offset(geometry: &PoolGeometry, offset: usize) -> Result<Self, PoolError> {
         geometry.validate()?;
+        if offset >= ALIGN {
+            return Err(PoolError::BadGeometry(format!(
+                "buffer offset {offset} is not below {ALIGN}"
+            )));
+        }
         let mut regions = Vec::with_capacity(geometry.buffers());
         for buffer in 0..geometry.buffers() {
             let len = check_len(geometry, buffer, geometry.buffer_len(buffer).unwrap_or(0))?;
@@ -194,12 +210,15 @@ impl KvMemory {
                 buffer,
                 bytes: len as u64,
             };
-            let layout = Layout::from_size_align(len, ALIGN).map_err(|_| oom.clone())?;
+            let total = len.checked_add(offset).ok_or_else(|| oom.clone())?;
+            let layout = Layout::from_size_align(total, ALIGN).map_err(|_| oom.clone())?;
             // Not `alloc_zeroed`: above malloc's own alignment it zeroes (touches) every page
             // at once, before huge pages could be asked for.
             // SAFETY: `layout` has a non-zero size (a validated geometry has no empty buffer).
             let raw = unsafe { alloc(layout) };
-            let ptr = NonNull::new(raw).ok_or(oom)?;
+            let base = NonNull::new(raw).ok_or(oom)?;
+            // SAFETY: `offset < total`, so the result is inside the allocation (and not null).
+            let ptr = unsafe { base.add(offset) };
             advise_huge_pages_raw(ptr, len);
             // Write every byte now (zeroes) so the memory is really backed at start (a pool
             // that cannot be fails here, not in the middle of a transfer), in huge pages where
@@ -209,7 +228,7 @@ impl KvMemory {
             regions.push(Region {
                 ptr,
                 len,
-                owner: Owner::Allocated(layout),
+                owner: Owner::Allocated(layout, offset),
                 device: None,
             });
         }
@@ -481,8 +500,11 @@ impl Drop for KvMemory {
     fn drop(&mut self) {
         for r in &self.regions {
             match r.owner {
-                // SAFETY: allocated by `alloc` with exactly this layout, freed once.
-                Owner::Allocated(layout) => unsafe { dealloc(r.ptr.as_ptr(), layout) },
+                // SAFETY: the region starts `offset` bytes into an allocation made by `alloc`
+                // with exactly this layout, freed once.
+                Owner::Allocated(layout, offset) => unsafe {
+                    dealloc(r.ptr.as_ptr().sub(offset), layout)
+                },
                 Owner::Boxed => {
                     let slice = std::ptr::slice_from_raw_parts_mut(r.ptr.as_ptr(), r.len);
                     // SAFETY: made by `Box::into_raw` of a `Box<[u8]>` of this length, freed once.
@@ -521,6 +543,28 @@ mod tests {
             // SAFETY: in bounds, nothing else references this fresh memory.
             assert!(unsafe { m.bytes(b, 0..len) }.iter().all(|&x| x == 0));
         }
+    }
+
+    /// Memory placed at an offset within a 4 KiB page (to measure what an engine's allocator
+    /// costs): every buffer starts exactly there, zeroed and writable to its last byte, and
+    /// an offset of a whole page or more is refused.
+    #[test]
+    fn memory_allocated_at_an_offset_starts_there() {
+        for offset in [0, 16, 64, 4095] {
+            let m = KvMemory::allocate_at_offset(&geometry(), offset).unwrap();
+            for b in 0..2 {
+                let (ptr, len) = m.region(b).unwrap();
+                assert_eq!(ptr.as_ptr() as usize % 4096, offset, "buffer {b}");
+                // SAFETY: in bounds, nothing else references this fresh memory.
+                let bytes = unsafe { m.bytes_mut(b, 0..len) };
+                assert!(bytes.iter().all(|&x| x == 0));
+                bytes[len - 1] = 0xff;
+            }
+        }
+        assert!(matches!(
+            KvMemory::allocate_at_offset(&geometry(), 4096),
+            Err(PoolError::BadGeometry(_))
+        ));
     }
 
     /// The `VmFlags` of the mapping of this process that holds `addr` (Linux `smaps`).

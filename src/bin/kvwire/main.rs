@@ -174,6 +174,13 @@ struct BenchArgs {
     /// transfer's records and frames travel on one, chosen by the receiver round robin.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     tcp_streams: u16,
+    /// Start every KV buffer the run allocates (kvwire's and the raw baselines') this many
+    /// bytes past a 4 KiB boundary (0 to 4095; 0, on one, is how kvwire allocates): to
+    /// measure memory placed as an engine's allocator places it (glibc's large blocks start
+    /// 16 bytes into a page). Over TCP the kernel's copies slow down for some offsets on some
+    /// CPUs (docs/BENCHMARKS.md, "Which offsets are slow").
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..4096))]
+    buffer_offset: u16,
     /// Receivers digest every transfer's memory after its fence instead of each page as it
     /// lands (TCP, loopback; RDMA always digests after the fence), to measure the difference.
     #[arg(long)]
@@ -380,6 +387,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         tcp_streams: a.tcp_streams,
         digest_at_landing: !a.digest_after_fence,
         digest_while_sending: !a.digest_before_send,
+        buffer_offset: usize::from(a.buffer_offset),
         liveness: kvwire::proto::liveness::LivenessConfig {
             interval: std::time::Duration::from_millis(a.heartbeat_ms),
             timeout: std::time::Duration::from_millis(a.peer_timeout_ms),

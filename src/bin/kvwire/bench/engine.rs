@@ -117,7 +117,7 @@ impl EngineSide {
         } else {
             spec.node_config_with_pages(page, pages)
         };
-        let node = Node::new(config).map_err(|e| e.to_string())?;
+        let node = spec.node(config)?;
         let record = page as usize * spec.buffers as usize;
         let plain = copy.then(|| PlainKv::new(pages, record));
         let side = Self {

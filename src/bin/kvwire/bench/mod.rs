@@ -278,8 +278,8 @@ pub async fn run_in_process(
                 // Two nodes, each with memory of its own: the prefill engine's and the
                 // decode engine's.
                 let config = spec.node_config(page);
-                let prefill = Node::new(config.clone()).map_err(|e| e.to_string())?;
-                let decode = Node::new(config).map_err(|e| e.to_string())?;
+                let prefill = spec.node(config.clone())?;
+                let decode = spec.node(config)?;
                 let (sender, receiver) = connect_in_process(spec, &prefill, &decode).await?;
                 let case = run_case_pair(spec, page, &sender, &receiver).await;
                 with_pool_state(case, &receiver).await
@@ -308,7 +308,11 @@ pub async fn run_in_process(
         if spec.transport == BenchTransport::Tcp {
             let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
             match spec.workload {
-                Workload::Pool => raw = raw_tcp_baseline(case.bytes.max(1), record).await.ok(),
+                Workload::Pool => {
+                    raw = raw_tcp_baseline(case.bytes.max(1), record, spec.buffer_offset)
+                        .await
+                        .ok()
+                }
                 Workload::Engine { .. } => {
                     let (src, dst) =
                         engine::raw_pages(spec, page, spec.transfers(page) * u64::from(spec.pages));
@@ -317,6 +321,7 @@ pub async fn run_in_process(
                             page as usize,
                             spec.buffers as usize,
                             engine::memory_pages(spec, page),
+                            spec.buffer_offset,
                             src.clone(),
                             dst.clone(),
                             in_flight,
@@ -404,7 +409,7 @@ pub async fn run_listen(
             };
             let node = match &engine {
                 Some(e) => e.node.clone(),
-                None => Node::new(spec.node_config(page)).map_err(|e| e.to_string())?,
+                None => spec.node(spec.node_config(page))?,
             };
             // The next good connection, whatever else connects (port scans, HTTP, wrong keys,
             // stalled clients are logged, counted and dropped); then stop accepting until the
@@ -488,6 +493,7 @@ fn raw_engine_memory(
                 spec.buffers as usize,
                 engine::memory_pages(spec, page),
                 fill,
+                spec.buffer_offset,
             );
             Some((memory, pages))
         }
@@ -509,7 +515,9 @@ async fn listen_raw(
     let mut s = raw::accept_raw(listener).await;
     let (start, cpu) = (Instant::now(), CpuClock::start());
     let landed = match engine_memory {
-        None => raw_read(&mut s, total, record).await.map(|()| None),
+        None => raw_read(&mut s, total, record, spec.buffer_offset)
+            .await
+            .map(|()| None),
         Some((memory, dst)) => engine_raw_read(s, memory, dst, in_flight).await.map(Some),
     }
     .map_err(|e| e.to_string())?;
@@ -532,7 +540,9 @@ async fn connect_raw(
     raw::announce_raw(&mut s).await.map_err(|e| e.to_string())?;
     let (start, cpu) = (Instant::now(), CpuClock::start());
     let sent = match engine_memory {
-        None => raw_write(&mut s, total, record).await.map(|()| None),
+        None => raw_write(&mut s, total, record, spec.buffer_offset)
+            .await
+            .map(|()| None),
         Some((memory, src)) => engine_raw_write(s, memory, src, in_flight).await.map(Some),
     }
     .map_err(|e| e.to_string())?;
@@ -563,7 +573,7 @@ pub async fn run_connect(
         };
         let node = match &engine {
             Some(e) => e.node.clone(),
-            None => Node::new(spec.node_config(page)).map_err(|e| e.to_string())?,
+            None => spec.node(spec.node_config(page))?,
         };
         let stream = connect_retry(addr).await?;
         let sender = SenderConn::start(stream, &node, true)

@@ -10,6 +10,51 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::cost::{per_gb, CpuClock};
 
+/// Bytes that start `offset` bytes past a 4 KiB boundary, as the KV memory kvwire allocates
+/// for the same run does (`BenchSpec::buffer_offset`): over TCP the kernel's copies are
+/// slower for some pairings of source and destination offsets within 4 KiB on some CPUs
+/// (docs/BENCHMARKS.md, "Which offsets are slow"), so a baseline in memory placed otherwise
+/// (a plain `Vec` of a megabyte or more starts 16 bytes into a page under glibc) would
+/// measure the placement, not the protocol.
+#[derive(Clone)]
+pub(super) struct PlacedBytes {
+    storage: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl PlacedBytes {
+    /// `len` bytes of `fill` at `offset` (below 4096) past a 4 KiB boundary, on transparent
+    /// huge pages where the kernel gives them (asked for before the first touch, as kvwire
+    /// asks over the memory it allocates).
+    pub(super) fn new(len: usize, offset: usize, fill: u8) -> Self {
+        const PAGE: usize = 4096;
+        // `vec![0; n]` maps nothing yet: the advice comes before the first write.
+        let mut storage = vec![0u8; len + PAGE];
+        let start = (offset % PAGE + PAGE - storage.as_ptr() as usize % PAGE) % PAGE;
+        kvwire::memory::advise_huge_pages(&mut storage[start..start + len]);
+        storage[start..start + len].fill(fill);
+        Self {
+            storage,
+            start,
+            len,
+        }
+    }
+}
+
+impl std::ops::Deref for PlacedBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.storage[self.start..self.start + self.len]
+    }
+}
+
+impl std::ops::DerefMut for PlacedBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.storage[self.start..self.start + self.len]
+    }
+}
+
 /// One raw baseline's figures.
 #[derive(Clone, Copy, Debug)]
 pub struct RawRun {
@@ -30,24 +75,30 @@ impl RawRun {
 }
 
 /// Raw TCP loopback: the same bytes, in records of one page index, copied into a page-sized
-/// buffer on arrival (what landing does), with no protocol at all.
-pub async fn raw_tcp_baseline(total: u64, record: usize) -> std::io::Result<RawRun> {
+/// buffer on arrival (what landing does), with no protocol at all; both buffers start
+/// `offset` bytes past a 4 KiB boundary ([`PlacedBytes`]).
+pub async fn raw_tcp_baseline(total: u64, record: usize, offset: usize) -> std::io::Result<RawRun> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let reader = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await?;
-        raw_read(&mut s, total, record).await
+        raw_read(&mut s, total, record, offset).await
     });
     let mut s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
     let (start, cpu) = (Instant::now(), CpuClock::start());
-    raw_write(&mut s, total, record).await?;
+    raw_write(&mut s, total, record, offset).await?;
     reader.await.map_err(std::io::Error::other)??;
     Ok(RawRun::since(start, cpu, total))
 }
 
-pub(super) async fn raw_write(s: &mut TcpStream, total: u64, record: usize) -> std::io::Result<()> {
-    let buf = vec![0x5au8; record];
+pub(super) async fn raw_write(
+    s: &mut TcpStream,
+    total: u64,
+    record: usize,
+    offset: usize,
+) -> std::io::Result<()> {
+    let buf = PlacedBytes::new(record, offset, 0x5a);
     let mut left = total;
     while left > 0 {
         let n = (left as usize).min(record);
@@ -57,8 +108,13 @@ pub(super) async fn raw_write(s: &mut TcpStream, total: u64, record: usize) -> s
     s.flush().await
 }
 
-pub(super) async fn raw_read(s: &mut TcpStream, total: u64, record: usize) -> std::io::Result<()> {
-    let mut buf = vec![0u8; record];
+pub(super) async fn raw_read(
+    s: &mut TcpStream,
+    total: u64,
+    record: usize,
+    offset: usize,
+) -> std::io::Result<()> {
+    let mut buf = PlacedBytes::new(record, offset, 0xa5);
     let mut left = total;
     while left > 0 {
         let n = (left as usize).min(record);
@@ -75,23 +131,26 @@ pub(super) async fn raw_read(s: &mut TcpStream, total: u64, record: usize) -> st
 /// [`RAW_BATCH_PAGES`] pages and [`RAW_BATCH_BYTES`] per system call (one page index at
 /// least), on blocking sockets in two threads; streaming, or with the case's requests in
 /// flight ([`InFlight`]). Both memories are `pages` page indices of `buffers` buffers of
-/// `page` bytes, written through before the clock starts (no zero-page reads).
+/// `page` bytes, written through before the clock starts (no zero-page reads), every buffer
+/// starting `offset` bytes past a 4 KiB boundary.
+#[allow(clippy::too_many_arguments)]
 pub async fn raw_engine_baseline(
     page: usize,
     buffers: usize,
     pages: u32,
+    offset: usize,
     src: Vec<u32>,
     dst: Vec<u32>,
     in_flight: Option<InFlight>,
 ) -> std::io::Result<RawRun> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let dest = RawMemory::new(page, buffers, pages, 0xa5);
+    let dest = RawMemory::new(page, buffers, pages, 0xa5, offset);
     let reader = tokio::spawn(async move {
         let (s, _) = listener.accept().await?;
         engine_raw_read(s, dest, dst, in_flight).await
     });
-    let source = RawMemory::new(page, buffers, pages, 0x5a);
+    let source = RawMemory::new(page, buffers, pages, 0x5a, offset);
     let s = TcpStream::connect(addr).await?;
     s.set_nodelay(true)?;
     let (start, cpu) = (Instant::now(), CpuClock::start());
@@ -115,25 +174,19 @@ pub(super) const RAW_BATCH_BYTES: usize = 1 << 20;
 
 /// An engine's KV memory for the raw baseline: one region per buffer, written through.
 pub(super) struct RawMemory {
-    buffers: Vec<Vec<u8>>,
+    buffers: Vec<PlacedBytes>,
     page: usize,
 }
 
 impl RawMemory {
     /// `fill` must not be 0: every byte is written before the clock starts, as kvwire's own
-    /// memory is, so no page fault lands inside the clock.
-    pub(super) fn new(page: usize, buffers: usize, pages: u32, fill: u8) -> Self {
+    /// memory is, so no page fault lands inside the clock. Every buffer starts `offset` bytes
+    /// past a 4 KiB boundary, backed as kvwire backs the memory it allocates ([`PlacedBytes`]).
+    pub(super) fn new(page: usize, buffers: usize, pages: u32, fill: u8, offset: usize) -> Self {
         assert_ne!(fill, 0, "a raw baseline memory must be written through");
         Self {
             buffers: (0..buffers)
-                .map(|_| {
-                    // Backed as kvwire backs the memory it allocates: huge pages asked for
-                    // before the first touch (`vec![0; n]` maps nothing yet), then written.
-                    let mut b = vec![0u8; page * pages as usize];
-                    kvwire::memory::advise_huge_pages(&mut b);
-                    b.fill(fill);
-                    b
-                })
+                .map(|_| PlacedBytes::new(page * pages as usize, offset, fill))
                 .collect(),
             page,
         }
@@ -399,7 +452,7 @@ mod tests {
             }),
         ] {
             let (page, buffers, pages) = (256usize, 3usize, 200u32);
-            let mut source = RawMemory::new(page, buffers, pages, 1);
+            let mut source = RawMemory::new(page, buffers, pages, 1, 0);
             for (b, buf) in source.buffers.iter_mut().enumerate() {
                 for (i, x) in buf.iter_mut().enumerate() {
                     *x = (i / page * 7 + b * 31 + i % 251) as u8;
@@ -409,7 +462,7 @@ mod tests {
             let dst: Vec<u32> = (0..pages).map(|i| (i * 91 + 5) % pages).collect();
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
-            let dest = RawMemory::new(page, buffers, pages, 0xa5);
+            let dest = RawMemory::new(page, buffers, pages, 0xa5, 0);
             let dst2 = dst.clone();
             let reader = tokio::spawn(async move {
                 let (s, _) = listener.accept().await.unwrap();
@@ -445,7 +498,7 @@ mod tests {
         let request_bytes = f.pages * page * buffers;
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let source = RawMemory::new(page, buffers, pages, 1);
+        let source = RawMemory::new(page, buffers, pages, 1, 0);
         let writer = tokio::spawn(async move {
             let s = TcpStream::connect(addr).await.unwrap();
             engine_raw_write(s, source, (0..pages).collect(), Some(f))
@@ -492,9 +545,26 @@ mod tests {
     /// A system call moves at most `RAW_BATCH_BYTES` (or one page index, where that alone is
     /// more) and at most `RAW_BATCH_PAGES` page indices: 64 page indices of 4 MiB per call
     /// (256 MiB) had held the baseline at 0.6x of what TCP moves here.
+    /// Raw baseline memory starts where it is told within a 4 KiB page, filled to its last
+    /// byte, whatever the allocator gave (a plain `Vec` of a megabyte starts 16 bytes into a
+    /// page under glibc, which slowed the kernel's copies into it).
+    #[test]
+    fn placed_bytes_start_at_their_offset() {
+        for offset in [0, 16, 64, 2048, 4095] {
+            for len in [1, 4096, 1 << 20] {
+                let b = PlacedBytes::new(len, offset, 0x5a);
+                assert_eq!(b.as_ptr() as usize % 4096, offset, "{offset} {len}");
+                assert_eq!(b.len(), len);
+                assert!(b.iter().all(|&x| x == 0x5a), "{offset} {len}");
+            }
+        }
+        let m = RawMemory::new(1024, 3, 4, 1, 64);
+        assert!(m.buffers.iter().all(|b| b.as_ptr() as usize % 4096 == 64));
+    }
+
     #[test]
     fn a_baseline_call_moves_about_a_mebibyte() {
-        let batch = |page, buffers| RawMemory::new(page, buffers, 1, 1).batch();
+        let batch = |page, buffers| RawMemory::new(page, buffers, 1, 1, 0).batch();
         assert_eq!(batch(1 << 20, 4), 1, "one 4 MiB page index");
         assert_eq!(batch(4 << 20, 1), 1, "one 4 MiB page");
         assert_eq!(batch(64 << 10, 4), 4, "4 x 256 KiB = 1 MiB");

@@ -105,6 +105,10 @@ pub struct BenchSpec {
     /// Senders digest pages as they hand them to the transport; false: before the first
     /// write.
     pub digest_while_sending: bool,
+    /// Every buffer of the KV memory the run allocates (kvwire's, and the raw baselines')
+    /// starts this many bytes past a 4 KiB boundary (0: on one, as `KvMemory::allocate`
+    /// places it): to measure memory placed as an engine's allocator places it.
+    pub buffer_offset: usize,
     /// Heartbeats of every connection of the run (SPEC §8.3).
     #[serde(skip)]
     pub liveness: kvwire::proto::liveness::LivenessConfig,
@@ -153,6 +157,7 @@ impl Default for BenchSpec {
             tcp_streams: 1,
             digest_at_landing: true,
             digest_while_sending: true,
+            buffer_offset: 0,
             liveness: kvwire::proto::liveness::LivenessConfig::default(),
             metrics: None,
             on_transfer: None,
@@ -276,6 +281,13 @@ impl BenchSpec {
     /// Whether the engine workload copies through kvwire's pool.
     pub(super) fn engine_copy(&self) -> bool {
         matches!(self.workload, Workload::Engine { copy: true, .. })
+    }
+
+    /// A node over `config`, its KV memory allocated at the run's `buffer_offset`.
+    pub(super) fn node(&self, config: NodeConfig) -> Result<kvwire::engine::Node, String> {
+        let memory = kvwire::memory::KvMemory::allocate_at_offset(&config.pool, self.buffer_offset)
+            .map_err(|e| e.to_string())?;
+        kvwire::engine::Node::with_memory(config, memory).map_err(|e| e.to_string())
     }
 
     /// The node configuration for one case (both sides use the same one): a pool just
