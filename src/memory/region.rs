@@ -28,8 +28,10 @@ use crate::memory::{PoolError, PoolGeometry};
 /// With buffers at offset 64 (this constant was 64 until 2026-12-05), the sender's copy of
 /// 1 MiB pages ran at about 0.65x and 1.5x the CPU per byte; at offset 0 the engine workload
 /// gained 1.21x at 1 MiB pages with one request in flight, with 64 KiB pages and four in
-/// flight even (docs/BENCHMARKS.md, "Where a page starts within 4 KiB"). (An earlier transport
-/// had measured 64 KiB transfers 30% slower at 4 KiB alignment; the current one does not.)
+/// flight even (docs/BENCHMARKS.md, "Where a page starts within 4 KiB"). On that CPU the copy
+/// runs at a sixth of its speed when the destination starts 1-15 bytes after the source modulo
+/// 4 KiB, and under half for 16-31 ("Which offsets are slow"). (An earlier transport had
+/// measured 64 KiB transfers 30% slower at 4 KiB alignment; the current one does not.)
 /// RDMA registration needs no particular alignment (the kernel pins whole pages around any
 /// range).
 pub const ALIGN: usize = 4096;
