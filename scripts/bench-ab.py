@@ -57,8 +57,9 @@ def run_two(cmd, psk):
     gb = prefill["bytes"] / 1e9
     c = dict(prefill)
     c["cpu_s_per_gb"] = (prefill["cpu_seconds"] + decode["cpu_seconds"]) / gb
-    c["raw_cpu_s_per_gb"] = prefill["raw_cpu_s_per_gb"] + decode["raw_cpu_s_per_gb"]
-    c["cpu_ratio_to_raw"] = c["cpu_s_per_gb"] / c["raw_cpu_s_per_gb"]
+    if prefill.get("raw_cpu_s_per_gb") is not None:  # none with --no-raw
+        c["raw_cpu_s_per_gb"] = prefill["raw_cpu_s_per_gb"] + decode["raw_cpu_s_per_gb"]
+        c["cpu_ratio_to_raw"] = c["cpu_s_per_gb"] / c["raw_cpu_s_per_gb"]
     if prefill.get("raw_in_flight_cpu_s_per_gb") is not None:
         c["raw_in_flight_cpu_s_per_gb"] = (prefill["raw_in_flight_cpu_s_per_gb"]
                                            + decode["raw_in_flight_cpu_s_per_gb"])
@@ -119,16 +120,17 @@ def main():
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                 print(f"round {r} {case:18s} {name:12s} {c['gb_per_s']:.3f} GB/s ratio "
-                      f"{c['ratio_to_raw']:.2f} ({num(c.get('ratio_to_raw_in_flight'), 2)} in flight) cpu {c['cpu_s_per_gb']:.2f} ({c['cpu_ratio_to_raw']:.2f}) "
+                      f"{num(c.get('ratio_to_raw'), 2)} ({num(c.get('ratio_to_raw_in_flight'), 2)} in flight) "
+                      f"cpu {c['cpu_s_per_gb']:.2f} ({num(c.get('cpu_ratio_to_raw'), 2)}) "
                       f"{c['transfers_per_s']:.0f}/s", file=sys.stderr)
     print("| round | case | variant | GB/s | raw GB/s | ratio | raw GB/s, same requests in flight | ratio "
           "| CPU s/GB | raw CPU | CPU ratio | transfers/s | p50 ms | p99 ms |")
     print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for x in rows:
-        print(f"| {x['round']} | {x['case']} | {x['variant']} | {x['gb_per_s']:.3f} | {x['raw_gb_per_s']:.3f} | "
-              f"{x['ratio_to_raw']:.2f} | {num(x.get('raw_in_flight_gb_per_s'), 3)} | "
-              f"{num(x.get('ratio_to_raw_in_flight'), 2)} | {x['cpu_s_per_gb']:.2f} | {x['raw_cpu_s_per_gb']:.2f} | "
-              f"{x['cpu_ratio_to_raw']:.2f} | {x['transfers_per_s']:.0f} | {x['p50_ms']:.2f} | {x['p99_ms']:.2f} |")
+        print(f"| {x['round']} | {x['case']} | {x['variant']} | {x['gb_per_s']:.3f} | {num(x.get('raw_gb_per_s'), 3)} | "
+              f"{num(x.get('ratio_to_raw'), 2)} | {num(x.get('raw_in_flight_gb_per_s'), 3)} | "
+              f"{num(x.get('ratio_to_raw_in_flight'), 2)} | {x['cpu_s_per_gb']:.2f} | {num(x.get('raw_cpu_s_per_gb'), 2)} | "
+              f"{num(x.get('cpu_ratio_to_raw'), 2)} | {x['transfers_per_s']:.0f} | {x['p50_ms']:.2f} | {x['p99_ms']:.2f} |")
     print()
     print("Medians over the rounds (min-max of the ratio to raw):")
     print()
@@ -139,12 +141,14 @@ def main():
     for case in a.case:
         for name, _ in variants:
             xs = [x for x in rows if x["case"] == case and x["variant"] == name]
-            rs = [x["ratio_to_raw"] for x in xs]
+            # Runs with --no-raw have no ratios to raw: "-" there.
+            rs = [x["ratio_to_raw"] for x in xs if x.get("ratio_to_raw") is not None]
             fs = [x["ratio_to_raw_in_flight"] for x in xs if x.get("ratio_to_raw_in_flight") is not None]
-            in_flight = f"{med(fs):.2f} ({min(fs):.2f}-{max(fs):.2f})" if fs else "-"
-            print(f"| {case} | {name} | {med(x['gb_per_s'] for x in xs):.3f} | {med(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}) | "
-                  f"{in_flight} | "
-                  f"{med(x['cpu_s_per_gb'] for x in xs):.2f} | {med(x['cpu_ratio_to_raw'] for x in xs):.2f} | "
+            cs = [x["cpu_ratio_to_raw"] for x in xs if x.get("cpu_ratio_to_raw") is not None]
+            spread = lambda v: f"{med(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-"
+            print(f"| {case} | {name} | {med(x['gb_per_s'] for x in xs):.3f} | {spread(rs)} | "
+                  f"{spread(fs)} | "
+                  f"{med(x['cpu_s_per_gb'] for x in xs):.2f} | {num(med(cs) if cs else None, 2)} | "
                   f"{med(x['transfers_per_s'] for x in xs):.0f} | {med(x['p50_ms'] for x in xs):.2f} |")
     if len(variants) > 1:
         base = variants[0][0]
