@@ -2,14 +2,17 @@
  * busy-polls its sockets) is the polling itself, with no protocol at all.
  *
  *   cc -O2 -o target/raw-tcp-poll bench/raw-tcp-poll.c
- *   target/raw-tcp-poll MODE CHUNK MIB PORT [REGION_MIB]
+ *   target/raw-tcp-poll MODE CHUNK MIB PORT [REGION_MIB [OFFSET]]
  *
  * MODE: 0 both ends block; 1 the sender polls; 2 the receiver polls; 3 both poll (polling:
  * MSG_DONTWAIT, and sched_yield after EAGAIN, as UCX's progress loop does). CHUNK bytes per
  * send/recv, each to or from a pseudo-random CHUNK-sized slot of a REGION_MIB region (default
  * 256; on transparent huge pages where the kernel gives them, as kvwire's and the peers' KV
  * memory; a page landing at its slot); MIB mebibytes in all, over one TCP connection on
- * 127.0.0.1:PORT (TCP_NODELAY, default buffers), the receiver a forked process. Prints GB/s
+ * 127.0.0.1:PORT (TCP_NODELAY, default buffers), the receiver a forked process. The region
+ * starts OFFSET bytes (default 0) past a 2 MiB boundary: where a buffer starts within 4 KiB
+ * changes how fast the kernel copies on some CPUs (docs/BENCHMARKS.md, "Which offsets are
+ * slow"; kvwire bench --buffer-offset). Prints GB/s
  * (10^9), the bytes and each end's CPU seconds (getrusage). docs/BENCHMARKS.md, "Does polling
  * explain NIXL's lead"; scripts/peer-compare.sh runs it beside the engines (plain TCP, same run).
  */
@@ -32,13 +35,13 @@
 /* The region, allocated and written through in the process that uses it (after the fork: a
  * region shared copy-on-write would fault on the receiver's first write into each page, inside
  * the clock). */
-static char *region(size_t mem) {
+static char *region(size_t mem, size_t offset) {
   size_t huge = (size_t)2 << 20;
-  char *buf = aligned_alloc(huge, (mem + huge - 1) / huge * huge);
+  char *buf = aligned_alloc(huge, (mem + offset + huge - 1) / huge * huge);
   if (!buf) return NULL;
-  madvise(buf, mem, MADV_HUGEPAGE); /* before the first touch; where THP is "madvise" */
-  memset(buf, 0x5a, mem);
-  return buf;
+  madvise(buf, mem + offset, MADV_HUGEPAGE); /* before the first touch; where THP is "madvise" */
+  memset(buf, 0x5a, mem + offset);
+  return buf + offset;
 }
 
 static double now(void) {
@@ -81,8 +84,8 @@ static long long move_bytes(int s, int sending, int polls, char *buf, size_t slo
 }
 
 int main(int argc, char **argv) {
-  if (argc != 5 && argc != 6) {
-    fprintf(stderr, "usage: %s MODE(0-3) CHUNK MIB PORT [REGION_MIB]\n", argv[0]);
+  if (argc < 5 || argc > 7) {
+    fprintf(stderr, "usage: %s MODE(0-3) CHUNK MIB PORT [REGION_MIB [OFFSET]]\n", argv[0]);
     return 2;
   }
   int mode = atoi(argv[1]);
@@ -90,7 +93,8 @@ int main(int argc, char **argv) {
   size_t chunk = (size_t)atol(argv[2]);
   size_t total = (size_t)atol(argv[3]) << 20;
   int port = atoi(argv[4]);
-  size_t mem = (size_t)(argc == 6 ? atol(argv[5]) : 256) << 20;
+  size_t mem = (size_t)(argc >= 6 ? atol(argv[5]) : 256) << 20;
+  size_t offset = argc == 7 ? (size_t)atol(argv[6]) % 4096 : 0;
   if (chunk == 0 || chunk > mem) {
     fprintf(stderr, "CHUNK must be 1 to %zu bytes\n", mem);
     return 2;
@@ -109,7 +113,7 @@ int main(int argc, char **argv) {
   }
   pid_t child = fork();
   if (child == 0) {
-    char *buf = region(mem);
+    char *buf = region(mem, offset);
     if (!buf) return 1;
     int s = accept(ls, 0, 0);
     char ready = 1; /* the sender starts its clock when this arrives */
@@ -122,7 +126,7 @@ int main(int argc, char **argv) {
     printf("receiver_cpu_s=%.3f\n", cpu() - c0);
     return got == (long long)total ? 0 : 1;
   }
-  char *buf = region(mem);
+  char *buf = region(mem, offset);
   if (!buf) return 1;
   int s = socket(AF_INET, SOCK_STREAM, 0);
   setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);

@@ -19,6 +19,11 @@
 #   PEERS_OUT       where the JSON of every run and the table go (default target/peer-compare/DATE)
 #   PEERS_PYTHON    a CPython 3.11 (the wheels are cp311; default python3.11)
 #   PEERS_RAW       0: skip the raw TCP runs (default 1: below)
+#   PEERS_BUFFER_OFFSET  every engine's KV buffers (and the raw runs' region) start this many
+#                   bytes past a 4 KiB boundary (default 0, on one, as kvwire allocates; a
+#                   plain numpy array of this size starts at 16). Where buffers start changes
+#                   how fast the kernel's socket copies run on some CPUs, and not alike for
+#                   every engine (docs/BENCHMARKS.md, "Which offsets are slow")
 #
 # Workload per case (src/bin/kvwire/bench/engine.rs): each process registers PEERS_MEMORY of
 # its own memory as 4 buffers; a request is 4 buffers x 32 pages of 64 KiB (or 4 x 2 pages of
@@ -51,6 +56,7 @@ OUT=${PEERS_OUT:-target/peer-compare/$(date -u +%Y%m%dT%H%M%SZ)}
 PYTHON=${PEERS_PYTHON:-python3.11}
 RUN_TIMEOUT=300
 RAW=${PEERS_RAW:-1}
+OFFSET=${PEERS_BUFFER_OFFSET:-0}
 
 say() { echo "peer-compare: $*" >&2; }
 die() { say "FAILED: $*"; exit 1; }
@@ -136,7 +142,7 @@ for case in $CASES; do
       name="rawtcp.$page.${mode%:*}"
       say "$name"
       timeout "$RUN_TIMEOUT" target/raw-tcp-poll "${mode#*:}" "$(bytes_of "$page")" "$(mib "$BYTES")" \
-        "$(free_port)" "$(mib "$MEMORY")" >"$OUT/$name.txt" 2>"$OUT/$name.log" ||
+        "$(free_port)" "$(mib "$MEMORY")" "$OFFSET" >"$OUT/$name.txt" 2>"$OUT/$name.log" ||
         die "$name: exit $? (log in $OUT)"
     done
   fi
@@ -147,7 +153,8 @@ for case in $CASES; do
       kvwire)
         port=$(free_port)
         common=(bench --workload engine --memory "$MEMORY" --bytes "$BYTES" --page-sizes "$page"
-          --pages "$pages" --concurrency "$inflight" --json --psk-file "$OUT/kvwire.psk")
+          --pages "$pages" --concurrency "$inflight" --buffer-offset "$OFFSET" --json
+          --psk-file "$OUT/kvwire.psk")
         [ "${PEERS_KVWIRE_CHECK_BYTES:-0}" = 1 ] && common+=(--check-bytes)
         run_pair "$name" "$KVWIRE_BIN" "${common[@]}" --listen "127.0.0.1:$port" -- \
           "$KVWIRE_BIN" "${common[@]}" --connect "127.0.0.1:$port"
@@ -155,7 +162,7 @@ for case in $CASES; do
       mooncake | nixl)
         side=127.0.0.1:$(free_port)
         args=(--memory "$MEMORY" --bytes "$BYTES" --page-size "$page" --pages "$pages"
-          --concurrency "$inflight" --side "$side")
+          --concurrency "$inflight" --buffer-offset "$OFFSET" --side "$side")
         run_pair "$name" "$PY" "bench/peers/${engine}_bench.py" --role target "${args[@]}" -- \
           "$PY" "bench/peers/${engine}_bench.py" --role initiator "${args[@]}"
         ;;
@@ -164,5 +171,5 @@ for case in $CASES; do
   done
 done
 
-"$PY" bench/peers/versions.py "$KVWIRE_BIN" >"$OUT/versions.json"
+PEERS_BUFFER_OFFSET="$OFFSET" "$PY" bench/peers/versions.py "$KVWIRE_BIN" >"$OUT/versions.json"
 "$PY" bench/peers/table.py "$OUT" | tee "$OUT/table.md"

@@ -30,6 +30,8 @@ SEND_SEED = 0x5EED_0001
 RECEIVE_SEED = 0x5EED_0002
 MASK64 = (1 << 64) - 1
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+# Where every KV buffer starts: on a 4 KiB page (`alloc`).
+PAGE_ALIGN = 4096
 POISON = 0xA5
 
 
@@ -57,9 +59,11 @@ def permutation(pages, seed):
 class Workload:
     """One case: page size, pages per request, requests, and both sides' page choices."""
 
-    def __init__(self, memory, buffers, page, pages, total_bytes, concurrency):
+    def __init__(self, memory, buffers, page, pages, total_bytes, concurrency, buffer_offset=0):
         self.memory, self.buffers, self.page, self.pages = memory, buffers, page, pages
         self.concurrency = concurrency
+        # Every KV buffer starts this many bytes past a 4 KiB boundary (`alloc`).
+        self.buffer_offset = buffer_offset % PAGE_ALIGN
         self.buffer_bytes = memory // buffers
         self.page_count = self.buffer_bytes // page  # page indices per buffer
         self.request_bytes = page * pages * buffers
@@ -217,11 +221,17 @@ class Channel:
 
 
 def alloc(workload, fill):
-    """The engine's KV memory: `buffers` numpy buffers, every byte written once now (so no
-    page is first touched inside the timed window)."""
+    """The engine's KV memory: `buffers` numpy buffers, each starting `buffer_offset` bytes past
+    a 4 KiB boundary (0: on one, as the memory `kvwire bench` allocates does; a plain `np.empty`
+    of this size starts 16 bytes into a page, and where a buffer starts changes how fast the
+    kernel's socket copies run on some CPUs: docs/BENCHMARKS.md, "Which offsets are slow"),
+    every byte written once now (so no page is first touched inside the timed window)."""
     arrays = []
     for _ in range(workload.buffers):
-        a = np.empty(workload.buffer_bytes, dtype=np.uint8)
+        backing = np.empty(workload.buffer_bytes + PAGE_ALIGN, dtype=np.uint8)
+        start = (workload.buffer_offset - backing.ctypes.data) % PAGE_ALIGN
+        a = backing[start : start + workload.buffer_bytes]
+        assert a.ctypes.data % PAGE_ALIGN == workload.buffer_offset
         a.fill(fill)
         arrays.append(a)
     return arrays
@@ -236,6 +246,8 @@ def add_args(p):
     p.add_argument("--pages", type=int, default=32)
     p.add_argument("--bytes", default="1G")
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--buffer-offset", type=int, default=0,
+                   help="every KV buffer starts this many bytes past a 4 KiB boundary (0-4095)")
 
 
 def workload_from(args):
@@ -246,6 +258,7 @@ def workload_from(args):
         args.pages,
         parse_size(args.bytes),
         args.concurrency,
+        args.buffer_offset,
     )
 
 

@@ -138,7 +138,8 @@ def main():
             f"{versions.get('date')}; {versions.get('kvwire')} ({versions.get('kvwire_bin')}), "
             f"Mooncake TE {versions.get('mooncake')}, NIXL {versions.get('nixl')} "
             f"(UCX {versions.get('ucx')}); {versions.get('nproc')} CPUs, {versions.get('cpu')}; "
-            f"load average before the run {' '.join(versions.get('loadavg', []))}"
+            f"load average before the run {' '.join(versions.get('loadavg', []))}; "
+            f"KV buffers {versions.get('buffer_offset', 0)} bytes past a 4 KiB boundary"
         )
         print()
     print("| in flight | page | engine | GB/s | p50 ms | p99 ms | CPU s/GB (both processes) | latency until | what was checked |")

@@ -48,6 +48,8 @@ def main():
                 "nproc": sh("nproc"),
                 "cpu": model[0] if model else "unknown",
                 "loadavg": open("/proc/loadavg").read().split()[:3],
+                # Where every engine's KV buffers started within 4 KiB (PEERS_BUFFER_OFFSET).
+                "buffer_offset": int(os.environ.get("PEERS_BUFFER_OFFSET", "0")),
             },
             indent=1,
         )
