@@ -92,11 +92,14 @@ fn bench_verify_none_says_so_and_delivers() {
     assert!(!out.contains("DIGEST_MISMATCH"), "{out}");
 }
 
-/// The engine workload, in place and copied, checks every byte that landed in the decode
-/// engine's own pages, leaks no page, and has its scattered raw baseline.
+/// The engine workload, in place and copied, and with KV memory placed off a 4 KiB boundary
+/// (as an engine's allocator may place it), checks every byte that landed in the decode
+/// engine's own pages, leaks no page, has its scattered raw baselines (in memory placed
+/// alike), and reports where the buffers started. An offset of a whole page is refused.
 #[test]
 fn bench_engine_workload_in_place_and_copied_checks_every_byte() {
-    for copy in [false, true] {
+    for (copy, offset) in [(false, 0), (true, 0), (false, 16)] {
+        let offset_arg = offset.to_string();
         let mut args = vec![
             "bench",
             "--workload",
@@ -109,14 +112,17 @@ fn bench_engine_workload_in_place_and_copied_checks_every_byte() {
             "4M",
             "--check-bytes",
             "--json",
+            "--buffer-offset",
+            &offset_arg,
         ];
         if copy {
             args.push("--copy");
         }
         let (code, out, err) = kvwire(&args);
-        assert_eq!(code, 0, "copy {copy}: {err}");
+        assert_eq!(code, 0, "copy {copy}, offset {offset}: {err}");
         let report = json(&out);
         assert_eq!(report["spec"]["workload"]["kind"], "engine", "{report}");
+        assert_eq!(report["spec"]["buffer_offset"], offset, "{report}");
         let case = &report["cases"][0];
         let transfers = case["transfers"].as_u64().unwrap();
         assert!(transfers > 0);
@@ -133,40 +139,6 @@ fn bench_engine_workload_in_place_and_copied_checks_every_byte() {
             "{case}"
         );
     }
-}
-
-/// KV memory placed off a 4 KiB boundary (as an engine's allocator may place it): every
-/// transfer still lands byte for byte, the raw baselines run in memory placed alike, and the
-/// report says where the buffers started; an offset of a whole page is refused.
-#[test]
-fn bench_places_kv_memory_at_the_offset_it_is_given() {
-    let (code, out, err) = kvwire(&[
-        "bench",
-        "--workload",
-        "engine",
-        "--memory",
-        "16M",
-        "--page-sizes",
-        "16K",
-        "--bytes",
-        "4M",
-        "--buffer-offset",
-        "16",
-        "--check-bytes",
-        "--json",
-    ]);
-    assert_eq!(code, 0, "{err}");
-    let report = json(&out);
-    assert_eq!(report["spec"]["buffer_offset"], 16, "{report}");
-    let case = &report["cases"][0];
-    let transfers = case["transfers"].as_u64().unwrap();
-    assert!(transfers > 0);
-    assert_eq!(case["bytes_checked"].as_u64(), Some(transfers), "{case}");
-    assert!(case["raw_gb_per_s"].as_f64().unwrap() > 0.0, "{case}");
-    assert!(
-        case["raw_in_flight_gb_per_s"].as_f64().unwrap() > 0.0,
-        "{case}"
-    );
     let (code, _, err) = kvwire(&["bench", "--buffer-offset", "4096", "--bytes", "1M"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("buffer-offset"), "{err}");
