@@ -133,7 +133,6 @@ pub(super) async fn raw_read(
 /// flight ([`InFlight`]). Both memories are `pages` page indices of `buffers` buffers of
 /// `page` bytes, written through before the clock starts (no zero-page reads), every buffer
 /// starting `offset` bytes past a 4 KiB boundary.
-#[allow(clippy::too_many_arguments)]
 pub async fn raw_engine_baseline(
     page: usize,
     buffers: usize,
@@ -542,9 +541,6 @@ mod tests {
         assert_eq!(writer.await.unwrap(), got.1 as u64);
     }
 
-    /// A system call moves at most `RAW_BATCH_BYTES` (or one page index, where that alone is
-    /// more) and at most `RAW_BATCH_PAGES` page indices: 64 page indices of 4 MiB per call
-    /// (256 MiB) had held the baseline at 0.6x of what TCP moves here.
     /// Raw baseline memory starts where it is told within a 4 KiB page, filled to its last
     /// byte, whatever the allocator gave (a plain `Vec` of a megabyte starts 16 bytes into a
     /// page under glibc, which slowed the kernel's copies into it).
@@ -562,6 +558,9 @@ mod tests {
         assert!(m.buffers.iter().all(|b| b.as_ptr() as usize % 4096 == 64));
     }
 
+    /// A system call moves at most `RAW_BATCH_BYTES` (or one page index, where that alone is
+    /// more) and at most `RAW_BATCH_PAGES` page indices: 64 page indices of 4 MiB per call
+    /// (256 MiB) had held the baseline at 0.6x of what TCP moves here.
     #[test]
     fn a_baseline_call_moves_about_a_mebibyte() {
         let batch = |page, buffers| RawMemory::new(page, buffers, 1, 1, 0).batch();
