@@ -119,6 +119,10 @@ class KVManager:
     give the arrays/tensors as ``keepalive`` (``from_arrays`` does) so they outlive its
     runtime. kvwire writes only pages reserved for a transfer and reads only pages being
     sent; the engine must not write a page while kvwire holds it (``held_pages()``).
+    Over TCP, KV buffers that start on a 4 KiB boundary are copied fastest: a large numpy
+    array starts 16 bytes into a page, a PyTorch CPU tensor 64, and on some CPUs the kernel's
+    socket copies run several times slower for some such placements (the README's "With the
+    engine's own KV memory"; measure yours with ``kvwire bench --buffer-offset N``).
 
     Timeouts: ``reserve_timeout_s`` (decode: how long the prefill has to deliver a
     reservation), ``reservation_wait_s`` (prefill: how long an ``init``-ed request waits for
