@@ -364,6 +364,24 @@ impl BenchSpec {
 mod tests {
     use super::*;
 
+    /// The nodes a run builds have their KV memory where `--buffer-offset` puts it (the CLI
+    /// test sees only the reported value; this sees the memory).
+    #[test]
+    fn the_nodes_of_a_run_have_their_memory_at_the_buffer_offset() {
+        for offset in [0, 16, 64] {
+            let spec = BenchSpec {
+                buffer_offset: offset,
+                ..BenchSpec::default()
+            };
+            let node = spec.node(spec.node_config(4096)).unwrap();
+            let memory = node.pool().memory();
+            for b in 0..spec.buffers as usize {
+                let (ptr, _) = memory.region(b).unwrap();
+                assert_eq!(ptr.as_ptr() as usize % 4096, offset, "buffer {b}");
+            }
+        }
+    }
+
     /// Regression: at `--concurrency` above the sender's default `max_parked` (256), the
     /// decode side's reservations for requests the prefill had not submitted yet were refused
     /// with PARKED_LIMIT, each refusal let that decode worker run further ahead, and a 1 GiB
