@@ -192,3 +192,88 @@ fn a_failed_transfers_pages_come_back_only_after_its_fence() {
     pair.drive();
     assert_invariants(&pair);
 }
+
+/// A loopback sender that reports, as TCP's does, that its writes leave the source pages in
+/// cache: the sender driver then digests each page after its write completed.
+struct CachedWrites(kvwire::transport::loopback::LoopbackSender);
+
+impl kvwire::transport::Transport for CachedWrites {
+    fn send_frame(&mut self, now: std::time::Instant, frame: &kvwire::proto::wire::Frame) {
+        self.0.send_frame(now, frame);
+    }
+    fn poll_event(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        now: std::time::Instant,
+    ) -> std::task::Poll<kvwire::transport::TransportEvent> {
+        self.0.poll_event(cx, now)
+    }
+    fn close(&mut self, now: std::time::Instant) {
+        self.0.close(now);
+    }
+    fn poll_timeout(&self) -> Option<std::time::Instant> {
+        self.0.poll_timeout()
+    }
+}
+
+impl kvwire::transport::SenderTransport for CachedWrites {
+    fn write_credit(&self) -> usize {
+        self.0.write_credit()
+    }
+    fn post_writes(
+        &mut self,
+        now: std::time::Instant,
+        transfer: kvwire::TransferRef,
+        access: &std::sync::Arc<[u8]>,
+        writes: &[kvwire::proto::sender::PageWrite],
+    ) {
+        self.0.post_writes(now, transfer, access, writes);
+    }
+    fn writes_leave_source_in_cache(&self) -> bool {
+        true
+    }
+}
+
+/// Over a transport whose writes leave the source in cache, the sender digests a page only
+/// once its write is done, never before (at every step of the run, the pages digested after
+/// their writes never outnumber the writes done), and a chunk smaller than
+/// `DIGEST_AFTER_WRITE_MIN_BYTES` right before its writes; every transfer verifies.
+#[test]
+fn the_sender_digests_a_page_only_after_its_write_when_writes_leave_it_in_cache() {
+    use kvwire::transport::loopback;
+    let mut config = PairConfig::small();
+    config.sender_pool.buffer_page_bytes = vec![64 << 10, 64 << 10];
+    config.receiver_pool = config.sender_pool.clone();
+    let (s_pool, r_pool) = config.pools().unwrap();
+    let (s, r) = loopback::connect(s_pool.clone(), r_pool.clone(), config.latency);
+    let mut pair = Pair::with_transports(
+        &config,
+        std::time::Instant::now(),
+        (s_pool, CachedWrites(s)),
+        (r_pool, r),
+    )
+    .unwrap();
+    pair.sender.set_digest_while_sending(true);
+    // 160 tokens: 10 pages of 2 x 64 KiB (1.25 MiB), four writes in flight at most.
+    transfer(&mut pair, 1, 160);
+    let mut saw_posted_undigested = false;
+    while pair.step() {
+        let st = pair.sender.stats();
+        assert!(
+            st.pages_digested_after_write <= st.writes_completed,
+            "a page digested before its write was done: {st:?}"
+        );
+        saw_posted_undigested |= st.writes_posted > st.pages_digested_after_write;
+    }
+    assert!(
+        saw_posted_undigested,
+        "the writes never ran ahead of the digest"
+    );
+    assert_eq!(pair.sender.stats().pages_digested_after_write, 10);
+    // 16 tokens: one page, 128 KiB, digested before its write.
+    transfer(&mut pair, 2, 16);
+    pair.drive();
+    assert_eq!(pair.sender.stats().pages_digested_after_write, 10);
+    assert_eq!(pair.verified, vec![TransferId(1), TransferId(2)]);
+    assert_invariants(&pair);
+}

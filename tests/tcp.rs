@@ -349,6 +349,34 @@ async fn offloaded_digests_verify_and_release() {
     }
 }
 
+/// Over TCP the sender digests a transfer of at least `DIGEST_AFTER_WRITE_MIN_BYTES` page by
+/// page right after the kernel copied it into the socket (from cache), a smaller one right
+/// before its writes are posted (so its COMMIT can leave with its last record); both verify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sender_digests_large_transfers_after_their_writes_and_small_ones_before() {
+    let mut config = NodeConfig::example();
+    config.pool.buffer_page_bytes = vec![64 << 10, 64 << 10];
+    config.pool.pages = 64;
+    config.engine = kvwire::config::EngineConfig::new(1024);
+    let page = config.pool.bytes_per_page_index();
+    let (s, r) = pair(&config).await;
+    // 160 tokens: 10 pages of 2 x 64 KiB, 1.25 MiB; then 16 tokens: one page, 128 KiB.
+    for (id, tokens, pages) in [(1u64, 160, 10u64), (2, 16, 1)] {
+        assert_eq!(
+            pages * page >= kvwire::driver::DIGEST_AFTER_WRITE_MIN_BYTES,
+            id == 1
+        );
+        let verified = r.reserve(params(id, tokens));
+        send(&s, id, u64::from(tokens)).await.unwrap();
+        verified.await.unwrap().release().unwrap();
+    }
+    let st = s.stats().await.unwrap();
+    assert_eq!(st.verified, 2);
+    assert_eq!(st.digest_jobs_offloaded, 0, "{st:?}");
+    assert_eq!(st.pages_digested_after_write, 10, "{st:?}");
+    assert_receiver_pool_full(&r).await;
+}
+
 /// Digest jobs split across pool threads (`digest_threads`) on both ends, the receiver's after
 /// the fence: 8 MiB transfers verify, both sides report split jobs, the pages come back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -56,7 +56,7 @@ pub struct NodeConfig {
     /// Transfers of at least this many bytes are digested on tokio's blocking pool, so the
     /// connection keeps receiving (and sending) other transfers meanwhile; smaller ones
     /// inline, where a thread handoff costs more than it saves. `None` (the default): the
-    /// transport's own threshold, [`TransportConfig::default_digest_offload_bytes`] (8 MiB
+    /// transport's own threshold, [`TransportConfig::default_digest_offload_bytes`] (none
     /// over TCP, every transfer over RDMA).
     pub digest_offload_bytes: Option<u64>,
     /// Threads of the blocking pool one such transfer's digests may use at once: its pages
@@ -150,10 +150,15 @@ impl TransportConfig {
     /// Transfers of at least this many bytes are digested on the blocking pool when
     /// [`NodeConfig::digest_offload_bytes`] is `None`.
     ///
-    /// * TCP: 8 MiB. The connection's own thread copies every byte in and out of the
-    ///   socket, so a smaller transfer's digest costs that thread no more inline than on the
-    ///   pool, and inline saves the handoff (the pages are also digested as they land and as
-    ///   they are sent, while in cache).
+    /// * TCP: none (`u64::MAX`). The connection's own thread copies every byte in and out of
+    ///   the socket, and digests each page right after that copy, from cache: the receiver as
+    ///   it lands, the sender as its write completes
+    ///   ([`SenderTransport::writes_leave_source_in_cache`](crate::transport::SenderTransport::writes_leave_source_in_cache)).
+    ///   A job on the pool reads the pages again from memory on another core. On 2 cores
+    ///   inline beat the pool for 8 MiB and 32 MiB transfers alike (1.01-1.26x GB/s at
+    ///   0.86-1.01x CPU; docs/BENCHMARKS.md, "The sender's digest after the kernel's copy").
+    ///   Where idle cores matter more than CPU per byte, set
+    ///   [`NodeConfig::digest_offload_bytes`] and measure.
     /// * RDMA: 1 byte, every transfer with page bytes. The NIC moves the bytes while the
     ///   connection's thread only posts and completes work requests; a digest on that thread
     ///   holds back the posting of every other transfer while the link idles. On SoftRoCE at
@@ -161,7 +166,7 @@ impl TransportConfig {
     ///   (docs/BENCHMARKS.md, "RDMA digests on the blocking pool").
     pub fn default_digest_offload_bytes(&self) -> u64 {
         match self {
-            Self::Tcp => 8 << 20,
+            Self::Tcp => u64::MAX,
             Self::Rdma { .. } => 1,
         }
     }

@@ -278,24 +278,34 @@ impl Digests {
             .max(1)
     }
 
+    /// The bytes of `transfer`'s stepped job (its chunk's pages), 0 when it has none.
+    pub(crate) fn stepped_bytes(&self, transfer: TransferRef) -> u64 {
+        self.streams
+            .get(&transfer)
+            .and_then(|s| s.stepped.as_ref())
+            .map_or(0, |s| s.job.bytes())
+    }
+
     /// The transfers whose stepped job waits for more of its pages to be sent.
     pub(crate) fn stepping(&self) -> impl Iterator<Item = TransferRef> + '_ {
         self.stepping.iter().copied()
     }
 
     /// Digests the pages of `transfer`'s stepped job before ordinal `through` (the first
-    /// page not handed to the transport yet; `u32::MAX` once none is left to send, the
-    /// writes done or cancelled), and finishes the job once it covers its chunk.
-    pub(crate) fn advance(&mut self, transfer: TransferRef, through: u32) {
+    /// page not handed to the transport yet, or not yet written; `u32::MAX` once none is left to send, the
+    /// writes done or cancelled), and finishes the job once it covers its chunk. Returns how
+    /// many pages this call digested.
+    pub(crate) fn advance(&mut self, transfer: TransferRef, through: u32) -> usize {
         let Some(stream) = self.streams.get_mut(&transfer) else {
             self.stepping.remove(&transfer);
-            return;
+            return 0;
         };
         let Some(s) = stream.stepped.as_mut() else {
             self.stepping.remove(&transfer);
-            return;
+            return 0;
         };
         let n = s.job.page_count();
+        let mut stepped = 0;
         let to = (through.saturating_sub(s.job.first) as usize).min(n);
         if to > s.done {
             let (job, state, done) = (&s.job, &mut s.state, s.done);
@@ -309,15 +319,16 @@ impl Digests {
                 self.stepping.remove(&transfer);
                 self.complete(transfer, final_chunk, Err(e));
                 self.pump(transfer);
-                return;
+                return 0;
             }
+            stepped = to - s.done;
             s.done = to;
         }
         if s.done < n {
-            return;
+            return stepped;
         }
         let Some(Stepped { job, state, .. }) = stream.stepped.take() else {
-            return;
+            return stepped;
         };
         self.stepping.remove(&transfer);
         let final_chunk = job.is_final();
@@ -327,6 +338,7 @@ impl Digests {
         drop(job);
         self.complete(transfer, final_chunk, result);
         self.pump(transfer);
+        stepped
     }
 
     /// Records a job's result: keeps the streaming state for the transfer's next chunk, or

@@ -52,4 +52,7 @@ pub trait Driver {
 pub use receiver::{
     ReceiveError, ReceiveOutcome, ReceiverDriver, ReceiverDriverStats, ReserveParams, VerifiedKv,
 };
-pub use sender::{admission_policy, ChunkStartError, SenderDriver, SenderDriverStats, StartError};
+pub use sender::{
+    admission_policy, ChunkStartError, SenderDriver, SenderDriverStats, StartError,
+    DIGEST_AFTER_WRITE_MIN_BYTES,
+};

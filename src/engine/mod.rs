@@ -467,13 +467,14 @@ mod tests {
     }
 
     /// Unset, the threshold is the transport's: RDMA digests every transfer on the blocking
-    /// pool (the connection's thread only posts and completes work requests), TCP from 8 MiB;
-    /// a threshold the node sets wins on both.
+    /// pool (the connection's thread only posts and completes work requests), TCP none (it
+    /// digests each page right after the connection's thread copied it); a threshold the
+    /// node sets wins on both.
     #[test]
     fn the_digest_offload_threshold_is_the_transports_unless_the_node_sets_one() {
         let mut tcp = NodeConfig::example();
         assert_eq!(tcp.digest_offload_bytes, None);
-        assert_eq!(threshold(&tcp), 8 << 20);
+        assert_eq!(threshold(&tcp), u64::MAX, "inline, after each copy");
         let mut rdma = NodeConfig::example();
         rdma.transport = TransportConfig::rdma(Some("rxe0"));
         assert_eq!(threshold(&rdma), 1, "every transfer with page bytes");

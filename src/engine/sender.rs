@@ -88,8 +88,12 @@ pub struct SenderConnStats {
     /// Digest jobs split across several threads (`NodeConfig::digest_threads`).
     pub digest_jobs_split: u64,
     /// Digest jobs run on the blocking pool beside the connection, split or not
-    /// (`NodeConfig::digest_offload_bytes`; by default RDMA's every one, TCP's from 8 MiB).
+    /// (`NodeConfig::digest_offload_bytes`; by default RDMA's every one, TCP's none).
     pub digest_jobs_offloaded: u64,
+    /// Source pages digested right after their writes completed, while the transport's copy
+    /// left them in cache (TCP from host memory, chunks of at least
+    /// [`DIGEST_AFTER_WRITE_MIN_BYTES`](crate::driver::DIGEST_AFTER_WRITE_MIN_BYTES)).
+    pub pages_digested_after_write: u64,
 }
 
 /// The prefill side of one connection.
@@ -390,6 +394,7 @@ impl<T: SenderTransport> Task<T> {
                 s.writes = d.writes_completed;
                 s.digest_jobs_split = d.digest_jobs_split;
                 s.digest_jobs_offloaded = d.digest_jobs_offloaded;
+                s.pages_digested_after_write = d.pages_digested_after_write;
                 s.bytes = d.writes_completed * pool.geometry().bytes_per_page_index();
                 s.pages_free = pool.free_pages();
                 s.pages_total = pool.capacity_pages();

@@ -214,6 +214,16 @@ pub trait SenderTransport: Transport {
         None
     }
 
+    /// Whether a page write reads its source pages on the connection's own thread and leaves
+    /// them in that core's cache by the time it is reported done (TCP from host memory: the
+    /// kernel copies them into the socket). The sender driver then digests each page right
+    /// after its write completed, a read from cache, instead of right before it is posted, a
+    /// read from memory (SPEC §6, digests while sending). Default: no (RDMA reads the pages
+    /// by DMA; device memory is digested where it is).
+    fn writes_leave_source_in_cache(&self) -> bool {
+        false
+    }
+
     /// Posts page writes of `transfer` into the destinations its receiver's `access`
     /// descriptor (from RESERVE) grants. Every page's outcome is reported exactly once as
     /// [`TransportEvent::WritesDone`] (refused pages, e.g. outside the descriptor, as failed).

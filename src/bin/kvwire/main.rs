@@ -160,9 +160,10 @@ struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Digest transfers of at least this many bytes on the blocking pool instead of the
-    /// connection's task (suffixes K, M, G). Default: the transport's, 8M over TCP (measured
-    /// on 2 cores: offloading costs ~9% for 2 MiB transfers and gains ~9% for 32 MiB ones),
-    /// every transfer over RDMA (docs/BENCHMARKS.md).
+    /// connection's task (suffixes K, M, G). Default: the transport's: none over TCP, which
+    /// digests each page right after the connection's thread copied it (measured on 2 cores:
+    /// the pool cost more CPU and GB/s at 8 MiB and 32 MiB), every transfer over RDMA
+    /// (docs/BENCHMARKS.md).
     #[arg(long, value_parser = parse_size)]
     digest_offload: Option<u64>,
     /// Threads one offloaded transfer's digests may use at once (its pages split into that

@@ -471,6 +471,10 @@ impl<T: SenderTransport> SenderTransport for FaultySender<T> {
         self.0.inner.destination_pages()
     }
 
+    fn writes_leave_source_in_cache(&self) -> bool {
+        self.0.inner.writes_leave_source_in_cache()
+    }
+
     fn post_writes(
         &mut self,
         now: Instant,

@@ -349,6 +349,10 @@ impl<T: SenderTransport> SenderTransport for LaneSet<T> {
         self.lanes[0].destination_pages()
     }
 
+    fn writes_leave_source_in_cache(&self) -> bool {
+        self.lanes.iter().all(T::writes_leave_source_in_cache)
+    }
+
     fn post_writes(
         &mut self,
         now: Instant,
