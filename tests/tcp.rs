@@ -349,15 +349,21 @@ async fn offloaded_digests_verify_and_release() {
     }
 }
 
+/// The example node with 64 pages of two 64 KiB buffers (16 tokens each, 1024 in all).
+fn pages_of_two_64k_buffers() -> NodeConfig {
+    let mut config = NodeConfig::example();
+    config.pool.buffer_page_bytes = vec![64 << 10, 64 << 10];
+    config.pool.pages = 64;
+    config.engine = kvwire::config::EngineConfig::new(1024);
+    config
+}
+
 /// Over TCP the sender digests a transfer of at least `DIGEST_AFTER_WRITE_MIN_BYTES` page by
 /// page right after the kernel copied it into the socket (from cache), a smaller one right
 /// before its writes are posted (so its COMMIT can leave with its last record); both verify.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sender_digests_large_transfers_after_their_writes_and_small_ones_before() {
-    let mut config = NodeConfig::example();
-    config.pool.buffer_page_bytes = vec![64 << 10, 64 << 10];
-    config.pool.pages = 64;
-    config.engine = kvwire::config::EngineConfig::new(1024);
+    let config = pages_of_two_64k_buffers();
     let page = config.pool.bytes_per_page_index();
     let (s, r) = pair(&config).await;
     // 160 tokens: 10 pages of 2 x 64 KiB, 1.25 MiB; then 16 tokens: one page, 128 KiB.
@@ -381,10 +387,7 @@ async fn the_sender_digests_large_transfers_after_their_writes_and_small_ones_be
 /// the fence: 8 MiB transfers verify, both sides report split jobs, the pages come back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn digests_split_across_threads_verify_and_release() {
-    let mut config = NodeConfig::example();
-    config.pool.buffer_page_bytes = vec![64 << 10, 64 << 10];
-    config.pool.pages = 64;
-    config.engine = kvwire::config::EngineConfig::new(1024);
+    let mut config = pages_of_two_64k_buffers();
     config.digest_offload_bytes = Some(1 << 20);
     config.digest_threads = 3;
     config.digest_at_landing = false;

@@ -648,27 +648,35 @@ mod tests {
     use kvwire_proto::auth::AuthChannel;
     use kvwire_proto::wire::TransferId;
 
-    /// SPEC §9.1: a TCP access descriptor is exactly 4 bytes; a sender given any other
-    /// length writes nothing for the reservation and reports every page write failed.
-    #[tokio::test(flavor = "current_thread")]
-    async fn a_tcp_access_descriptor_of_the_wrong_length_fails_the_writes() {
+    /// A sender over a loopback TCP connection, from a pool of `pages` one-buffer pages of
+    /// `page_bytes`, and the connection's other end.
+    async fn connected_sender(page_bytes: u32, pages: u32) -> (TcpSender, TcpStream) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (a, b) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        let (a, _b) = (a.unwrap(), b.unwrap().0);
         let pool = Arc::new(
             PagePool::new(
                 PoolGeometry {
                     tokens_per_page: 1,
-                    buffer_page_bytes: vec![8],
-                    pages: 4,
+                    buffer_page_bytes: vec![page_bytes],
+                    pages,
                 },
                 Scrub::None,
             )
             .unwrap(),
         );
         let (sealer, opener) = AuthChannel::off().split();
-        let mut s = TcpSender::new(a, sealer, opener, pool);
+        (
+            TcpSender::new(a.unwrap(), sealer, opener, pool),
+            b.unwrap().0,
+        )
+    }
+
+    /// SPEC §9.1: a TCP access descriptor is exactly 4 bytes; a sender given any other
+    /// length writes nothing for the reservation and reports every page write failed.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_tcp_access_descriptor_of_the_wrong_length_fails_the_writes() {
+        let (mut s, _peer) = connected_sender(8, 4).await;
         let t = TransferRef {
             transfer_id: TransferId(1),
             nonce: 9,
@@ -733,25 +741,10 @@ mod tests {
     /// more, so the sender digests those pages before the next write's copy evicts them.
     #[tokio::test(flavor = "current_thread")]
     async fn written_records_are_reported_after_each_mebibyte() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (a, b) = tokio::join!(TcpStream::connect(addr), listener.accept());
-        let (a, b) = (a.unwrap(), b.unwrap().0.into_std().unwrap());
-        b.set_nonblocking(false).unwrap();
-        let drain = std::thread::spawn(move || std::io::copy(&mut &b, &mut std::io::sink()));
-        let pool = Arc::new(
-            PagePool::new(
-                PoolGeometry {
-                    tokens_per_page: 1,
-                    buffer_page_bytes: vec![256 << 10],
-                    pages: 16,
-                },
-                Scrub::None,
-            )
-            .unwrap(),
-        );
-        let (sealer, opener) = AuthChannel::off().split();
-        let mut s = TcpSender::new(a, sealer, opener, pool);
+        let (mut s, peer) = connected_sender(256 << 10, 16).await;
+        let peer = peer.into_std().unwrap();
+        peer.set_nonblocking(false).unwrap();
+        let drain = std::thread::spawn(move || std::io::copy(&mut &peer, &mut std::io::sink()));
         let t = TransferRef {
             transfer_id: TransferId(1),
             nonce: 9,
