@@ -87,9 +87,12 @@ impl RowDigests {
     }
 
     /// Feeds the record's bytes `fed .. to`: `digest(b, range, stream)` feeds `stream` the
-    /// bytes `range` of buffer `b`'s slot (of `page_bytes[b]` bytes), read from the page,
-    /// and says whether it could. False when one could not: the record's digests are then
-    /// not taken at landing.
+    /// bytes `range` of buffer `b`'s slot (of `page_bytes[b]` bytes), read from the page
+    /// (with [`PageDigestStream::feed`], whole when `range` is the whole slot), and says
+    /// whether it could. False when one could not: the record's digests are then not taken
+    /// at landing. A slot of at most [`DIGEST_PIECE`] bytes is fed whole, once its last byte
+    /// landed (the read that completes it follows the one that began it, so its first bytes
+    /// are still in cache); a larger one piece by piece.
     fn feed(
         &mut self,
         page_bytes: &[usize],
@@ -99,7 +102,16 @@ impl RowDigests {
         let mut start = 0;
         for (b, &len) in page_bytes.iter().enumerate() {
             let end = start + len;
-            let (lo, hi) = (self.fed.max(start), to.min(end));
+            let (lo, hi) = if len <= DIGEST_PIECE {
+                // Whole, by the feed that completes it.
+                if self.fed < end && to >= end {
+                    (start, end)
+                } else {
+                    (0, 0)
+                }
+            } else {
+                (self.fed.max(start), to.min(end))
+            };
             if lo < hi && !digest(b, lo - start..hi - start, &mut self.streams[b]) {
                 return false;
             }
@@ -374,7 +386,10 @@ impl StreamReader {
                     let page = header.dst_page;
                     let ok = d.feed(&self.page_bytes, *done, |b, range, stream| {
                         pool.raw_page(page, b)
-                            .map(|bytes| stream.update(&bytes[range]))
+                            .map(|bytes| {
+                                let whole = range.len() == bytes.len();
+                                stream.feed(&bytes[range], whole);
+                            })
                             .is_some()
                     });
                     if !ok {
@@ -542,7 +557,8 @@ impl StreamReader {
                     if let Some(d) = &mut self.digesting {
                         let slots = row.buffers_mut();
                         let ok = d.feed(&self.page_bytes, *done + k, |b, range, stream| {
-                            stream.update(&slots[b][range]);
+                            let whole = range.len() == slots[b].len();
+                            stream.feed(&slots[b][range], whole);
                             true
                         });
                         if !ok {
