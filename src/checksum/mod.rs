@@ -67,7 +67,6 @@ pub use kvwire_proto::wire::{Digest128, DigestAlgorithm, TransferDigests};
 
 mod job;
 mod landed;
-mod page_stream;
 #[cfg(test)]
 mod tests;
 
@@ -75,7 +74,6 @@ mod tests;
 pub(crate) use job::PANICS_IN_TESTS;
 pub use job::{DigestJob, DigestJobError, DigestProgress, PageDigestPart, TransferDigester};
 pub use landed::LandedDigests;
-pub(crate) use page_stream::PageDigestStream;
 
 /// The 4-byte domain-separation prefix of every buffer digest input (ASCII `"KVWD"`).
 pub const BUFFER_DIGEST_DOMAIN: [u8; 4] = *b"KVWD";
@@ -115,7 +113,7 @@ impl Kind {
     }
 
     #[inline]
-    fn page_digest(self, bytes: &[u8]) -> u64 {
+    pub(crate) fn page_digest(self, bytes: &[u8]) -> u64 {
         match self {
             // The same function as `xxh3_64` (seed 0, default secret; the known answers in
             // checksum/tests.rs hold for both), with the SIMD width chosen at run time.

@@ -5,7 +5,7 @@ use kvwire_proto::auth::{AuthChannel, OpenError, Opener};
 use kvwire_proto::wire::{DecodeError, HEADER_LEN, MAGIC, TRAILER_LEN};
 
 use super::records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};
-use crate::checksum::{Kind, PageDigestStream};
+use crate::checksum::Kind;
 use crate::memory::{PagePool, ScopeTable};
 use crate::transport::staging::Staging;
 use crate::transport::LandingDigests;
@@ -54,81 +54,80 @@ const SMALL_RECORD: usize = 16 * 1024;
 /// Bytes read ahead behind the payload of a large data record.
 const LARGE_AHEAD: usize = 4 * 1024;
 /// While a record's page is digested as it lands, each read into the page asks for at most
-/// this many bytes, which are then digested at once: they are still in the core's cache
-/// (a read of several MiB would have pushed its first bytes out before they are digested).
+/// this many bytes, so that a buffer's slot is still in the core's cache when the read that
+/// completes it returns and the slot is digested (a read of several MiB would have pushed its
+/// first bytes out before they are digested).
 const DIGEST_PIECE: usize = 256 * 1024;
 
 /// The page digests of the record landing now, taken as its bytes land (SPEC §6, digests
-/// at landing): one stream per buffer, fed the record's bytes in order, read back from the
-/// page right after each read or copy wrote them.
+/// at landing): each buffer's slot digested whole, in one pass, read back from the page right
+/// after the read or copy that wrote its last byte.
+///
+/// Whole and in one pass, as the sender digests its pages (`XxHash3_64::oneshot`), not piece by
+/// piece in XXH3's streaming form: how fast the streaming loop runs depends on how the compiler
+/// lays it out (it kept the accumulators in memory in some builds of the same source, and read
+/// landed pages at 0.69-1.14 of the kernel copy's cost instead of 0.19-0.22), while a 1 MiB slot
+/// digested once complete cost what its pieces did (docs/BENCHMARKS.md, "The receiver's digest
+/// and the compiler").
 #[derive(Debug)]
 struct RowDigests {
     algorithm: DigestAlgorithm,
-    streams: Vec<PageDigestStream>,
+    kind: Kind,
+    /// The page digests of the slots digested so far, in buffer order.
+    digests: Vec<u64>,
+    /// Where the next slot to digest starts in the record.
+    slot_start: usize,
     /// The record's bytes fed so far.
     fed: usize,
 }
 
 impl RowDigests {
-    /// Empty streams for `buffers` buffers, in `streams`' allocation (the last record's).
-    fn new(
-        algorithm: DigestAlgorithm,
-        buffers: usize,
-        mut streams: Vec<PageDigestStream>,
-    ) -> Option<Self> {
+    /// No digests yet, in `digests`' allocation (the last record's).
+    fn new(algorithm: DigestAlgorithm, mut digests: Vec<u64>) -> Option<Self> {
         let kind = Kind::new(algorithm).ok()?;
-        streams.clear();
-        streams.extend((0..buffers).map(|_| PageDigestStream::new(kind)));
+        digests.clear();
         Some(Self {
             algorithm,
-            streams,
+            kind,
+            digests,
+            slot_start: 0,
             fed: 0,
         })
     }
 
-    /// Feeds the record's bytes `fed .. to`: `digest(b, range, stream)` feeds `stream` the
-    /// bytes `range` of buffer `b`'s slot (of `page_bytes[b]` bytes), read from the page
-    /// (with [`PageDigestStream::feed`], whole when `range` is the whole slot), and says
-    /// whether it could. False when one could not: the record's digests are then not taken
-    /// at landing. A slot of at most [`DIGEST_PIECE`] bytes is fed whole, once its last byte
-    /// landed (the read that completes it follows the one that began it, so its first bytes
-    /// are still in cache); a larger one piece by piece.
+    /// The record's bytes have landed up to `to`: `digest(b, kind)` returns the page digest
+    /// under `kind` of buffer `b`'s whole slot (of `page_bytes[b]` bytes), read from the page,
+    /// for every slot whose last byte is now in, or `None` when it could not: the record's
+    /// digests are then not taken at landing (false).
     fn feed(
         &mut self,
         page_bytes: &[usize],
         to: usize,
-        mut digest: impl FnMut(usize, std::ops::Range<usize>, &mut PageDigestStream) -> bool,
+        mut digest: impl FnMut(usize, Kind) -> Option<u64>,
     ) -> bool {
-        let mut start = 0;
-        for (b, &len) in page_bytes.iter().enumerate() {
-            let end = start + len;
-            let (lo, hi) = if len <= DIGEST_PIECE {
-                // Whole, by the feed that completes it.
-                if self.fed < end && to >= end {
-                    (start, end)
-                } else {
-                    (0, 0)
-                }
-            } else {
-                (self.fed.max(start), to.min(end))
-            };
-            if lo < hi && !digest(b, lo - start..hi - start, &mut self.streams[b]) {
-                return false;
+        while let Some(&len) = page_bytes.get(self.digests.len()) {
+            let end = self.slot_start + len;
+            if to < end {
+                break;
             }
-            start = end;
+            match digest(self.digests.len(), self.kind) {
+                Some(d) => self.digests.push(d),
+                None => return false,
+            }
+            self.slot_start = end;
         }
         self.fed = self.fed.max(to);
         true
     }
 
-    /// The page digests, if every one of the record's `len` bytes was fed; and the streams'
+    /// The page digests, if every one of the record's `len` bytes was fed; and the digests'
     /// allocation, for the next record.
-    fn finish(self, len: usize) -> (Option<LandingDigests>, Vec<PageDigestStream>) {
+    fn finish(self, len: usize) -> (Option<LandingDigests>, Vec<u64>) {
         let digests = (self.fed == len).then(|| LandingDigests {
             algorithm: self.algorithm,
-            per_buffer: self.streams.iter().map(PageDigestStream::finish).collect(),
+            per_buffer: self.digests.as_slice().into(),
         });
-        (digests, self.streams)
+        (digests, self.digests)
     }
 }
 
@@ -230,9 +229,9 @@ pub struct StreamReader {
     page_bytes: Vec<usize>,
     /// The landing record's digests in progress, when its scope asked for them.
     digesting: Option<RowDigests>,
-    /// The streams of the last record digested, kept for the next one (no allocation per
-    /// record).
-    spare_streams: Vec<PageDigestStream>,
+    /// The digests of the last record digested, kept for the next one (no allocation per
+    /// record for them).
+    spare_digests: Vec<u64>,
     opener: Opener,
     /// Device memory: payloads go to staging buffers, then to the device.
     pub(crate) staging: Option<Staging>,
@@ -258,7 +257,7 @@ impl StreamReader {
             record_len,
             page_bytes: page_bytes.iter().map(|&b| b as usize).collect(),
             digesting: None,
-            spare_streams: Vec::new(),
+            spare_digests: Vec::new(),
             opener: AuthChannel::off().split().1,
             staging: None,
             stats: StreamStats::default(),
@@ -382,15 +381,10 @@ impl StreamReader {
             ReadState::Land { header, done } => {
                 *done += direct;
                 if let Some(d) = &mut self.digesting {
-                    // The piece just read is digested now, from the page, while in cache.
+                    // A slot this read completed is digested now, from the page, while in cache.
                     let page = header.dst_page;
-                    let ok = d.feed(&self.page_bytes, *done, |b, range, stream| {
-                        pool.raw_page(page, b)
-                            .map(|bytes| {
-                                let whole = range.len() == bytes.len();
-                                stream.feed(&bytes[range], whole);
-                            })
-                            .is_some()
+                    let ok = d.feed(&self.page_bytes, *done, |b, kind| {
+                        pool.raw_page(page, b).map(|bytes| kind.page_digest(&bytes))
                     });
                     if !ok {
                         self.digesting = None;
@@ -415,8 +409,8 @@ impl StreamReader {
         self.stats.writes_landed += 1;
         self.stats.bytes_landed += u64::from(header.len);
         let digests = self.digesting.take().and_then(|d| {
-            let (digests, streams) = d.finish(header.len as usize);
-            self.spare_streams = streams;
+            let (digests, spare) = d.finish(header.len as usize);
+            self.spare_digests = spare;
             digests
         });
         self.stats.digested_at_landing += u64::from(digests.is_some());
@@ -556,10 +550,8 @@ impl StreamReader {
                     }
                     if let Some(d) = &mut self.digesting {
                         let slots = row.buffers_mut();
-                        let ok = d.feed(&self.page_bytes, *done + k, |b, range, stream| {
-                            let whole = range.len() == slots[b].len();
-                            stream.feed(&slots[b][range], whole);
-                            true
+                        let ok = d.feed(&self.page_bytes, *done + k, |b, kind| {
+                            Some(kind.page_digest(slots[b]))
                         });
                         if !ok {
                             self.digesting = None;
@@ -643,10 +635,10 @@ impl StreamReader {
                     // for that; small ones are whole after one copy and still in cache when
                     // the driver digests them on their landing.
                     if self.record_len > SMALL_RECORD {
-                        let spare = std::mem::take(&mut self.spare_streams);
+                        let spare = std::mem::take(&mut self.spare_digests);
                         self.digesting = scope
                             .landing_digest()
-                            .and_then(|alg| RowDigests::new(alg, self.page_bytes.len(), spare));
+                            .and_then(|alg| RowDigests::new(alg, spare));
                     }
                     ReadState::Land { header, done: 0 }
                 }
