@@ -292,9 +292,9 @@ impl Digests {
     }
 
     /// Digests the pages of `transfer`'s stepped job before ordinal `through` (the first
-    /// page not handed to the transport yet, or not yet written; `u32::MAX` once none is left to send, the
-    /// writes done or cancelled), and finishes the job once it covers its chunk. Returns how
-    /// many pages this call digested.
+    /// page not handed to the transport yet, or not yet written; `u32::MAX` once none is left
+    /// to send, the writes done or cancelled), and finishes the job once it covers its chunk.
+    /// Returns how many pages this call digested.
     pub(crate) fn advance(&mut self, transfer: TransferRef, through: u32) -> usize {
         let Some(stream) = self.streams.get_mut(&transfer) else {
             self.stepping.remove(&transfer);

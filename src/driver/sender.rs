@@ -109,7 +109,7 @@ pub struct SenderDriverStats {
 /// page (docs/BENCHMARKS.md, "The sender's digest after the kernel's copy").
 pub const DIGEST_AFTER_WRITE_MIN_BYTES: u64 = 1 << 20;
 
-/// The writes of one transfer not yet posted, and how many are posted and not yet done.
+/// The writes of one transfer not yet posted, and those posted and not yet done.
 #[derive(Debug)]
 struct Posting {
     transfer: TransferRef,

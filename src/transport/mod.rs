@@ -218,8 +218,11 @@ pub trait SenderTransport: Transport {
     /// them in that core's cache by the time it is reported done (TCP from host memory: the
     /// kernel copies them into the socket). The sender driver then digests each page right
     /// after its write completed, a read from cache, instead of right before it is posted, a
-    /// read from memory (SPEC §6, digests while sending). Default: no (RDMA reads the pages
-    /// by DMA; device memory is digested where it is).
+    /// read from memory (SPEC §6, digests while sending). The driver takes a transfer's writes
+    /// as done in the order it posted them (TCP's one ordered stream does that); a transport
+    /// that did not would only move when each page is read, not what its digest is (the pages
+    /// are pinned until the job ends). Default: no (RDMA reads the pages by DMA; device memory
+    /// is digested where it is).
     fn writes_leave_source_in_cache(&self) -> bool {
         false
     }

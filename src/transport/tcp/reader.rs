@@ -75,10 +75,8 @@ struct RowDigests {
     kind: Kind,
     /// The page digests of the slots digested so far, in buffer order.
     digests: Vec<u64>,
-    /// Where the next slot to digest starts in the record.
+    /// Where the next slot to digest starts in the record (its length once every slot is).
     slot_start: usize,
-    /// The record's bytes fed so far.
-    fed: usize,
 }
 
 impl RowDigests {
@@ -91,7 +89,6 @@ impl RowDigests {
             kind,
             digests,
             slot_start: 0,
-            fed: 0,
         })
     }
 
@@ -116,14 +113,13 @@ impl RowDigests {
             }
             self.slot_start = end;
         }
-        self.fed = self.fed.max(to);
         true
     }
 
-    /// The page digests, if every one of the record's `len` bytes was fed; and the digests'
-    /// allocation, for the next record.
+    /// The page digests, if every slot of the record (of `len` bytes) was digested; and the
+    /// digests' allocation, for the next record.
     fn finish(self, len: usize) -> (Option<LandingDigests>, Vec<u64>) {
-        let digests = (self.fed == len).then(|| LandingDigests {
+        let digests = (self.slot_start == len).then(|| LandingDigests {
             algorithm: self.algorithm,
             per_buffer: self.digests.as_slice().into(),
         });
