@@ -76,8 +76,9 @@ async fn pair(c: &NodeConfig) -> (SenderConn, ReceiverConn) {
     (s.unwrap(), r.unwrap())
 }
 
+/// Waits (up to 10 s: a loaded CI host can be slow) until both pools are full again.
 async fn pools_full(s: &SenderConn, r: &ReceiverConn) {
-    for _ in 0..400 {
+    for _ in 0..2000 {
         let (ss, rs) = (s.stats().await.unwrap(), r.stats().await.unwrap());
         if ss.pages_free == ss.pages_total && rs.pages_free == rs.pages_total {
             return;
@@ -238,9 +239,10 @@ async fn through_proxy(c: &NodeConfig) -> (SenderConn, ReceiverConn, Arc<Cutter>
     (s, r, cutter)
 }
 
-/// Waits (up to 2 s) until both ends report the peer lost, and checks they do.
+/// Waits (up to 10 s: a loaded CI host can be slow) until both ends report the peer lost,
+/// and checks they do.
 async fn both_see_the_peer_lost(s: &SenderConn, r: &ReceiverConn) {
-    for _ in 0..400 {
+    for _ in 0..2000 {
         let (ss, rs) = (s.stats().await.unwrap(), r.stats().await.unwrap());
         if ss.peer_lost && rs.peer_lost {
             break;
