@@ -154,34 +154,9 @@ pub(crate) async fn sender(
             }
         }
         #[cfg(feature = "rdma")]
-        TransportConfig::Rdma {
-            device,
-            queue_pairs,
-            busy_poll,
-            ack_timeout,
-        } => {
-            use crate::transport::rdma::bootstrap;
-            let reg = node.rdma(device.as_deref())?;
-            let (prepared, params) = bootstrap::prepare(
-                &reg.device,
-                Role::SENDER,
-                *queue_pairs,
-                config.window,
-                config.pool.buffers(),
-                *busy_poll,
-                *ack_timeout,
-            )
-            .map_err(rdma)?;
-            let (stream, est, channel) = handshake(
-                stream,
-                config,
-                client,
-                Role::SENDER,
-                params,
-                config.handshake_timeout,
-                &mut |_| {},
-            )
-            .await?;
+        TransportConfig::Rdma { .. } => {
+            let (reg, prepared, stream, est, channel) =
+                rdma_handshake(stream, node, client, Role::SENDER).await?;
             let t = prepared
                 .into_sender(
                     &est,
@@ -232,34 +207,9 @@ pub(crate) async fn receiver(
             }
         }
         #[cfg(feature = "rdma")]
-        TransportConfig::Rdma {
-            device,
-            queue_pairs,
-            busy_poll,
-            ack_timeout,
-        } => {
-            use crate::transport::rdma::bootstrap;
-            let reg = node.rdma(device.as_deref())?;
-            let (prepared, params) = bootstrap::prepare(
-                &reg.device,
-                Role::RECEIVER,
-                *queue_pairs,
-                config.window,
-                config.pool.buffers(),
-                *busy_poll,
-                *ack_timeout,
-            )
-            .map_err(rdma)?;
-            let (stream, est, channel) = handshake(
-                stream,
-                config,
-                client,
-                Role::RECEIVER,
-                params,
-                config.handshake_timeout,
-                &mut |_| {},
-            )
-            .await?;
+        TransportConfig::Rdma { .. } => {
+            let (reg, prepared, stream, est, channel) =
+                rdma_handshake(stream, node, client, Role::RECEIVER).await?;
             let t = prepared
                 .into_receiver(
                     &est,
@@ -276,6 +226,59 @@ pub(crate) async fn receiver(
         #[allow(unreachable_patterns)]
         other => Err(unsupported(other)),
     }
+}
+
+/// The RDMA transport's handshake on `stream` for `role`: the node's registration on the
+/// configured device, queue pairs prepared for the role, their parameters exchanged.
+#[cfg(feature = "rdma")]
+async fn rdma_handshake(
+    stream: TcpStream,
+    node: &Node,
+    client: bool,
+    role: Role,
+) -> Result<
+    (
+        super::node::rdma::Registration,
+        crate::transport::rdma::bootstrap::Prepared,
+        TcpStream,
+        Established,
+        kvwire_proto::auth::AuthChannel,
+    ),
+    EngineError,
+> {
+    use crate::transport::rdma::bootstrap;
+    let config = node.config();
+    let TransportConfig::Rdma {
+        device,
+        queue_pairs,
+        busy_poll,
+        ack_timeout,
+    } = &config.transport
+    else {
+        return Err(unsupported(&config.transport));
+    };
+    let reg = node.rdma(device.as_deref())?;
+    let (prepared, params) = bootstrap::prepare(
+        &reg.device,
+        role,
+        *queue_pairs,
+        config.window,
+        config.pool.buffers(),
+        *busy_poll,
+        *ack_timeout,
+    )
+    .map_err(rdma)?;
+    let (stream, est, channel) = handshake(
+        stream,
+        config,
+        client,
+        role,
+        params,
+        config.handshake_timeout,
+        &mut |_| {},
+    )
+    .await?;
+    Ok((reg, prepared, stream, est, channel))
 }
 
 #[cfg(feature = "rdma")]
