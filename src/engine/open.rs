@@ -255,7 +255,10 @@ async fn rdma_handshake(
         ack_timeout,
     } = &config.transport
     else {
-        return Err(unsupported(&config.transport));
+        // Called from the node's RDMA arm only.
+        return Err(EngineError::Transport(
+            "an RDMA handshake on a node whose transport is not RDMA".into(),
+        ));
     };
     let reg = node.rdma(device.as_deref())?;
     let (prepared, params) = bootstrap::prepare(
