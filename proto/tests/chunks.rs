@@ -595,6 +595,100 @@ fn an_abort_for_a_parked_reservation_fails_a_later_submit_at_once() {
     ));
 }
 
+/// SPEC §5.1 "Refused before reservation": a receiver that cannot take a request (its pool
+/// or context too small, its engine cancelled it) refuses it with ABORT nonce 0 before
+/// reserving anything. The sender acknowledges, announces the id (its KV would have gone to
+/// this peer), and a later submit or open of the id fails at once with the receiver's code;
+/// nothing is posted. The receiver drops the ABORT_ACK; a real reservation of the id after
+/// that starts afresh.
+#[test]
+fn a_refusal_before_any_reservation_fails_a_later_submit_at_once() {
+    let now = Instant::now();
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER),
+        ReceiverConfig::default(),
+        7,
+    );
+    assert!(r.refuse(ID, ErrorCode::PROMPT_EXCEEDS_POOL, "pool of 4 pages".into()));
+    let abort = r.poll_transmit().expect("the refusal goes out");
+    let refusal = TransferRef {
+        transfer_id: ID,
+        nonce: 0,
+    };
+    assert_eq!(
+        abort,
+        Frame::Abort(Abort {
+            transfer: refusal,
+            code: ErrorCode::PROMPT_EXCEEDS_POOL,
+            completed_pages: 0,
+            detail: "pool of 4 pages".into(),
+        })
+    );
+    assert!(r.poll_action().is_none(), "nothing leased or fenced");
+
+    for whole in [true, false] {
+        let mut s = sender();
+        s.handle_frame(now, abort.clone()).unwrap();
+        assert_eq!(s.poll_transmit(), Some(Frame::AbortAck(refusal)));
+        assert_eq!(s.poll_event(), Some(SenderEvent::Announced(ID)));
+        let result = if whole {
+            s.submit(now, admitted(ID, 2), vec![1, 2])
+        } else {
+            s.open(now, admitted(ID, 2))
+        };
+        match result {
+            Err(SubmitError::AbortedByPeer { code, .. }) => {
+                assert_eq!(code, ErrorCode::PROMPT_EXCEEDS_POOL)
+            }
+            other => panic!("expected AbortedByPeer, got {other:?}"),
+        }
+        assert!(s.poll_action().is_none() && s.poll_transmit().is_none());
+        assert_eq!(s.open_transfers(), 0);
+    }
+    // The acknowledgement names no reservation: dropped without a frame error.
+    r.handle_frame(now, Frame::AbortAck(refusal)).unwrap();
+    assert!(r.poll_transmit().is_none());
+
+    // A RESERVE after the refusal (the receiver's engine took the request after all) is
+    // parked and announced as any other, and served by the submit.
+    let mut s = sender();
+    s.handle_frame(now, abort.clone()).unwrap();
+    s.poll_transmit();
+    s.handle_frame(now, reserve(ID, NONCE, 2)).unwrap();
+    assert!(s.poll_transmit().is_none(), "parked");
+    assert_eq!(
+        drain(|| s.poll_event()),
+        vec![SenderEvent::Announced(ID), SenderEvent::Announced(ID)]
+    );
+    s.submit(now, admitted(ID, 2), vec![1, 2]).unwrap();
+    assert!(drain(|| s.poll_action())
+        .iter()
+        .any(|a| matches!(a, SenderAction::PostWrites { transfer, .. } if *transfer == T)));
+
+    // A refusal of an id the sender already finished changes nothing about it.
+    let mut s = sender();
+    s.retire(
+        AdmissionPolicy {
+            tokens_per_page: 16,
+            pool_pages: 64,
+            max_context_tokens: 16,
+        }
+        .admit(Request {
+            transfer_id: ID,
+            tokens: 32,
+        })
+        .unwrap_err(),
+    )
+    .unwrap();
+    s.handle_frame(now, abort).unwrap();
+    assert_eq!(s.poll_transmit(), Some(Frame::AbortAck(refusal)));
+    assert!(s.poll_event().is_none(), "a retired id is not announced");
+    // An open reservation is not refused: abort ends it instead.
+    let (mut r, _) = receiver(now, 2);
+    assert!(!r.refuse(ID, ErrorCode::CANCELLED, String::new()));
+    assert!(r.poll_transmit().is_none());
+}
+
 /// Q10: at most `max_parked` reservations are parked; one more is refused at once with
 /// REJECT(PARKED_LIMIT). A RESERVE superseding a parked one of the same id does not count.
 #[test]

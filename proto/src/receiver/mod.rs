@@ -28,7 +28,7 @@ use crate::history::{Finished, History};
 use crate::scope::FrameError;
 use crate::timers::Timers;
 use crate::wire::{
-    commit_fits, DigestAlgorithm, ErrorCode, Frame, KvLayout, Nack, Reserve, TransferDigests,
+    commit_fits, Abort, DigestAlgorithm, ErrorCode, Frame, KvLayout, Nack, Reserve, TransferDigests,
     TransferRef, MAX_ACCESS, MAX_PAGES, NONE_INDEX,
 };
 use state::{AfterFence, Awaiting, AwaitingCommit, Pending, State, Verifying};
@@ -182,6 +182,29 @@ impl ReceiverSession {
         Ok(transfer)
     }
 
+    /// Refuses request `transfer_id` before reserving anything for it (this node's pool or
+    /// context cannot hold it, or its engine cancelled it first): sends ABORT with nonce 0,
+    /// `code` and `detail`, so the sender fails the request at once when its engine submits
+    /// it, with this code, instead of waiting for a reservation that never comes (SPEC.md
+    /// §5.1, "Refused before reservation"). Nothing is leased or fenced. Returns false, and
+    /// sends nothing, if the id has an open reservation: end that one with
+    /// [`ReceiverSession::abort`]. The sender's ABORT_ACK (nonce 0) is dropped on arrival.
+    pub fn refuse(&mut self, transfer_id: TransferId, code: ErrorCode, detail: String) -> bool {
+        if self.lost || self.transfers.contains_key(&transfer_id) {
+            return false;
+        }
+        self.out.transmit.push_back(Frame::Abort(Abort {
+            transfer: TransferRef {
+                transfer_id,
+                nonce: 0,
+            },
+            code,
+            completed_pages: 0,
+            detail,
+        }));
+        true
+    }
+
     /// Aborts a transfer from the receiver side: fence first, then release, then ABORT.
     /// Returns false if the transfer is not open or is already failing.
     pub fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool {
@@ -252,6 +275,11 @@ impl ReceiverSession {
                 "{} is sent only by receivers",
                 frame.frame_type()
             )));
+        }
+        if matches!(frame, Frame::AbortAck(_)) && tref.nonce == 0 {
+            // The answer to a refusal (`refuse`): reservations never have nonce 0, so it
+            // names no reservation, whatever is open for the id now (SPEC §5.1).
+            return Ok(());
         }
         let Some(t) = self.transfers.remove(&tref.transfer_id) else {
             return self.handle_closed_transfer(frame, tref);

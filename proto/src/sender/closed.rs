@@ -3,10 +3,10 @@
 
 use std::time::Instant;
 
-use super::SenderSession;
+use super::{SenderEvent, SenderSession};
 use crate::history::Finished;
 use crate::scope::FrameError;
-use crate::wire::{ErrorCode, Frame, Reject, Reserve, TransferRef};
+use crate::wire::{ErrorCode, Frame, Reject, Reserve, TransferId, TransferRef};
 
 impl SenderSession {
     pub(super) fn reject_reservation(&mut self, r: &Reserve, code: ErrorCode, detail: String) {
@@ -47,20 +47,18 @@ impl SenderSession {
                 self.park(now, r);
                 Ok(())
             }
-            (Frame::Abort(a), _) => {
-                // The receiver gave up on a reservation we hold parked: drop it, and remember
-                // the abort so a later submit of the id fails at once (SPEC §5.1).
+            (Frame::Abort(a), finished) => {
                 let parked_nonce = self.parked.get(&id).map(|(r, _, _)| r.nonce);
                 if let Some(nonce) = parked_nonce.filter(|&n| tref.nonce == n || tref.nonce == 0) {
+                    // The receiver gave up on a reservation we hold parked: drop it, and
+                    // remember the abort so a later submit of the id fails at once (SPEC §5.1).
                     self.parked.remove(&id);
-                    self.history.insert(
-                        id,
-                        Finished {
-                            nonce,
-                            failure: Some((a.code, a.detail)),
-                            aborted_while_parked: true,
-                        },
-                    );
+                    self.remember_refusal(id, nonce, a.code, a.detail);
+                } else if parked_nonce.is_none() && finished.is_none() {
+                    // The receiver refused a request it never reserved (its pool or context
+                    // is too small, its engine cancelled it): the request was on its way
+                    // here, so it fails at once when the engine submits it (SPEC §5.1).
+                    self.remember_refusal(id, tref.nonce, a.code, a.detail);
                 }
                 self.out.transmit.push_back(Frame::AbortAck(tref));
                 Ok(())
@@ -74,6 +72,20 @@ impl SenderSession {
                 )))
             }
         }
+    }
+
+    /// Records that the receiver gave up on (or refused) request `id` before the engine
+    /// submitted it: a later `submit`/`open` fails at once with the ABORT's code.
+    fn remember_refusal(&mut self, id: TransferId, nonce: u64, code: ErrorCode, detail: String) {
+        self.history.insert(
+            id,
+            Finished {
+                nonce,
+                failure: Some((code, detail)),
+                aborted_while_parked: true,
+            },
+        );
+        self.out.events.push_back(SenderEvent::Announced(id));
     }
 
     /// Parks a RESERVE naming no request this session knows (it may be on its way): a
@@ -93,7 +105,9 @@ impl SenderSession {
             return;
         }
         let deadline = now + self.config.parked_reservation_timeout;
-        self.timers.arm(deadline, r.transfer_id);
-        self.parked.insert(r.transfer_id, (r, deadline, now));
+        let id = r.transfer_id;
+        self.timers.arm(deadline, id);
+        self.parked.insert(id, (r, deadline, now));
+        self.out.events.push_back(SenderEvent::Announced(id));
     }
 }

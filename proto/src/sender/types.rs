@@ -118,6 +118,11 @@ pub enum SenderEvent {
         /// Why.
         reason: FailureReason,
     },
+    /// The receiver named a request this session has no open transfer for: its RESERVE
+    /// was parked, or its ABORT refused the request before the engine submitted it
+    /// (SPEC.md §5.1). The request's KV goes to this connection's peer: an engine serving
+    /// several receivers routes the request here by it.
+    Announced(TransferId),
 }
 
 /// Why [`SenderSession::retire`](super::SenderSession::retire) refused to retire a request.
