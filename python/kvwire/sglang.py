@@ -419,7 +419,7 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
         _pages_of("aux (metadata) buffers", aux_ptrs, aux_lens, aux_items)
         keep = options.pop("keepalive", None)
 
-        def engine(ptrs, lens, items, a_ptrs, a_lens, a_items, psize, fingerprint, cluster) -> KVManager:
+        def engine(ptrs, lens, items, a_ptrs, a_lens, a_items, psize, fingerprint, cluster, context=None) -> KVManager:
             a = _KvwireArgs(
                 engine_rank=self.engine_rank,
                 kv_data_ptrs=ptrs,
@@ -440,12 +440,17 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
                 bootstrap=self.bootstrap,
                 cluster=cluster,
                 keepalive=keep,
+                max_context_tokens=context,
                 **options,
             )
 
-        self.parts: List[_Part] = [
-            _Part("kv", self.cluster, engine(kv_ptrs, kv_lens, kv_items, aux_ptrs, aux_lens, aux_items, page_size, self.fingerprint, self.cluster), pages)
-        ]
+        # The context length the server advertises, when set explicitly: kvwire refuses to
+        # start with a pool that cannot hold one such prompt (the incident's first bug), and
+        # refuses longer prompts at admission. Unset: the pool's own capacity.
+        context = options.pop("max_context_tokens", None) or _sv(server_args, "context_length")
+        kv_mgr = engine(kv_ptrs, kv_lens, kv_items, aux_ptrs, aux_lens, aux_items, page_size, self.fingerprint,
+                        self.cluster, int(context) if context else None)
+        self.parts: List[_Part] = [_Part("kv", self.cluster, kv_mgr, pages)]
         types = _state_types(args)
         s_ptrs = getattr(args, "state_data_ptrs", None) or []
         s_lens = getattr(args, "state_data_lens", None) or []
@@ -577,6 +582,8 @@ class KvwireKVSender(BaseKVSender):  # type: ignore[misc,valid-type]
         self._tokens_sent = 0
         self._state_items = 0
         self._final_sent = False
+        self._state_plan: List[Tuple[int, np.ndarray]] = []
+        self._states_started = False
         self._start: Optional[float] = None
         self._end: Optional[float] = None
         try:
@@ -605,8 +612,8 @@ class KvwireKVSender(BaseKVSender):  # type: ignore[misc,valid-type]
     ) -> None:
         """Hands over the next chunk of page indices (in order); the chunk that completes the
         request's pages carries the aux record, and its ``state_indices`` (one entry per state
-        component, as SGLang's scheduler computes them) are sent as each component's
-        transfer."""
+        component, as SGLang's scheduler computes them) become each component's transfer,
+        started once the decode verified the KV pages (a refused request moves no state)."""
         if self._start is None:
             self._start = time.monotonic()
         if self._p.error is not None:
@@ -630,6 +637,8 @@ class KvwireKVSender(BaseKVSender):  # type: ignore[misc,valid-type]
         self._flush()
 
     def _send_states(self, state_indices: Optional[List]) -> None:
+        """Plans each state component's transfer; they start once the KV pages were verified
+        (``poll``), so a request whose KV transfer is refused moves no state either."""
         parts = self.kv_mgr.parts
         given = list(state_indices or [])
         if len(given) > len(parts) - 1:
@@ -639,10 +648,15 @@ class KvwireKVSender(BaseKVSender):  # type: ignore[misc,valid-type]
             if ind is None:
                 continue
             a = np.ascontiguousarray(np.asarray(ind).ravel(), dtype=np.int64)
-            if a.size == 0:
-                continue
+            if a.size:
+                self._state_plan.append((i, a))
+
+    def _start_states(self) -> None:
+        plan, self._state_plan = self._state_plan, []
+        self._states_started = True
+        for i, a in plan:
             try:
-                n = parts[i].mgr._engine.sender(self.bootstrap_room, None)
+                n = self.kv_mgr.parts[i].mgr._engine.sender(self.bootstrap_room, None)
                 n.init(int(a.size), None, None)
             except TransferError as e:
                 self._p.fail(e)
@@ -679,19 +693,23 @@ class KvwireKVSender(BaseKVSender):  # type: ignore[misc,valid-type]
         when any part failed (the others are aborted)."""
         if self.conclude_state is not None:
             return self.conclude_state
-        if self._pending and self._p.error is None:
-            self._flush()
-        states = self._p.states() if self._p.error is None else [KVPoll.Failed]
-        if self._p.error is not None or KVPoll.Failed in states:
-            self._p.abort()
-            return self._conclude(KVPoll.Failed)
-        if self._final_sent and not self._pending:
-            if all(s == KVPoll.Success for s in states):
-                return self._conclude(KVPoll.Success)
-            return int(KVPoll.Transferring)
-        if self._final_sent:
-            return int(KVPoll.Transferring)
-        return int(states[0])
+        for _ in range(2):
+            if self._pending and self._p.error is None:
+                self._flush()
+            states = self._p.states() if self._p.error is None else [KVPoll.Failed]
+            if self._p.error is not None or KVPoll.Failed in states:
+                self._p.abort()
+                return self._conclude(KVPoll.Failed)
+            kv = int(states[0])
+            if not self._final_sent:
+                return kv
+            if kv == KVPoll.Success and not self._states_started:
+                self._start_states()  # the KV pages were verified: now the state
+                continue
+            break
+        if self._states_started and not self._pending and all(s == KVPoll.Success for s in states):
+            return self._conclude(KVPoll.Success)
+        return int(KVPoll.Transferring)
 
     def _conclude(self, s: int) -> int:
         self.conclude_state = int(s)
