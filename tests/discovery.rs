@@ -10,8 +10,8 @@
 use std::time::Duration;
 
 use kvwire::discovery::{
-    BootstrapConfig, BootstrapServer, Discovery, DiscoveryError, EmbeddedDiscovery, PeerEvent,
-    PeerQuery, PeerRecord, PeerWatch, RegistrationStatus, Role,
+    sort_newest_first, BootstrapConfig, BootstrapServer, Discovery, DiscoveryError,
+    EmbeddedDiscovery, PeerEvent, PeerQuery, PeerRecord, PeerWatch, RegistrationStatus, Role,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -31,6 +31,21 @@ fn record(cluster: &str, role: Role, rank: u32, node: u64) -> PeerRecord {
     r.layout_fingerprint = "ab12".into();
     r.extra.insert("zone".into(), format!("z{rank}"));
     r
+}
+
+/// `r` without the backend's registration stamp, to compare with what was registered.
+fn unstamped(r: &PeerRecord) -> PeerRecord {
+    let mut r = r.clone();
+    r.registered = 0;
+    r
+}
+
+/// `e` with its record unstamped.
+fn plain(e: PeerEvent) -> PeerEvent {
+    match e {
+        PeerEvent::Added(r) => PeerEvent::Added(unstamped(&r)),
+        removed => removed,
+    }
 }
 
 fn keys(records: &[PeerRecord]) -> Vec<(Role, u32, u64)> {
@@ -96,8 +111,10 @@ async fn scenario_register_resolve(node: &dyn Discovery, peer: &dyn Discovery, c
         keys(&found),
         vec![(Role::Prefill, 0, 100), (Role::Prefill, 1, 101)]
     );
-    // The whole record comes back, not just the address.
-    assert_eq!(found[0], record(cluster, Role::Prefill, 0, 100));
+    // The whole record comes back, not just the address, stamped by the backend.
+    assert_eq!(unstamped(&found[0]), record(cluster, Role::Prefill, 0, 100));
+    assert!(found.iter().all(|r| r.registered != 0), "{found:?}");
+    assert_eq!(found[0].registered, p0.record().registered);
     assert_eq!(found[1].address, "10.1.1.101:7400");
     found[1].check_layout("ab12").unwrap();
     assert!(matches!(
@@ -253,7 +270,7 @@ async fn scenario_watch(
         .expect("watch");
     // First what is there already.
     assert_eq!(
-        next_event(&mut watch, "initial record").await,
+        plain(next_event(&mut watch, "initial record").await),
         PeerEvent::Added(record(cluster, Role::Prefill, 0, 500))
     );
 
@@ -262,7 +279,7 @@ async fn scenario_watch(
         .await
         .unwrap();
     assert_eq!(
-        next_event(&mut watch, "registration").await,
+        plain(next_event(&mut watch, "registration").await),
         PeerEvent::Added(record(cluster, Role::Prefill, 1, 501))
     );
 
@@ -283,7 +300,7 @@ async fn scenario_watch(
         .await
         .unwrap();
     assert_eq!(
-        next_event(&mut watch, "registration").await,
+        plain(next_event(&mut watch, "registration").await),
         PeerEvent::Added(record(cluster, Role::Prefill, 2, 503))
     );
     dead.abandon();
@@ -304,6 +321,106 @@ async fn scenario_watch(
         None,
         "nothing else happened to prefill records"
     );
+}
+
+/// Issue 31: a prefill killed with SIGKILL leaves its record until its TTL runs out (here
+/// 10 min, so it cannot expire during the test); the prefill restarted under a new node id
+/// registers, and the very next resolve lists it first of its rank (decodes take the first
+/// record of a rank, and used to dial the dead one for a whole TTL). The dead node's id is
+/// the smaller on rank 0 and the larger on rank 1, so neither key order nor its reverse
+/// passes. Then a rolling restart (a third node while the second still runs) and a node
+/// registering again under an old id: the newest registration is first each time.
+async fn scenario_restarted_node_first(node: &dyn Discovery, peer: &dyn Discovery, cluster: &str) {
+    let query = PeerQuery::cluster(cluster).role(Role::Prefill);
+    let mut watch = peer.watch(query.clone()).await.expect("watch");
+    let mut live = Vec::new();
+    for (rank, dead, restarted) in [(0u32, 1u64, 2u64), (1, 20, 10)] {
+        let killed = node
+            .register(record(cluster, Role::Prefill, rank, dead))
+            .await
+            .unwrap();
+        // SIGKILL: nothing deregisters the record; it stays until its TTL.
+        killed.abandon();
+        let started = Instant::now();
+        let reg = node
+            .register(record(cluster, Role::Prefill, rank, restarted))
+            .await
+            .unwrap();
+        let found = peer.resolve(query.clone().rank(rank)).await.unwrap();
+        assert_eq!(
+            keys(&found),
+            vec![
+                (Role::Prefill, rank, restarted),
+                (Role::Prefill, rank, dead)
+            ],
+            "rank {rank}: the restarted node first, its dead predecessor after it"
+        );
+        assert_eq!(
+            found[0].address,
+            record(cluster, Role::Prefill, rank, restarted).address
+        );
+        assert!(found[0].registered > found[1].registered, "{found:?}");
+        assert_eq!(found[0].registered, reg.record().registered);
+        println!(
+            "rank {rank}: the restarted node resolved first {:?} after it began registering",
+            started.elapsed()
+        );
+        live.push(reg);
+    }
+
+    // A rolling restart: node 3 joins rank 0 while node 2 still runs.
+    let rolling = node
+        .register(record(cluster, Role::Prefill, 0, 3))
+        .await
+        .unwrap();
+    let all = peer.resolve(query.clone()).await.unwrap();
+    assert_eq!(
+        keys(&all),
+        vec![
+            (Role::Prefill, 0, 3),
+            (Role::Prefill, 0, 2),
+            (Role::Prefill, 0, 1),
+            (Role::Prefill, 1, 10),
+            (Role::Prefill, 1, 20),
+        ]
+    );
+
+    // The watch's records carry the same stamps: sorted, they come in the same order.
+    let mut seen = std::collections::BTreeMap::new();
+    while seen.len() < all.len() {
+        match next_event(&mut watch, "the registrations").await {
+            PeerEvent::Added(r) => {
+                seen.insert(r.key(), r);
+            }
+            PeerEvent::Removed(k) => panic!("nothing was removed, yet {k} was"),
+        }
+    }
+    let mut watched: Vec<PeerRecord> = seen.into_values().collect();
+    sort_newest_first(&mut watched);
+    assert_eq!(watched, all, "the watch and resolve agree");
+
+    // Node 1 registering again (under its old id) is the newest registration of rank 0.
+    let again = node
+        .register(record(cluster, Role::Prefill, 0, 1))
+        .await
+        .unwrap();
+    let rank0 = peer.resolve(query.clone().rank(0)).await.unwrap();
+    assert_eq!(
+        keys(&rank0),
+        vec![
+            (Role::Prefill, 0, 1),
+            (Role::Prefill, 0, 3),
+            (Role::Prefill, 0, 2)
+        ]
+    );
+    // Deregistering the newest leaves the next newest first.
+    again.deregister().await.unwrap();
+    rolling.deregister().await.unwrap();
+    let rank0 = peer.resolve(query.rank(0)).await.unwrap();
+    assert_eq!(keys(&rank0), vec![(Role::Prefill, 0, 2)]);
+    for r in live {
+        r.deregister().await.unwrap();
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -352,6 +469,152 @@ async fn embedded_dead_node_expires() {
 async fn embedded_watch() {
     let e = embedded().await;
     scenario_watch(&e.short, &e.long, &e.peer, "c-watch").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_restarted_node_is_resolved_first() {
+    let e = embedded().await;
+    scenario_restarted_node_first(&e.long, &e.peer, "c-restarted").await;
+}
+
+/// The server, not the client, stamps registrations: a stamp in the body is ignored, the
+/// answers carry the server's, and a client that knows nothing of stamps (no `age_ms`, no
+/// `registered`) still registers and reads records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_registration_stamps_are_the_servers() {
+    let (server, addr) = BootstrapServer::bind("127.0.0.1:0").await.unwrap();
+    let client = EmbeddedDiscovery::new(addr).with_ttl(Duration::from_secs(600));
+    let put = |body: &serde_json::Value| {
+        let body = body.to_string();
+        format!(
+            "PUT /v1/peers HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    // An old client's registration, and one claiming a stamp far in the future.
+    let old =
+        serde_json::json!({"record": record("c-stamp", Role::Prefill, 0, 1), "ttl_ms": 600_000});
+    assert!(raw(addr, put(&old).as_bytes())
+        .await
+        .starts_with("HTTP/1.1 200 "));
+    let mut cheat =
+        serde_json::json!({"record": record("c-stamp", Role::Prefill, 0, 2), "ttl_ms": 600_000});
+    cheat["record"]["registered"] = u64::MAX.into();
+    assert!(raw(addr, put(&cheat).as_bytes())
+        .await
+        .starts_with("HTTP/1.1 200 "));
+    let reg = client
+        .register(record("c-stamp", Role::Prefill, 0, 3))
+        .await
+        .unwrap();
+    let found = client.resolve(PeerQuery::cluster("c-stamp")).await.unwrap();
+    assert_eq!(
+        keys(&found),
+        vec![
+            (Role::Prefill, 0, 3),
+            (Role::Prefill, 0, 2),
+            (Role::Prefill, 0, 1)
+        ]
+    );
+    let unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    for r in &found {
+        assert!(
+            r.registered.abs_diff(unix_ms) < 60_000,
+            "the server's clock in Unix ms: {r:?}"
+        );
+    }
+    // An old client reads the answer: the record is there, the extra field ignored.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /v1/peers?cluster=c-stamp&rank=0 HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8(answer).unwrap();
+    let body: serde_json::Value =
+        serde_json::from_str(&answer[answer.find("\r\n\r\n").unwrap() + 4..]).unwrap();
+    assert_eq!(body["records"][0]["node_id"], 3);
+    assert_eq!(body["records"][0]["registered"], found[0].registered);
+
+    // A re-creation (a lease this server never gave, as after its restart) is as old as its
+    // age says; the record's own stamp is kept only where it agrees with that age.
+    let unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let aged = unix_ms - 5000;
+    for (node, claimed) in [(11u64, 0u64), (12, aged + 300), (13, aged - 3_600_000)] {
+        let mut r = record("c-stamp", Role::Prefill, 1, node);
+        r.registered = claimed;
+        let body = serde_json::json!({"record": r, "ttl_ms": 600_000, "lease": 1000 + node, "age_ms": 5000});
+        assert!(raw(addr, put(&body).as_bytes())
+            .await
+            .starts_with("HTTP/1.1 200 "));
+    }
+    let rank1 = client
+        .resolve(PeerQuery::cluster("c-stamp").rank(1))
+        .await
+        .unwrap();
+    let stamp = |node: u64| rank1.iter().find(|r| r.node_id == node).unwrap().registered;
+    assert!(stamp(11).abs_diff(aged) < 1000, "{rank1:?}");
+    assert_eq!(stamp(12), aged + 300, "an agreeing stamp is kept");
+    assert!(
+        stamp(13).abs_diff(aged) < 1000,
+        "a disagreeing stamp is not: {rank1:?}"
+    );
+    reg.deregister().await.unwrap();
+    server.shutdown().await;
+}
+
+/// The server restarts empty: live registrations put their records back as old as they
+/// were, so the order of registrations survives (the one that refreshes more often, here the
+/// newer, re-creates its record first, which must not make it look older).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_restart_keeps_registration_order() {
+    let (server, addr) = BootstrapServer::bind("127.0.0.1:0").await.unwrap();
+    let query = PeerQuery::cluster("c-order").role(Role::Prefill).rank(0);
+    let started = Instant::now();
+    let older = EmbeddedDiscovery::new(addr)
+        .with_ttl(Duration::from_secs(3))
+        .register(record("c-order", Role::Prefill, 0, 1))
+        .await
+        .unwrap();
+    let mut slowest = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    let newer = EmbeddedDiscovery::new(addr)
+        .with_ttl(Duration::from_secs(1))
+        .register(record("c-order", Role::Prefill, 0, 2))
+        .await
+        .unwrap();
+    slowest = slowest.max(started.elapsed());
+    let peer = EmbeddedDiscovery::new(addr);
+    let before = peer.resolve(query.clone()).await.unwrap();
+    assert_eq!(
+        keys(&before),
+        vec![(Role::Prefill, 0, 2), (Role::Prefill, 0, 1)]
+    );
+
+    server.shutdown().await;
+    let (server, _) = BootstrapServer::bind(addr).await.unwrap();
+    let after = resolve_until(&peer, query, WITHIN, "both records back", |r| r.len() == 2).await;
+    assert_eq!(
+        keys(&after),
+        vec![(Role::Prefill, 0, 2), (Role::Prefill, 0, 1)],
+        "the restart reordered the registrations: {after:?}"
+    );
+    // Each record comes back as it was, stamp included (the server restarted on the same
+    // clock), not stamped as new by the restart. (Only where the registrations were quick:
+    // the server keeps a record's stamp when it is within 1 s of the one its age gives.)
+    if slowest < Duration::from_millis(500) {
+        assert_eq!(after, before);
+    }
+    older.deregister().await.unwrap();
+    newer.deregister().await.unwrap();
+    server.shutdown().await;
 }
 
 /// Sends raw bytes, half-closes, returns the answer's status line.
@@ -609,10 +872,8 @@ async fn embedded_newer_registration_supersedes() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     old.deregister().await.unwrap();
-    assert_eq!(
-        peer.resolve(PeerQuery::cluster("c-dup")).await.unwrap(),
-        vec![newer]
-    );
+    let found = peer.resolve(PeerQuery::cluster("c-dup")).await.unwrap();
+    assert_eq!(found.iter().map(unstamped).collect::<Vec<_>>(), vec![newer]);
     assert_eq!(new.status(), RegistrationStatus::Live);
 }
 
@@ -802,6 +1063,14 @@ mod etcd {
             return;
         };
         scenario_watch(&c.short, &c.long, &c.peer, "c-watch").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_restarted_node_is_resolved_first() {
+        let Some(c) = clients("etcd_restarted").await else {
+            return;
+        };
+        scenario_restarted_node_first(&c.long, &c.peer, "c-restarted").await;
     }
 
     /// Keys have the documented layout, and a foreign or malformed value under the prefix is

@@ -5,11 +5,12 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use super::server::{ErrorBody, Peers, RegisterBody, Registered};
 use super::{
-    backoff, http, send_all, BoxFuture, Discovery, DiscoveryError, Lease, PeerEvent, PeerKey,
-    PeerQuery, PeerRecord, PeerWatch, Registration, Tracker,
+    backoff, http, send_all, sort_newest_first, BoxFuture, Discovery, DiscoveryError, Lease,
+    PeerEvent, PeerKey, PeerQuery, PeerRecord, PeerWatch, Registration, Tracker,
 };
 
 /// Largest answer read from the server (a resolve of a very large cluster).
@@ -88,15 +89,18 @@ impl EmbeddedDiscovery {
         })
     }
 
+    /// Registers `record` (no `lease`), or refreshes the registration `lease`, first taken
+    /// `age` ago.
     async fn put(
         &self,
         record: &PeerRecord,
-        lease: Option<u64>,
+        lease: Option<(u64, Duration)>,
     ) -> Result<Registered, DiscoveryError> {
         let body = RegisterBody {
             record: record.clone(),
             ttl_ms: u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX),
-            lease,
+            lease: lease.map(|(l, _)| l),
+            age_ms: lease.map(|(_, age)| u64::try_from(age.as_millis()).unwrap_or(u64::MAX)),
         };
         let body =
             serde_json::to_vec(&body).map_err(|e| DiscoveryError::InvalidRecord(e.to_string()))?;
@@ -179,15 +183,23 @@ impl EmbeddedDiscovery {
 }
 
 impl Discovery for EmbeddedDiscovery {
-    fn register(&self, record: PeerRecord) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+    fn register(
+        &self,
+        mut record: PeerRecord,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
         Box::pin(async move {
             record.validate()?;
+            // The server stamps the registration; its age counts from when it was asked.
+            let since = Instant::now();
+            record.registered = 0;
             let registered = self.put(&record, None).await?;
+            record.registered = registered.registered;
             let ttl = Duration::from_millis(registered.ttl_ms);
             let lease = EmbeddedLease {
                 client: self.clone(),
                 record: record.clone(),
                 lease: registered.lease,
+                since,
             };
             Ok(Registration::spawn(record, ttl, lease))
         })
@@ -196,7 +208,10 @@ impl Discovery for EmbeddedDiscovery {
     fn resolve(&self, query: PeerQuery) -> BoxFuture<'_, Result<Vec<PeerRecord>, DiscoveryError>> {
         Box::pin(async move {
             query.validate()?;
-            Ok(self.get(&query, None).await?.records)
+            let mut records = self.get(&query, None).await?.records;
+            // A server older than the `registered` stamp sends key order (all stamps 0).
+            sort_newest_first(&mut records);
+            Ok(records)
         })
     }
 
@@ -216,17 +231,20 @@ impl Discovery for EmbeddedDiscovery {
 }
 
 /// A registration on the bootstrap server: refreshed by re-sending the record with its lease
-/// (which also re-creates it after a server restart).
+/// and its age (which also re-creates it after a server restart, as old as it was).
 struct EmbeddedLease {
     client: EmbeddedDiscovery,
     record: PeerRecord,
     lease: u64,
+    /// When the registration was first asked for.
+    since: Instant,
 }
 
 impl Lease for EmbeddedLease {
     fn refresh(&mut self) -> BoxFuture<'_, Result<bool, DiscoveryError>> {
         Box::pin(async move {
-            match self.client.put(&self.record, Some(self.lease)).await {
+            let age = self.since.elapsed();
+            match self.client.put(&self.record, Some((self.lease, age))).await {
                 Ok(_) => Ok(true),
                 Err(DiscoveryError::Superseded(_)) => Ok(false),
                 Err(e) => Err(e),

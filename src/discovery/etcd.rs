@@ -5,6 +5,12 @@
 //! revokes when it is dropped or deregistered, which deletes the key). A node that dies stops
 //! the keep-alives and etcd deletes its key when the lease expires. Resolve is a prefix get;
 //! watch is a prefix get and an etcd watch from the revision after it.
+//!
+//! A record's [`PeerRecord::registered`] is its key's modification revision (etcd's own
+//! order, the same for every client; it is not stored in the value): `register` puts the key
+//! and so takes a new revision, a keep-alive does not touch it, and a record put back after
+//! its lease expired takes a new one (it counts as a new registration). Resolve returns each
+//! rank's highest revision first.
 
 use std::future::Future;
 use std::time::Duration;
@@ -16,8 +22,8 @@ use etcd_client::{
 use tokio::sync::mpsc;
 
 use super::{
-    backoff, send_all, BoxFuture, Discovery, DiscoveryError, Lease, PeerEvent, PeerKey, PeerQuery,
-    PeerRecord, PeerWatch, Registration, Tracker,
+    backoff, send_all, sort_newest_first, BoxFuture, Discovery, DiscoveryError, Lease, PeerEvent,
+    PeerKey, PeerQuery, PeerRecord, PeerWatch, Registration, Tracker,
 };
 
 /// Settings of an [`EtcdDiscovery`].
@@ -135,11 +141,15 @@ impl EtcdDiscovery {
         PeerKey::parse_path(s.strip_prefix(&self.root)?).ok()
     }
 
-    /// The record stored in `kv`, if it is a valid one under the key it claims.
+    /// The record stored in `kv`, if it is a valid one under the key it claims, stamped with
+    /// the key's modification revision.
     fn decode(&self, kv: &KeyValue) -> Option<PeerRecord> {
         let key = self.parse_key(kv.key())?;
         match serde_json::from_slice::<PeerRecord>(kv.value()) {
-            Ok(r) if r.key() == key && r.validate().is_ok() => Some(r),
+            Ok(mut r) if r.key() == key && r.validate().is_ok() => {
+                r.registered = u64::try_from(kv.mod_revision()).unwrap_or(0);
+                Some(r)
+            }
             _ => {
                 tracing::warn!(%key, "discovery: etcd holds a value that is not a valid record for its key; ignored");
                 None
@@ -172,8 +182,9 @@ impl EtcdDiscovery {
             .filter_map(|kv| self.decode(kv))
             .filter(|r| query.matches(r))
             .collect();
-        // etcd orders keys as strings ("10" before "2"); the trait promises key order.
-        records.sort_by_cached_key(PeerRecord::key);
+        // etcd orders keys as strings ("10" before "2"); the trait promises rank order, each
+        // rank's newest registration first.
+        sort_newest_first(&mut records);
         Ok((records, revision))
     }
 
@@ -282,9 +293,14 @@ fn root_of(prefix: &str) -> Result<String, DiscoveryError> {
 }
 
 impl Discovery for EtcdDiscovery {
-    fn register(&self, record: PeerRecord) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
+    fn register(
+        &self,
+        mut record: PeerRecord,
+    ) -> BoxFuture<'_, Result<Registration, DiscoveryError>> {
         Box::pin(async move {
             record.validate()?;
+            // The stamp is the key's revision, not part of the value.
+            record.registered = 0;
             let value = serde_json::to_string(&record)
                 .map_err(|e| DiscoveryError::InvalidRecord(e.to_string()))?;
             let key = self.key_of(&record.key());
@@ -301,16 +317,22 @@ impl Discovery for EtcdDiscovery {
             };
             let put = async {
                 let options = PutOptions::new().with_lease(lease.id);
-                self.timed(
-                    "put",
-                    c.put(lease.key.clone(), lease.value.clone(), Some(options)),
-                )
-                .await?;
-                lease.keep_alive_stream().await
+                let put = self
+                    .timed(
+                        "put",
+                        c.put(lease.key.clone(), lease.value.clone(), Some(options)),
+                    )
+                    .await?;
+                lease.keep_alive_stream().await?;
+                Ok::<_, DiscoveryError>(put.header().map_or(0, |h| h.revision()))
             };
-            if let Err(e) = put.await {
-                let _ = lease.remove().await;
-                return Err(e);
+            match put.await {
+                // The put's revision is the key's modification revision.
+                Ok(revision) => record.registered = u64::try_from(revision).unwrap_or(0),
+                Err(e) => {
+                    let _ = lease.remove().await;
+                    return Err(e);
+                }
             }
             let ttl = Duration::from_secs(u64::try_from(grant.ttl()).unwrap_or(1));
             Ok(Registration::spawn(record, ttl, lease))

@@ -9,15 +9,33 @@
 //! records by cluster, role and rank, or [`watch`](Discovery::watch) them: a [`PeerWatch`]
 //! first reports every matching record as [`PeerEvent::Added`], then every change.
 //!
+//! **A newer registration wins at once.** Records of one role and rank under different node
+//! ids co-exist: a prefill killed with SIGKILL leaves its record until the TTL expires, and
+//! during a rolling restart the old and the new node of a rank both run for a while. The
+//! backend stamps each registration ([`PeerRecord::registered`]: the embedded server's clock,
+//! etcd's revision; not the node's clock, so skew between hosts cannot reorder them), and
+//! `resolve` returns the records of each rank newest first ([`sort_newest_first`]). A caller
+//! that takes the first record of a rank therefore reaches a restarted node as soon as it
+//! registered, not a TTL later; the older records stay listed after it (a node of a rolling
+//! restart still drains) until they are deregistered or expire. A refresh keeps the stamp
+//! (it is the same registration); registering again (a new `register` call, even under the
+//! same key) takes a new one. Nothing is evicted early: two nodes may advertise one
+//! `address` (behind NAT or a proxy), so the server never guesses that an older record is
+//! dead.
+//!
 //! Two backends implement the trait:
 //!
 //! * **Embedded** (always built): a small HTTP/1.1 + JSON [`BootstrapServer`] that runs on any
 //!   tokio runtime (one per cluster; e.g. beside a router, or inside one decode engine),
 //!   and [`EmbeddedDiscovery`], its client. Registrations expire after their TTL unless
-//!   refreshed; watches long-poll a generation number. Nothing else needs to run.
+//!   refreshed; watches long-poll a generation number. Nothing else needs to run. The
+//!   server stamps a registration with its clock when it takes it; after a server restart,
+//!   a live registration re-creates its record with its age, so its order survives.
 //! * **etcd** (cargo feature `etcd`): `EtcdDiscovery` keeps each record under
 //!   `/<prefix>/<cluster>/<role>/<rank>/<node_id>` attached to a lease that the
-//!   registration keeps alive; resolve is a prefix get, watch an etcd watch.
+//!   registration keeps alive; resolve is a prefix get, watch an etcd watch. A record's
+//!   stamp is its key's modification revision (a keep-alive does not modify the key; a
+//!   record put back after its lease expired counts as a new registration).
 //!
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
@@ -75,10 +93,10 @@ pub use etcd::{EtcdDiscovery, EtcdOptions};
 #[cfg(feature = "etcd")]
 pub use etcd_client;
 pub use record::{
-    layout_fingerprint, node_layout_fingerprint, PeerKey, PeerQuery, PeerRecord, Role,
-    MAX_ADDRESS_LEN, MAX_CLUSTER_LEN, MAX_EXTRA_ENTRIES, MAX_EXTRA_KEY_LEN, MAX_EXTRA_VALUE_LEN,
-    MAX_FINGERPRINT_LEN, MAX_TRANSPORT_LEN, MAX_TRANSPORT_PARAMS_LEN, TRANSPORT_RDMA,
-    TRANSPORT_TCP,
+    layout_fingerprint, node_layout_fingerprint, sort_newest_first, PeerKey, PeerQuery, PeerRecord,
+    Role, MAX_ADDRESS_LEN, MAX_CLUSTER_LEN, MAX_EXTRA_ENTRIES, MAX_EXTRA_KEY_LEN,
+    MAX_EXTRA_VALUE_LEN, MAX_FINGERPRINT_LEN, MAX_TRANSPORT_LEN, MAX_TRANSPORT_PARAMS_LEN,
+    TRANSPORT_RDMA, TRANSPORT_TCP,
 };
 pub use server::{BootstrapConfig, BootstrapServer};
 
@@ -92,7 +110,11 @@ pub trait Discovery: Send + Sync {
     /// returned guard lives. A record with the same [`PeerKey`] is replaced.
     fn register(&self, record: PeerRecord) -> BoxFuture<'_, Result<Registration, DiscoveryError>>;
 
-    /// The records that match `query` now, in key order.
+    /// The records that match `query` now, by role and engine rank, and within one rank the
+    /// newest registration first ([`sort_newest_first`], [`PeerRecord::registered`]): a
+    /// node restarted under a new node id is first of its rank as soon as it registered,
+    /// ahead of its dead predecessor's record (which stays until its TTL runs out), so a
+    /// caller that takes the first record of a rank reaches the newest node.
     fn resolve(&self, query: PeerQuery) -> BoxFuture<'_, Result<Vec<PeerRecord>, DiscoveryError>>;
 
     /// Follows the records that match `query`: the watch first reports every matching record
@@ -246,7 +268,8 @@ impl Registration {
         }
     }
 
-    /// The published record.
+    /// The published record, with the stamp the backend gave it when it was registered
+    /// ([`PeerRecord::registered`]).
     pub fn record(&self) -> &PeerRecord {
         &self.record
     }

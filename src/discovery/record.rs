@@ -82,7 +82,10 @@ impl FromStr for Role {
 /// Serialised as JSON (the bootstrap server's bodies, etcd values). Unknown fields are
 /// ignored when reading, so newer nodes can add fields. A record is identified by its
 /// [`PeerKey`] (cluster, role, engine rank, node id): registering a record with the key of
-/// another one replaces it.
+/// another one replaces it. Records of one role and rank under different node ids co-exist
+/// (a node restarted under a new id before its predecessor's record expired, two nodes of a
+/// rank during a rolling restart); resolving them gives the newest registration first
+/// ([`PeerRecord::registered`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct PeerRecord {
@@ -115,6 +118,37 @@ pub struct PeerRecord {
     /// Free-form extra attributes.
     #[serde(default)]
     pub extra: BTreeMap<String, String>,
+    /// When the backend took this registration, as an order: of two records one backend
+    /// returns, the one with the larger value was registered later, and
+    /// [`Discovery::resolve`](super::Discovery::resolve) puts the newest registration of
+    /// each role and rank first ([`sort_newest_first`]). Set by the backend, never by the
+    /// node (what is passed to `register` is ignored): the embedded bootstrap server writes
+    /// the time it took the registration, in Unix milliseconds on its own clock (strictly
+    /// increasing; a record re-created after a server restart keeps its age), etcd the key's
+    /// modification revision. Compare it only between records of one backend. 0 where the
+    /// backend did not say (a bootstrap server older than this field); absent from the JSON
+    /// when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub registered: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// Puts records in the order [`Discovery::resolve`](super::Discovery::resolve) returns them:
+/// by cluster, role and engine rank, and within one rank the newest registration first
+/// (larger [`PeerRecord::registered`]), then by node id. A node restarted under a new node id
+/// while its predecessor's record has not expired yet is first of its rank at once; so is a
+/// node registered during a rolling restart while the one it replaces still runs. For
+/// records collected from a [`PeerWatch`](super::PeerWatch).
+pub fn sort_newest_first(records: &mut [PeerRecord]) {
+    records.sort_by(|a, b| {
+        (&a.cluster, a.role, a.engine_rank)
+            .cmp(&(&b.cluster, b.role, b.engine_rank))
+            .then(b.registered.cmp(&a.registered))
+            .then(a.node_id.cmp(&b.node_id))
+    });
 }
 
 impl PeerRecord {
@@ -140,6 +174,7 @@ impl PeerRecord {
             layout_fingerprint: String::new(),
             cluster: cluster.into(),
             extra: BTreeMap::new(),
+            registered: 0,
         }
     }
 
@@ -423,6 +458,55 @@ mod tests {
         assert_eq!(m.role, Role::Decode);
         assert!(m.extra.is_empty() && m.layout_fingerprint.is_empty());
         m.validate().unwrap();
+    }
+
+    #[test]
+    fn registration_stamp_is_optional_on_the_wire() {
+        let mut r = record();
+        let text = serde_json::to_string(&r).unwrap();
+        assert!(!text.contains("registered"), "absent when 0: {text}");
+        r.registered = 1_700_000_000_123;
+        let text = serde_json::to_string(&r).unwrap();
+        assert!(text.contains("\"registered\":1700000000123"), "{text}");
+        assert_eq!(serde_json::from_str::<PeerRecord>(&text).unwrap(), r);
+    }
+
+    #[test]
+    fn newest_registration_first_within_each_rank() {
+        let rec = |role, rank, node, registered| {
+            let mut r = PeerRecord::new("c", role, rank, node, "h:1");
+            r.registered = registered;
+            r
+        };
+        let mut records = vec![
+            rec(Role::Decode, 0, 1, 50),
+            rec(Role::Prefill, 1, 7, 10),
+            rec(Role::Prefill, 0, 1, 10),
+            rec(Role::Prefill, 0, 9, 30),
+            rec(Role::Prefill, 0, 2, 20),
+            rec(Role::Prefill, 1, 3, 40),
+            // Unstamped (an older server): node id order, as before stamps.
+            rec(Role::Prefill, 2, 5, 0),
+            rec(Role::Prefill, 2, 4, 0),
+        ];
+        sort_newest_first(&mut records);
+        let order: Vec<(Role, u32, u64)> = records
+            .iter()
+            .map(|r| (r.role, r.engine_rank, r.node_id))
+            .collect();
+        assert_eq!(
+            order,
+            vec![
+                (Role::Prefill, 0, 9),
+                (Role::Prefill, 0, 2),
+                (Role::Prefill, 0, 1),
+                (Role::Prefill, 1, 3),
+                (Role::Prefill, 1, 7),
+                (Role::Prefill, 2, 4),
+                (Role::Prefill, 2, 5),
+                (Role::Decode, 0, 1),
+            ]
+        );
     }
 
     #[test]

@@ -5,9 +5,9 @@
 //!
 //! | request | answer |
 //! |---|---|
-//! | `PUT /v1/peers` `{"record": PeerRecord, "ttl_ms": n, "lease": l?}` | `200 {"lease", "ttl_ms", "generation"}`; `409` if `lease` is given and the key is held by another lease; `503` when full |
+//! | `PUT /v1/peers` `{"record": PeerRecord, "ttl_ms": n, "lease": l?, "age_ms": a?}` | `200 {"lease", "ttl_ms", "generation", "registered"}`; `409` if `lease` is given and the key is held by another lease; `503` when full |
 //! | `DELETE /v1/peers/<cluster>/<role>/<rank>/<node_id>?lease=l` | `200 {"removed": true}`; `404` absent; `409` held by another lease |
-//! | `GET /v1/peers?cluster=c[&role=r][&rank=n]` | `200 {"epoch", "generation", "records": [...]}` |
+//! | `GET /v1/peers?cluster=c[&role=r][&rank=n]` | `200 {"epoch", "generation", "records": [...]}`, each rank's newest registration first |
 //! | the same with `&since=g&epoch=e[&wait_ms=w]` | as above, once the generation is no longer `g` (or the epoch not `e`), or after `w` ms |
 //! | `GET /v1/health` | `200 {"status": "ok", "epoch", "generation", "records"}` |
 //!
@@ -15,6 +15,20 @@
 //! it refreshes (or re-creates, after a server restart) the record. Errors are
 //! `{"error": "..."}` with a 4xx status: malformed requests, unknown paths and methods,
 //! oversized heads or bodies and slow clients never stop the server.
+//!
+//! Registration order: the server stamps each record's `registered` field with the time it
+//! took the registration, in Unix milliseconds on its clock (new registrations get strictly
+//! increasing stamps, so two never tie); what a client sends there is ignored, but for the
+//! one case below. A `PUT` without a lease is a new registration and takes a new stamp,
+//! even when it replaces a record of the same key; a refresh keeps the stamp; a re-creation
+//! (a `PUT` with a lease the server does not hold, after a restart or an expiry) is stamped
+//! `age_ms` before now, `age_ms` being how long the client has held its registration on
+//! its own clock, so a server restart does not reorder live registrations. (Where the
+//! record's own `registered`, the stamp an earlier server gave it, is within 1 s of that,
+//! it is kept as is: a server restarted on the same clock gets the record back unchanged,
+//! and watches see no change.) `GET` lists records by role and rank, each rank's newest
+//! registration (largest `registered`) first, then by node id. Older clients ignore the
+//! field; an older server's records lack it (it reads as 0).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -30,7 +44,7 @@ use tokio::time::Instant;
 
 use super::http::{self, ReadError, Request};
 use super::record::parse_decimal;
-use super::{PeerKey, PeerQuery, PeerRecord, Role};
+use super::{sort_newest_first, PeerKey, PeerQuery, PeerRecord, Role};
 
 /// Limits and timings of a [`BootstrapServer`].
 #[derive(Clone, Debug)]
@@ -79,6 +93,10 @@ pub(crate) struct RegisterBody {
     pub ttl_ms: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease: Option<u64>,
+    /// With `lease`: how long ago (on the client's clock) the registration was first taken,
+    /// for a record re-created after a server restart to keep its place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub age_ms: Option<u64>,
 }
 
 /// Answer to `PUT /v1/peers`.
@@ -87,6 +105,9 @@ pub(crate) struct Registered {
     pub lease: u64,
     pub ttl_ms: u64,
     pub generation: u64,
+    /// The record's stamp (0 from a server older than it).
+    #[serde(default)]
+    pub registered: u64,
 }
 
 /// Answer to `GET /v1/peers`.
@@ -103,6 +124,10 @@ pub(crate) struct ErrorBody {
     pub error: String,
 }
 
+/// How far a re-created record's own stamp may be from the one its age gives, for the
+/// server to keep it (round trips and scheduling; clocks of different hosts differ more).
+const RESTAMP_SLACK_MS: u64 = 1000;
+
 struct Entry {
     record: PeerRecord,
     lease: u64,
@@ -112,6 +137,8 @@ struct Entry {
 struct Table {
     generation: u64,
     records: BTreeMap<PeerKey, Entry>,
+    /// The last stamp given to a new registration.
+    last_stamp: u64,
 }
 
 struct State {
@@ -124,6 +151,11 @@ struct State {
     /// Woken when a record with a new expiry is added.
     reaper: Notify,
     shutdown: watch::Receiver<bool>,
+    /// The wall clock (Unix ms) when the server started, and the monotonic instant of that
+    /// moment: stamps follow the monotonic clock, so a step of the wall clock cannot
+    /// reorder registrations.
+    started_unix_ms: u64,
+    started: Instant,
 }
 
 impl State {
@@ -136,6 +168,29 @@ impl State {
     fn changed(&self, table: &mut Table) {
         table.generation += 1;
         self.generation.send_replace(table.generation);
+    }
+
+    /// The stamp of a registration taken now (`recreated` `None`; strictly increasing), or
+    /// of a re-created one: first taken `age` ms ago, and stamped `claimed` by a server
+    /// before (0 if unknown). The claimed stamp is kept where it agrees with the age (the
+    /// same clock: the record comes back unchanged); otherwise the age decides (another
+    /// host's clock, or a client that got it wrong).
+    fn stamp(&self, table: &mut Table, recreated: Option<(u64, u64)>) -> u64 {
+        let elapsed = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let now = self.started_unix_ms.saturating_add(elapsed);
+        let stamp = match recreated {
+            Some((age, claimed)) => {
+                let aged = now.saturating_sub(age).max(1);
+                if claimed != 0 && claimed.abs_diff(aged) <= RESTAMP_SLACK_MS {
+                    claimed
+                } else {
+                    aged
+                }
+            }
+            None => now.max(table.last_stamp + 1),
+        };
+        table.last_stamp = table.last_stamp.max(stamp);
+        stamp
     }
 
     /// Removes expired records; returns the earliest remaining expiry.
@@ -196,10 +251,15 @@ impl BootstrapServer {
             table: Mutex::new(Table {
                 generation: 0,
                 records: BTreeMap::new(),
+                last_stamp: 0,
             }),
             generation: watch::channel(0).0,
             reaper: Notify::new(),
             shutdown,
+            started_unix_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            started: Instant::now(),
         });
         let task = tokio::spawn(serve(listener, state.clone()));
         tracing::info!(addr = %local, "bootstrap server listening");
@@ -391,33 +451,48 @@ fn register(state: &State, req: &Request) -> Answer {
             Err(e) => return error(500, format!("no random lease id: {e}")),
         },
     };
-    let key = body.record.key();
+    let mut record = body.record;
+    let key = record.key();
     let expires = Instant::now() + ttl;
     let mut t = state.table();
-    let generation = match t.records.get_mut(&key) {
-        Some(e) if body.lease.is_some() && e.lease != lease => {
+    let refresh = body.lease.is_some();
+    match t.records.get(&key) {
+        Some(e) if refresh && e.lease != lease => {
             return error(409, format!("{key} is held by another registration"));
         }
+        None if t.records.len() >= config.max_records => {
+            return error(503, format!("full: {} records", t.records.len()));
+        }
+        _ => {}
+    }
+    let stamp = match t.records.get(&key) {
+        // A refresh: the same registration, its stamp unchanged.
+        Some(e) if refresh => e.record.registered,
+        // A re-creation (the server restarted, or the record expired): as old as the client
+        // says its registration is. Without an age (an older client), as new.
+        None if refresh => state.stamp(&mut t, body.age_ms.map(|a| (a, record.registered))),
+        // A new registration, possibly replacing a record of the same key.
+        _ => state.stamp(&mut t, None),
+    };
+    record.registered = stamp;
+    let generation = match t.records.get_mut(&key) {
         Some(e) => {
-            let changed = e.record != body.record || e.lease != lease;
+            let changed = e.record != record || e.lease != lease;
             e.expires = expires;
             e.lease = lease;
             if changed {
-                e.record = body.record;
+                e.record = record;
                 state.changed(&mut t);
                 tracing::info!(%key, "bootstrap: registration replaced");
             }
             t.generation
         }
         None => {
-            if t.records.len() >= config.max_records {
-                return error(503, format!("full: {} records", t.records.len()));
-            }
-            tracing::info!(%key, address = %body.record.address, "bootstrap: registered");
+            tracing::info!(%key, address = %record.address, "bootstrap: registered");
             t.records.insert(
                 key,
                 Entry {
-                    record: body.record,
+                    record,
                     lease,
                     expires,
                 },
@@ -435,6 +510,7 @@ fn register(state: &State, req: &Request) -> Answer {
             lease,
             ttl_ms: body.ttl_ms,
             generation,
+            registered: stamp,
         },
     )
 }
@@ -515,7 +591,7 @@ async fn peers(state: &State, req: &Request) -> Answer {
     }
     let now = Instant::now();
     let t = state.table();
-    let records = t
+    let mut records: Vec<PeerRecord> = t
         .records
         .range(range_start(&query)..)
         .take_while(|(k, _)| k.cluster == query.cluster)
@@ -523,11 +599,14 @@ async fn peers(state: &State, req: &Request) -> Answer {
         .filter(|(k, e)| query.matches_key(k) && e.expires > now)
         .map(|(_, e)| e.record.clone())
         .collect();
+    let generation = t.generation;
+    drop(t);
+    sort_newest_first(&mut records);
     json(
         200,
         &Peers {
             epoch: state.epoch,
-            generation: t.generation,
+            generation,
             records,
         },
     )

@@ -138,7 +138,10 @@ impl Manager {
         }
     }
 
-    /// The peers of `role` registered in `cluster` (of one engine rank, or every rank).
+    /// The peers of `role` registered in `cluster` (of one engine rank, or every rank), by
+    /// rank and, within a rank, the newest registration first: a node restarted under a new
+    /// node id comes before its dead predecessor's record (which stays until its TTL runs
+    /// out), so the first record of a rank is the one to dial.
     /// With `check_layout`, a peer whose layout fingerprint differs from this node's fails
     /// the call with [`ErrorKind::LayoutMismatch`] (fail closed) instead of being returned.
     pub fn resolve(
