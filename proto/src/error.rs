@@ -149,12 +149,20 @@ pub enum FailureReason {
 impl FailureReason {
     /// Whether the request itself is sound and may be sent again on a working connection:
     /// the transfer failed in the transport (a write failed, the connection or queue pair
-    /// was lost and rebuilt, a deadline passed), not because of what was sent.
+    /// was lost and rebuilt, a deadline passed), or the sender was busy (its engine had not
+    /// got to the request while the reservation was parked, or it held too many parked
+    /// reservations: REJECT with UNKNOWN_REQUEST or PARKED_LIMIT, SPEC §7.6), not because
+    /// of what was sent.
     pub fn is_retryable(&self) -> bool {
-        matches!(
-            self,
-            Self::WriteFailed | Self::PeerLost | Self::PeerUnresponsive | Self::Timeout { .. }
-        )
+        match self {
+            Self::Rejected { code, .. } => {
+                *code == ErrorCode::UNKNOWN_REQUEST || *code == ErrorCode::PARKED_LIMIT
+            }
+            _ => matches!(
+                self,
+                Self::WriteFailed | Self::PeerLost | Self::PeerUnresponsive | Self::Timeout { .. }
+            ),
+        }
     }
 
     /// Whether this is [`FailureReason::Unconfirmed`]: the receiver may have delivered.

@@ -604,11 +604,7 @@ fn an_abort_for_a_parked_reservation_fails_a_later_submit_at_once() {
 #[test]
 fn a_refusal_before_any_reservation_fails_a_later_submit_at_once() {
     let now = Instant::now();
-    let mut r = ReceiverSession::new(
-        &established(Role::RECEIVER),
-        ReceiverConfig::default(),
-        7,
-    );
+    let mut r = ReceiverSession::new(&established(Role::RECEIVER), ReceiverConfig::default(), 7);
     assert!(r.refuse(ID, ErrorCode::PROMPT_EXCEEDS_POOL, "pool of 4 pages".into()));
     let abort = r.poll_transmit().expect("the refusal goes out");
     let refusal = TransferRef {
@@ -630,7 +626,13 @@ fn a_refusal_before_any_reservation_fails_a_later_submit_at_once() {
         let mut s = sender();
         s.handle_frame(now, abort.clone()).unwrap();
         assert_eq!(s.poll_transmit(), Some(Frame::AbortAck(refusal)));
-        assert_eq!(s.poll_event(), Some(SenderEvent::Announced(ID)));
+        assert_eq!(
+            s.poll_event(),
+            Some(SenderEvent::Announced {
+                transfer_id: ID,
+                refusal: Some(ErrorCode::PROMPT_EXCEEDS_POOL)
+            })
+        );
         let result = if whole {
             s.submit(now, admitted(ID, 2), vec![1, 2])
         } else {
@@ -658,7 +660,16 @@ fn a_refusal_before_any_reservation_fails_a_later_submit_at_once() {
     assert!(s.poll_transmit().is_none(), "parked");
     assert_eq!(
         drain(|| s.poll_event()),
-        vec![SenderEvent::Announced(ID), SenderEvent::Announced(ID)]
+        vec![
+            SenderEvent::Announced {
+                transfer_id: ID,
+                refusal: Some(ErrorCode::PROMPT_EXCEEDS_POOL)
+            },
+            SenderEvent::Announced {
+                transfer_id: ID,
+                refusal: None
+            }
+        ]
     );
     s.submit(now, admitted(ID, 2), vec![1, 2]).unwrap();
     assert!(drain(|| s.poll_action())

@@ -12,6 +12,7 @@ use kvwire_proto::wire::{
     Abort, Digest128, DigestAlgorithm, ErrorCode, Frame, Hello, KvLayout, Reserve, Role,
     TransferDigests, TransferRef,
 };
+use kvwire_proto::FailureReason;
 
 const ID: TransferId = TransferId(1);
 
@@ -274,6 +275,52 @@ fn a_parked_reservations_deadline_counts_from_its_receipt() {
         "the writes deadline did not fire {} ms after the RESERVE's receipt: {actions:?}",
         1000
     );
+}
+
+/// SPEC §5.1: a parked RESERVE lives as long as the receiver said (its `deadline_ms` from
+/// receipt), bounded by the sender's `parked_reservation_timeout`; the REJECT(UNKNOWN_REQUEST)
+/// at its end is retryable (a busy sender, not a refusal of the request).
+#[test]
+fn a_parked_reservation_lives_for_the_receivers_deadline_at_most_the_senders_bound() {
+    use kvwire_proto::wire::{ErrorCode, Reject};
+    let t0 = Instant::now();
+    // deadline_ms 1000 < the bound (60 s by default): rejected at 1 s, not before.
+    let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
+    s.handle_frame(t0, Frame::Reserve(reserve(9))).unwrap();
+    assert_eq!(s.poll_timeout(), Some(t0 + Duration::from_millis(1000)));
+    s.handle_timeout(t0 + Duration::from_millis(999));
+    assert_eq!(s.poll_transmit(), None);
+    s.handle_timeout(t0 + Duration::from_millis(1000));
+    match s.poll_transmit() {
+        Some(Frame::Reject(Reject { code, .. })) => assert_eq!(code, ErrorCode::UNKNOWN_REQUEST),
+        other => panic!("expected REJECT(UNKNOWN_REQUEST), got {other:?}"),
+    }
+    // The sender's bound is shorter: it wins.
+    let mut s = SenderSession::new(
+        &established(Role::SENDER),
+        SenderConfig {
+            parked_reservation_timeout: Duration::from_millis(300),
+            ..SenderConfig::default()
+        },
+    );
+    s.handle_frame(t0, Frame::Reserve(reserve(9))).unwrap();
+    assert_eq!(s.poll_timeout(), Some(t0 + Duration::from_millis(300)));
+    // What the receiver makes of it: retryable, unlike a rejection of the request itself.
+    let busy = FailureReason::Rejected {
+        code: ErrorCode::UNKNOWN_REQUEST,
+        detail: String::new(),
+    };
+    assert!(busy.is_retryable());
+    let full = FailureReason::Rejected {
+        code: ErrorCode::PARKED_LIMIT,
+        detail: String::new(),
+    };
+    assert!(full.is_retryable());
+    let refused = FailureReason::Rejected {
+        code: ErrorCode::PROMPT_EXCEEDS_CONTEXT,
+        detail: String::new(),
+    };
+    assert!(!refused.is_retryable());
 }
 
 /// SPEC §7.3 (was Q12): a COMMIT for a finished transfer is answered: the same reservation

@@ -85,7 +85,10 @@ impl SenderSession {
                 aborted_while_parked: true,
             },
         );
-        self.out.events.push_back(SenderEvent::Announced(id));
+        self.out.events.push_back(SenderEvent::Announced {
+            transfer_id: id,
+            refusal: Some(code),
+        });
     }
 
     /// Parks a RESERVE naming no request this session knows (it may be on its way): a
@@ -104,10 +107,16 @@ impl SenderSession {
             );
             return;
         }
-        let deadline = now + self.config.parked_reservation_timeout;
+        // The receiver says how long its reservation lives; the sender bounds it.
+        let lifetime = std::time::Duration::from_millis(r.deadline_ms.into())
+            .min(self.config.parked_reservation_timeout);
+        let deadline = now + lifetime;
         let id = r.transfer_id;
         self.timers.arm(deadline, id);
         self.parked.insert(id, (r, deadline, now));
-        self.out.events.push_back(SenderEvent::Announced(id));
+        self.out.events.push_back(SenderEvent::Announced {
+            transfer_id: id,
+            refusal: None,
+        });
     }
 }

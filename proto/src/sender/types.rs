@@ -13,8 +13,10 @@ use crate::wire::{DigestAlgorithm, ErrorCode, TransferRef};
 pub struct SenderConfig {
     /// How long an admitted request waits for its reservation.
     pub reservation_timeout: Duration,
-    /// How long a reservation that names no known request is held (the request may still
-    /// be on its way to this engine) before it is rejected as `UNKNOWN_REQUEST`.
+    /// The longest a reservation that names no known request is held (the request may
+    /// still be on its way to this engine) before it is rejected as `UNKNOWN_REQUEST`: it is
+    /// held until its own deadline (`deadline_ms` from its receipt), at most this long
+    /// (SPEC.md §5.1).
     pub parked_reservation_timeout: Duration,
     /// How long to wait for VERIFIED or NACK after COMMIT.
     pub verdict_timeout: Duration,
@@ -31,7 +33,7 @@ impl Default for SenderConfig {
     fn default() -> Self {
         Self {
             reservation_timeout: Duration::from_secs(30),
-            parked_reservation_timeout: Duration::from_secs(5),
+            parked_reservation_timeout: Duration::from_secs(60),
             verdict_timeout: Duration::from_secs(10),
             abort_ack_timeout: Duration::from_secs(5),
             history: 4096,
@@ -119,10 +121,16 @@ pub enum SenderEvent {
         reason: FailureReason,
     },
     /// The receiver named a request this session has no open transfer for: its RESERVE
-    /// was parked, or its ABORT refused the request before the engine submitted it
-    /// (SPEC.md §5.1). The request's KV goes to this connection's peer: an engine serving
+    /// was parked (`refusal` `None`), or its ABORT refused the request before the engine
+    /// submitted it (`refusal`: the ABORT's code; a submit of the id will fail with it,
+    /// SPEC.md §5.1). The request's KV goes to this connection's peer: an engine serving
     /// several receivers routes the request here by it.
-    Announced(TransferId),
+    Announced {
+        /// The request.
+        transfer_id: TransferId,
+        /// The receiver's code, when it refused the request.
+        refusal: Option<crate::wire::ErrorCode>,
+    },
 }
 
 /// Why [`SenderSession::retire`](super::SenderSession::retire) refused to retire a request.
