@@ -52,6 +52,18 @@ impl Cache {
     }
 }
 
+/// Polls a prefill transfer until it left Bootstrapping (its decode's reservation arrived).
+fn opened(tx: &kvwire::polled::SenderTransfer) -> KvPoll {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let s = tx.poll();
+        if s != KvPoll::Bootstrapping || std::time::Instant::now() >= deadline {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn kv(room: u64, ordinal: usize, buffer: usize) -> Vec<u8> {
     (0..PAGE_BYTES)
         .map(|i| (room as usize * 31 + ordinal * 17 + buffer * 7 + i / 5) as u8)
@@ -97,7 +109,8 @@ fn a_chunked_transfer_lands_in_the_chosen_pages_with_its_aux_record() {
 
     let tx = prefill.sender(room, None).unwrap();
     tx.init(5, 70).unwrap();
-    assert_eq!(tx.poll(), KvPoll::WaitingForInput);
+    // Open once the decode's reservation reached the prefill.
+    assert_eq!(opened(&tx), KvPoll::WaitingForInput);
     // The aux record goes with the final chunk only; a refused chunk changes nothing.
     let early = tx.send(&src[..3], Some(b"x")).unwrap_err();
     assert_eq!(early.kind(), ErrorKind::InvalidArgument);
@@ -223,20 +236,22 @@ fn a_transfer_bootstraps_until_the_peer_connects() {
     let rx = decode.receiver(room, None).unwrap();
     rx.init(vec![1], 10, WAIT).unwrap();
     let tx = prefill.sender(room, None).unwrap();
+    assert_eq!(
+        tx.send(&[0], None).unwrap_err().kind(),
+        ErrorKind::InvalidState,
+        "a chunk before init"
+    );
     tx.init(1, 10).unwrap();
     assert_eq!(rx.poll(), KvPoll::Bootstrapping);
     assert_eq!(tx.poll(), KvPoll::Bootstrapping);
-    assert_eq!(
-        tx.send(&[0], None).unwrap_err().kind(),
-        ErrorKind::InvalidState
-    );
+    // A chunk handed over before the decode reserved is queued, sent once it did.
+    tx.send(&[0], None).unwrap();
+    assert_eq!(tx.poll(), KvPoll::Bootstrapping);
     assert_eq!(rx.wait(Duration::from_millis(20)), KvPoll::Bootstrapping);
     // Decode connects to the listening prefill this time.
     let addr = prefill.listen("127.0.0.1:0").unwrap();
     decode.connect(&addr.to_string()).unwrap();
     prefill.wait_for_peers(1, WAIT).unwrap();
-    assert_eq!(tx.poll(), KvPoll::WaitingForInput);
-    tx.send(&[0], None).unwrap();
     assert_eq!(rx.wait(WAIT), KvPoll::Success, "{:?}", rx.failure());
     assert_eq!(tx.wait(WAIT), KvPoll::Success);
     assert_eq!(rx.aux().unwrap(), b"");

@@ -336,6 +336,20 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
         }
     }
 
+    /// Refuses a request never reserved here: ABORT with nonce 0 and `code`
+    /// (`ReceiverSession::refuse`, SPEC §5.1). False, sending nothing, for an open one.
+    pub fn refuse(
+        &mut self,
+        now: Instant,
+        transfer_id: TransferId,
+        code: ErrorCode,
+        detail: String,
+    ) -> bool {
+        let r = self.core.session.refuse(transfer_id, code, detail);
+        self.process(now);
+        r
+    }
+
     /// Aborts a transfer: fence, release, then ABORT.
     pub fn abort(&mut self, now: Instant, transfer_id: TransferId, code: ErrorCode) -> bool {
         let r = self.core.session.abort(now, transfer_id, code);

@@ -37,6 +37,7 @@ mod listener;
 mod node;
 mod open;
 mod receiver;
+mod rooms;
 mod sender;
 mod streams;
 
@@ -53,6 +54,7 @@ pub use listener::{Listener, ListenerConfig, ListenerStats};
 pub use node::Node;
 pub use open::loopback;
 pub use receiver::{ReceiverConn, ReceiverConnStats, Verified};
+pub use rooms::{Rooms, Route, ROOMS_REMEMBERED};
 pub use sender::{OutgoingTransfer, SenderConn, SenderConnStats};
 
 use crate::config::ConfigError;

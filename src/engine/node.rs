@@ -32,7 +32,7 @@
 
 use std::sync::Arc;
 
-use super::EngineError;
+use super::{EngineError, Rooms};
 use crate::config::NodeConfig;
 use crate::memory::{KvMemory, PagePool};
 
@@ -48,6 +48,8 @@ struct Inner {
     pool: Arc<PagePool>,
     /// Extra TCP streams joining the node's connections (`NodeConfig::tcp_streams`).
     joins: super::streams::Joins,
+    /// Which decode peer named each request not opened yet (its sender connections report).
+    rooms: Arc<Rooms>,
     #[cfg(feature = "rdma")]
     rdma: std::sync::Mutex<Vec<rdma::Registration>>,
 }
@@ -79,6 +81,7 @@ impl Node {
                 config,
                 pool: Arc::new(pool),
                 joins: Default::default(),
+                rooms: Arc::default(),
                 #[cfg(feature = "rdma")]
                 rdma: std::sync::Mutex::new(Vec::new()),
             }),
@@ -95,6 +98,12 @@ impl Node {
     /// ([`PagePool::check_engine_free`]), counters.
     pub fn pool(&self) -> &Arc<PagePool> {
         &self.inner.pool
+    }
+
+    /// Which decode peer named each request this (prefill) node has not opened yet: where
+    /// the request's KV goes ([`Rooms`]).
+    pub fn rooms(&self) -> &Arc<Rooms> {
+        &self.inner.rooms
     }
 
     /// Where the extra TCP streams of the node's connections wait to be claimed.

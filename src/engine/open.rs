@@ -144,12 +144,11 @@ pub(crate) async fn sender(
                 })
                 .collect();
             match one_or_several(lanes)? {
-                Streams::One(t) => SenderConn::run(est, pool, t, config),
+                Streams::One(t) => SenderConn::run(est, node, t),
                 Streams::Several(l) => SenderConn::run(
                     est,
-                    pool,
+                    node,
                     LaneSet::sender(l).with_silence_limit(config.liveness.timeout),
-                    config,
                 ),
             }
         }
@@ -169,7 +168,7 @@ pub(crate) async fn sender(
                 )
                 .await
                 .map_err(rdma)?;
-            SenderConn::run(est, pool, t, config)
+            SenderConn::run(est, node, t)
         }
         #[allow(unreachable_patterns)]
         other => Err(unsupported(other)),
@@ -325,7 +324,7 @@ pub fn loopback(prefill: &Node, decode: &Node) -> Result<(SenderConn, ReceiverCo
     }
     let (s, r) = loopback::connect(source.clone(), dest.clone(), std::time::Duration::ZERO);
     let receiver = ReceiverConn::run(client, dest, r, decode.config())?;
-    let sender = SenderConn::run(server, source, s, prefill.config())?;
+    let sender = SenderConn::run(server, prefill, s)?;
     Ok((sender, receiver))
 }
 

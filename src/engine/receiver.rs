@@ -23,6 +23,11 @@ enum Cmd {
         params: ReserveParams,
         reply: oneshot::Sender<Result<Verified, TransferError>>,
     },
+    Refuse {
+        transfer_id: TransferId,
+        code: ErrorCode,
+        detail: String,
+    },
     Abort {
         transfer_id: TransferId,
         code: ErrorCode,
@@ -226,6 +231,19 @@ impl ReceiverConn {
         let _ = self.cmd.send(Cmd::Abort { transfer_id, code });
     }
 
+    /// Refuses request `transfer_id` without reserving anything for it (this node's pool or
+    /// context cannot hold it, or the engine cancelled it first): the sender fails the
+    /// request at once with `code` when its engine opens it, instead of waiting for a
+    /// reservation (SPEC §5.1, "Refused before reservation"). Does nothing for a transfer
+    /// with an open reservation ([`ReceiverConn::abort`] ends that one).
+    pub fn refuse(&self, transfer_id: TransferId, code: ErrorCode, detail: impl Into<String>) {
+        let _ = self.cmd.send(Cmd::Refuse {
+            transfer_id,
+            code,
+            detail: detail.into(),
+        });
+    }
+
     /// Counters, including the pool's free and quarantined pages.
     pub async fn stats(&self) -> Result<ReceiverConnStats, TransferError> {
         let (reply, rx) = oneshot::channel();
@@ -341,6 +359,14 @@ impl<T: ReceiverTransport> Task<T> {
                         let _ = reply.send(Err(e.into()));
                     }
                 }
+            }
+            Cmd::Refuse {
+                transfer_id,
+                code,
+                detail,
+            } => {
+                tracing::info!(transfer_id = transfer_id.0, peer = self.peer, %code, "request refused before reservation");
+                self.driver.refuse(now, transfer_id, code, detail);
             }
             Cmd::Abort { transfer_id, code } => {
                 if let Some((m, _)) = &self.metrics {

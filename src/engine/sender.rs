@@ -6,14 +6,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvwire_proto::admission::{AdmissionPolicy, Admitted, Rejected, Request};
-use kvwire_proto::sender::SenderEvent;
+use kvwire_proto::sender::{SenderEvent, SubmitError};
 use kvwire_proto::wire::{ErrorCode, Hello};
 use kvwire_proto::FailureReason;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{transfer_error, ConnectionTask, EngineError, Node, NodeConfig, TransferError};
-use crate::driver::SenderDriver;
+use super::{transfer_error, ConnectionTask, EngineError, Node, Rooms, Route, TransferError};
+use crate::driver::{SenderDriver, StartError};
 
 use crate::metrics::Metrics;
 use crate::transport::SenderTransport;
@@ -110,10 +110,10 @@ impl SenderConn {
     /// Starts the connection's task: the sender driver over `transport`.
     pub(crate) fn run<T: SenderTransport + 'static>(
         est: kvwire_proto::handshake::Established,
-        pool: Arc<crate::memory::PagePool>,
+        node: &Node,
         transport: T,
-        config: &NodeConfig,
     ) -> Result<Self, EngineError> {
+        let (pool, config) = (node.pool().clone(), node.config());
         let admission = crate::driver::admission_policy(&pool, &config.engine);
         let mut driver = SenderDriver::new(
             &est,
@@ -136,6 +136,7 @@ impl SenderConn {
             waiting: TransferIdMap::default(),
             stats: SenderConnStats::default(),
             log: super::FailureLog::new("sender", est.peer.node_id),
+            rooms: node.rooms().clone(),
         };
         tokio::spawn(super::run_task(task, cmd_rx));
         Ok(Self {
@@ -279,6 +280,20 @@ impl SenderConn {
     }
 }
 
+/// Why a transfer could not start. The receiver's abort (or refusal) of the request before
+/// it was submitted is the same failure as its abort after: `PeerAbort` with its code.
+fn start_error(e: StartError) -> TransferError {
+    match e {
+        StartError::Session(SubmitError::AbortedByPeer { code, .. }) => {
+            TransferError::Failed(FailureReason::PeerAbort {
+                code,
+                completed_pages: 0,
+            })
+        }
+        e => e.into(),
+    }
+}
+
 /// The connection's task: the driver, and what the engine waits for.
 struct Task<T> {
     driver: SenderDriver<T>,
@@ -289,6 +304,9 @@ struct Task<T> {
     waiting: TransferIdMap<oneshot::Sender<Result<(), TransferError>>>,
     stats: SenderConnStats,
     log: super::FailureLog,
+    /// The node's directory of requests its peers named: this connection's peer named
+    /// those it announces.
+    rooms: Arc<Rooms>,
 }
 
 impl<T: SenderTransport> Task<T> {
@@ -296,6 +314,23 @@ impl<T: SenderTransport> Task<T> {
     fn hand_over(&mut self) {
         while let Some(event) = self.driver.poll_event() {
             let (id, result) = match event {
+                SenderEvent::Announced {
+                    transfer_id: id,
+                    refusal,
+                } => {
+                    // The request's KV goes to this peer; one the engine rejected before is
+                    // retired here, so the reservation gets REJECT with the original error.
+                    let route = Route {
+                        peer: self.peer,
+                        refusal,
+                    };
+                    if let Some(rejected) = self.rooms.named(id, route) {
+                        if let Err(e) = self.driver.retire(Instant::now(), rejected) {
+                            tracing::warn!(peer = self.peer, error = %e, "rejection not retired");
+                        }
+                    }
+                    continue;
+                }
                 SenderEvent::Verified(t) => {
                     self.stats.verified += 1;
                     if let Some(span) = self.spans.remove(&t.transfer_id) {
@@ -356,7 +391,7 @@ impl<T: SenderTransport> Task<T> {
                 match self.driver.open(now, admitted) {
                     Ok(()) => self.track(id, reply),
                     Err(e) => {
-                        let _ = reply.send(Err(e.into()));
+                        let _ = reply.send(Err(start_error(e)));
                     }
                 }
             }
@@ -420,7 +455,7 @@ impl<T: SenderTransport> Task<T> {
         match started {
             Ok(()) => self.track(id, reply),
             Err(e) => {
-                let _ = reply.send(Err(e.into()));
+                let _ = reply.send(Err(start_error(e)));
             }
         }
     }

@@ -90,6 +90,7 @@ use aux::AuxBuffers;
 use peers::{Conn, Peers, Target};
 use state::Shared;
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -103,7 +104,7 @@ use crate::engine::{EngineError, ListenerStats, Node};
 use crate::memory::{Holder, KvMemory, PoolGeometry};
 use kvwire_proto::liveness::LivenessConfig;
 use kvwire_proto::sender::SenderConfig;
-use kvwire_proto::wire::TransferId;
+use kvwire_proto::wire::{ErrorCode, TransferId};
 
 /// A transfer's state, as SGLang's `KVPoll` numbers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -242,6 +243,9 @@ struct Inner {
     listen_addr: Mutex<Option<SocketAddr>>,
     /// Discovery records published ([`Manager::register`]), removed when dropped.
     registrations: Mutex<Vec<Registration>>,
+    /// Requests (and their peer, `None` when routed by the decode) with a sender on this
+    /// manager ([`RoomClaim`]).
+    claimed: Claimed,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -410,6 +414,7 @@ impl Manager {
                 aux: Arc::new(aux),
                 listen_addr: Mutex::new(None),
                 registrations: Mutex::new(Vec::new()),
+                claimed: Arc::default(),
                 runtime: Some(runtime),
             }),
         })
@@ -651,12 +656,14 @@ impl Manager {
         Ok(ReceiverTransfer::new(self.clone(), room, self.dial(addr)))
     }
 
-    /// The prefill side of request `room`, to peer `peer` (a node id; `None`: the only
-    /// peer). It is [`KvPoll::Bootstrapping`] until [`SenderTransfer::init`] and a
-    /// connection to the peer exist.
+    /// The prefill side of request `room`. With `peer` `None` it goes to the decode node
+    /// that reserves it: of all connected decodes, the one whose reservation (or refusal)
+    /// named `room`; it is [`KvPoll::Bootstrapping`] until [`SenderTransfer::init`] was
+    /// called and that decode reserved. With `peer` (a node id) it goes to that peer,
+    /// opened as soon as `init` was called and the connection exists.
     pub fn sender(&self, room: TransferId, peer: Option<u64>) -> Result<SenderTransfer, Error> {
         self.check_role(Role::Prefill)?;
-        let target = peer.map_or(Target::Only, Target::Node);
+        let target = peer.map_or(Target::Room(room), Target::Node);
         Ok(SenderTransfer::new(self.clone(), room, target))
     }
 
@@ -685,11 +692,76 @@ impl Manager {
 
     /// The connection a transfer goes over; `None` while there is none yet.
     fn conn(&self, target: &Target) -> Result<Option<Conn>, Error> {
-        if let Target::Address(a) = target {
+        match target {
             // Its peer was lost since (or it was never dialled): dial again.
-            self.connect_in_background(a, false);
+            Target::Address(a) => self.connect_in_background(a, false),
+            Target::Room(room) => {
+                return match self.inner.node.rooms().peer_of(*room) {
+                    Some(peer) => self.inner.peers.lock().find(&Target::Node(peer)),
+                    None => Ok(None),
+                };
+            }
+            Target::Only | Target::Node(_) => {}
         }
         self.inner.peers.lock().find(target)
+    }
+
+    /// Claims request `room` to `peer` (`None`: routed by the decode) for one sender of
+    /// this manager: a second claim while the first is held is refused
+    /// ([`ErrorKind::InvalidState`]): a duplicate admission.
+    fn claim_room(&self, room: TransferId, peer: Option<u64>) -> Result<RoomClaim, Error> {
+        let key = (room, peer);
+        let mut claimed = self.inner.claimed.lock().unwrap_or_else(|p| p.into_inner());
+        if !claimed.insert(key) {
+            return Err(Error::state(format!(
+                "request {} was already admitted on this node (a duplicate admission)",
+                room.0
+            )));
+        }
+        Ok(RoomClaim {
+            claimed: self.inner.claimed.clone(),
+            key,
+        })
+    }
+
+    /// Cancels request `room` (`tokens` tokens) on every decode connected now, for a
+    /// prefill that gives it up before any decode named it: whichever decode reserves it
+    /// gets REJECT(CANCELLED) at once (each connection remembers the cancelled id).
+    fn cancel_everywhere(&self, room: TransferId, tokens: u32) {
+        let conns: Vec<Conn> = self
+            .inner
+            .peers
+            .lock()
+            .conns
+            .iter()
+            .map(|(_, c)| c.clone())
+            .collect();
+        for c in conns {
+            if let Conn::Sender(c) = c {
+                let req = kvwire_proto::admission::Request {
+                    transfer_id: room,
+                    tokens: tokens.into(),
+                };
+                if let Ok(admitted) = c.admit(req) {
+                    c.open(admitted).abort(ErrorCode::CANCELLED);
+                }
+            }
+        }
+    }
+
+    /// The node's admission policy (its pool, context length and page size).
+    fn admission(&self) -> kvwire_proto::admission::AdmissionPolicy {
+        let node = &self.inner.node;
+        crate::driver::admission_policy(node.pool(), &node.config().engine)
+    }
+
+    /// How long a prefill's request waits for its decode's reservation.
+    fn reservation_wait(&self) -> Duration {
+        self.inner.node.config().sender.reservation_timeout
+    }
+
+    fn peer_list(&self) -> &Arc<Peers> {
+        &self.inner.peers
     }
 
     fn aux(&self) -> &Arc<AuxBuffers> {
@@ -733,6 +805,26 @@ impl Manager {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+}
+
+/// The requests (with their peer, `None` when routed by the decode) that have a sender on a
+/// manager.
+type Claimed = Arc<Mutex<HashSet<(TransferId, Option<u64>)>>>;
+
+/// A request id claimed by one transfer of a manager, until dropped.
+#[derive(Debug)]
+struct RoomClaim {
+    claimed: Claimed,
+    key: (TransferId, Option<u64>),
+}
+
+impl Drop for RoomClaim {
+    fn drop(&mut self) {
+        self.claimed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.key);
     }
 }
 

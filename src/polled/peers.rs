@@ -43,6 +43,10 @@ pub(super) enum Target {
     /// The connection dialled at this address ([`Manager::receiver_at`](super::Manager)):
     /// dialled again when it failed or its peer was lost.
     Address(String),
+    /// The connection of the peer that named this request (prefill: the decode that
+    /// reserved or refused it, from the node's [`Rooms`](crate::engine::Rooms)); none
+    /// until one did.
+    Room(kvwire_proto::wire::TransferId),
 }
 
 /// A connection dialled at an address.
@@ -82,6 +86,8 @@ impl PeerList {
                 Some(Link::Failed(e)) => Err(e.clone()),
                 Some(Link::Connecting) | None => Ok(None),
             },
+            // Resolved to `Node` by the manager, which holds the node's directory.
+            Target::Room(_) => Ok(None),
             Target::Only => match self.conns.as_slice() {
                 [] => Ok(None),
                 [(_, c)] => Ok(Some(c.clone())),

@@ -99,20 +99,34 @@ impl ReceiverTransfer {
         if let Some(i) = aux_index {
             self.manager.aux().check_index(i)?;
         }
-        let pool = &self.manager.node().config().pool;
+        let config = self.manager.node().config();
+        let (pool, context) = (&config.pool, config.engine.max_context_tokens);
         let capacity = pool.capacity_tokens();
-        if u64::from(tokens) > capacity {
+        let refusal = if u64::from(tokens) > context {
+            Some((
+                ErrorCode::PROMPT_EXCEEDS_CONTEXT,
+                format!("rejected at the decode node: prompt of {tokens} tokens exceeds its context length of {context} tokens"),
+            ))
+        } else if u64::from(tokens) > capacity {
             let needed = u64::from(tokens).div_ceil(u64::from(pool.tokens_per_page.max(1)));
-            self.shared.fail(
-                Error::new(
-                    ErrorKind::Rejected,
-                    format!(
-                        "rejected at the decode node: prompt of {tokens} tokens needs {needed} pages but the decode KV pool has {} pages ({capacity} tokens)",
-                        pool.pages
-                    ),
-                )
-                .with_code(ErrorCode::PROMPT_EXCEEDS_POOL),
-            );
+            Some((
+                ErrorCode::PROMPT_EXCEEDS_POOL,
+                format!(
+                    "rejected at the decode node: prompt of {tokens} tokens needs {needed} pages but the decode KV pool has {} pages ({capacity} tokens)",
+                    pool.pages
+                ),
+            ))
+        } else {
+            None
+        };
+        if let Some((code, detail)) = refusal {
+            // Nothing is reserved; the prefill is told at once, with this code.
+            if self.shared.poll().is_final() {
+                return Err(Error::state("the transfer already ended"));
+            }
+            self.refuse(code, detail.clone());
+            self.shared
+                .fail(Error::new(ErrorKind::Rejected, detail).with_code(code));
             return Ok(());
         }
         let tpp = self.manager.config().tokens_per_page;
@@ -235,10 +249,43 @@ impl ReceiverTransfer {
         if self.shared.poll().is_final() {
             return;
         }
-        if let Some(conn) = &slot.conn {
-            conn.abort(self.room, ErrorCode::CANCELLED);
+        match &slot.conn {
+            Some(conn) => conn.abort(self.room, ErrorCode::CANCELLED),
+            // Not reserved yet: the prefill is told the request is cancelled, so it does
+            // not wait for a reservation.
+            None => self.refuse(
+                ErrorCode::CANCELLED,
+                "cancelled by the decode engine".into(),
+            ),
         }
         self.shared.fail(Error::aborted());
+    }
+
+    /// Tells the prefill that this node will not reserve the request (SPEC §5.1, "Refused
+    /// before reservation"): now if the connection is up, else as soon as it is (dialled
+    /// already for a receiver made by address), within the manager's call timeout.
+    fn refuse(&self, code: ErrorCode, detail: String) {
+        let (peers, target, room) = (
+            self.manager.peer_list().clone(),
+            self.peer.clone(),
+            self.room,
+        );
+        let deadline = std::time::Instant::now() + self.manager.config().call_timeout;
+        self.manager.spawn(async move {
+            loop {
+                match peers.lock().find(&target) {
+                    Ok(Some(Conn::Receiver(c))) => {
+                        c.refuse(room, code, detail);
+                        return;
+                    }
+                    Ok(None) if std::time::Instant::now() < deadline => {}
+                    // Failed, or never connected: the prefill finds no reservation, and
+                    // fails at its reservation timeout.
+                    _ => return,
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
     }
 
     /// The destination page indices that hold the verified KV, in transfer order (after

@@ -1,18 +1,29 @@
 //! The prefill side of one request: admitted, opened, sent chunk by chunk, polled.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use kvwire_proto::FailureReason;
+use tokio::runtime::Handle;
 
 use kvwire_proto::admission::Request;
 use kvwire_proto::wire::{ErrorCode, TransferId};
 
-use super::{Conn, Error, KvPoll, Manager, Shared, Target};
-use crate::engine::OutgoingTransfer;
+use super::{Conn, Error, ErrorKind, KvPoll, Manager, RoomClaim, Shared, Target};
+use crate::engine::{OutgoingTransfer, Rooms, SenderConn, TransferError};
 use crate::memory::Holder;
 
 #[derive(Debug, Default)]
 struct Slot {
     /// (pages, tokens) from `init`, until the transfer is opened.
     init: Option<(u32, u32)>,
+    /// When `init` was called: a request no decode names within the reservation timeout
+    /// fails (routing by the decode, [`Manager::sender`]).
+    init_at: Option<Instant>,
+    /// This manager's claim on the request id, from `init` until `clear` or drop.
+    claim: Option<RoomClaim>,
+    /// Chunks handed over before the transfer was open, sent in order when it opens.
+    queued: Vec<(Vec<u32>, Option<Vec<u8>>)>,
     /// Pages of the request, once `init` was called.
     num_pages: u32,
     /// The open transfer.
@@ -27,18 +38,32 @@ struct Slot {
 /// The prefill side of one request ([`Manager::sender`]): SGLang's `KVSender`.
 ///
 /// [`init`](Self::init) admits the request (a request admission rejects fails at once with
-/// the original error, which the decode side also receives) and opens it;
-/// [`send`](Self::send) hands over each chunk of the engine's pages as chunked prefill
-/// produces them, read in place, the final one with the aux record; [`poll`](Self::poll)
-/// says where the transfer is; [`clear`](Self::clear) returns once kvwire reads none of
-/// the pages any more. Dropping the transfer aborts it if it is still open.
+/// the original error, which the decode side also receives) and opens it once its decode
+/// reserved it; [`send`](Self::send) hands over each chunk of the engine's pages as chunked
+/// prefill produces them, read in place, the final one with the aux record;
+/// [`poll`](Self::poll) says where the transfer is; [`clear`](Self::clear) returns once
+/// kvwire reads none of the pages any more. Dropping the transfer aborts it if it is still
+/// open.
+///
+/// Routed by the decode ([`Manager::sender`] with no peer): the request goes to the decode
+/// node that reserved it (or refused it), whichever of the connected decodes that is. Until
+/// one did, the transfer is [`KvPoll::Bootstrapping`]; [`KvPoll::WaitingForInput`] means a
+/// decode reserved it. A decode's refusal (its pool or context too small, its engine
+/// cancelled the request) fails the transfer at once with the decode's code
+/// ([`ErrorKind::PeerAborted`], not retryable); no decode naming it within the reservation
+/// timeout fails it with [`ErrorKind::Timeout`] (retryable).
 #[derive(Debug)]
 pub struct SenderTransfer {
     manager: Manager,
     room: TransferId,
     peer: Target,
     shared: Arc<Shared<()>>,
-    slot: Mutex<Slot>,
+    /// Shared with the task that opens the transfer when its decode names it.
+    slot: Arc<Mutex<Slot>>,
+}
+
+fn lock(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl SenderTransfer {
@@ -48,12 +73,32 @@ impl SenderTransfer {
             room,
             peer,
             shared: Shared::new(),
-            slot: Mutex::default(),
+            slot: Arc::default(),
         }
     }
 
-    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|p| p.into_inner())
+    fn slot(&self) -> MutexGuard<'_, Slot> {
+        lock(&self.slot)
+    }
+
+    /// Opens the transfer as soon as a decode names it (its reservation or refusal arrived),
+    /// without waiting for the engine's next `poll`. The task holds no manager (the last
+    /// one dropped there would drop the runtime inside itself).
+    fn open_when_named(&self) {
+        let named = self.manager.node().rooms().when_named(self.room);
+        let (peers, rooms) = (
+            self.manager.peer_list().clone(),
+            self.manager.node().rooms().clone(),
+        );
+        let (room, shared, slot) = (self.room, self.shared.clone(), self.slot.clone());
+        self.manager.spawn(async move {
+            let Ok(route) = named.await else { return };
+            let Ok(Some(Conn::Sender(conn))) = peers.lock().find(&Target::Node(route.peer)) else {
+                return;
+            };
+            let mut slot = lock(&slot);
+            open_on(conn, room, &rooms, &shared, &mut slot, &Handle::current());
+        });
     }
 
     /// The request's id.
@@ -97,15 +142,48 @@ impl SenderTransfer {
             if self.shared.poll().is_final() {
                 return Err(Error::state("the transfer already ended"));
             }
+            // One transfer per request on a node: a second admission of the id is refused
+            // here, not at its first chunk.
+            let peer = match self.peer {
+                Target::Node(p) => Some(p),
+                _ => None,
+            };
+            slot.claim = Some(self.manager.claim_room(self.room, peer)?);
             slot.init = Some((num_pages, tokens));
+            slot.init_at = Some(Instant::now());
             slot.num_pages = num_pages;
             slot.aux_index = aux_index;
+        }
+        if let Target::Room(_) = self.peer {
+            self.open_when_named();
+            // Admission runs now, before any decode named the request: a rejected request
+            // fails at once and is retired on the connection of the decode that names it.
+            let policy = self.manager.admission();
+            if let Err(rejected) = policy.admit(Request {
+                transfer_id: self.room,
+                tokens: tokens.into(),
+            }) {
+                let error = Error::from_admission(&rejected.error);
+                self.manager.node().rooms().retire_when_named(rejected);
+                if let Ok(Some(Conn::Sender(c))) = self.manager.conn(&self.peer) {
+                    // Named already: retire it on that connection too (idempotent).
+                    let _ = c.admit(Request {
+                        transfer_id: self.room,
+                        tokens: tokens.into(),
+                    });
+                }
+                self.slot().init = None;
+                self.shared.fail(error);
+                return Ok(());
+            }
         }
         self.advance();
         Ok(())
     }
 
-    /// Admits and opens, if `init` was called and the connection to the peer exists.
+    /// Admits and opens, if `init` was called and the connection to the peer exists (routed
+    /// by the decode: the decode that named the request reserved or refused it); sends the
+    /// chunks queued meanwhile.
     fn advance(&self) {
         let mut slot = self.slot();
         if slot.out.is_some() || slot.cleared || self.shared.poll().is_final() {
@@ -113,34 +191,38 @@ impl SenderTransfer {
         }
         let conn = match self.manager.conn(&self.peer) {
             Ok(Some(Conn::Sender(c))) => c,
-            Ok(_) => return,
+            Ok(_) => {
+                let wait = self.manager.reservation_wait();
+                if let (Target::Room(_), Some(at)) = (&self.peer, slot.init_at) {
+                    if slot.init.is_some() && at.elapsed() >= wait {
+                        self.shared.fail(
+                            Error::new(
+                                ErrorKind::Timeout,
+                                format!(
+                                    "no decode node reserved request {} within {wait:?}",
+                                    self.room.0
+                                ),
+                            )
+                            .with_code(ErrorCode::TIMEOUT)
+                            .retryable(true),
+                        );
+                    }
+                }
+                return;
+            }
             Err(e) => {
                 self.shared.fail(e);
                 return;
             }
         };
-        let Some((_, tokens)) = slot.init.take() else {
-            return;
-        };
-        let admitted = match conn.admit(Request {
-            transfer_id: self.room,
-            tokens: tokens.into(),
-        }) {
-            Ok(a) => a,
-            Err(e) => {
-                self.shared.fail(Error::from_transfer(&e));
-                return;
-            }
-        };
-        let mut out = conn.open(admitted);
-        let outcome = out.take_outcome();
-        slot.out = Some(out);
-        self.shared.lock().settled = false;
-        self.shared.advance(KvPoll::WaitingForInput);
-        let shared = self.shared.clone();
-        self.manager.spawn(async move {
-            shared.settle(outcome.await.map_err(|e| Error::from_transfer(&e)));
-        });
+        open_on(
+            conn,
+            self.room,
+            self.manager.node().rooms(),
+            &self.shared,
+            &mut slot,
+            self.manager.runtime().handle(),
+        );
     }
 
     /// Hands over the next chunk: `pages` of the engine's registered memory, in transfer
@@ -148,20 +230,20 @@ impl SenderTransfer {
     /// until [`Self::clear`] returned). `aux` goes with the final chunk only (the one that
     /// completes the request's pages). Waits only for the connection to take the chunk (a
     /// local round trip), not for the data to be written. A refused chunk changes nothing:
-    /// the transfer goes on.
+    /// the transfer goes on. A chunk handed over after `init` but before the transfer opened
+    /// (its decode has not reserved yet) is queued and sent when it opens.
     pub fn send(&self, pages: &[u32], aux: Option<&[u8]>) -> Result<(), Error> {
         let mut slot = self.slot();
         match self.shared.poll() {
             KvPoll::WaitingForInput => {}
+            KvPoll::Bootstrapping if slot.init.is_some() => {}
             KvPoll::Failed => {
                 return Err(self
                     .failure()
                     .unwrap_or_else(|| Error::state("the transfer failed")))
             }
             KvPoll::Bootstrapping => {
-                return Err(Error::state(
-                    "the transfer is not open yet (init, and poll until WaitingForInput)",
-                ))
+                return Err(Error::state("init the transfer before sending its pages"))
             }
             KvPoll::Transferring | KvPoll::Success => {
                 return Err(Error::state("every page of the request was already sent"))
@@ -182,13 +264,16 @@ impl SenderTransfer {
                 "the aux record goes with the final chunk only",
             ));
         }
-        let Some(out) = &slot.out else {
-            return Err(Error::state("the transfer is not open"));
-        };
         let aux = match (aux, slot.aux_index) {
             (Some(a), _) => Some(a.to_vec()),
             (None, Some(i)) if last => Some(self.manager.aux().read(i)?),
             (None, _) => None,
+        };
+        let Some(out) = &slot.out else {
+            // Not open yet: queued, sent when the decode reserved.
+            slot.queued.push((pages.to_vec(), aux));
+            slot.sent.extend_from_slice(pages);
+            return Ok(());
         };
         let taken = out.send_chunk(pages.to_vec(), aux);
         self.manager
@@ -201,8 +286,9 @@ impl SenderTransfer {
         Ok(())
     }
 
-    /// The state, at once (never blocks): [`KvPoll::Bootstrapping`] until opened,
-    /// [`KvPoll::WaitingForInput`] until the final chunk was handed over,
+    /// The state, at once (never blocks): [`KvPoll::Bootstrapping`] until opened (routed by
+    /// the decode: until the decode reserved the request), [`KvPoll::WaitingForInput`]
+    /// until the final chunk was handed over,
     /// [`KvPoll::Transferring`] until the receiver's verdict, then [`KvPoll::Success`] (the
     /// receiver verified it) or [`KvPoll::Failed`].
     pub fn poll(&self) -> KvPoll {
@@ -247,12 +333,26 @@ impl SenderTransfer {
     /// (the receiver still gets `CANCELLED`): for an engine that treats a refused chunk as
     /// the end of the request (the Python package does).
     pub fn abort_with(&self, failure: Error) {
+        if self.shared.poll().is_final() {
+            return;
+        }
+        if self.slot().out.is_none() && matches!(self.manager.conn(&self.peer), Ok(Some(_))) {
+            // A decode reserved (or refused) the request and it is not open here yet: open
+            // it, so that the abort reaches that decode now (its reservation fenced at once)
+            // rather than at its parking deadline.
+            self.advance();
+        }
         let slot = self.slot();
         if self.shared.poll().is_final() {
             return;
         }
-        if let Some(out) = &slot.out {
-            out.abort(ErrorCode::CANCELLED);
+        match (&slot.out, slot.init, &self.peer) {
+            (Some(out), _, _) => out.abort(ErrorCode::CANCELLED),
+            // No decode named it yet: whichever does gets REJECT(CANCELLED) at once.
+            (None, Some((_, tokens)), Target::Room(_)) => {
+                self.manager.cancel_everywhere(self.room, tokens)
+            }
+            _ => {}
         }
         self.shared.fail(failure);
     }
@@ -274,11 +374,96 @@ impl SenderTransfer {
             slot.cleared = true;
             slot.init = None;
             slot.out = None;
+            slot.queued.clear();
+            slot.claim = None;
             std::mem::take(&mut slot.sent)
         };
         self.manager
             .wait_pages_free(Holder::Sending(self.room), Some(&sent))
     }
+}
+
+/// Admits and opens the request on `conn` (once `init` was called and it is not open yet,
+/// else nothing happens), and sends the chunks the engine handed over meanwhile.
+fn open_on(
+    conn: SenderConn,
+    room: TransferId,
+    rooms: &Rooms,
+    shared: &Arc<Shared<()>>,
+    slot: &mut Slot,
+    runtime: &Handle,
+) {
+    if slot.out.is_some() || slot.cleared || shared.poll().is_final() {
+        return;
+    }
+    let Some((_, tokens)) = slot.init.take() else {
+        return;
+    };
+    let refusal = rooms
+        .route(room)
+        .filter(|r| r.peer == conn.peer().node_id)
+        .and_then(|r| r.refusal);
+    if let Some(code) = refusal {
+        // This decode refused the request before reserving it: the same failure as its
+        // abort after (the connection would answer the open with it, a round trip later).
+        rooms.forget(room);
+        shared.fail(Error::from_reason(&FailureReason::PeerAbort {
+            code,
+            completed_pages: 0,
+        }));
+        return;
+    }
+    let admitted = match conn.admit(Request {
+        transfer_id: room,
+        tokens: tokens.into(),
+    }) {
+        Ok(a) => a,
+        Err(e) => {
+            shared.fail(Error::from_transfer(&e));
+            return;
+        }
+    };
+    let mut out = conn.open(admitted);
+    rooms.forget(room);
+    let outcome = out.take_outcome();
+    // The chunks the engine handed over before the transfer opened, in order; the first
+    // one refused ends the transfer (the engine was told its chunk was taken).
+    let queued: Vec<_> = std::mem::take(&mut slot.queued)
+        .into_iter()
+        .map(|(pages, aux)| out.send_chunk(pages, aux))
+        .collect();
+    let last = slot.sent.len() == slot.num_pages as usize;
+    slot.out = Some(out);
+    shared.lock().settled = false;
+    shared.advance(if last {
+        KvPoll::Transferring
+    } else {
+        KvPoll::WaitingForInput
+    });
+    let shared = shared.clone();
+    runtime.spawn(async move {
+        for taken in queued {
+            if let Err(refused) = taken.await {
+                // The transfer's own failure (a decode's refusal, a lost peer), if it has
+                // one, is why the chunk was refused.
+                conn.abort(room, ErrorCode::CANCELLED);
+                let cause = match outcome.await {
+                    Err(e)
+                        if !matches!(
+                            e,
+                            TransferError::Failed(FailureReason::LocalAbort { .. })
+                        ) =>
+                    {
+                        e
+                    }
+                    _ => refused,
+                };
+                shared.settle(Err(Error::from_transfer(&cause)));
+                return;
+            }
+        }
+        shared.settle(outcome.await.map_err(|e| Error::from_transfer(&e)));
+    });
 }
 
 impl Drop for SenderTransfer {
