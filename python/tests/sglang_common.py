@@ -66,20 +66,38 @@ def tiny_model() -> str:
     return MODEL_DIR
 
 
+DOCS = os.path.join(common.HERE, "..", "..", "docs", "sglang.md")
+
+
+def doc_command(mode: str) -> List[str]:
+    """The `python -m sglang.launch_server` command of docs/sglang.md for `mode`, as argv."""
+    import shlex
+
+    with open(DOCS) as f:
+        for line in f:
+            if line.startswith("python -m sglang.launch_server ") and f"--disaggregation-mode {mode} " in line:
+                return shlex.split(line)[3:]
+    raise AssertionError(f"docs/sglang.md has no launch command for a {mode} server")
+
+
 def server_args(mode: str, bootstrap_port: int = 0, *extra: str):
-    """SGLang's real ServerArgs, parsed from the command line a server is launched with
-    (docs/sglang.md): after kvwire.sglang.install(), `--disaggregation-transfer-backend
-    kvwire` is one of the accepted choices."""
+    """SGLang's real ServerArgs, parsed by SGLang's own prepare_server_args from the launch
+    command docs/sglang.md gives (after kvwire.sglang.install() `--disaggregation-transfer-backend
+    kvwire` is an accepted choice), with the tiny local model, loopback, this test's bootstrap
+    port and `--device cpu`."""
     from sglang.srt.server_args import prepare_server_args
 
-    argv = [
-        "--model-path", tiny_model(), "--device", "cpu", "--host", "127.0.0.1",
-        "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "kvwire",
-        "--page-size", str(PAGE_SIZE),
-    ]
+    argv = doc_command(mode)
+    subst = {"--model-path": tiny_model(), "--host": "127.0.0.1"}
     if bootstrap_port:
-        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-    return prepare_server_args(argv + list(extra))
+        subst["--disaggregation-bootstrap-port"] = str(bootstrap_port)
+    for i, a in enumerate(argv[:-1]):
+        if a in subst:
+            argv[i + 1] = subst.pop(a)
+    for k, v in subst.items():
+        argv += [k, v]
+    assert "--page-size" in argv and argv[argv.index("--page-size") + 1] == str(PAGE_SIZE), argv
+    return prepare_server_args(argv + ["--device", "cpu"] + list(extra))
 
 
 class Engine:

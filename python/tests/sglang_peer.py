@@ -47,7 +47,7 @@ def main() -> None:
     queue.kv_manager = mgr
     out(ready=True, fingerprint=mgr.fingerprint)
 
-    receivers = {}
+    receivers, reqs = {}, {}
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
@@ -57,7 +57,9 @@ def main() -> None:
                 out(ok=True)
                 return
             if op == "recv":
-                out(**recv(cmd, mgr, queue, eng, receivers, backend))
+                out(**recv(cmd, mgr, queue, eng, receivers, backend, reqs))
+            elif op == "pop_transferred":
+                out(**pop_transferred(cmd, eng, receivers[room], reqs[room]))
             elif op == "wait":
                 r = receivers[room]
                 sc.wait(r, {0, 4}, cmd.get("timeout", 20.0))
@@ -82,7 +84,7 @@ def main() -> None:
             out(exception=f"{type(e).__name__}: {e}")
 
 
-def recv(cmd, mgr, queue, eng, receivers, backend):
+def recv(cmd, mgr, queue, eng, receivers, backend, reqs):
     from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
 
     room = cmd["room"]
@@ -93,6 +95,8 @@ def recv(cmd, mgr, queue, eng, receivers, backend):
         mgr=mgr, bootstrap_addr=cmd["bootstrap_addr"], bootstrap_room=req.bootstrap_room
     )
     receivers[room] = r
+    req.output_ids = []
+    reqs[room] = req
     # decode.py:1176-1200 (_ensure_prefill_info): one attempt per scheduling cycle
     deadline = time.monotonic() + 15
     while not mgr.try_ensure_parallel_info(cmd["bootstrap_addr"]):
@@ -114,6 +118,53 @@ def recv(cmd, mgr, queue, eng, receivers, backend):
         # decode.py:1863 (_send_kv_metadata)
         r.send_metadata(np.array(cmd["dst"], np.int32), cmd["aux_index"], state_indices, **kwargs)
     return {"state": int(r.poll()), "prefill_dp_rank": prefill_dp_rank, "error": sc.describe(r.error)}
+
+
+def pop_transferred(cmd, eng, r, req):
+    """SGLang's DecodeTransferQueue.pop_transferred (decode.py:2832-2980) over this receiver:
+    it polls through the metadata gate (utils.py:245-260) and, on Success, commits the aux
+    record to the request (_commit_transfer_to_req, decode.py:2600-2776). Stand-ins only for
+    the scheduler's GPU-side parts."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from sglang.srt.disaggregation.decode import DecodeRequest, DecodeTransferQueue
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+
+    if not dist.is_initialized():
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    q = DecodeTransferQueue.__new__(DecodeTransferQueue)
+    q.gloo_group = dist.group.WORLD
+    q.metadata_buffers = eng.meta
+    q.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(sc.AUX_SLOTS)
+    q.req_to_metadata_buffer_idx_allocator.free_slots.remove(cmd["aux_index"])
+    q.enable_staging, q.enable_host_receive, q.enable_deferred_kv_release = False, False, False
+    q.staging_handler, q.tree_cache, q._deferred_releases = None, None, []
+    q.spec_algorithm = SimpleNamespace(is_none=lambda: True)
+    q.scheduler = SimpleNamespace(
+        enable_decode_hicache=False, kv_checksum_computer=None, enable_hisparse=False,
+        batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda *a: None),
+        output_streamer=SimpleNamespace(stream_output=lambda *a: None),
+    )
+    q.queue = [DecodeRequest(req=req, kv_receiver=r, metadata_buffer_index=cmd["aux_index"])]
+    deadline = time.monotonic() + cmd.get("timeout", 20.0)
+    done = []
+    while not done and q.queue and time.monotonic() < deadline:
+        done = q.pop_transferred()
+        time.sleep(0.005)
+    return {
+        "committed": [x.rid for x in done],
+        "output_ids": list(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "finished_reason": repr(req.finished_reason),
+        "bad": eng.check_request(cmd["room"], cmd["dst"], cmd.get("state_dst") or []),
+        "slot_freed": cmd["aux_index"] in q.req_to_metadata_buffer_idx_allocator.free_slots,
+    }
 
 
 def report(r, eng, cmd) -> None:
