@@ -488,11 +488,25 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
             return
         if self.bootstrap is None:
             raise ConfigError("no bootstrap server: set KVWIRE_BOOTSTRAP or --disaggregation-bootstrap-port")
+        # SGLang starts the bootstrap server (in its tokenizer manager) while the scheduler
+        # processes load the model, so a small model's scheduler can get here first: retry for
+        # KVWIRE_REGISTER_TIMEOUT seconds (default 60), as SGLang's own backends retry.
+        deadline = time.monotonic() + float(os.environ.get("KVWIRE_REGISTER_TIMEOUT", "60"))
         for p in self.parts:
             addr = p.mgr.address
             port = addr.rsplit(":", 1)[1]
             published = _join(_advertise_host(self._listen_host or ""), port)
-            p.mgr.register(self.rank_key, ttl_s=self.register_ttl_s, address=published)
+            delay = 0.1
+            while True:
+                try:
+                    p.mgr.register(self.rank_key, ttl_s=self.register_ttl_s, address=published)
+                    break
+                except TransferError as e:
+                    if time.monotonic() + delay > deadline:
+                        raise
+                    logger.warning("kvwire: registering with %s: %s (retrying)", self.bootstrap, e)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 2.0)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """Decode: one attempt to learn the prefill server at ``bootstrap_addr`` (True once a

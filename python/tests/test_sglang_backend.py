@@ -546,3 +546,33 @@ def test_sglang_prefill_queue_and_send_kv_chunk_drive_kvwire(ks):
     finally:
         d.close()
         p.close()
+
+
+def test_prefill_registers_when_the_bootstrap_server_comes_up_later(ks):
+    """SGLang's prefill server starts its bootstrap server (tokenizer manager) while its
+    scheduler processes build their managers (engine.py:1221-1345): a manager built first
+    keeps registering until the server is up, and a decode then finds it."""
+    import threading
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    port = free_port()
+    sa = sc.server_args("prefill", port)
+    servers = []
+    t = threading.Timer(1.5, lambda: servers.append(ks.KvwireKVBootstrapServer(host="127.0.0.1", port=port)))
+    t.start()
+    eng = sc.Engine(states=False)
+    start = time.monotonic()
+    m = ks.KvwireKVManager(eng.kv_args(ks), DisaggregationMode.PREFILL, sa, False)
+    try:
+        took = time.monotonic() - start
+        assert servers and took >= 1.0, took
+        dm = ks.KvwireKVManager(sc.Engine(states=False).kv_args(ks), DisaggregationMode.DECODE, sc.server_args("decode"), False)
+        assert dm.try_ensure_parallel_info(f"127.0.0.1:{port}")
+        assert dm.prefill_info_table[f"127.0.0.1:{port}"].dp_size == 1
+        dm.close()
+    finally:
+        t.join()
+        m.close()
+        for s in servers:
+            s.close()
