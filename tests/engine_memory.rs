@@ -391,10 +391,12 @@ async fn a_decode_abort_before_the_prefill_submits_fails_the_late_submit_at_once
         .unwrap();
     let started = std::time::Instant::now();
     let sent = s.send_pages(admitted, vec![0, 1]).await;
+    // The same shape as the peer's abort of an open transfer (one shape for a peer's abort).
     match &sent {
-        Err(TransferError::Start(kvwire::StartError::Session(
-            kvwire::proto::sender::SubmitError::AbortedByPeer { code, .. },
-        ))) => assert_eq!(*code, kvwire::ErrorCode::CANCELLED),
+        Err(TransferError::Failed(kvwire::FailureReason::PeerAbort {
+            code,
+            completed_pages: 0,
+        })) => assert_eq!(*code, kvwire::ErrorCode::CANCELLED),
         other => panic!("expected the peer's abort, got {other:?}"),
     }
     // At once: not after the sender's 30 s reservation deadline.

@@ -111,7 +111,11 @@ fn aux_records_travel_by_aux_index_and_verified_pages_come_back_at_once() {
     prefill.wait_for_peers(1, WAIT).unwrap();
     let tx = prefill.sender(room, None).unwrap();
     tx.init_with_aux(2, 32, Some(3)).unwrap();
-    assert_eq!(tx.poll(), KvPoll::WaitingForInput);
+    // Open once the decode's reservation reached the prefill.
+    assert_eq!(
+        wait(|| tx.poll(), KvPoll::WaitingForInput),
+        KvPoll::WaitingForInput
+    );
     tx.send(&[1], None).unwrap();
     assert_eq!(tx.pages_sent(), 1);
     tx.send(&[2], None).unwrap();
@@ -148,12 +152,16 @@ fn aux_records_travel_by_aux_index_and_verified_pages_come_back_at_once() {
         .init_with_aux(vec![0], 16, WAIT, Some(SLOTS))
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidRequest, "{e}");
-    // A prompt over the decode pool fails the transfer before anything goes out.
+    // A prompt over the decode's context (here also its pool) fails the transfer before
+    // anything is reserved (tests/polled_routing.rs: the pool case, and the prefill told).
     bad.init_with_aux(vec![0], 16 * 33, WAIT, None).unwrap();
     assert_eq!(bad.poll(), KvPoll::Failed);
     let e = bad.failure().unwrap();
     assert_eq!(e.kind(), ErrorKind::Rejected);
-    assert_eq!(e.wire_code(), Some(kvwire::ErrorCode::PROMPT_EXCEEDS_POOL));
+    assert_eq!(
+        e.wire_code(),
+        Some(kvwire::ErrorCode::PROMPT_EXCEEDS_CONTEXT)
+    );
 }
 
 #[test]

@@ -6,7 +6,9 @@ use kvwire::TransferId;
 
 use crate::*;
 
-/// The prefill side of request `room` to peer `peer` (a node id; 0: the only peer).
+/// The prefill side of request `room`: with `peer` 0 it goes to the decode node that
+/// reserves it (of all connected decodes, the one whose reservation or refusal named `room`;
+/// Bootstrapping until then); with a node id, to that peer.
 ///
 /// # Safety
 /// `manager` is a live handle, `out` writable.

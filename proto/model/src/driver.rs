@@ -556,6 +556,8 @@ impl TxDriver {
         let (t, outcome) = match event {
             SenderEvent::Verified(t) => (*t, TxOutcome::Verified),
             SenderEvent::Failed { transfer, .. } => (*transfer, TxOutcome::Failed),
+            // A route for a request not submitted yet: no outcome, nothing to account.
+            SenderEvent::Announced { .. } => return Ok(()),
         };
         let id = t.transfer_id;
         let e = self.outcomes.entry(id).or_insert((0, outcome));

@@ -28,8 +28,8 @@ use crate::history::{Finished, History};
 use crate::scope::FrameError;
 use crate::timers::Timers;
 use crate::wire::{
-    commit_fits, Abort, DigestAlgorithm, ErrorCode, Frame, KvLayout, Nack, Reserve, TransferDigests,
-    TransferRef, MAX_ACCESS, MAX_PAGES, NONE_INDEX,
+    commit_fits, Abort, DigestAlgorithm, ErrorCode, Frame, KvLayout, Nack, Reserve,
+    TransferDigests, TransferRef, MAX_ACCESS, MAX_PAGES, NONE_INDEX,
 };
 use state::{AfterFence, Awaiting, AwaitingCommit, Pending, State, Verifying};
 use transfer::{Next, Out, Spec, Transfer};
