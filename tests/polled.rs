@@ -364,3 +364,49 @@ fn with_several_peers_a_transfer_names_its_peer() {
         tx.clear().unwrap();
     }
 }
+
+#[test]
+fn after_shutdown_nothing_lands_in_the_memory_and_transfers_report_it() {
+    let (decode, dc, prefill, pc) = pair(1024);
+    // A transfer under way: reserved, half sent.
+    let room = TransferId(21);
+    let dst = vec![40, 41, 42];
+    let rx = decode.receiver(room, None).unwrap();
+    rx.init(dst.clone(), 48, WAIT).unwrap();
+    let tx = prefill.sender(room, None).unwrap();
+    tx.init(3, 48).unwrap();
+    assert_eq!(opened(&tx), KvPoll::WaitingForInput);
+    for p in [1, 2, 3] {
+        pc.page(0, p).fill(0x5A);
+        pc.page(1, p).fill(0x5B);
+    }
+    tx.send(&[1], None).unwrap();
+
+    decode.shutdown(WAIT).unwrap();
+    assert!(decode.is_shut_down());
+    // The engine may free its memory now: nothing of kvwire writes it any more, whatever
+    // the prefill still sends.
+    let before: Vec<Vec<u8>> = dst.iter().map(|&p| dc.page(0, p).to_vec()).collect();
+    let _ = tx.send(&[2, 3], None);
+    assert_eq!(
+        tx.wait(WAIT),
+        KvPoll::Failed,
+        "the prefill sees the decode go"
+    );
+    let e = tx.failure().unwrap();
+    assert!(e.is_retryable(), "{e}");
+    std::thread::sleep(Duration::from_millis(100));
+    let after: Vec<Vec<u8>> = dst.iter().map(|&p| dc.page(0, p).to_vec()).collect();
+    assert_eq!(before, after, "a page changed after shutdown returned");
+    // The decode's own transfer reports it, and gives its pages back at once.
+    assert_eq!(rx.poll(), KvPoll::Failed);
+    assert_eq!(rx.failure().unwrap().kind(), ErrorKind::InvalidState);
+    rx.release().unwrap();
+    // New work is refused; a second shutdown returns at once.
+    let late = decode.receiver(TransferId(22), None).unwrap();
+    late.init(vec![1], 16, WAIT).unwrap();
+    assert_eq!(late.poll(), KvPoll::Failed);
+    assert!(decode.listen("127.0.0.1:0").is_err());
+    decode.shutdown(Duration::ZERO).unwrap();
+    tx.clear().unwrap();
+}

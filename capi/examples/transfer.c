@@ -193,6 +193,8 @@ static int decode(const char *addr_file) {
   check(kvwire_receiver_release(r), "kvwire_receiver_release");
   check(kvwire_manager_check_free(m, DST, NPAGES), "kvwire_manager_check_free");
   kvwire_receiver_free(r);
+  /* kvwire touches none of the buffers once this returned: they may be freed. */
+  check(kvwire_manager_shutdown(m, 30000), "kvwire_manager_shutdown");
   kvwire_manager_free(m);
   for (unsigned b = 0; b < BUFFERS; b++) free(mem[b]);
   printf("decode: verified %d pages x %d buffers (%zu bytes, every one checked) and the aux "
@@ -220,8 +222,13 @@ static int prefill(const char *addr) {
   kvwire_sender_t *s = NULL;
   check(kvwire_sender_new(m, ROOM, 0, &s), "kvwire_sender_new");
   check(kvwire_sender_init(s, NPAGES, TOKENS), "kvwire_sender_init");
+  /* The request goes to the decode that reserves it: Bootstrapping until it did, then
+     WaitingForInput (the scheduler starts sending then); Failed if that decode refused it. */
   int state = KVWIRE_POLL_BOOTSTRAPPING;
-  check(kvwire_sender_poll(s, &state), "kvwire_sender_poll");
+  for (int i = 0; i < 30000 && state == KVWIRE_POLL_BOOTSTRAPPING; i++) {
+    check(kvwire_sender_poll(s, &state), "kvwire_sender_poll");
+    if (state == KVWIRE_POLL_BOOTSTRAPPING) sleep_ms(1);
+  }
   if (state != KVWIRE_POLL_WAITING_FOR_INPUT) {
     kvwire_failure_t fail;
     char message[512];
@@ -243,6 +250,8 @@ static int prefill(const char *addr) {
   check(kvwire_sender_clear(s), "kvwire_sender_clear");
   check(kvwire_manager_check_free(m, SRC, NPAGES), "kvwire_manager_check_free");
   kvwire_sender_free(s);
+  /* kvwire touches none of the buffers once this returned: they may be freed. */
+  check(kvwire_manager_shutdown(m, 30000), "kvwire_manager_shutdown");
   kvwire_manager_free(m);
   for (unsigned b = 0; b < BUFFERS; b++) free(mem[b]);
   printf("prefill: request %d verified by the decode node (kvwire %s)\n", ROOM,

@@ -375,6 +375,19 @@ int kvwire_manager_connect(const kvwire_manager_t *manager, const char *addr, ui
 // `manager` is a live handle.
 int kvwire_manager_wait_peers(const kvwire_manager_t *manager, size_t n, uint64_t timeout_ms);
 
+// Stops kvwire on this node for good and returns once nothing of kvwire touches the
+// registered memory any more: the engine may then free every buffer it registered, even
+// with transfers still alive (they report KVWIRE_POLL_FAILED, KVWIRE_ERR_INVALID_STATE,
+// and their release / clear return at once). Discovery records are removed, connections
+// closed (peers fail their side, retryable), the background runtime stopped.
+// KVWIRE_ERR_WAIT_TIMED_OUT if that took longer than `timeout_ms`: the memory must stay
+// valid then; call it again to wait more. The handle stays valid until
+// kvwire_manager_free.
+//
+// # Safety
+// `manager` is a live handle.
+int kvwire_manager_shutdown(const kvwire_manager_t *manager, uint64_t timeout_ms);
+
 // This node's id, as its peers see it.
 //
 // # Safety
@@ -507,7 +520,9 @@ int kvwire_receiver_release(const kvwire_receiver_t *receiver);
 // `receiver` is null or a live handle, not used again after this call.
 void kvwire_receiver_free(kvwire_receiver_t *receiver);
 
-// The prefill side of request `room` to peer `peer` (a node id; 0: the only peer).
+// The prefill side of request `room`: with `peer` 0 it goes to the decode node that
+// reserves it (of all connected decodes, the one whose reservation or refusal named `room`;
+// Bootstrapping until then); with a node id, to that peer.
 //
 // # Safety
 // `manager` is a live handle, `out` writable.

@@ -298,6 +298,29 @@ pub unsafe extern "C" fn kvwire_manager_wait_peers(
     })
 }
 
+/// Stops kvwire on this node for good and returns once nothing of kvwire touches the
+/// registered memory any more: the engine may then free every buffer it registered, even
+/// with transfers still alive (they report KVWIRE_POLL_FAILED, KVWIRE_ERR_INVALID_STATE,
+/// and their release / clear return at once). Discovery records are removed, connections
+/// closed (peers fail their side, retryable), the background runtime stopped.
+/// KVWIRE_ERR_WAIT_TIMED_OUT if that took longer than `timeout_ms`: the memory must stay
+/// valid then; call it again to wait more. The handle stays valid until
+/// kvwire_manager_free.
+///
+/// # Safety
+/// `manager` is a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn kvwire_manager_shutdown(
+    manager: *const kvwire_manager_t,
+    timeout_ms: u64,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let m = unsafe { handle(manager)? };
+        m.manager.shutdown(millis(timeout_ms))
+    })
+}
+
 /// This node's id, as its peers see it.
 ///
 /// # Safety

@@ -311,7 +311,8 @@ class KVManager:
         )
 
     def resolve_prefill(self, rank: int = 0, *, cached: bool = True, server: Optional[str] = None) -> str:
-        """The address of prefill ``rank`` (the first registered node of that rank)."""
+        """The address of prefill ``rank``: its newest registration (a restarted prefill
+        before its dead predecessor, whose record stays until its TTL runs out)."""
         key = (server or self.bootstrap or "", self.cluster, rank)
         # A cached address serves while kvwire's connection to it is up; a lost one (the
         # prefill died or moved) is resolved again.
@@ -322,6 +323,15 @@ class KVManager:
             raise DiscoveryError(f"no prefill node of rank {rank} registered in cluster {self.cluster!r}")
         self._resolved[key] = peers[0]["address"]
         return peers[0]["address"]
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops kvwire on this node for good and returns once nothing of it touches the
+        registered buffers: the engine may free them afterwards, even with transfers still
+        alive (they poll Failed, and release at once). Discovery records are removed and
+        connections closed (peers fail their side, retryable). Raises
+        :class:`WaitTimedOut` if that took longer than ``timeout_s`` (the buffers must
+        then stay valid; call again to wait more). Releases the GIL."""
+        self._engine.shutdown(timeout_s)
 
     def close(self) -> None:
         """Deregisters; the runtime and connections go when the last object using them does."""
@@ -382,7 +392,12 @@ class _Transfer:
 class KVSender(_Transfer):
     """Prefill side of one request (bootstrap room), sent in chunks.
 
-    ``dest`` names the decode node (its node id) when several are connected."""
+    The request goes to the decode node that reserves it: of every decode connected, the
+    one whose reservation (or refusal) named ``bootstrap_room``; ``poll()`` is Bootstrapping
+    until then and WaitingForInput once it reserved. A decode's refusal (its pool or context
+    too small, its engine cancelled the request) fails it at once with the decode's code
+    (:class:`PeerAborted`, not retryable). ``dest`` (a decode's node id) pins the request to
+    that decode instead."""
 
     def __init__(self, mgr: KVManager, bootstrap_addr: Optional[str], bootstrap_room: int, dest: Optional[int] = None, **_: Any) -> None:
         self.mgr = mgr

@@ -358,8 +358,9 @@ impl Engine {
         self.inner.manager.link_up(address)
     }
 
-    /// A sender for request `room` (prefill), to decode node `peer` (its node id; `None`:
-    /// the only one connected).
+    /// A sender for request `room` (prefill): to the decode node that reserves it (`peer`
+    /// `None`: of every connected decode, the one whose reservation or refusal named
+    /// `room`), or to decode node `peer` (its node id).
     #[pyo3(signature = (room, peer=None))]
     fn sender(&self, py: Python<'_>, room: u64, peer: Option<u64>) -> PyResult<Sender> {
         let transfer = self
@@ -413,6 +414,22 @@ impl Engine {
     /// seconds; they also go, without waiting, when the engine is dropped).
     fn deregister(&self, py: Python<'_>) {
         py.allow_threads(|| self.inner.manager.deregister());
+    }
+
+    /// Stops kvwire on this node for good; returns once nothing of it touches the
+    /// registered memory (the engine may free its buffers then). Raises `WaitTimedOut`
+    /// after `timeout_s` (the memory must then stay valid; call again to wait more).
+    #[pyo3(signature = (timeout_s=30.0))]
+    fn shutdown(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = secs(timeout_s)?;
+        py.allow_threads(|| self.inner.manager.shutdown(timeout))
+            .map_err(|e| to_py(py, &e))
+    }
+
+    /// Whether `shutdown` was called.
+    #[getter]
+    fn is_shut_down(&self) -> bool {
+        self.inner.manager.is_shut_down()
     }
 
     /// The peers of `role` ("prefill" or "decode") registered in `cluster` (optionally of
@@ -481,9 +498,10 @@ impl Sender {
 
     /// Plans the request: `num_pages` pages (`num_tokens` tokens, default
     /// `num_pages * page_size`), the aux record at `aux_index` going with the final chunk.
-    /// Admission runs as soon as a connection to the decode node exists (now, or at a later
-    /// `poll`): a request it rejects fails with `Rejected` carrying the original code, and the
-    /// decode node's reservation for it is answered with the same error.
+    /// Admission runs now: a request it rejects fails with `Rejected` carrying the original
+    /// code, and the reservation of whichever decode node names it is answered with the same
+    /// error. The request opens once its decode node reserved it (now, or in the
+    /// background when the reservation arrives).
     #[pyo3(signature = (num_pages, aux_index=None, num_tokens=None))]
     fn init(
         &self,
@@ -533,12 +551,13 @@ impl Sender {
         }
     }
 
-    /// The state (a KVPoll value); never blocks. Bootstrapping until a connection to the
-    /// decode node exists, WaitingForInput until the final chunk was handed over,
-    /// Transferring until the decode node verified it (Success) or it failed (Failed).
+    /// The state (a KVPoll value); never blocks. Bootstrapping until a decode node reserved
+    /// the request (routed by its reservation, or to `peer`), WaitingForInput until the
+    /// final chunk was handed over, Transferring until the decode node verified it
+    /// (Success) or it failed (Failed).
     fn poll(&self) -> u8 {
         match self.transfer.poll() {
-            // SGLang's sender waits for input once its peer is there, before `init`.
+            // SGLang's sender waits for input once its decode reserved, before `init`.
             KvPoll::Bootstrapping if self.transfer.connected() => KvPoll::WaitingForInput as u8,
             p => p as u8,
         }

@@ -246,7 +246,14 @@ struct Inner {
     /// Requests (and their peer, `None` when routed by the decode) with a sender on this
     /// manager ([`RoomClaim`]).
     claimed: Claimed,
-    runtime: Option<tokio::runtime::Runtime>,
+    /// Taken by [`Manager::shutdown`] (or the drop).
+    runtime: Mutex<Option<tokio::runtime::Runtime>>,
+    /// While a shutdown's stop is under way: says when the runtime is gone.
+    stopped: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    /// The runtime's handle; spawning on it after the shutdown does nothing.
+    handle: tokio::runtime::Handle,
+    /// Set by [`Manager::shutdown`].
+    shut_down: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Inner {
@@ -255,7 +262,12 @@ impl Drop for Inner {
         // until every task (and every digest on its blocking pool) has stopped, so nothing
         // touches the engine's memory after the manager is gone.
         self.peers.lock().conns.clear();
-        if let Some(rt) = &self.runtime {
+        let runtime = self
+            .runtime
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(rt) = &runtime {
             // A registration removes its record as it goes: a task on this runtime.
             let _guard = rt.enter();
             self.registrations
@@ -263,7 +275,7 @@ impl Drop for Inner {
                 .unwrap_or_else(|p| p.into_inner())
                 .clear();
         }
-        if let Some(rt) = self.runtime.take() {
+        if let Some(rt) = runtime {
             if tokio::runtime::Handle::try_current().is_ok() {
                 // Dropped inside some async context: a runtime cannot be dropped there.
                 std::thread::scope(|s| {
@@ -415,17 +427,85 @@ impl Manager {
                 listen_addr: Mutex::new(None),
                 registrations: Mutex::new(Vec::new()),
                 claimed: Arc::default(),
-                runtime: Some(runtime),
+                handle: runtime.handle().clone(),
+                runtime: Mutex::new(Some(runtime)),
+                stopped: Mutex::new(None),
+                shut_down: Default::default(),
             }),
         })
     }
 
-    fn runtime(&self) -> &tokio::runtime::Runtime {
-        // Taken only in Drop.
+    /// The runtime's handle (spawning on it after [`Manager::shutdown`] does nothing).
+    fn handle(&self) -> &tokio::runtime::Handle {
+        &self.inner.handle
+    }
+
+    /// Whether [`Manager::shutdown`] was called.
+    pub fn is_shut_down(&self) -> bool {
         self.inner
-            .runtime
-            .as_ref()
-            .expect("the runtime lives as long as the manager")
+            .shut_down
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn shut_down_error() -> Error {
+        Error::state("the manager was shut down")
+    }
+
+    /// Stops kvwire on this node for good and returns once nothing of kvwire touches the
+    /// registered memory any more: from then on the engine may free or reuse every buffer
+    /// it registered, whatever transfers were under way.
+    ///
+    /// In order: this node's discovery records are removed (waiting at most 5 s each); new
+    /// transfers and calls are refused ([`ErrorKind::InvalidState`]); every connection is
+    /// closed, which ends every transfer on it (the peers see the connection lost, and
+    /// fail their side with a retryable `PeerLost`: nothing half-written is ever
+    /// delivered); and the manager's runtime is stopped, waiting for every task and every
+    /// digest job on its blocking pool. Transfers still held by the engine report
+    /// [`KvPoll::Failed`] (`InvalidState`, "the manager was shut down") from their next
+    /// `poll`, and their `release` / `clear` return at once.
+    ///
+    /// Returns [`ErrorKind::WaitTimedOut`] if that did not finish within `timeout` (a
+    /// digest job still running): the memory must then stay valid; the stop goes on in the
+    /// background, and calling `shutdown` again waits for it again. Calling it after it
+    /// returned `Ok` returns `Ok` at once.
+    pub fn shutdown(&self, timeout: Duration) -> Result<(), Error> {
+        use std::sync::atomic::Ordering;
+        if !self.inner.shut_down.swap(true, Ordering::SeqCst) {
+            self.deregister();
+            {
+                let mut peers = self.inner.peers.lock();
+                peers.conns.clear();
+                peers.links.clear();
+            }
+            let runtime = self
+                .inner
+                .runtime
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            // Dropped on a thread of its own: a runtime cannot be dropped inside an async
+            // context, and the caller's wait must be bounded.
+            std::thread::spawn(move || {
+                drop(runtime);
+                let _ = tx.send(());
+            });
+            *self.inner.stopped.lock().unwrap_or_else(|p| p.into_inner()) = Some(rx);
+        }
+        let mut stopped = self.inner.stopped.lock().unwrap_or_else(|p| p.into_inner());
+        match stopped.as_ref().map(|rx| rx.recv_timeout(timeout)) {
+            // Stopped now, or by an earlier call (its sender is gone once it sent).
+            None | Some(Ok(())) | Some(Err(std::sync::mpsc::RecvTimeoutError::Disconnected)) => {
+                *stopped = None;
+                Ok(())
+            }
+            Some(Err(std::sync::mpsc::RecvTimeoutError::Timeout)) => Err(Error::new(
+                ErrorKind::WaitTimedOut,
+                format!(
+                    "kvwire did not stop within {timeout:?}: the registered memory must stay valid (call shutdown again to wait more)"
+                ),
+            )),
+        }
     }
 
     /// Runs `fut` on the manager's runtime and waits for it, at most `timeout`.
@@ -434,8 +514,11 @@ impl Manager {
         fut: impl std::future::Future<Output = T> + Send + 'static,
         timeout: Duration,
     ) -> Result<T, Error> {
+        if self.is_shut_down() {
+            return Err(Self::shut_down_error());
+        }
         let (tx, rx) = std::sync::mpsc::channel();
-        self.runtime().spawn(async move {
+        self.handle().spawn(async move {
             let _ = tx.send(fut.await);
         });
         rx.recv_timeout(timeout).map_err(|_| {
@@ -447,7 +530,9 @@ impl Manager {
     }
 
     pub(crate) fn spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
-        self.runtime().spawn(fut);
+        if !self.is_shut_down() {
+            self.handle().spawn(fut);
+        }
     }
 
     /// The node: its configuration, and its page pool (which pages kvwire holds, and for

@@ -216,7 +216,9 @@ impl ReceiverTransfer {
     /// is made, [`KvPoll::WaitingForInput`] until the verdict, then
     /// [`KvPoll::Success`] or [`KvPoll::Failed`].
     pub fn poll(&self) -> KvPoll {
-        if self.shared.poll() == KvPoll::Bootstrapping {
+        if self.manager.is_shut_down() {
+            self.shared.fail(Manager::shut_down_error());
+        } else if self.shared.poll() == KvPoll::Bootstrapping {
             self.advance();
         }
         self.shared.poll()
@@ -316,6 +318,11 @@ impl ReceiverTransfer {
     pub fn release(&self) -> Result<(), Error> {
         let timeout = self.manager.config().release_timeout;
         self.abort();
+        if self.manager.is_shut_down() {
+            // Nothing of kvwire runs any more ([`Manager::shutdown`]).
+            self.slot().released = true;
+            return Ok(());
+        }
         let settled = self.shared.wait_until(timeout, |s| s.settled, &|| {});
         if !settled {
             return Err(Error::new(

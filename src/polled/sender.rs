@@ -221,7 +221,7 @@ impl SenderTransfer {
             self.manager.node().rooms(),
             &self.shared,
             &mut slot,
-            self.manager.runtime().handle(),
+            self.manager.handle(),
         );
     }
 
@@ -292,7 +292,9 @@ impl SenderTransfer {
     /// [`KvPoll::Transferring`] until the receiver's verdict, then [`KvPoll::Success`] (the
     /// receiver verified it) or [`KvPoll::Failed`].
     pub fn poll(&self) -> KvPoll {
-        if self.shared.poll() == KvPoll::Bootstrapping {
+        if self.manager.is_shut_down() {
+            self.shared.fail(Manager::shut_down_error());
+        } else if self.shared.poll() == KvPoll::Bootstrapping {
             self.advance();
         }
         self.shared.poll()
@@ -363,6 +365,11 @@ impl SenderTransfer {
     pub fn clear(&self) -> Result<(), Error> {
         let timeout = self.manager.config().release_timeout;
         self.abort();
+        if self.manager.is_shut_down() {
+            // Nothing of kvwire runs any more ([`Manager::shutdown`]).
+            self.slot().cleared = true;
+            return Ok(());
+        }
         if !self.shared.wait_until(timeout, |s| s.settled, &|| {}) {
             return Err(Error::new(
                 super::ErrorKind::WaitTimedOut,
