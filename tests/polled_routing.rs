@@ -328,3 +328,34 @@ fn a_duplicate_admission_is_refused_at_init_and_an_unclaimed_request_times_out()
     let third = prefill.sender(room, None).unwrap();
     third.init(1, 16).unwrap();
 }
+
+#[test]
+fn a_decode_that_dials_its_prefill_by_address_is_routed_too() {
+    // The Python package's and SGLang's way: the decode dials the prefill's address per
+    // request (`receiver_at`), the prefill routes by the reservation.
+    let auth = Auth::ephemeral();
+    let pc = Cache::new(64, 0);
+    let prefill = manager(Role::Prefill, &pc, 1024, &auth);
+    let addr = prefill.listen("127.0.0.1:0").unwrap().to_string();
+    let dc = Cache::new(64, 0xEE);
+    let decode = manager(Role::Decode, &dc, 1024, &auth);
+    let room = TransferId(44);
+    let rx = decode.receiver_at(room, &addr).unwrap();
+    rx.init(vec![5, 17], 32, WAIT).unwrap();
+    fill(&pc, room.get(), &[1, 2]);
+    // Nobody polls the decode: its reservation goes out once its dial is up all the same,
+    // and names the request at the prefill.
+    let t0 = Instant::now();
+    while prefill.node().rooms().peer_of(room).is_none() && t0.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(prefill.node().rooms().peer_of(room), Some(decode.node_id()));
+    let tx = prefill.sender(room, None).unwrap();
+    assert_eq!(tx.poll(), KvPoll::Bootstrapping, "not open before init");
+    tx.init(2, 32).unwrap();
+    let (s, _) = leave(KvPoll::Bootstrapping, WAIT, || tx.poll());
+    assert_eq!(s, KvPoll::WaitingForInput, "{:?}", tx.failure());
+    tx.send(&[1, 2], None).unwrap();
+    assert_eq!(rx.wait(WAIT), KvPoll::Success, "{:?}", rx.failure());
+    assert!(landed(&dc, room.get(), &[5, 17]));
+}

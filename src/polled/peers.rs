@@ -114,6 +114,8 @@ impl PeerList {
 pub(super) struct Peers {
     list: Mutex<PeerList>,
     pub(super) changed: Condvar,
+    /// The same as `changed`, for tasks.
+    pub(super) notify: tokio::sync::Notify,
 }
 
 impl Peers {
@@ -127,6 +129,7 @@ impl Peers {
         l.conns.retain(|(p, _)| *p != id);
         l.conns.push((id, conn));
         self.changed.notify_all();
+        self.notify.notify_waiters();
         id
     }
 
@@ -164,6 +167,7 @@ impl Peers {
         };
         self.lock().links.insert(addr, link);
         self.changed.notify_all();
+        self.notify.notify_waiters();
     }
 
     /// Forgets, every 100 ms, the connections whose peer is gone (and the addresses dialled

@@ -1,14 +1,16 @@
 //! The decode side of one request: a reservation into the engine's chosen pages, polled.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvwire_proto::wire::{ErrorCode, TransferId};
 
+use super::aux::AuxBuffers;
 use super::{Conn, Error, ErrorKind, KvPoll, Manager, Shared, Target};
 use crate::driver::ReserveParams;
 use crate::engine::{ReceiverConn, Verified};
 use crate::memory::Holder;
+use tokio::runtime::Handle;
 
 /// What a verified transfer delivered, kept until the engine releases it.
 #[derive(Debug)]
@@ -52,7 +54,12 @@ pub struct ReceiverTransfer {
     room: TransferId,
     peer: Target,
     shared: Arc<Shared<Delivered>>,
-    slot: Mutex<Slot>,
+    /// Shared with the task that reserves once the connection is up.
+    slot: Arc<Mutex<Slot>>,
+}
+
+fn lock(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ReceiverTransfer {
@@ -62,12 +69,12 @@ impl ReceiverTransfer {
             room,
             peer,
             shared: Shared::new(),
-            slot: Mutex::default(),
+            slot: Arc::default(),
         }
     }
 
-    fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|p| p.into_inner())
+    fn slot(&self) -> MutexGuard<'_, Slot> {
+        lock(&self.slot)
     }
 
     /// The request's id.
@@ -153,6 +160,9 @@ impl ReceiverTransfer {
             });
         }
         self.advance();
+        if self.shared.poll() == KvPoll::Bootstrapping {
+            self.reserve_when_connected(timeout);
+        }
         Ok(())
     }
 
@@ -170,45 +180,57 @@ impl ReceiverTransfer {
                 return;
             }
         };
-        let Some(init) = slot.init.take() else { return };
-        let params =
-            ReserveParams::new(self.room, init.tokens, init.timeout).into_pages(init.pages.clone());
-        // The reservation is sent to the connection's task here; the future only waits.
-        let verdict = conn.reserve(params);
-        slot.reserved = Some(init.pages);
-        slot.conn = Some(conn);
-        self.shared.lock().settled = false;
-        self.shared.advance(KvPoll::WaitingForInput);
-        // The task holds no manager (the last one dropped there would drop the runtime
-        // inside itself): only the aux buffers' description.
-        let (shared, aux, aux_index) = (
-            self.shared.clone(),
-            self.manager.aux().clone(),
-            init.aux_index,
+        self.reserving()
+            .reserve_on(conn, &mut slot, self.manager.handle());
+    }
+
+    /// What reserving needs, without the manager: a task may hold it.
+    fn reserving(&self) -> Reserving {
+        Reserving {
+            room: self.room,
+            shared: self.shared.clone(),
+            aux: self.manager.aux().clone(),
+            release_verified: self.manager.config().release_verified,
+        }
+    }
+
+    /// Reserves as soon as the connection to the peer is up (or fails the transfer with the
+    /// dial's error), without waiting for the engine's next `poll`: the prefill learns of
+    /// the request now. Gives up waiting after `timeout` (a later `poll` still reserves).
+    /// The task holds no manager (the last one dropped there would drop the runtime inside
+    /// itself).
+    fn reserve_when_connected(&self, timeout: Duration) {
+        let (peers, target, slot) = (
+            self.manager.peer_list().clone(),
+            self.peer.clone(),
+            self.slot.clone(),
         );
-        let release_verified = self.manager.config().release_verified;
+        let reserving = self.reserving();
         self.manager.spawn(async move {
-            let outcome = verdict.await.map_err(|e| Error::from_transfer(&e));
-            shared.settle(outcome.and_then(|v| {
-                let record = v.aux().to_vec();
-                if let Some(i) = aux_index {
-                    aux.write(i, &record)?;
+            let deadline = tokio::time::Instant::now() + timeout;
+            loop {
+                let changed = peers.notify.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                match peers.lock().find(&target) {
+                    Ok(Some(Conn::Receiver(conn))) => {
+                        let mut slot = lock(&slot);
+                        reserving.reserve_on(conn, &mut slot, &Handle::current());
+                        return;
+                    }
+                    Err(e) => {
+                        reserving.shared.fail(e);
+                        return;
+                    }
+                    Ok(_) => {}
                 }
-                let pages = v.page_indices();
-                let verified = if release_verified {
-                    // kvwire holds none of the pages once this returned.
-                    v.release()
-                        .map_err(|e| Error::state(format!("release: {e}")))?;
-                    None
-                } else {
-                    Some(v)
-                };
-                Ok(Delivered {
-                    pages,
-                    aux: record,
-                    verified,
-                })
-            }));
+                if reserving.shared.poll() != KvPoll::Bootstrapping {
+                    return;
+                }
+                if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                    return;
+                }
+            }
         });
     }
 
@@ -351,6 +373,62 @@ impl ReceiverTransfer {
                 .wait_pages_free(Holder::Receiving(self.room), Some(&pages)),
             None => Ok(()),
         }
+    }
+}
+
+/// Reserves a transfer's pages on a connection and follows it to its verdict.
+struct Reserving {
+    room: TransferId,
+    shared: Arc<Shared<Delivered>>,
+    aux: Arc<AuxBuffers>,
+    release_verified: bool,
+}
+
+impl Reserving {
+    /// Reserves on `conn`, if `init` was called and nothing is reserved yet.
+    fn reserve_on(self, conn: ReceiverConn, slot: &mut Slot, runtime: &Handle) {
+        if slot.reserved.is_some() || slot.released || self.shared.poll().is_final() {
+            return;
+        }
+        let Some(init) = slot.init.take() else { return };
+        let params =
+            ReserveParams::new(self.room, init.tokens, init.timeout).into_pages(init.pages.clone());
+        // The reservation is sent to the connection's task here; the future only waits.
+        let verdict = conn.reserve(params);
+        slot.reserved = Some(init.pages);
+        slot.conn = Some(conn);
+        self.shared.lock().settled = false;
+        self.shared.advance(KvPoll::WaitingForInput);
+        let Self {
+            shared,
+            aux,
+            release_verified,
+            ..
+        } = self;
+        let aux_index = init.aux_index;
+        runtime.spawn(async move {
+            let outcome = verdict.await.map_err(|e| Error::from_transfer(&e));
+            shared.settle(outcome.and_then(|v| {
+                let record = v.aux().to_vec();
+                if let Some(i) = aux_index {
+                    aux.write(i, &record)?;
+                }
+                let pages = v.page_indices();
+                let verified = if release_verified {
+                    // kvwire holds none of the pages once this returned.
+                    v.release()
+                        .map_err(|e| Error::state(format!("release: {e}")))?;
+                    None
+                } else {
+                    Some(v)
+                };
+                Ok(Delivered {
+                    pages,
+                    aux: record,
+                    verified,
+                })
+            }));
+        });
     }
 }
 
