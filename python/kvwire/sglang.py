@@ -783,12 +783,15 @@ class KvwireKVReceiver(BaseKVReceiver):  # type: ignore[misc,valid-type]
         self.abort_notified = False
         self.prefill_dp_rank: Optional[int] = None
         self._p = _Parts()
+        self._addresses: List[str] = []
         self._inited = False
         self._reserved = False
 
     def init(self, prefill_dp_rank: int) -> None:
         """Resolves prefill rank (``prefill_dp_rank``, this rank's pipeline and attention-TP
-        rank) at the bootstrap server and connects every part; Failed (typed) if it cannot."""
+        rank) at the bootstrap server, every part of it, and connects the KV part (state parts
+        connect at ``send_metadata``, for the components the request has); Failed (typed) if
+        it cannot."""
         self.prefill_dp_rank = int(prefill_dp_rank)
         self._inited = True
         if self._p.error is not None:
@@ -796,9 +799,8 @@ class KvwireKVReceiver(BaseKVReceiver):  # type: ignore[misc,valid-type]
         m = self.kv_mgr
         rank = _rank_key(self.prefill_dp_rank, m.pp_rank, m.attn_tp_rank)
         try:
-            for i, part in enumerate(m.parts):
-                address = m._resolve(part, self.bootstrap_addr, rank)
-                self._p.native[i] = part.mgr._engine.receiver(self.bootstrap_room, address)
+            self._addresses = [m._resolve(part, self.bootstrap_addr, rank) for part in m.parts]
+            self._p.native[0] = m.parts[0].mgr._engine.receiver(self.bootstrap_room, self._addresses[0])
         except TransferError as e:
             self._p.fail(e)
 
@@ -835,20 +837,25 @@ class KvwireKVReceiver(BaseKVReceiver):  # type: ignore[misc,valid-type]
         try:
             kv = np.ascontiguousarray(np.asarray(kv_indices).ravel(), dtype=np.int64)
             self._p.native[0].send_metadata(kv.tobytes(), 8, aux_index, None)
+            if int(self._p.native[0].poll()) == KVPoll.Failed:
+                # Refused here (pool, context): no state is reserved for it either.
+                self._p.fail(self._p.native[0].error() or TransferError("the reservation was refused"))
+                return
             for i in range(1, len(parts)):
                 ind = given[i - 1] if i - 1 < len(given) else None
                 a = None if ind is None else np.ascontiguousarray(np.asarray(ind).ravel(), dtype=np.int64)
                 if a is None or a.size == 0:
                     # Nothing of this component for the request: no transfer (the prefill's
                     # scheduler computes the same empty list and sends none).
-                    self._p.native.pop(i).abort()
                     continue
-                self._p.native[i].send_metadata(a.tobytes(), 8, None, None)
+                n = parts[i].mgr._engine.receiver(self.bootstrap_room, self._addresses[i])
+                self._p.native[i] = n
+                n.send_metadata(a.tobytes(), 8, None, None)
         except TransferError as e:
             self._p.fail(e)
 
     def poll(self) -> int:
-        """Bootstrapping until every part is connected, WaitingForInput until
+        """Bootstrapping until the KV part is connected, WaitingForInput until
         ``send_metadata``, Transferring until every part was verified, then Success; Failed
         at once when any part failed (the others are aborted)."""
         if self.conclude_state is not None:

@@ -363,8 +363,20 @@ def test_decode_refusal_reaches_the_prefill_at_once(prefill, ks):
         # 9 pages into a pool of 8 (whose context is the pool's 128 tokens): refused there.
         code = r["error"]["code_name"]
         assert r["state"] == 0 and code in ("PROMPT_EXCEEDS_CONTEXT", "PROMPT_EXCEEDS_POOL"), r
-        state, took = sc.wait(s, {0}, 5.0)
-        assert state == 0 and took < 1.0, (state, took, s.error)
+        # The prefill scheduler's loop (prefill.py:507-545 pop_bootstrapped): poll; on
+        # WaitingForInput, finalize_bootstrap calls init. From the decode's refusal on, the
+        # sender must read Failed within a second.
+        start, inited, state = time.monotonic(), False, None
+        while time.monotonic() - start < 5.0:
+            state = s.poll()
+            if state == 0:
+                break
+            if state == 2 and not inited:
+                s.init(len(dst), 0)
+                inited = True
+            time.sleep(0.002)
+        took = time.monotonic() - start
+        assert state == 0 and took < 1.0, (state, took, inited, s.error)
         assert s.error.code_name == code and not s.error.retryable, repr(s.error)
     finally:
         small.close()
