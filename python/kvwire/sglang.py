@@ -172,6 +172,10 @@ def _refusals(args: Any, server_args: Any, is_prefill: bool) -> List[str]:
     out = []
     if _sv(server_args, "enable_dp_attention", False) and int(_sv(server_args, "dp_size", 1)) > 1:
         out.append(f"data-parallel attention (dp_size={_sv(server_args, 'dp_size')})")
+    elif is_prefill and int(_sv(server_args, "dp_size", 1)) > 1:
+        # Each replica would register as the same rank; a decode could not tell which one
+        # holds its request.
+        out.append(f"a data-parallel prefill server (dp_size={_sv(server_args, 'dp_size')})")
     if int(_sv(server_args, "attn_cp_size", 1)) > 1:
         out.append(f"attention context parallelism (attn_cp_size={_sv(server_args, 'attn_cp_size')})")
     if int(_sv(server_args, "dcp_size", 1)) > 1:

@@ -400,8 +400,8 @@ def test_other_layout_refused_at_connect_naming_both(prefill, ks):
 
 def test_unsupported_layouts_refused_at_construction(ks, prefill):
     """What kvwire would not move correctly is refused when SGLang builds the manager, with the
-    feature named: a state whose indices are not whole items, a decode radix cache, KV
-    buffers of different page counts."""
+    feature named: a state whose indices are not whole items, a decode radix cache, a
+    data-parallel prefill, KV buffers of different page counts."""
     from sglang.srt.disaggregation.base.conn import StateType
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -413,6 +413,9 @@ def test_unsupported_layouts_refused_at_construction(ks, prefill):
     with pytest.raises(ks.UnsupportedLayout, match="decode radix cache"):
         ks.KvwireKVManager(eng.kv_args(ks), DisaggregationMode.DECODE,
                            sc.server_args("decode", 0, "--disaggregation-decode-enable-radix-cache"), False)
+    with pytest.raises(ks.UnsupportedLayout, match="data-parallel prefill"):
+        ks.KvwireKVManager(eng.kv_args(ks), DisaggregationMode.PREFILL,
+                           sc.server_args("prefill", free_port(), "--dp-size", "2"), False)
     a = eng.kv_args(ks)
     a.kv_data_lens = list(a.kv_data_lens)
     a.kv_data_lens[1] //= 2
