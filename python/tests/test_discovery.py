@@ -136,3 +136,42 @@ def etcd():
 def test_etcd(etcd):
     psk = kvwire.gen_psk()
     _discovered_transfer(psk, ["--etcd", etcd], {"etcd_endpoints": [etcd]})
+
+
+def test_a_restarted_prefill_is_reached_within_a_second():
+    """A prefill killed (its record stays until its TTL, 30 s here) and restarted under the same
+    rank: the decode's next request resolves the newest registration and reaches the new
+    prefill within 1 s of its registration, never the dead one."""
+    psk = kvwire.gen_psk()
+    server = kvwire.BootstrapServer("127.0.0.1:0")
+    args = ("--psk", psk.hex(), "--cluster", "restart", "--rank", "0", "--ttl", "30",
+            "--bootstrap", server.address)
+    first = Peer("prefill", *args)
+    second = None
+    try:
+        mgr, kv, aux = common.manager("decode", psk, fill=SENTINEL, cluster="restart",
+                                      bootstrap=server.address)
+        r = KVReceiver(mgr, None, 900, prefill_rank=0)
+        r.send_metadata(np.array([1, 2]), aux_index=1)
+        assert first.call(op="send", room=900, src=[5, 6], aux_index=1)["error"] is None
+        assert r.wait(10) == KVPoll.Success, r.error
+        first.kill()
+        second = Peer("prefill", *args)  # registered once it said hello
+        registered = time.monotonic()
+        r = KVReceiver(mgr, None, 901, prefill_rank=0)
+        r.send_metadata(np.array([3, 4]), aux_index=2)
+        state, _ = common.wait_state(r, {KVPoll.Transferring, KVPoll.Failed}, 10)
+        reached = time.monotonic() - registered
+        assert state == KVPoll.Transferring, r.error  # reserved at the new prefill
+        assert reached < 1.0, f"the restarted prefill was reached after {reached:.2f} s"
+        assert second.call(op="send", room=901, src=[7, 8], aux_index=2)["error"] is None
+        assert r.wait(10) == KVPoll.Success, r.error
+        assert common.check_landed(kv, aux, 901, [3, 4], 2) == []
+        # Both records are there (the dead one until its TTL), the newest first.
+        found = mgr.resolve("prefill", 0)
+        assert [f["node_id"] for f in found][0] == second.hello["node_id"]
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        server.close()

@@ -152,16 +152,18 @@ def test_prefill_rejects_a_prompt_over_its_pool_and_decode_gets_the_original_err
         small.close()
 
 
-def test_prompt_over_the_decode_pool_is_rejected_on_both_sides(prefill, psk):
-    # Equal pools of 64 pages (1024 tokens); a 1025-token prompt. The decode node refuses it
-    # before anything goes out (PROMPT_EXCEEDS_POOL); the prefill's admission refuses it too.
+def test_prompt_over_the_decode_context_is_rejected_on_both_sides(prefill, psk):
+    # Equal pools of 64 pages (1024 tokens, each node's served context); a 1025-token prompt.
+    # The decode node refuses it before anything is reserved (PROMPT_EXCEEDS_CONTEXT: it
+    # checks its own context, then its pool) and tells the prefill; the prefill's admission
+    # refuses it too.
     mgr, kv, aux = decode_manager(psk)
     r = KVReceiver(mgr, prefill.hello["address"], 43)
     r.send_metadata(np.arange(common.PAGES), num_tokens=common.PAGES * common.PAGE_SIZE + 1)
     assert r.poll() == KVPoll.Failed
     assert isinstance(r.error, kvwire.Rejected)
-    assert r.error.code_name == "PROMPT_EXCEEDS_POOL"
-    assert "1025 tokens" in str(r.error) and "64 pages" in str(r.error)
+    assert r.error.code_name == "PROMPT_EXCEEDS_CONTEXT"
+    assert "1025 tokens" in str(r.error) and "1024 tokens" in str(r.error)
     rep = prefill.call(op="send", room=43, src=list(range(common.PAGES)) + [0],
                        num_pages=common.PAGES + 1, num_tokens=common.PAGES * common.PAGE_SIZE + 1)
     assert rep["state"] == KVPoll.Failed
