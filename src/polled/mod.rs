@@ -73,11 +73,13 @@
 //! ```
 
 mod aux;
+mod claims;
 mod discovery;
 mod error;
 mod peers;
 mod receiver;
 mod sender;
+mod shutdown;
 mod state;
 
 pub use aux::AuxBuffer;
@@ -87,10 +89,10 @@ pub use receiver::ReceiverTransfer;
 pub use sender::SenderTransfer;
 
 use aux::AuxBuffers;
+use claims::{Claimed, RoomClaim};
 use peers::{Conn, Peers, Target};
 use state::Shared;
 
-use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -104,7 +106,7 @@ use crate::engine::{EngineError, ListenerStats, Node};
 use crate::memory::{Holder, KvMemory, PoolGeometry};
 use kvwire_proto::liveness::LivenessConfig;
 use kvwire_proto::sender::SenderConfig;
-use kvwire_proto::wire::{ErrorCode, TransferId};
+use kvwire_proto::wire::TransferId;
 
 /// A transfer's state, as SGLang's `KVPoll` numbers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -440,74 +442,6 @@ impl Manager {
         &self.inner.handle
     }
 
-    /// Whether [`Manager::shutdown`] was called.
-    pub fn is_shut_down(&self) -> bool {
-        self.inner
-            .shut_down
-            .load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    fn shut_down_error() -> Error {
-        Error::state("the manager was shut down")
-    }
-
-    /// Stops kvwire on this node for good and returns once nothing of kvwire touches the
-    /// registered memory any more: from then on the engine may free or reuse every buffer
-    /// it registered, whatever transfers were under way.
-    ///
-    /// In order: this node's discovery records are removed (waiting at most 5 s each); new
-    /// transfers and calls are refused ([`ErrorKind::InvalidState`]); every connection is
-    /// closed, which ends every transfer on it (the peers see the connection lost, and
-    /// fail their side with a retryable `PeerLost`: nothing half-written is ever
-    /// delivered); and the manager's runtime is stopped, waiting for every task and every
-    /// digest job on its blocking pool. Transfers still held by the engine report
-    /// [`KvPoll::Failed`] (`InvalidState`, "the manager was shut down") from their next
-    /// `poll`, and their `release` / `clear` return at once.
-    ///
-    /// Returns [`ErrorKind::WaitTimedOut`] if that did not finish within `timeout` (a
-    /// digest job still running): the memory must then stay valid; the stop goes on in the
-    /// background, and calling `shutdown` again waits for it again. Calling it after it
-    /// returned `Ok` returns `Ok` at once.
-    pub fn shutdown(&self, timeout: Duration) -> Result<(), Error> {
-        use std::sync::atomic::Ordering;
-        if !self.inner.shut_down.swap(true, Ordering::SeqCst) {
-            self.deregister();
-            {
-                let mut peers = self.inner.peers.lock();
-                peers.conns.clear();
-                peers.links.clear();
-            }
-            let runtime = self
-                .inner
-                .runtime
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .take();
-            let (tx, rx) = std::sync::mpsc::sync_channel(1);
-            // Dropped on a thread of its own: a runtime cannot be dropped inside an async
-            // context, and the caller's wait must be bounded.
-            std::thread::spawn(move || {
-                drop(runtime);
-                let _ = tx.send(());
-            });
-            *self.inner.stopped.lock().unwrap_or_else(|p| p.into_inner()) = Some(rx);
-        }
-        let mut stopped = self.inner.stopped.lock().unwrap_or_else(|p| p.into_inner());
-        match stopped.as_ref().map(|rx| rx.recv_timeout(timeout)) {
-            // Stopped now, or by an earlier call (its sender is gone once it sent).
-            None | Some(Ok(())) | Some(Err(std::sync::mpsc::RecvTimeoutError::Disconnected)) => {
-                *stopped = None;
-                Ok(())
-            }
-            Some(Err(std::sync::mpsc::RecvTimeoutError::Timeout)) => Err(Error::new(
-                ErrorKind::WaitTimedOut,
-                format!(
-                    "kvwire did not stop within {timeout:?}: the registered memory must stay valid (call shutdown again to wait more)"
-                ),
-            )),
-        }
-    }
-
     /// Runs `fut` on the manager's runtime and waits for it, at most `timeout`.
     pub(crate) fn block<T: Send + 'static>(
         &self,
@@ -791,60 +725,6 @@ impl Manager {
         self.inner.peers.lock().find(target)
     }
 
-    /// Claims request `room` to `peer` (`None`: routed by the decode) for one sender of
-    /// this manager: a second claim while the first is held is refused
-    /// ([`ErrorKind::InvalidState`]): a duplicate admission.
-    fn claim_room(&self, room: TransferId, peer: Option<u64>) -> Result<RoomClaim, Error> {
-        let key = (room, peer);
-        let mut claimed = self.inner.claimed.lock().unwrap_or_else(|p| p.into_inner());
-        if !claimed.insert(key) {
-            return Err(Error::state(format!(
-                "request {} was already admitted on this node (a duplicate admission)",
-                room.0
-            )));
-        }
-        Ok(RoomClaim {
-            claimed: self.inner.claimed.clone(),
-            key,
-        })
-    }
-
-    /// Cancels request `room` (`tokens` tokens) on every decode connected now, for a
-    /// prefill that gives it up before any decode named it: whichever decode reserves it
-    /// gets REJECT(CANCELLED) at once (each connection remembers the cancelled id).
-    fn cancel_everywhere(&self, room: TransferId, tokens: u32) {
-        let conns: Vec<Conn> = self
-            .inner
-            .peers
-            .lock()
-            .conns
-            .iter()
-            .map(|(_, c)| c.clone())
-            .collect();
-        for c in conns {
-            if let Conn::Sender(c) = c {
-                let req = kvwire_proto::admission::Request {
-                    transfer_id: room,
-                    tokens: tokens.into(),
-                };
-                if let Ok(admitted) = c.admit(req) {
-                    c.open(admitted).abort(ErrorCode::CANCELLED);
-                }
-            }
-        }
-    }
-
-    /// The node's admission policy (its pool, context length and page size).
-    fn admission(&self) -> kvwire_proto::admission::AdmissionPolicy {
-        let node = &self.inner.node;
-        crate::driver::admission_policy(node.pool(), &node.config().engine)
-    }
-
-    /// How long a prefill's request waits for its decode's reservation.
-    fn reservation_wait(&self) -> Duration {
-        self.inner.node.config().sender.reservation_timeout
-    }
-
     fn peer_list(&self) -> &Arc<Peers> {
         &self.inner.peers
     }
@@ -890,26 +770,6 @@ impl Manager {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-    }
-}
-
-/// The requests (with their peer, `None` when routed by the decode) that have a sender on a
-/// manager.
-type Claimed = Arc<Mutex<HashSet<(TransferId, Option<u64>)>>>;
-
-/// A request id claimed by one transfer of a manager, until dropped.
-#[derive(Debug)]
-struct RoomClaim {
-    claimed: Claimed,
-    key: (TransferId, Option<u64>),
-}
-
-impl Drop for RoomClaim {
-    fn drop(&mut self) {
-        self.claimed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.key);
     }
 }
 
