@@ -282,6 +282,30 @@ def test_prefill_waits_for_the_decode_reservation(prefill, decode):
     decode.call(op="abort", room=room)
 
 
+def test_restarted_prefill_is_reached_at_once(prefill, decode, ks):
+    """A prefill rank that comes back (a new engine registering as the same rank while its
+    predecessor's record is still there) is the one a decode's next request reaches, at
+    once: each receiver resolves its prefill rank at init, newest registration first."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    p2 = Prefill.__new__(Prefill)
+    p2.ks, p2.server_args, p2.backend, p2.addr = ks, prefill.server_args, prefill.backend, prefill.addr
+    p2.eng = sc.Engine()
+    p2.bootstrap = None
+    p2.mgr = ks.KvwireKVManager(p2.eng.kv_args(ks), DisaggregationMode.PREFILL, p2.server_args, False)
+    registered = time.monotonic()
+    try:
+        room, src, dst = 88_001, [1, 2, 3], [41, 42, 43]
+        r = recv(decode, p2, room, dst, 7, [[2], [20]])
+        took = time.monotonic() - registered  # resolved, connected and reserved
+        assert r["state"] == 3 and took < 1.0, (r, took)
+        s = p2.run(room, src, 7, [[3], [4]])
+        assert s.poll() == 4, s.error
+        expect_verified(decode, room, dst, 7, [[2], [20]])
+    finally:
+        p2.mgr.close()  # deregisters: the next tests reach the first prefill again
+
+
 # -- the incident: an over-long prompt ------------------------------------------------------
 
 
