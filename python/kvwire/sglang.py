@@ -452,9 +452,6 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
         # start with a pool that cannot hold one such prompt (the incident's first bug), and
         # refuses longer prompts at admission. Unset: the pool's own capacity.
         context = options.pop("max_context_tokens", None) or _sv(server_args, "context_length")
-        kv_mgr = engine(kv_ptrs, kv_lens, kv_items, aux_ptrs, aux_lens, aux_items, page_size, self.fingerprint,
-                        self.cluster, int(context) if context else None)
-        self.parts: List[_Part] = [_Part("kv", self.cluster, kv_mgr, pages)]
         types = _state_types(args)
         s_ptrs = getattr(args, "state_data_ptrs", None) or []
         s_lens = getattr(args, "state_data_lens", None) or []
@@ -464,6 +461,7 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
                 f"state components: {len(types)} types, {len(s_ptrs)} pointer lists, "
                 f"{len(s_lens)} length lists, {len(s_items)} item-length lists"
             )
+        states = []
         for i, t in enumerate(types):
             ptrs = [int(p) for p in s_ptrs[i]]
             lens = [int(n) for n in s_lens[i]]
@@ -471,9 +469,21 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
             n = _pages_of(f"state component {i} ({t})", ptrs, lens, items)
             if n == 0:
                 raise UnsupportedLayout(f"state component {i} ({t}) has no buffers")
-            fp = f"{self.fingerprint} s{i}:{t}"
-            cluster = f"{self.cluster}.s{i}"
-            self.parts.append(_Part(f"state{i}:{t}", cluster, engine(ptrs, lens, items, [], [], [], 1, fp, cluster), n))
+            states.append((i, t, ptrs, lens, items, n))
+
+        def build() -> List[_Part]:
+            parts = [
+                _Part("kv", self.cluster, engine(kv_ptrs, kv_lens, kv_items, aux_ptrs, aux_lens, aux_items, page_size,
+                                                 self.fingerprint, self.cluster, int(context) if context else None), pages)
+            ]
+            for i, t, ptrs, lens, items, n in states:
+                fp = f"{self.fingerprint} s{i}:{t}"
+                cluster = f"{self.cluster}.s{i}"
+                parts.append(_Part(f"state{i}:{t}", cluster, engine(ptrs, lens, items, [], [], [], 1, fp, cluster), n))
+            return parts
+
+        self._build = build
+        self.parts: List[_Part] = build()
         self.inner = self.parts[0].mgr
         self.kv_item_lens_sum = sum(kv_items)
         self.state_item_lens_sum = [sum(int(x) for x in comp) for comp in s_items]
@@ -541,12 +551,31 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
             )
         return peers[0]["address"]
 
-    def close(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops kvwire for this rank and returns once nothing of it touches the registered
+        buffers (KV, aux, state): the engine may free them. Transfers still alive fail."""
         for p in self.parts:
-            p.mgr.close()
+            p.mgr.shutdown(timeout_s)
+
+    def deregister_buffer_to_engine(self) -> None:
+        """SGLang's release_memory_occupation (prefill.py:560-564, decode.py:1008-1016) calls
+        this before it frees the KV memory: returns once kvwire no longer touches it."""
+        self.shutdown()
+
+    def register_buffer_to_engine(self) -> None:
+        """SGLang's resume_memory_occupation: the same buffers (same addresses) are back;
+        kvwire registers them again (a prefill rank re-publishes itself)."""
+        self.parts = self._build()
+        self.inner = self.parts[0].mgr
+        if self.is_prefill and self.bootstrap is not None:
+            self.register_to_bootstrap()
+
+    def close(self) -> None:
+        """As :meth:`shutdown`: the buffers may be freed once it returned."""
+        self.shutdown()
 
     def teardown(self) -> None:
-        self.close()
+        self.shutdown()
 
 
 class _Parts:

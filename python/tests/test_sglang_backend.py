@@ -306,6 +306,42 @@ def test_restarted_prefill_is_reached_at_once(prefill, decode, ks):
         p2.mgr.close()  # deregisters: the next tests reach the first prefill again
 
 
+def test_release_and_resume_memory_occupation(ks, decode):
+    """SGLang's release_memory_occupation (prefill.py:560-564) frees the KV memory after
+    kv_manager.deregister_buffer_to_engine() returns: kvwire stops touching it first (a
+    transfer still open fails on both sides, the decode's pages keep their bytes), and after
+    resume_memory_occupation the same memory transfers again."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+    p = Prefill(ks)
+    try:
+        q = SimpleNamespace(queue=[], kv_manager=p.mgr)
+        room, dst = 99_001, [44, 45]
+        recv(decode, p, room, dst, 3, [[5], [21]])
+        before = decode.call(op="snapshot")["digest"]
+        s = p.sender(room)
+        assert sc.wait(s, {0, 2})[0] == 2
+        s.init(2, 3)
+        start = time.monotonic()
+        PrefillBootstrapQueue.release_memory_occupation(q)
+        assert time.monotonic() - start < 10
+        assert s.poll() == 0, "a transfer outlived the release of its memory"
+        w = decode.call(op="wait", room=room, dst=dst, aux_index=3, timeout=10)
+        assert w["state"] == 0, w
+        assert decode.call(op="snapshot")["digest"] == before
+
+        PrefillBootstrapQueue.resume_memory_occupation(q)
+        room = 99_002
+        recv(decode, p, room, [46, 47], 3, [[6], [22]])
+        s = p.run(room, [9, 10], 3, [[1], [2]])
+        assert s.poll() == 4, s.error
+        expect_verified(decode, room, [46, 47], 3, [[6], [22]])
+    finally:
+        p.close()
+
+
 # -- the incident: an over-long prompt ------------------------------------------------------
 
 
