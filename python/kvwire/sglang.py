@@ -555,6 +555,9 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
         """Stops kvwire for this rank and returns once nothing of it touches the registered
         buffers (KV, aux, state): the engine may free them. Transfers still alive fail."""
         for p in self.parts:
+            # Deregister first and wait until the records are gone, so no decode resolves this
+            # rank after it returns; then stop.
+            p.mgr.deregister()
             p.mgr.shutdown(timeout_s)
 
     def deregister_buffer_to_engine(self) -> None:
