@@ -63,7 +63,7 @@ import numpy as np
 
 from . import BootstrapServer, KVManager, KVPoll
 from . import KVArgs as _KvwireArgs
-from .errors import ConfigError, DiscoveryError, InvalidState, TransferError
+from .errors import ConfigError, DiscoveryError, InvalidState, LayoutMismatch, TransferError
 
 logger = logging.getLogger("kvwire.vllm")
 
@@ -208,6 +208,18 @@ def _elem(t: Any) -> int:
     return int(t.element_size())
 
 
+def _dense(t: Any) -> bool:
+    """True when the tensor's elements fill one contiguous run, in any dimension order (a
+    block of a token-major or head-major layout)."""
+    dims = sorted((int(st), int(sz)) for st, sz in zip(t.stride(), t.shape) if int(sz) != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
 def describe_kv_caches(kv_caches: Dict[str, Any], num_blocks: int) -> CacheLayout:
     """The kvwire buffers that cover vLLM's cache tensors, one item per block.
 
@@ -247,7 +259,7 @@ def describe_kv_caches(kv_caches: Dict[str, Any], num_blocks: int) -> CacheLayou
         if len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks:
             kinds.add("split")
             for half, label in ((t[0], "K"), (t[1], "V")):
-                if not half.is_contiguous():
+                if not _dense(half):
                     raise UnsupportedLayout(f"layer {name}: the {label} half of {shape} is not contiguous")
                 item = half.numel() * e // num_blocks
                 regions.append(Region(f"{name}.{label}", int(half.data_ptr()), item * num_blocks, item))
@@ -259,7 +271,7 @@ def describe_kv_caches(kv_caches: Dict[str, Any], num_blocks: int) -> CacheLayou
         kinds.add("packed")
         page = t[0].numel() * e
         stride = int(t.stride(0)) * e
-        if not t[0].is_contiguous():
+        if not _dense(t[0]):
             raise UnsupportedLayout(
                 f"layer {name}: a block's bytes are not contiguous (shape {shape}, strides "
                 f"{tuple(t.stride())}): kvwire moves whole block pages"
@@ -347,6 +359,7 @@ class RecvSpec:
     num_tokens: int
     bootstrap: str
     cluster: str
+    remote_layouts: Optional[Dict[str, str]] = None  # the prefill's fingerprints by TP rank
 
 
 @dataclass
@@ -358,6 +371,23 @@ class KvwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     # Decode: requests handed off by a prefill that this decode will not load (aborted
     # before allocation, or a local prefix hit): the prefill is told at once and frees.
     releases: Dict[str, RecvSpec] = field(default_factory=dict)
+
+
+try:  # pragma: no cover - depends on the environment
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata  # type: ignore
+except Exception:
+    class KVConnectorHandshakeMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class KvwireHandshakeMetadata(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """What a worker tells its scheduler after registering its caches (vLLM's handshake
+    metadata path): its layout fingerprint, handed to decodes in kv_transfer_params so that a
+    refused connection names both vLLM layouts."""
+
+    tp_rank: int
+    fingerprint: str
 
 
 def _params_of(request: Any) -> Optional[Dict[str, Any]]:
@@ -424,6 +454,7 @@ class _Scheduler:
         self._recvs: Dict[str, RecvSpec] = {}
         self._aborts: Set[str] = set()
         self._releases: Dict[str, RecvSpec] = {}
+        self.layouts: Dict[int, str] = {}  # prefill: each worker's fingerprint, by TP rank
         self._sending: Set[str] = set()   # prefill: blocks held until finished_sending
         self._recving: Set[str] = set()   # decode: loads in flight until finished_recving
 
@@ -458,7 +489,9 @@ class _Scheduler:
 
     def _spec(self, request: Any, p: Dict[str, Any], ids: List[int], n: int) -> Optional[RecvSpec]:
         try:
-            return RecvSpec(int(p["remote_room"]), ids, n, str(p["remote_bootstrap"]), str(p["remote_cluster"]))
+            layouts = p.get("remote_layouts") or {}
+            return RecvSpec(int(p["remote_room"]), ids, n, str(p["remote_bootstrap"]), str(p["remote_cluster"]),
+                            dict(layouts) if isinstance(layouts, dict) else None)
         except (KeyError, TypeError, ValueError):
             logger.error("kvwire: request %s: kv_transfer_params %r lack kvwire's remote_room/"
                          "remote_bootstrap/remote_cluster (not handed off by KvwireConnector?)",
@@ -519,6 +552,7 @@ class _Scheduler:
             remote_port=int(port),
             remote_num_tokens=int(request.num_computed_tokens),
             remote_block_ids=[int(b) for b in block_ids],
+            remote_layouts={str(r): fp for r, fp in sorted(self.layouts.items())},
             tp_size=self.s.tp_size,
         )
 
@@ -764,13 +798,30 @@ class _Worker:
                 res.finished_recving.add(rid)
                 if r.aborted:
                     continue  # vLLM aborted the request: it frees the blocks, no load error
-                err = r.native.error() or TransferError("transfer failed")
+                err = self._named(r.spec, r.native.error() or TransferError("transfer failed"))
                 self.recv_errors[rid] = err
                 logger.warning("kvwire: request %s: KV load failed, blocks %s reported as load errors: %r",
                                rid, r.spec.block_ids, err)
                 res.failed_recving.add(rid)
                 self._load_errors.update(r.spec.block_ids)
         return res
+
+    def _named(self, spec: RecvSpec, err: TransferError) -> TransferError:
+        """A layout refusal names both vLLM layouts (kvwire's handshake may have refused on
+        buffer count or bytes before it compared fingerprints)."""
+        if not isinstance(err, LayoutMismatch):
+            return err
+        theirs = (spec.remote_layouts or {}).get(str(self.tp_rank), "unknown (not reported by the prefill)")
+        return LayoutMismatch(
+            f"the prefill's vLLM KV layout {theirs!r} differs from this decode's {self.fingerprint!r}: "
+            f"kvwire refused the connection ({err})",
+            retryable=False, code=err.code, code_name=err.code_name, cause=err.cause,
+        )
+
+    def handshake_metadata(self) -> Optional[KvwireHandshakeMetadata]:
+        if self.fingerprint is None:
+            return None
+        return KvwireHandshakeMetadata(self.tp_rank, self.fingerprint)
 
     def load_errors(self) -> Set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -864,6 +915,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
+
+    def get_handshake_metadata(self) -> Optional[KvwireHandshakeMetadata]:
+        return self.worker.handshake_metadata() if self.worker is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata: Dict[int, Any]) -> None:
+        if self.sched is not None:
+            for rank, m in (metadata or {}).items():
+                fp = getattr(m, "fingerprint", None)
+                if fp:
+                    self.sched.layouts[int(rank)] = str(fp)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -169,6 +169,11 @@ class Engine:
         self.connector = get_kv_transfer_group()
         self.connector.register_kv_caches(self.kv_caches)
         self.sched = Scheduler(self.vc, sched_cfg, StructuredOutputManager(self.vc), block_size=BLOCK_SIZE)
+        # EngineCore._set_kv_connector_handshake_metadata: each worker's handshake metadata,
+        # keyed (pp_rank, tp_rank) as gpu_worker.get_kv_connector_handshake_metadata keys it.
+        meta = self.connector.get_handshake_metadata()
+        if meta is not None:
+            self.sched.get_kv_connector().set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
         self.tokens: Dict[str, List[int]] = {}
         self.computed: Dict[str, int] = {}     # tokens this engine computed itself, per request
         self.prompt_len: Dict[str, int] = {}
@@ -274,6 +279,10 @@ class Engine:
             "outputs": [],
             "loaded": {},
         }
+        ev["failed_blocks"] = {
+            rid: self.blocks_of(rid)[: -(-self.prompt_len[rid] // BLOCK_SIZE)]
+            for rid in ev["failed_recving"] if rid in self.sched.requests
+        }
         # A load reported now has not been touched by any forward yet: compare its blocks.
         for rid in ev["finished_recving"]:
             if rid not in ev["failed_recving"] and rid in self.sched.requests:
@@ -289,8 +298,6 @@ class Engine:
                     "finish_reason": str(o.finish_reason) if o.finish_reason is not None else None,
                     "kv_transfer_params": o.kv_transfer_params,
                 })
-        for rid in sampled:  # the engine core appends sampled tokens to the request itself
-            pass
         return ev
 
     def state(self, req_id: Optional[str] = None) -> Dict[str, Any]:
@@ -330,3 +337,63 @@ def free_port() -> int:
 
 def peer_argv(*args: str) -> List[str]:
     return [sys.executable, os.path.join(HERE, "vllm_peer.py"), *args]
+
+
+class Peer:
+    """A vLLM engine in its own process (vllm_peer.py), driven by JSON lines."""
+
+    def __init__(self, *args: str, env: Optional[Dict[str, str]] = None) -> None:
+        import subprocess
+
+        e = dict(os.environ)
+        e.update(env or {})
+        self.proc = subprocess.Popen(peer_argv(*args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=None, env=e, text=True, bufsize=1)
+        self._hello: Optional[Dict[str, Any]] = None
+
+    @property
+    def hello(self) -> Dict[str, Any]:
+        if self._hello is None:
+            self._hello = self._read(180.0)
+        return self._hello
+
+    def _read(self, timeout: float) -> Dict[str, Any]:
+        import select
+
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError("vLLM peer process did not answer in time")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM peer process ended (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def call(self, timeout: float = 60.0, **cmd: Any) -> Dict[str, Any]:
+        self.hello
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        res = self._read(timeout + float(cmd.get("timeout", 0)))
+        if "error" in res:
+            raise RuntimeError(f"peer: {res['error']}\n{res.get('trace', '')}")
+        return res
+
+    def kill(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            try:
+                self.call(timeout=10.0, op="exit")
+            except Exception:
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()

@@ -75,6 +75,7 @@ def main() -> None:
 
     threading.Thread(target=busy_loop, daemon=True).start()
     cursor = 0
+    paused = [False]
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.pop("op")
@@ -87,12 +88,26 @@ def main() -> None:
                 sys.stdout = real_stdout
                 out(ok=True)
                 return
+            if op in ("pause", "resume"):
+                # Holds vLLM's engine loop (as a busy engine core between two steps), so a test
+                # can add and abort a request before vLLM schedules it.
+                if op == "pause" and not paused[0]:
+                    lock.acquire()
+                    paused[0] = True
+                elif op == "resume" and paused[0]:
+                    paused[0] = False
+                    lock.release()
+                sys.stdout = real_stdout
+                out(ok=True)
+                continue
             if op == "wait":
                 # Waits until `until` holds over the events since the last wait: "finished:<id>"
                 # (an output with a finish reason), "sent:<id>" (finished_sending), "recv:<id>"
                 # (finished_recving), "idle" (Scheduler.has_requests() is false).
                 deadline = time.monotonic() + float(cmd.get("timeout", 30.0))
                 while True:
+                    if paused[0]:
+                        raise RuntimeError("wait while paused")
                     with lock:
                         events = log[cursor:]
                         done = _holds(eng, cmd["until"], events)
@@ -101,6 +116,8 @@ def main() -> None:
                     time.sleep(0.01)
                 cursor += len(events)
                 res = {"events": events, "done": done}
+            elif paused[0]:
+                res = handle(eng, op, cmd)  # the loop is held: this thread holds the lock
             else:
                 with lock:
                     res = handle(eng, op, cmd)
