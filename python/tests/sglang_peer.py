@@ -83,7 +83,7 @@ def handle(cmd, op, room, mgr, queue, eng, receivers, reqs, backend) -> None:
             out(**pop_transferred(cmd, eng, receivers[room], reqs[room]))
         elif op == "wait":
             r = receivers[room]
-            sc.wait(r, {0, 4}, cmd.get("timeout", 20.0))
+            sc.wait(r, {0, 4}, cmd.get("wait_s", 20.0))
             report(r, eng, cmd)
         elif op == "poll":
             report(receivers[room], eng, cmd)
@@ -173,7 +173,7 @@ def pop_transferred(cmd, eng, r, req):
         output_streamer=SimpleNamespace(stream_output=lambda *a: None),
     )
     q.queue = [DecodeRequest(req=req, kv_receiver=r, metadata_buffer_index=cmd["aux_index"])]
-    deadline = time.monotonic() + cmd.get("timeout", 20.0)
+    deadline = time.monotonic() + cmd.get("wait_s", 20.0)
     done = []
     while not done and q.queue and time.monotonic() < deadline:
         done = q.pop_transferred()

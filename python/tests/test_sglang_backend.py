@@ -328,7 +328,7 @@ def test_release_and_resume_memory_occupation(ks, decode):
         PrefillBootstrapQueue.release_memory_occupation(q)
         assert time.monotonic() - start < 10
         assert s.poll() == 0, "a transfer outlived the release of its memory"
-        w = decode.call(op="wait", room=room, dst=dst, aux_index=3, timeout=10)
+        w = decode.call(op="wait", room=room, dst=dst, aux_index=3, wait_s=10)
         assert w["state"] == 0, w
         assert decode.call(op="snapshot")["digest"] == before
 
@@ -404,7 +404,7 @@ def test_over_long_prompt_refused_at_admission_by_sglang_and_kvwire(prefill, dec
     assert s.error.code_name == "PROMPT_EXCEEDS_CONTEXT" and not s.error.retryable, s.error
     with pytest.raises(kvwire.Rejected):
         s.failure_exception()
-    w = decode.call(op="wait", room=room, dst=dst, aux_index=0, timeout=5)
+    w = decode.call(op="wait", room=room, dst=dst, aux_index=0, wait_s=5)
     assert w["state"] == 0 and w["error"]["code_name"] == "PROMPT_EXCEEDS_CONTEXT", w
     assert decode.call(op="snapshot")["digest"] == before, "the decode's memory changed"
 
