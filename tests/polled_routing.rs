@@ -359,3 +359,30 @@ fn a_decode_that_dials_its_prefill_by_address_is_routed_too() {
     assert_eq!(rx.wait(WAIT), KvPoll::Success, "{:?}", rx.failure());
     assert!(landed(&dc, room.get(), &[5, 17]));
 }
+
+#[test]
+fn the_prefills_own_rejection_is_its_verdict_even_after_a_decodes_refusal() {
+    // The decode refused first (over its 512-token context), then the prefill's engine
+    // admits the same over-long prompt (over its own 4096-token context): the prefill reports
+    // its own rejection, never the decode's refusal racing it. Twenty times: the two verdicts
+    // once raced.
+    let (prefill, _, decodes) = cluster(1, 512);
+    let (d, _) = &decodes[0];
+    for i in 0..20 {
+        let room = TransferId(3000 + i);
+        let rx = d.receiver(room, None).unwrap();
+        rx.init((0..10).collect(), 5000, WAIT).unwrap();
+        assert_eq!(rx.poll(), KvPoll::Failed);
+        let t0 = Instant::now();
+        while prefill.node().rooms().peer_of(room).is_none() && t0.elapsed() < WAIT {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let tx = prefill.sender(room, None).unwrap();
+        tx.init(313, 5000).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(tx.poll(), KvPoll::Failed);
+        let e = tx.failure().unwrap();
+        assert_eq!(e.kind(), ErrorKind::Rejected, "round {i}: {e}");
+        assert_eq!(e.wire_code(), Some(ErrorCode::PROMPT_EXCEEDS_CONTEXT));
+    }
+}

@@ -155,9 +155,9 @@ impl SenderTransfer {
             slot.aux_index = aux_index;
         }
         if let Target::Room(_) = self.peer {
-            self.open_when_named();
-            // Admission runs now, before any decode named the request: a rejected request
-            // fails at once and is retired on the connection of the decode that names it.
+            // Admission runs now, before any decode named the request (and before the
+            // request can open): a rejected request fails at once, with its own reason, and
+            // is retired on the connection of the decode that names it.
             let policy = self.manager.admission();
             if let Err(rejected) = policy.admit(Request {
                 transfer_id: self.room,
@@ -176,6 +176,7 @@ impl SenderTransfer {
                 self.shared.fail(error);
                 return Ok(());
             }
+            self.open_when_named();
         }
         self.advance();
         Ok(())
