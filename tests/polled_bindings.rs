@@ -231,6 +231,14 @@ fn discovery_publishes_resolves_and_refuses_another_layout() {
 
     prefill.deregister();
     assert_eq!(server.record_count(), 0);
+    // A shutdown removes the node's records before it stops (no decode resolves a stopped
+    // node until its TTL runs out).
+    prefill
+        .register(&backend, "c1", 3, Duration::from_secs(10), None)
+        .unwrap();
+    assert_eq!(server.record_count(), 1);
+    prefill.shutdown(WAIT).unwrap();
+    assert_eq!(server.record_count(), 0, "shutdown left the record");
     server.close();
     let e = decode
         .resolve(&backend, "c1", Role::Prefill, None, true)

@@ -36,8 +36,11 @@ impl Manager {
     /// returned `Ok` returns `Ok` at once.
     pub fn shutdown(&self, timeout: Duration) -> Result<(), Error> {
         use std::sync::atomic::Ordering;
-        if !self.inner.shut_down.swap(true, Ordering::SeqCst) {
+        if !self.is_shut_down() {
+            // While calls still run: the records are gone before the node stops.
             self.deregister();
+        }
+        if !self.inner.shut_down.swap(true, Ordering::SeqCst) {
             {
                 let mut peers = self.inner.peers.lock();
                 peers.conns.clear();
