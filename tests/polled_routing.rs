@@ -200,12 +200,17 @@ fn a_decodes_refusal_reaches_the_prefill_at_once_with_its_code() {
     while prefill.node().rooms().peer_of(room).is_none() && t0.elapsed() < AT_ONCE {
         std::thread::sleep(Duration::from_millis(1));
     }
+    // The prefill's engine learns it before computing anything: its request polls Failed
+    // even before `init`.
     let tx = prefill.sender(room, None).unwrap();
-    tx.init(125, 2000).unwrap();
     assert_eq!(tx.poll(), KvPoll::Failed);
     let e = tx.failure().unwrap();
     assert_eq!(e.kind(), ErrorKind::PeerAborted, "{e}");
     assert_eq!(e.wire_code(), Some(ErrorCode::PROMPT_EXCEEDS_POOL), "{e}");
+    assert_eq!(
+        tx.init(125, 2000).unwrap_err().kind(),
+        ErrorKind::InvalidState
+    );
     tx.clear().unwrap();
 
     // (c) The decode cancels before it reserved: CANCELLED, at once.

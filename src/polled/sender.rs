@@ -404,9 +404,6 @@ fn open_on(
     if slot.out.is_some() || slot.cleared || shared.poll().is_final() {
         return;
     }
-    let Some((_, tokens)) = slot.init.take() else {
-        return;
-    };
     let refusal = rooms
         .route(room)
         .filter(|r| r.peer == conn.peer().node_id)
@@ -414,13 +411,17 @@ fn open_on(
     if let Some(code) = refusal {
         // This decode refused the request before reserving it: the same failure as its
         // abort after (the connection would answer the open with it, a round trip later).
-        rooms.forget(room);
+        // Also before `init`: the engine need not compute KV nobody will take.
+        slot.init = None;
         shared.fail(Error::from_reason(&FailureReason::PeerAbort {
             code,
             completed_pages: 0,
         }));
         return;
     }
+    let Some((_, tokens)) = slot.init.take() else {
+        return;
+    };
     let admitted = match conn.admit(Request {
         transfer_id: room,
         tokens: tokens.into(),
