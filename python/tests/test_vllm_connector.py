@@ -71,6 +71,13 @@ def handoff(P: vc.Peer, rid: str, toks: List[int]) -> Dict[str, Any]:
     return params
 
 
+def kv_bytes(toks: List[int], first: int) -> List[bytes]:
+    """The bytes tokens first..first+7 leave in layer 0, head 0 (K and V): what the prefill's
+    stream carries for them, wherever the frames around them fall."""
+    return [vc.token_kv(toks[p], p, 0, vc.KV_HEADS, 2 * vc.HEAD_SIZE)[0].numpy().tobytes()
+            for p in range(first, first + 8)]
+
+
 def scheduled(events, rid: str) -> List[int]:
     return [e["scheduled"][rid] for e in events if rid in e["scheduled"]]
 
@@ -80,11 +87,13 @@ def scheduled(events, rid: str) -> List[int]:
 
 class StreamProxy:
     """Listens on `port` and forwards to `target`; in the prefill -> decode direction it flips
-    one byte at `flip_at`, closes both sides at `cut_at`, or stops forwarding at `stall_at`."""
+    one byte in the middle of the first of the byte strings `flip` it sees (tokens' KV, so the
+    damage is in page data, not in a frame header), closes both sides at `cut_at`, or stops
+    forwarding at `stall_at`."""
 
-    def __init__(self, port: int, target: str, flip_at=None, cut_at=None, stall_at=None) -> None:
+    def __init__(self, port: int, target: str, flip=None, cut_at=None, stall_at=None) -> None:
         self.target = target
-        self.flip_at, self.cut_at, self.stall_at = flip_at, cut_at, stall_at
+        self.flip, self.cut_at, self.stall_at = flip, cut_at, stall_at
         self.flipped = self.cut = self.stalled = False
         self.ls = socket.socket()
         self.ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -107,6 +116,7 @@ class StreamProxy:
 
     def _pump(self, a: socket.socket, b: socket.socket, damage: bool) -> None:
         n = 0
+        tail = b""
         try:
             while True:
                 d = a.recv(65536)
@@ -127,11 +137,20 @@ class StreamProxy:
                         except OSError:
                             pass
                     return
-                if damage and self.flip_at is not None and not self.flipped and n <= self.flip_at < n + len(d):
-                    d = bytearray(d)
-                    d[self.flip_at - n] ^= 0x5A
-                    d = bytes(d)
-                    self.flipped = True
+                if damage and self.flip is not None and not self.flipped:
+                    # The previous read's tail too, so a pattern across two reads is seen; the
+                    # byte flipped (a pattern's middle) must be in this read, not yet forwarded.
+                    buf = tail + d
+                    for pat in self.flip:
+                        i = buf.find(pat)
+                        at = i + len(pat) // 2 - len(tail)
+                        if i >= 0 and at >= 0:
+                            d = bytearray(d)
+                            d[at] ^= 0x5A
+                            d = bytes(d)
+                            self.flipped = True
+                            break
+                    tail = buf[-1024:]
                 n += len(d)
                 b.sendall(d)
         except OSError:
@@ -233,12 +252,12 @@ def test_damaged_transfer_is_a_load_error_and_vllm_recomputes(kv, damage):
     kv_port, listen, adv = vc.free_port(), vc.free_port(), vc.free_port()
     P = start("kv_producer", kv_port, extra={"listen": f"127.0.0.1:{listen}", "advertise": f"127.0.0.1:{adv}"})
     D = start("kv_consumer", kv_port)
-    proxy = StreamProxy(adv, f"127.0.0.1:{listen}", flip_at=40_000 if damage == "flip" else None,
+    n = 130
+    toks = prompt(n, 7)
+    proxy = StreamProxy(adv, f"127.0.0.1:{listen}", flip=kv_bytes(toks, 70) if damage == "flip" else None,
                         cut_at=40_000 if damage == "cut" else None)
     try:
         assert P.hello["ready"] and D.hello["ready"], (P.hello, D.hello)
-        n = 130
-        toks = prompt(n, 7)
         params = handoff(P, "p", toks)
         D.call(op="add", req_id="d", prompt=toks, max_tokens=3, params=params)
         r = D.call(op="wait", until="finished:d", timeout=30)
@@ -275,10 +294,10 @@ def test_verification_failure_fails_the_request_under_fail_policy(kv):
     kv_port, listen, adv = vc.free_port(), vc.free_port(), vc.free_port()
     P = start("kv_producer", kv_port, extra={"listen": f"127.0.0.1:{listen}", "advertise": f"127.0.0.1:{adv}"})
     D = start("kv_consumer", kv_port, "--policy", "fail")
-    proxy = StreamProxy(adv, f"127.0.0.1:{listen}", flip_at=40_000)
+    toks = prompt(130, 9)
+    proxy = StreamProxy(adv, f"127.0.0.1:{listen}", flip=kv_bytes(toks, 70))
     try:
         assert P.hello["ready"] and D.hello["ready"]
-        toks = prompt(130, 9)
         params = handoff(P, "p", toks)
         D.call(op="add", req_id="d", prompt=toks, max_tokens=3, params=params)
         r = D.call(op="wait", until="finished:d", timeout=30)

@@ -363,6 +363,12 @@ class Peer:
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not ready:
+            import signal
+            import time
+
+            if self.proc.poll() is None:  # its threads' stacks, to stderr
+                self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
             raise TimeoutError("vLLM peer process did not answer in time")
         line = self.proc.stdout.readline()
         if not line:

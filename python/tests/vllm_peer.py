@@ -10,7 +10,9 @@ tests over JSON lines on stdin/stdout.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import os
 import sys
 import threading
@@ -28,6 +30,7 @@ def out(**kw) -> None:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the tests dump stacks on a timeout
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", required=True)
     ap.add_argument("--kv-port", type=int, required=True)
