@@ -763,7 +763,9 @@ class _Worker:
                            "(it frees the blocks after reservation_wait_s)", rid, e)
 
     def results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
-        self._finished_reqs |= set(finished_req_ids or ())
+        # vLLM names a request finished in the same step that carries its send (both come from
+        # the scheduler output after request_finished): keep only the ids of our sends.
+        self._finished_reqs |= {r for r in (finished_req_ids or ()) if r in self._senders or r in self._send_errors}
         res = KVConnectorTransferResults()
         for rid in list(self._send_errors):
             if rid in self._finished_reqs:
