@@ -271,15 +271,18 @@ def describe_kv_caches(kv_caches: Dict[str, Any], num_blocks: int) -> CacheLayou
         kinds.add("packed")
         page = t[0].numel() * e
         stride = int(t.stride(0)) * e
-        if not _dense(t[0]):
+        extent = (sum((int(sz) - 1) * int(st) for sz, st in zip(t[0].shape, t[0].stride())) + 1) * e
+        if _dense(t[0]) and stride == page:
+            regions.append(Region(name, int(t.data_ptr()), page * num_blocks, page))
+        elif stride >= page and extent <= stride:
+            # Block-outermost: this layer's page lies within one row per block (a slice of it,
+            # or interleaved with the other layers' pages); the rows are registered once.
+            rows.setdefault(int(t.untyped_storage().data_ptr()), []).append((name, t, page, stride))
+        else:
             raise UnsupportedLayout(
                 f"layer {name}: a block's bytes are not contiguous (shape {shape}, strides "
                 f"{tuple(t.stride())}): kvwire moves whole block pages"
             )
-        if stride == page:
-            regions.append(Region(name, int(t.data_ptr()), page * num_blocks, page))
-        else:  # block-outermost: this layer's page is one slice of a row
-            rows.setdefault(int(t.untyped_storage().data_ptr()), []).append((name, t, page, stride))
     for base, members in rows.items():
         strides = {s for _, _, _, s in members}
         if len(strides) != 1:
