@@ -125,14 +125,14 @@ def decode(ks):
 
 
 def recv(peer, prefill, room, dst, aux_index, state_dst=None, **kw):
-    r = peer.call(timeout=60, op="recv", room=room, bootstrap_addr=prefill.addr, dst=dst,
+    r = peer.call(timeout=180, op="recv", room=room, bootstrap_addr=prefill.addr, dst=dst,
                   aux_index=aux_index, state_dst=state_dst, **kw)
     assert "exception" not in r, r
     return r
 
 
 def expect_verified(peer, room, dst, aux_index, state_dst, first_token=7):
-    w = peer.call(timeout=60, op="wait", room=room, dst=dst, aux_index=aux_index, state_dst=state_dst)
+    w = peer.call(timeout=180, op="wait", room=room, dst=dst, aux_index=aux_index, state_dst=state_dst)
     assert w["state"] == 4, w
     assert w["bad"] == [], w["bad"]
     assert w["aux"] == {"output_id": first_token, "cached_tokens": 3, "bootstrap_room": room}, w["aux"]
@@ -447,7 +447,7 @@ def test_other_layout_refused_at_connect_naming_both(prefill, ks):
     connection's handshake; the error names both layouts."""
     other = sc.DecodePeer("--tp-size", "2", "--heads", "1,2", "--no-states")
     try:
-        r = other.call(timeout=60, op="recv", room=606, bootstrap_addr=prefill.addr, dst=[1, 2], aux_index=0)
+        r = other.call(timeout=180, op="recv", room=606, bootstrap_addr=prefill.addr, dst=[1, 2], aux_index=0)
         if r.get("state") != 0:
             r = other.call(timeout=30, op="wait", room=606, dst=[1, 2], aux_index=0)
         assert r["state"] == 0, r
@@ -615,7 +615,7 @@ def test_sglang_prefill_queue_and_send_kv_chunk_drive_kvwire(ks):
         assert sc.wait(s, {0, 4})[0] == 4, s.error
         # The decode's DecodeTransferQueue.pop_transferred commits it: the first token and the
         # cached-token count arrive in the request through SGLang's own metadata path.
-        w = d.call(timeout=60, op="pop_transferred", room=room, dst=dst, aux_index=5)
+        w = d.call(timeout=180, op="pop_transferred", room=room, dst=dst, aux_index=5)
         assert w["committed"] == [f"rid-{room}"] and w["bad"] == [], w
         assert w["output_ids"] == [first] and w["cached_tokens"] == 3 and w["slot_freed"], w
     finally:
