@@ -71,9 +71,12 @@ if [ -n "${KVWIRE_GPU_DRY_RUN:-}" ]; then
   "$PY" - <<'PY' "${PREFILL[@]}" --- "${DECODE[@]}" --- "${PLAIN[@]}"
 import json, sys
 from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.entrypoints.common.cli_args import make_arg_parser  # what `vllm serve` parses with
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.platforms import current_platform
+if not current_platform.device_type:  # a machine without a GPU: the dry run only parses
+    type(current_platform).device_type = "cpu"
 argv, cmds = sys.argv[1:], [[]]
 for a in argv:
     cmds.append([]) if a == "---" else cmds[-1].append(a)
