@@ -469,3 +469,38 @@ def test_layout_mismatch_is_refused_at_connect_naming_both(kv, p_layout, d_layou
     finally:
         P.close()
         D.close()
+
+
+def test_prefill_that_dies_mid_transfer_is_a_load_error(kv):
+    """The prefill process is killed while its stream is held mid-transfer (its connection to the
+    decode stays open through the proxy, silent): kvwire's liveness check fails the load, the
+    decode reports it as a load error and vLLM recomputes the prompt; the decode's blocks are
+    all free afterwards and nothing stays held."""
+    kv_port, listen, adv = vc.free_port(), vc.free_port(), vc.free_port()
+    P = start("kv_producer", kv_port, extra={"listen": f"127.0.0.1:{listen}", "advertise": f"127.0.0.1:{adv}"})
+    D = start("kv_consumer", kv_port)
+    proxy = StreamProxy(adv, f"127.0.0.1:{listen}", stall_at=30_000)
+    try:
+        assert P.hello["ready"] and D.hello["ready"]
+        n = 130
+        toks = prompt(n, 29)
+        params = handoff(P, "p", toks)
+        D.call(op="add", req_id="d", prompt=toks, max_tokens=3, params=params)
+        deadline = time.monotonic() + 20
+        while not proxy.stalled and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proxy.stalled
+        P.kill()
+        r = D.call(op="wait", until="finished:d", timeout=30)
+        assert r["done"], r
+        failed = [e for e in r["events"] if "d" in e["failed_recving"]]
+        assert len(failed) == 1 and failed[0]["invalid_block_ids"] == sorted(failed[0]["failed_blocks"]["d"])
+        err = D.call(op="state")["recv_errors"]["d"]
+        assert err["kind"] in ("PeerLost", "PeerUnresponsive", "Timeout"), err
+        assert scheduled(r["events"], "d") == [n, 1, 1]
+        sd = D.call(op="state")
+        assert sd["free_blocks"] == D.hello["free_blocks"] and sd["held_pages"] == []
+    finally:
+        proxy.close()
+        P.close()
+        D.close()
