@@ -132,10 +132,11 @@ wait_ready http://127.0.0.1:31300/health 600
 
 # The proxy: the two legs of vLLM's P/D proxy examples, in-process (no extra server).
 set +e
-"$PY" - "$MAXLEN" <<'PY'
+"$PY" - "$MAXLEN" "$WORK/model" <<'PY'
 import json, random, sys, urllib.error, urllib.request
 
 maxlen = int(sys.argv[1])
+model = sys.argv[2]  # the served model name: the path given to vllm serve
 
 def post(port, body):
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
@@ -147,7 +148,7 @@ def post(port, body):
         return e.code, e.read().decode(errors="replace")
 
 def body(ids, n, extra=None):
-    b = {"model": "", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+    b = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
          "return_token_ids": True}
     b.update(extra or {})
     return b
