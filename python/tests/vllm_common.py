@@ -375,7 +375,9 @@ class Peer:
             raise RuntimeError(f"vLLM peer process ended (exit {self.proc.wait()})")
         return json.loads(line)
 
-    def call(self, timeout: float = 60.0, **cmd: Any) -> Dict[str, Any]:
+    def call(self, timeout: float = 180.0, **cmd: Any) -> Dict[str, Any]:
+        """Sends one command; waits `timeout` s beyond the command's own `timeout` for the answer
+        (a loaded 2-core CI host has taken over 60 s to answer)."""
         self.hello
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")

@@ -64,8 +64,12 @@ def main() -> None:
     log: list = []
     stop = threading.Event()
 
+    want = threading.Event()  # the command thread waits for the lock: let it have it
+
     def busy_loop() -> None:
         while not stop.is_set():
+            while want.is_set() and not stop.is_set():
+                time.sleep(0.0005)
             with lock:
                 busy = eng.sched.has_requests()
                 if busy:
@@ -86,6 +90,9 @@ def main() -> None:
             sys.stdout = sys.stderr
             if op == "exit":
                 stop.set()
+                if paused[0]:
+                    paused[0] = False
+                    lock.release()
                 with lock:
                     eng.connector.shutdown()
                 sys.stdout = real_stdout
@@ -95,7 +102,9 @@ def main() -> None:
                 # Holds vLLM's engine loop (as a busy engine core between two steps), so a test
                 # can add and abort a request before vLLM schedules it.
                 if op == "pause" and not paused[0]:
+                    want.set()
                     lock.acquire()
+                    want.clear()
                     paused[0] = True
                 elif op == "resume" and paused[0]:
                     paused[0] = False
@@ -111,7 +120,9 @@ def main() -> None:
                 while True:
                     if paused[0]:
                         raise RuntimeError("wait while paused")
+                    want.set()
                     with lock:
+                        want.clear()
                         events = log[cursor:]
                         done = _holds(eng, cmd["until"], events)
                     if done or time.monotonic() > deadline:
@@ -122,7 +133,9 @@ def main() -> None:
             elif paused[0]:
                 res = handle(eng, op, cmd)  # the loop is held: this thread holds the lock
             else:
+                want.set()
                 with lock:
+                    want.clear()
                     res = handle(eng, op, cmd)
         except Exception as e:
             res = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
