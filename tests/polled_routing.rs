@@ -395,3 +395,36 @@ fn the_prefills_own_rejection_is_its_verdict_even_after_a_decodes_refusal() {
         assert_eq!(e.wire_code(), Some(ErrorCode::PROMPT_EXCEEDS_CONTEXT));
     }
 }
+
+#[test]
+fn polling_a_decode_while_its_connection_comes_up_never_deadlocks() {
+    // The engine polls a receiver (its state lock, then the peer list) while kvwire's own
+    // task reserves it as the dial completes (the peer list, then the state lock): the two
+    // once took the locks in opposite orders and hung the engine's poll for good. A fresh
+    // dial per round, polled from the moment of `init`.
+    let auth = Auth::ephemeral();
+    let pc = Cache::new(64, 0);
+    let prefill = manager(Role::Prefill, &pc, 1024, &auth);
+    let addr = prefill.listen("127.0.0.1:0").unwrap().to_string();
+    for round in 0..200u64 {
+        let dc = Cache::new(64, 0xEE);
+        let decode = manager(Role::Decode, &dc, 1024, &auth);
+        let (done, rx_done) = std::sync::mpsc::channel();
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let rx = decode.receiver_at(TransferId(5000 + round), &addr).unwrap();
+            rx.init(vec![1], 16, WAIT).unwrap();
+            // A scheduler loop that polls without pausing.
+            let t0 = Instant::now();
+            let mut s = rx.poll();
+            while s == KvPoll::Bootstrapping && t0.elapsed() < WAIT {
+                s = rx.poll();
+            }
+            let _ = done.send(s);
+        });
+        let s = rx_done
+            .recv_timeout(WAIT)
+            .unwrap_or_else(|_| panic!("round {round}: the engine's poll hung"));
+        assert_eq!(s, KvPoll::WaitingForInput, "round {round}");
+    }
+}

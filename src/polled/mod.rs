@@ -710,6 +710,9 @@ impl Manager {
     }
 
     /// The connection a transfer goes over; `None` while there is none yet.
+    ///
+    /// Lock order: a transfer's slot, then the peer list (a transfer calls this holding its
+    /// slot); code that holds the peer list never takes a slot.
     fn conn(&self, target: &Target) -> Result<Option<Conn>, Error> {
         match target {
             // Its peer was lost since (or it was never dialled): dial again.

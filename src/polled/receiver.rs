@@ -212,7 +212,10 @@ impl ReceiverTransfer {
                 let changed = peers.notify.notified();
                 tokio::pin!(changed);
                 changed.as_mut().enable();
-                match peers.lock().find(&target) {
+                // The peer list's lock is let go before the slot's is taken: the engine's
+                // `poll` takes them the other way round (slot, then peers).
+                let found = peers.lock().find(&target);
+                match found {
                     Ok(Some(Conn::Receiver(conn))) => {
                         let mut slot = lock(&slot);
                         reserving.reserve_on(conn, &mut slot, &Handle::current());
@@ -297,7 +300,8 @@ impl ReceiverTransfer {
         let deadline = std::time::Instant::now() + self.manager.config().call_timeout;
         self.manager.spawn(async move {
             loop {
-                match peers.lock().find(&target) {
+                let found = peers.lock().find(&target);
+                match found {
                     Ok(Some(Conn::Receiver(c))) => {
                         c.refuse(room, code, detail);
                         return;

@@ -93,7 +93,10 @@ impl SenderTransfer {
         let (room, shared, slot) = (self.room, self.shared.clone(), self.slot.clone());
         self.manager.spawn(async move {
             let Ok(route) = named.await else { return };
-            let Ok(Some(Conn::Sender(conn))) = peers.lock().find(&Target::Node(route.peer)) else {
+            // The peer list's lock is let go before the slot's is taken: the engine's `poll`
+            // takes them the other way round (slot, then peers).
+            let found = peers.lock().find(&Target::Node(route.peer));
+            let Ok(Some(Conn::Sender(conn))) = found else {
                 return;
             };
             let mut slot = lock(&slot);
