@@ -167,9 +167,27 @@ def _attn_tp_size(server_args: Any) -> int:
     return tp
 
 
+def _cuda_available() -> bool:
+    """Whether this process has a CUDA device (SGLang then allocates its KV pools there)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover - torch missing or broken
+        return False
+
+
 def _refusals(args: Any, server_args: Any, is_prefill: bool) -> List[str]:
     """What of SGLang's configuration kvwire would not transfer correctly."""
     out = []
+    if str(_sv(server_args, "device", "cuda")).startswith("cuda") and _cuda_available():
+        # The pointers in KVArgs are device memory: registered as host memory, kvwire's CPU
+        # would read and write them directly. The core moves device memory (docs/GPU.md), but
+        # the Python binding cannot register it yet.
+        out.append(
+            "KV in GPU memory (--device cuda): kvwire's Python binding registers host memory "
+            "only (the core's device-memory path, docs/GPU.md, is not exposed to Python yet)"
+        )
     if _sv(server_args, "enable_dp_attention", False) and int(_sv(server_args, "dp_size", 1)) > 1:
         out.append(f"data-parallel attention (dp_size={_sv(server_args, 'dp_size')})")
     elif is_prefill and int(_sv(server_args, "dp_size", 1)) > 1:

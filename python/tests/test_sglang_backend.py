@@ -458,7 +458,7 @@ def test_other_layout_refused_at_connect_naming_both(prefill, ks):
         other.close()
 
 
-def test_unsupported_layouts_refused_at_construction(ks, prefill):
+def test_unsupported_layouts_refused_at_construction(ks, prefill, monkeypatch):
     """What kvwire would not move correctly is refused when SGLang builds the manager, with the
     feature named: a state whose indices are not whole items, a decode radix cache, a
     data-parallel prefill, KV buffers of different page counts."""
@@ -481,6 +481,13 @@ def test_unsupported_layouts_refused_at_construction(ks, prefill):
     a.kv_data_lens[1] //= 2
     with pytest.raises(ks.UnsupportedLayout, match="different item counts"):
         ks.KvwireKVManager(a, DisaggregationMode.DECODE, sc.server_args("decode"), False)
+    # A server whose KV pools are in GPU memory (a CUDA device present, --device cuda): its
+    # pointers are refused, never read as host memory.
+    with monkeypatch.context() as m:
+        m.setattr(ks, "_cuda_available", lambda: True)
+        with pytest.raises(ks.UnsupportedLayout, match="KV in GPU memory"):
+            ks.KvwireKVManager(eng.kv_args(ks), DisaggregationMode.DECODE,
+                               sc.server_args("decode", 0, "--device", "cuda"), False)
 
 
 def test_decode_prefix_and_host_destination_fail_the_request(prefill, decode):
