@@ -284,13 +284,14 @@ fn a_parked_reservations_deadline_counts_from_its_receipt() {
 fn a_parked_reservation_lives_for_the_receivers_deadline_at_most_the_senders_bound() {
     use kvwire_proto::wire::{ErrorCode, Reject};
     let t0 = Instant::now();
-    // deadline_ms 1000 < the bound (60 s by default): rejected at 1 s, not before.
+    // deadline_ms 1000 < the bound (60 s by default): rejected 1 s after it (the grace for
+    // the receiver's own ABORT), not before.
     let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
     s.handle_frame(t0, Frame::Reserve(reserve(9))).unwrap();
-    assert_eq!(s.poll_timeout(), Some(t0 + Duration::from_millis(1000)));
-    s.handle_timeout(t0 + Duration::from_millis(999));
+    assert_eq!(s.poll_timeout(), Some(t0 + Duration::from_millis(2000)));
+    s.handle_timeout(t0 + Duration::from_millis(1999));
     assert_eq!(s.poll_transmit(), None);
-    s.handle_timeout(t0 + Duration::from_millis(1000));
+    s.handle_timeout(t0 + Duration::from_millis(2000));
     match s.poll_transmit() {
         Some(Frame::Reject(Reject { code, .. })) => assert_eq!(code, ErrorCode::UNKNOWN_REQUEST),
         other => panic!("expected REJECT(UNKNOWN_REQUEST), got {other:?}"),

@@ -8,6 +8,10 @@ use crate::history::Finished;
 use crate::scope::FrameError;
 use crate::wire::{ErrorCode, Frame, Reject, Reserve, TransferId, TransferRef};
 
+/// How long a parked RESERVE outlives its own deadline (SPEC.md §5.1): time for the receiver's
+/// ABORT, sent when that deadline passes, to arrive and end the park.
+pub(super) const PARK_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl SenderSession {
     pub(super) fn reject_reservation(&mut self, r: &Reserve, code: ErrorCode, detail: String) {
         self.out.stats.rejected_reservations += 1;
@@ -107,8 +111,10 @@ impl SenderSession {
             );
             return;
         }
-        // The receiver says how long its reservation lives; the sender bounds it.
-        let lifetime = std::time::Duration::from_millis(r.deadline_ms.into())
+        // The receiver says how long its reservation lives, and its own ABORT ends the park
+        // when that passes: the park outlives it by PARK_GRACE, so the receiver's verdict is its
+        // own (TIMEOUT), not a REJECT racing it. The sender bounds it.
+        let lifetime = (std::time::Duration::from_millis(r.deadline_ms.into()) + PARK_GRACE)
             .min(self.config.parked_reservation_timeout);
         let deadline = now + lifetime;
         let id = r.transfer_id;
