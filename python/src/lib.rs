@@ -510,6 +510,11 @@ impl Sender {
         aux_index: Option<usize>,
         num_tokens: Option<u32>,
     ) -> PyResult<()> {
+        if self.transfer.poll() == KvPoll::Failed {
+            // As `send`: on a transfer that already ended (its decode refused it, say) this
+            // does nothing; `poll` / `error` say why.
+            return Ok(());
+        }
         let tpp = self.engine.manager.config().tokens_per_page;
         let tokens = match num_tokens {
             Some(t) => t,
