@@ -190,6 +190,43 @@ fn a_failed_dial_fails_the_receiver_and_a_later_one_dials_again() {
     assert_eq!(decode.peers(), vec![prefill.node_id()]);
 }
 
+/// A peer that went away is never picked for a new transfer, even in the moment before the
+/// manager's list of connections is pruned (a restarted prefill's decode resolved its cached
+/// address as up and reserved on the dead connection: python/tests/test_discovery.py saw it).
+#[test]
+fn a_lost_connection_is_never_picked_for_a_new_transfer() {
+    let auth = Auth::ephemeral();
+    let (pe, de) = (Engine::new(0), Engine::new(0));
+    let decode = de.manager(Role::Decode, &auth, "m/tp0");
+    let prefill = pe.manager(Role::Prefill, &auth, "m/tp0");
+    let addr = prefill.listen("127.0.0.1:0").unwrap().to_string();
+    let first = decode.receiver_at(TransferId(1), &addr).unwrap();
+    first.init(vec![0], 16, WAIT).unwrap();
+    assert!(until(|| first.connected()), "the dial did not come up");
+    assert!(!first.poll().is_final());
+    assert!(decode.link_up(&addr));
+
+    prefill.shutdown(WAIT).unwrap();
+    // The decode's connection saw its peer go (the reservation on it failed, retryable) ...
+    assert_eq!(wait(|| first.poll(), KvPoll::Failed), KvPoll::Failed);
+    assert_eq!(first.failure().unwrap().kind(), ErrorKind::PeerLost);
+    // ... so, at once, the address is down and a new transfer dials again (nobody listens:
+    // ConnectFailed), instead of reserving on the dead connection (PeerLost).
+    assert!(
+        !decode.link_up(&addr),
+        "a lost connection still counted as up"
+    );
+    let second = decode.receiver_at(TransferId(2), &addr).unwrap();
+    second.init(vec![1], 16, WAIT).unwrap();
+    assert_eq!(wait(|| second.poll(), KvPoll::Failed), KvPoll::Failed);
+    assert_eq!(
+        second.failure().unwrap().kind(),
+        ErrorKind::ConnectFailed,
+        "{:?}",
+        second.failure()
+    );
+}
+
 #[test]
 fn discovery_publishes_resolves_and_refuses_another_layout() {
     let server = BootstrapServer::bind("127.0.0.1:0").unwrap();

@@ -60,6 +60,8 @@ pub use sender::{OutgoingTransfer, SenderConn, SenderConnStats};
 use crate::config::ConfigError;
 use crate::driver::{ReceiveError, StartError};
 use crate::memory::PoolError;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// Why a connection could not be opened or stopped working.
 #[derive(Debug, thiserror::Error)]
@@ -366,6 +368,7 @@ fn poll_inputs<D: crate::driver::Driver>(
 pub(crate) async fn run_task<T: ConnectionTask>(
     mut task: T,
     mut commands: tokio::sync::mpsc::UnboundedReceiver<T::Command>,
+    ended: Arc<AtomicBool>,
 ) {
     use crate::driver::Driver;
     use std::time::Instant;
@@ -377,6 +380,12 @@ pub(crate) async fn run_task<T: ConnectionTask>(
     // Writes are held (or commands were handled) since the last release.
     let mut held = false;
     loop {
+        // Seen by the handles at once (`is_closed`), before the transfers it failed are
+        // reported: a transfer about to pick a connection never picks one whose peer is
+        // already gone.
+        if task.driver().closed().is_some() {
+            ended.store(true, Ordering::Release);
+        }
         task.report();
         if held {
             held = false;
@@ -406,6 +415,7 @@ pub(crate) async fn run_task<T: ConnectionTask>(
         // nothing more can happen on this connection (its pool lives on in the verified
         // handles the engine still holds).
         if !engine_open && task.driver().open_transfers() == 0 {
+            ended.store(true, Ordering::Release);
             return;
         }
         let wake = task

@@ -3,7 +3,7 @@
 //! connection's transport.
 
 use kvwire_proto::wire::{TransferId, TransferIdMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -163,6 +163,8 @@ impl Drop for Verified {
 #[derive(Debug, Clone)]
 pub struct ReceiverConn {
     cmd: mpsc::UnboundedSender<Cmd>,
+    /// Set by the connection's task once the connection ended (its peer lost, or closed).
+    ended: Arc<AtomicBool>,
     peer: Hello,
 }
 
@@ -200,9 +202,11 @@ impl ReceiverConn {
             stats: ReceiverConnStats::default(),
             log: super::FailureLog::new("receiver", est.peer.node_id),
         };
-        tokio::spawn(super::run_task(task, cmd_rx));
+        let ended = Arc::new(AtomicBool::new(false));
+        tokio::spawn(super::run_task(task, cmd_rx, ended.clone()));
         Ok(Self {
             cmd,
+            ended,
             peer: est.peer,
         })
     }
@@ -210,6 +214,12 @@ impl ReceiverConn {
     /// The peer's hello.
     pub fn peer(&self) -> &Hello {
         &self.peer
+    }
+
+    /// Whether the connection ended (its peer lost, it closed, or its task is gone): no new
+    /// transfer can go over it. Does not wait (unlike the `peer_lost` of its stats).
+    pub fn is_closed(&self) -> bool {
+        self.ended.load(Ordering::Acquire) || self.cmd.is_closed()
     }
 
     /// Reserves pages for a transfer and waits for its verified KV, or the typed reason it

@@ -2,6 +2,7 @@
 //! which runs the sender driver over the connection's transport.
 
 use kvwire_proto::wire::{TransferId, TransferIdMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -100,6 +101,8 @@ pub struct SenderConnStats {
 #[derive(Debug, Clone)]
 pub struct SenderConn {
     cmd: mpsc::UnboundedSender<Cmd>,
+    /// Set by the connection's task once the connection ended (its peer lost, or closed).
+    ended: Arc<AtomicBool>,
     peer: Hello,
     admission: AdmissionPolicy,
 }
@@ -138,9 +141,11 @@ impl SenderConn {
             log: super::FailureLog::new("sender", est.peer.node_id),
             rooms: node.rooms().clone(),
         };
-        tokio::spawn(super::run_task(task, cmd_rx));
+        let ended = Arc::new(AtomicBool::new(false));
+        tokio::spawn(super::run_task(task, cmd_rx, ended.clone()));
         Ok(Self {
             cmd,
+            ended,
             peer: est.peer,
             admission,
         })
@@ -149,6 +154,12 @@ impl SenderConn {
     /// The peer's hello.
     pub fn peer(&self) -> &Hello {
         &self.peer
+    }
+
+    /// Whether the connection ended (its peer lost, it closed, or its task is gone): no new
+    /// transfer can go over it. Does not wait (unlike the `peer_lost` of its stats).
+    pub fn is_closed(&self) -> bool {
+        self.ended.load(Ordering::Acquire) || self.cmd.is_closed()
     }
 
     /// Admits a request, or rejects it with its typed error, at once, in the caller's thread

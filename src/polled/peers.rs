@@ -24,11 +24,12 @@ impl Conn {
         }
     }
 
-    /// Whether the connection ended (its peer is lost, or it closed).
-    async fn lost(&self) -> bool {
+    /// Whether the connection ended (its peer is lost, or it closed): known as soon as
+    /// its task saw it, before the list is pruned.
+    fn lost(&self) -> bool {
         match self {
-            Self::Sender(c) => c.stats().await.map_or(true, |s| s.peer_lost),
-            Self::Receiver(c) => c.stats().await.map_or(true, |s| s.peer_lost),
+            Self::Sender(c) => c.is_closed(),
+            Self::Receiver(c) => c.is_closed(),
         }
     }
 }
@@ -71,14 +72,15 @@ pub(super) struct PeerList {
 }
 
 impl PeerList {
+    /// The live connections (one whose peer is gone is never picked for a new transfer,
+    /// even before the list is pruned).
+    fn live(&self) -> impl Iterator<Item = &(u64, Conn)> {
+        self.conns.iter().filter(|(_, c)| !c.lost())
+    }
+
     /// The connection `target` names: `Ok(None)` while there is none yet.
     pub(super) fn find(&self, target: &Target) -> Result<Option<Conn>, Error> {
-        let by_id = |p: u64| {
-            self.conns
-                .iter()
-                .find(|(id, _)| *id == p)
-                .map(|(_, c)| c.clone())
-        };
+        let by_id = |p: u64| self.live().find(|(id, _)| *id == p).map(|(_, c)| c.clone());
         match target {
             Target::Node(p) => Ok(by_id(*p)),
             Target::Address(a) => match self.links.get(a) {
@@ -88,13 +90,16 @@ impl PeerList {
             },
             // Resolved to `Node` by the manager, which holds the node's directory.
             Target::Room(_) => Ok(None),
-            Target::Only => match self.conns.as_slice() {
-                [] => Ok(None),
-                [(_, c)] => Ok(Some(c.clone())),
-                _ => Err(Error::invalid(
-                    "several peers are connected: name the transfer's peer (its node id)",
-                )),
-            },
+            Target::Only => {
+                let mut live = self.live();
+                match (live.next(), live.next()) {
+                    (None, _) => Ok(None),
+                    (Some((_, c)), None) => Ok(Some(c.clone())),
+                    _ => Err(Error::invalid(
+                        "several peers are connected: name the transfer's peer (its node id)",
+                    )),
+                }
+            }
         }
     }
 
@@ -104,7 +109,7 @@ impl PeerList {
         match self.links.get(addr) {
             None => true,
             Some(Link::Connecting) => false,
-            Some(Link::Up(p)) => !self.conns.iter().any(|(id, _)| id == p),
+            Some(Link::Up(p)) => !self.live().any(|(id, _)| id == p),
             Some(Link::Failed(_)) => retry,
         }
     }
@@ -171,15 +176,22 @@ impl Peers {
     }
 
     /// Forgets, every 100 ms, the connections whose peer is gone (and the addresses dialled
-    /// to them), so that the next transfer to that peer dials or waits for a new one.
+    /// to them), so that the list does not grow; [`PeerList::find`] already skips them.
     pub(super) async fn prune(self: Arc<Self>) {
         loop {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            let conns: Vec<(u64, Conn)> = self.lock().conns.clone();
-            for (id, c) in conns {
-                if c.lost().await {
-                    let mut l = self.lock();
-                    l.conns.retain(|(p, _)| *p != id);
+            let mut l = self.lock();
+            let gone: Vec<u64> = l
+                .conns
+                .iter()
+                .filter(|(_, c)| c.lost())
+                .map(|(id, _)| *id)
+                .collect();
+            for id in gone {
+                // By id and liveness: a new connection of the same peer stays.
+                l.conns.retain(|(p, c)| *p != id || !c.lost());
+                let live = l.conns.iter().any(|(p, _)| *p == id);
+                if !live {
                     l.links
                         .retain(|_, link| !matches!(link, Link::Up(p) if *p == id));
                 }
