@@ -25,7 +25,7 @@
 #                   how fast the kernel's socket copies run on some CPUs, and not alike for
 #                   every engine (docs/BENCHMARKS.md, "Which offsets are slow")
 #
-# Workload per case (src/bin/kvwire/bench/engine.rs): each process registers PEERS_MEMORY of
+# Workload per case (cli/src/bench/engine.rs): each process registers PEERS_MEMORY of
 # its own memory as 4 buffers; a request is 4 buffers x 32 pages of 64 KiB (or 4 x 2 pages of
 # 1 MiB) = 8 MiB, from source pages to destination pages chosen by seeded random permutations
 # (kvwire's allocator and seeds); one request in flight, or four.

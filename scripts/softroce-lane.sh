@@ -15,7 +15,7 @@ for p in cmake libclang-dev python3; do dpkg -s "$p" >/dev/null 2>&1 || need+=("
 if ((${#need[@]})); then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-cargo clippy --quiet -p kvwire --features rdma --all-targets -- -D warnings
+cargo clippy --quiet -p kvwire -p kvwire-cli --features rdma --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --quiet --no-deps --workspace --features rdma
 # Unit tests of the RDMA code that need no device (queue-pair and transport parameters, MTU).
 cargo test --quiet -p kvwire --features rdma --lib -- transport::rdma
@@ -34,17 +34,25 @@ if ! "$pyvenv/bin/python" -c 'import kvwire' >/dev/null 2>&1; then
 fi
 out=target/softroce-bench
 rm -rf "$out" && mkdir -p "$out"
-tests=$(cargo test --quiet --features rdma --test rdma --no-run --message-format=json \
-  | python3 -c 'import json,sys
+# The library's RDMA tests, and the CLI's (two `kvwire bench` processes, cli/tests/).
+test_binary() {
+  cargo test --quiet --features rdma -p "$1" --test "$2" --no-run --message-format=json \
+    | python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("executable") and m.get("target", {}).get("name") == "rdma": print(m["executable"])' | tail -n 1)
-[ -x "$tests" ] || { echo "softroce-lane: could not find the rdma test binary" >&2; exit 1; }
+    if m.get("executable") and m.get("target", {}).get("name") == sys.argv[1]: print(m["executable"])' "$2" | tail -n 1
+}
+tests=$(test_binary kvwire rdma)
+cli_tests=$(test_binary kvwire-cli rdma_processes)
+for t in "$tests" "$cli_tests"; do
+  [ -x "$t" ] || { echo "softroce-lane: could not find an RDMA test binary ($t)" >&2; exit 1; }
+done
 KVWIRE_REQUIRE_RDMA=1 bash scripts/softroce-vm.sh "set -euo pipefail
 echo '== kvwire doctor --require-rdma'
 target/debug/kvwire doctor --require-rdma
 echo '== RDMA tests (KVWIRE_REQUIRE_RDMA=1)'
 $tests --test-threads 1
+$cli_tests --test-threads 1
 echo '== the README quickstart over RDMA, two processes'
 export KVWIRE_PSK=\$(target/debug/kvwire gen-psk)
 target/debug/examples/quickstart --listen 127.0.0.1:7411 --rdma rxe0 &

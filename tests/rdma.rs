@@ -8,36 +8,16 @@
 //! concurrent transfers through per-reservation windows, several queue pairs, the placeholder,
 //! a short transfer, stale pages, abort in flight, a late write breaking the link and a new
 //! connection over the same memory, the fault matrix's RDMA subset); the engine API over RDMA
-//! (`engine`: the same integrator code as over TCP); and two `kvwire bench --transport rdma`
-//! processes with a sender killed mid-transfer (`two_processes`).
+//! (`engine`: the same integrator code as over TCP). Two `kvwire bench --transport rdma`
+//! processes with a sender killed mid-transfer are the CLI's test (cli/tests/rdma_processes.rs).
 
 #[cfg(feature = "rdma")]
 mod common;
 
-use kvwire::host::{inspect, RdmaDevice};
-
-/// The usable device, or `None` after printing why the test is skipped.
-fn device(test: &str) -> Option<RdmaDevice> {
-    let report = inspect();
-    if let Some(d) = report.rdma.iter().find(|d| d.usable()) {
-        return Some(d.clone());
-    }
-    let why = if report.rdma.is_empty() {
-        "no RDMA device on this host".to_string()
-    } else {
-        format!(
-            "no usable RDMA device (found {:?})",
-            report.rdma.iter().map(|d| &d.name).collect::<Vec<_>>()
-        )
-    };
-    if std::env::var_os("KVWIRE_REQUIRE_RDMA").is_some_and(|v| v == "1") {
-        panic!("{test}: KVWIRE_REQUIRE_RDMA=1 but {why}");
-    }
-    println!(
-        "SKIPPED {test}: {why} (run it under scripts/softroce-vm.sh with KVWIRE_REQUIRE_RDMA=1)"
-    );
-    None
-}
+// `device()`: the usable device or a printed skip (shared with cli/tests/rdma_processes.rs).
+#[path = "common/rdma_device.rs"]
+mod rdma_device;
+use rdma_device::device;
 
 #[test]
 fn rdma_device_has_an_active_port_and_a_routable_roce_v2_gid() {
@@ -1018,93 +998,5 @@ mod engine {
         for node in [&decode_node, &prefill_node] {
             assert!(node.pool().held_pages().is_empty());
         }
-    }
-}
-
-#[cfg(feature = "rdma")]
-mod two_processes {
-    use std::process::{Child, Command, Stdio};
-    use std::time::Duration;
-
-    use super::common::process::{assert_receiver_account, finish, wait_for_line, Reaped};
-
-    fn kvwire(dev: &str, args: &[&str]) -> Child {
-        Command::new(env!("CARGO_BIN_EXE_kvwire"))
-            .args(["bench", "--transport", "rdma", "--device", dev])
-            .args([
-                "--page-sizes",
-                "64K",
-                "--buffers",
-                "4",
-                "--pages",
-                "8",
-                "--bytes",
-                "64M",
-                "--json",
-                // Under TCG emulation rxe moves tens of MB/s and a PING waits behind the
-                // WRITEs posted before it on its queue pair (SPEC §8.3): a generous peer
-                // timeout, so a slow link is not taken for a dead peer. The killed sender is
-                // still found at once, by its bootstrap connection closing.
-                "--peer-timeout-ms",
-                "10000",
-            ])
-            .args(args)
-            .env("KVWIRE_PSK", "72646d612d74776f2d70726f6365737365732d6b6579")
-            .env_remove("KVWIRE_PSK_FILE")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn kvwire")
-    }
-
-    #[test]
-    fn two_processes_over_rdma_survive_a_killed_sender() {
-        let Some(d) = super::device("two_processes_over_rdma_survive_a_killed_sender") else {
-            return;
-        };
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = format!("127.0.0.1:{port}");
-        // Two queue pairs per connection, authenticated (KVWIRE_PSK): each lane has its own
-        // channel.
-        let mut receiver = Reaped(Some(kvwire(
-            &d.name,
-            &[
-                "--listen",
-                &addr,
-                "--connections",
-                "3",
-                "--queue-pairs",
-                "2",
-            ],
-        )));
-        let sender = || kvwire(&d.name, &["--connect", &addr, "--queue-pairs", "2"]);
-
-        let (code, json, err) = finish(sender(), Duration::from_secs(300));
-        assert_eq!(code, Some(0), "first sender failed: {err} {json}");
-        assert_eq!(json["transport"], "rdma");
-        let case = &json["cases"][0];
-        assert_eq!(case["verified"], case["transfers"], "{case}");
-
-        let mut victim = sender();
-        wait_for_line(&mut victim, "connected over rdma");
-        std::thread::sleep(Duration::from_millis(500));
-        assert!(
-            victim.try_wait().expect("wait").is_none(),
-            "the sender finished before it could be killed; the case is too small"
-        );
-        victim.kill().expect("SIGKILL");
-        let _ = victim.wait();
-
-        let (code, json, err) = finish(sender(), Duration::from_secs(300));
-        assert_eq!(code, Some(0), "sender after the kill failed: {err} {json}");
-        let case = &json["cases"][0];
-        assert_eq!(case["verified"], case["transfers"], "{case}");
-
-        let (code, json, err) = finish(receiver.take(), Duration::from_secs(120));
-        assert_receiver_account(code, &json, &err);
     }
 }

@@ -2,7 +2,7 @@
 `kvwire bench --workload engine`, the page pattern and its check, the side channel
 between the two processes, and the CPU clock.
 
-The workload (src/bin/kvwire/bench/engine.rs): each engine owns `memory` bytes of KV
+The workload (cli/src/bench/engine.rs): each engine owns `memory` bytes of KV
 memory as `buffers` buffers (layers x K/V); a page index p names page p of every buffer;
 each engine's allocator hands out page indices from a seeded xorshift permutation of all
 of them (the same permutation and seeds as kvwire's `Allocator`, SEND_SEED for the

@@ -2,8 +2,6 @@
 //! safety invariants every scenario must keep.
 #![allow(dead_code)]
 
-pub mod process;
-
 use kvwire::TransferId;
 use std::time::Duration;
 

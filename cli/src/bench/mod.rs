@@ -29,8 +29,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvwire_proto::admission::Request;
-use kvwire_proto::wire::TransferId;
+use kvwire::proto::admission::Request;
+use kvwire::proto::wire::TransferId;
 use tokio::net::{TcpListener, TcpStream};
 
 use kvwire::driver::ReserveParams;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kvwire_proto::wire::DigestAlgorithm;
+use kvwire::proto::wire::DigestAlgorithm;
 use serde::Serialize;
 use std::collections::BTreeMap;
 

@@ -213,7 +213,7 @@ fn bench_table_names_its_columns() {
 fn check_config_refuses_an_undersized_pool_naming_both_numbers() {
     let file = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/examples/config/decode-undersized.toml"
+        "/../examples/config/decode-undersized.toml"
     );
     let (code, out, _) = kvwire(&["check-config", file]);
     assert_eq!(code, 1, "{out}");
@@ -225,7 +225,10 @@ fn check_config_refuses_an_undersized_pool_naming_both_numbers() {
 
 #[test]
 fn check_config_accepts_a_pool_that_holds_the_context() {
-    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/config/decode.toml");
+    let file = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/config/decode.toml"
+    );
     let (code, out, err) = kvwire(&["check-config", file]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(
