@@ -4,7 +4,6 @@
 use std::ffi::{c_char, c_int};
 
 use kvwire::polled::{AuxBuffer, Error, ErrorKind, KvBuffer, Manager, ManagerConfig, Role};
-use kvwire::proto::auth::Psk;
 use kvwire::{Auth, TransportConfig};
 
 use crate::*;
@@ -62,9 +61,7 @@ pub(crate) unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig
     };
     let auth = match (c.insecure_no_auth != 0, psk) {
         (true, _) => Auth::Off,
-        (false, Some(hex)) => {
-            Auth::Psk(Psk::from_hex(hex).map_err(|e| invalid(format!("psk_hex: {e}")))?)
-        }
+        (false, Some(hex)) => Auth::psk_hex(hex).map_err(|e| invalid(format!("psk_hex: {e}")))?,
         (false, None) => {
             kvwire::config::auth::resolve(false, None)
                 .map_err(|e| Error::new(ErrorKind::ConfigError, e.to_string()))?

@@ -192,10 +192,8 @@ impl Engine {
             })
             .collect();
         let auth = match (psk, insecure_no_auth) {
-            (Some(key), _) => Auth::Psk(
-                kvwire::proto::auth::Psk::new(key)
-                    .map_err(|e| PyValueError::new_err(format!("pre-shared key: {e}")))?,
-            ),
+            (Some(key), _) => Auth::psk(key)
+                .map_err(|e| PyValueError::new_err(format!("pre-shared key: {e}")))?,
             (None, true) => Auth::Off,
             (None, false) => match kvwire::config::auth::find_psk(None) {
                 Ok(Some((key, _))) => Auth::Psk(key),
@@ -250,21 +248,11 @@ impl Engine {
         config.tcp_streams = tcp_streams;
         // SGLang's contract: once `poll` said Success the engine owns the pages again.
         config.release_verified = true;
-        config.liveness = Some(kvwire::proto::liveness::LivenessConfig {
-            interval: secs(liveness_timeout_s / 8.0)?,
-            timeout: secs(liveness_timeout_s)?,
-        });
-        // SenderConfig is non-exhaustive: start from its defaults and set two fields.
-        #[allow(clippy::field_reassign_with_default)]
-        let sender = {
-            let mut c = kvwire::proto::sender::SenderConfig::default();
-            c.reservation_timeout = secs(reservation_wait_s)?;
-            // A decode node's reservation usually arrives before the prefill's scheduler
-            // calls `init` (its queue may take a while): hold it that long.
-            c.parked_reservation_timeout = secs(parked_reservation_s)?;
-            c
-        };
-        config.sender = Some(sender);
+        // A decode node's reservation usually arrives before the prefill's scheduler calls
+        // `init` (its queue may take a while): hold it `parked_reservation_s`.
+        config = config
+            .liveness_timeout(secs(liveness_timeout_s)?)
+            .reservation_timeouts(secs(reservation_wait_s)?, secs(parked_reservation_s)?);
         let reserve_timeout = secs(reserve_timeout_s)?;
         // SAFETY: the caller's contract, stated in this constructor's documentation and in
         // `kvwire.KVManager`'s: each (pointer, length) is the engine's own buffer (a numpy
@@ -710,7 +698,7 @@ fn sleep(py: Python<'_>, seconds: f64) -> PyResult<()> {
 /// A fresh pre-shared key (32 random bytes).
 #[pyfunction]
 fn gen_psk<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-    let key: [u8; 32] = kvwire::engine::random_bytes()
+    let key = kvwire::config::auth::generate_key()
         .map_err(|e| PyRuntimeError::new_err(format!("random source: {e}")))?;
     Ok(PyBytes::new(py, &key))
 }

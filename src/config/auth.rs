@@ -111,8 +111,12 @@ pub fn resolve(
     }
 }
 
+/// A fresh random 32-byte key, from the operating system's random source.
+pub fn generate_key() -> std::io::Result<[u8; 32]> {
+    super::random_bytes()
+}
+
 /// A fresh random key as hex text (what `kvwire gen-psk` prints).
 pub fn generate_hex() -> std::io::Result<String> {
-    let key: [u8; 32] = super::random_bytes()?;
-    Ok(key.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(generate_key()?.iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -204,6 +204,16 @@ impl Auth {
         Self::Psk(Psk::new(key.to_vec()).expect("32 bytes is a valid key length"))
     }
 
+    /// Peers must hold `key` (raw bytes, at least 16 of them).
+    pub fn psk(key: impl Into<Vec<u8>>) -> Result<Self, kvwire_proto::auth::PskError> {
+        Psk::new(key.into()).map(Self::Psk)
+    }
+
+    /// Peers must hold the key written as hex text (what `kvwire gen-psk` prints).
+    pub fn psk_hex(hex: &str) -> Result<Self, kvwire_proto::auth::PskError> {
+        Psk::from_hex(hex).map(Self::Psk)
+    }
+
     /// Whether peers are authenticated.
     pub fn is_on(&self) -> bool {
         matches!(self, Self::Psk(_))

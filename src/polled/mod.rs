@@ -233,6 +233,26 @@ impl ManagerConfig {
         self.transport = transport;
         self
     }
+
+    /// A peer silent for `timeout` is declared lost (heartbeats every eighth of it).
+    pub fn liveness_timeout(mut self, timeout: Duration) -> Self {
+        self.liveness = Some(LivenessConfig {
+            interval: timeout / 8,
+            timeout,
+        });
+        self
+    }
+
+    /// Prefill: an opened request waits up to `wait` for its decode's reservation, and a
+    /// reservation that came before the request was opened is held up to `parked` (each
+    /// bounded further by the reservation's own deadline, SPEC §5.1).
+    pub fn reservation_timeouts(mut self, wait: Duration, parked: Duration) -> Self {
+        let mut sender = self.sender.take().unwrap_or_default();
+        sender.reservation_timeout = wait;
+        sender.parked_reservation_timeout = parked;
+        self.sender = Some(sender);
+        self
+    }
 }
 
 #[derive(Debug)]
