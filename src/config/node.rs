@@ -124,16 +124,10 @@ pub enum TransportConfig {
     },
 }
 
-/// [`TransportConfig::Rdma`]'s default `ack_timeout`: 14, 4.096 µs x 2^14 (about 67 ms), as
-/// perftest's `ib_write_bw`.
-pub const DEFAULT_ACK_TIMEOUT: u8 = 14;
-
-/// The exponents [`TransportConfig::Rdma`]'s `ack_timeout` may take: 0 would wait for ever,
-/// and verbs' field holds 5 bits.
-pub const ACK_TIMEOUTS: std::ops::RangeInclusive<u8> = 1..=31;
-
-/// The most queue pairs [`TransportConfig::Rdma`] may ask for (SPEC §9.2): 146.
-pub use crate::transport::rdma::MAX_QUEUE_PAIRS;
+// The RDMA transport's bounds, where [`TransportConfig::Rdma`] is checked against them:
+// `DEFAULT_ACK_TIMEOUT` (14, as perftest's `ib_write_bw`), `ACK_TIMEOUTS` (1 to 31) and
+// `MAX_QUEUE_PAIRS` (146, SPEC §9.2).
+pub use crate::transport::rdma::{ACK_TIMEOUTS, DEFAULT_ACK_TIMEOUT, MAX_QUEUE_PAIRS};
 
 impl TransportConfig {
     /// RDMA on `device` (or the first device) with one queue pair, waiting on the completion

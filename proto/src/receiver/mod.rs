@@ -31,8 +31,8 @@ use crate::wire::{
     commit_fits, Abort, DigestAlgorithm, ErrorCode, Frame, KvLayout, Nack, Reserve,
     TransferDigests, TransferRef, MAX_ACCESS, MAX_PAGES, NONE_INDEX,
 };
-use state::{AfterFence, Awaiting, AwaitingCommit, Pending, State, Verifying};
-use transfer::{Next, Out, Spec, Transfer};
+use state::{AfterFence, Awaiting, AwaitingCommit, Pending, Spec, State, Verifying};
+use transfer::{Next, Out, Transfer};
 use verify::compare_digests;
 
 pub use types::{

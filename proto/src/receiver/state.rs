@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use crate::error::FailureReason;
-use crate::wire::{Commit, ErrorCode};
+use crate::wire::{Commit, DigestAlgorithm, ErrorCode, TransferRef};
 
 #[derive(Clone, Debug)]
 pub(super) struct AwaitingCommit {
@@ -104,4 +104,18 @@ impl State {
             Self::AwaitingAbortAck(_) => Pending::Nothing,
         }
     }
+}
+
+/// The fixed facts of one reservation.
+#[derive(Clone, Debug)]
+pub(super) struct Spec {
+    pub(super) transfer: TransferRef,
+    pub(super) tokens: u32,
+    pub(super) pages: u32,
+    pub(super) bytes: u64,
+    pub(super) buffers: usize,
+    pub(super) digest: DigestAlgorithm,
+    pub(super) page_digests: bool,
+    /// The longest aux record this receiver accepts (its hello's `max_aux`).
+    pub(super) max_aux: u32,
 }

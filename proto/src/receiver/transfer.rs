@@ -5,29 +5,13 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::state::{
-    AfterFence, Awaiting, AwaitingAbortAck, Failing, FencingForVerify, Pending, State,
+    AfterFence, Awaiting, AwaitingAbortAck, Failing, FencingForVerify, Pending, Spec, State,
 };
 use super::verify::check_commit;
 use super::{ReceiverAction, ReceiverEvent, ReceiverStats};
 use crate::error::{unexpected, FailureReason};
 use crate::scope::FrameError;
-use crate::wire::{
-    Abort, DigestAlgorithm, ErrorCode, Frame, FrameType, Nack, TransferRef, NONE_INDEX,
-};
-
-/// The fixed facts of one reservation.
-#[derive(Clone, Debug)]
-pub(super) struct Spec {
-    pub(super) transfer: TransferRef,
-    pub(super) tokens: u32,
-    pub(super) pages: u32,
-    pub(super) bytes: u64,
-    pub(super) buffers: usize,
-    pub(super) digest: DigestAlgorithm,
-    pub(super) page_digests: bool,
-    /// The longest aux record this receiver accepts (its hello's `max_aux`).
-    pub(super) max_aux: u32,
-}
+use crate::wire::{Abort, ErrorCode, Frame, FrameType, Nack, NONE_INDEX};
 
 #[derive(Clone, Debug)]
 pub(super) struct Transfer {

@@ -1,7 +1,7 @@
 //! The receiver's checks: a COMMIT against its reservation, and the digests of the landed
 //! memory (and of the aux record) against the COMMIT.
 
-use super::transfer::Spec;
+use super::state::Spec;
 use crate::error::{CountField, FailureReason};
 use crate::wire::{Commit, TransferDigests};
 

@@ -15,17 +15,9 @@ use sideway::ibverbs::queue_pair::{
 use sideway::ibverbs::AccessFlags;
 
 use super::events::EventChannel;
-use super::verbs::{verbs, MemoryWindow, RdmaDevice, RdmaError, RegisteredMemory};
-
-pub(super) fn mtu_bytes(m: Mtu) -> u32 {
-    match m {
-        Mtu::Mtu256 => 256,
-        Mtu::Mtu512 => 512,
-        Mtu::Mtu1024 => 1024,
-        Mtu::Mtu2048 => 2048,
-        Mtu::Mtu4096 => 4096,
-    }
-}
+use super::verbs::{
+    verbs, MemoryWindow, RdmaDevice, RdmaError, RegisteredMemory, SEND_SLOTS, SLOT,
+};
 
 /// The path MTU for a local and a peer MTU in bytes: the smaller; `None` if the peer's is
 /// not a valid IB MTU (peer data is never fed to sideway's panicking conversions).
@@ -90,11 +82,7 @@ fn random_psn() -> u32 {
     (h.finish() as u32) & 0x00ff_ffff
 }
 
-/// Bytes of each send and receive slot for control frames.
-pub const SLOT: usize = 64 * 1024;
 const RECV_SLOTS: usize = 32;
-/// Control frames in flight at once per link (each in its own registered slot).
-pub const SEND_SLOTS: usize = 32;
 /// SENDs per completion: every `SIGNAL_SENDS`th SEND asks for one, which retires it and the
 /// unsignaled ones before it (RC completes in order). A SEND's completion needs no action
 /// but freeing its slot, so the others would only wake the end that sent it.
@@ -232,7 +220,7 @@ impl RcLink {
             gid: dev.gid,
             gid_index: dev.gid_index,
             mtu: dev.mtu,
-            ack_timeout: crate::config::DEFAULT_ACK_TIMEOUT,
+            ack_timeout: super::DEFAULT_ACK_TIMEOUT,
         };
         for i in 0..RECV_SLOTS {
             link.post_recv(i)?;
@@ -277,7 +265,7 @@ impl RcLink {
     /// Sets the local ACK timeout the queue pair gets when it connects: 4.096 µs x
     /// 2^`exponent`, 1 to 31 (`TransportConfig::Rdma::ack_timeout`).
     pub fn set_ack_timeout(&mut self, exponent: u8) -> Result<(), RdmaError> {
-        let range = crate::config::ACK_TIMEOUTS;
+        let range = super::ACK_TIMEOUTS;
         if !range.contains(&exponent) {
             return Err(RdmaError::Verbs {
                 call: "ack timeout",

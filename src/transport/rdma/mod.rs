@@ -59,6 +59,14 @@ pub const QP_PARAMS_LEN: usize = 28;
 pub const MAX_QUEUE_PAIRS: u16 =
     ((kvwire_proto::wire::MAX_TRANSPORT_PARAMS - 4) / QP_PARAMS_LEN) as u16;
 
+/// The default local ACK timeout exponent of a queue pair: 14, 4.096 µs x 2^14 (about
+/// 67 ms), as perftest's `ib_write_bw`.
+pub const DEFAULT_ACK_TIMEOUT: u8 = 14;
+
+/// The ACK timeout exponents a queue pair may take: 0 would wait for ever, and verbs' field
+/// holds 5 bits.
+pub const ACK_TIMEOUTS: std::ops::RangeInclusive<u8> = 1..=31;
+
 #[cfg(feature = "rdma")]
 pub mod bootstrap;
 pub mod descriptor;
@@ -78,10 +86,10 @@ pub mod verbs;
 #[cfg(feature = "rdma")]
 pub use events::EventChannel;
 #[cfg(feature = "rdma")]
-pub use link::{QpParams, RcLink, RdmaEvent, RdmaWrite, SEND_SLOTS, SLOT};
+pub use link::{QpParams, RcLink, RdmaEvent, RdmaWrite};
 #[cfg(feature = "rdma")]
 pub use receiver::{RdmaReceiver, RdmaReceiverStats, RECEIVER_QUEUE_DEPTH};
 #[cfg(feature = "rdma")]
 pub use sender::{sender_queue_depth, RdmaSender, RdmaSenderStats, SIGNAL_EVERY};
 #[cfg(feature = "rdma")]
-pub use verbs::{MemoryWindow, RdmaDevice, RdmaError, RegisteredMemory};
+pub use verbs::{MemoryWindow, RdmaDevice, RdmaError, RegisteredMemory, SEND_SLOTS, SLOT};

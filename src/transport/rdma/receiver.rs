@@ -149,7 +149,8 @@ impl RdmaReceiver {
     /// Overwrites every buffer of `pages` with a fresh pattern from the operating system's
     /// random source (64 bytes, repeated), unknown to the peer.
     fn scrub(&mut self, pages: &[u32]) -> Result<(), String> {
-        let pattern: [u8; 64] = crate::config::random_bytes()
+        let mut pattern = [0u8; 64];
+        getrandom::getrandom(&mut pattern)
             .map_err(|e| format!("no random source for the coverage scrub: {e}"))?;
         for &page in pages {
             for b in 0..self.page_bytes.len() {

@@ -12,8 +12,26 @@ use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 
-use super::link::{mtu_bytes, SEND_SLOTS, SLOT};
+use sideway::ibverbs::device_context::Mtu;
+
 use crate::memory::KvMemory;
+
+/// Bytes of each send and receive slot for control frames.
+pub const SLOT: usize = 64 * 1024;
+
+/// Control frames in flight at once per link (each in its own registered slot).
+pub const SEND_SLOTS: usize = 32;
+
+/// An IB MTU in bytes.
+pub(super) fn mtu_bytes(m: Mtu) -> u32 {
+    match m {
+        Mtu::Mtu256 => 256,
+        Mtu::Mtu512 => 512,
+        Mtu::Mtu1024 => 1024,
+        Mtu::Mtu2048 => 2048,
+        Mtu::Mtu4096 => 4096,
+    }
+}
 
 /// Why the RDMA transport could not do something.
 #[derive(Debug, thiserror::Error)]
