@@ -7,10 +7,10 @@ use kvwire::TransferId;
 use std::time::Duration;
 
 use criterion::{criterion_main, BenchmarkId, Criterion, Throughput};
-use kvwire::driver::ReserveParams;
 use kvwire::memory::PoolGeometry;
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::{Commit, Digest128, DigestAlgorithm, Frame, Reserve, TransferRef};
+use kvwire::receiver::ReserveParams;
 use kvwire::testkit::{kv_pattern, Pair, PairConfig};
 
 fn frames() -> Vec<(&'static str, Frame)> {

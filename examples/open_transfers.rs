@@ -15,9 +15,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
-use kvwire::driver::ReserveParams;
 use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn};
 use kvwire::proto::admission::Request;
+use kvwire::receiver::ReserveParams;
 use kvwire::{Auth, PoolGeometry, TransferId};
 
 /// The system allocator, counting the bytes live.

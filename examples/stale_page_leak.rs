@@ -32,9 +32,9 @@ use std::error::Error;
 use std::time::Duration;
 
 use kvwire::config::EngineConfig;
-use kvwire::driver::ReserveParams;
 use kvwire::proto::admission::Request;
 use kvwire::proto::FailureReason;
+use kvwire::receiver::ReserveParams;
 use kvwire::testkit::{kv_pattern, Pair, PairConfig};
 
 /// What tenant A's request left in every KV page it used, repeated to fill each page.

@@ -68,12 +68,13 @@ pub mod host;
 pub mod memory;
 pub mod metrics;
 pub mod polled;
+pub mod receiver;
+pub mod sender;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod transport;
 
 pub use config::{Auth, ConfigError, EngineConfig, NodeConfig, NodeConfigBuilder, TransportConfig};
-pub use driver::{ReceiveError, ReserveParams, StartError};
 pub use engine::{
     loopback, EngineError, Listener, ListenerConfig, Node, OutgoingTransfer, ReceiverConn,
     ReceiverConnStats, SenderConn, SenderConnStats, TransferError, Verified,
@@ -82,3 +83,5 @@ pub use memory::{Holder, KvMemory, PagePool, PoolError, PoolGeometry, Scrub};
 pub use proto::admission::{AdmissionError, Admitted, Request};
 pub use proto::wire::{DigestAlgorithm, ErrorCode, TransferId, TransferRef};
 pub use proto::FailureReason;
+pub use receiver::{ReceiveError, ReserveParams};
+pub use sender::StartError;

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use common::{assert_invariants, reserve, send, transfer};
 use kvwire::config::{ConfigError, EngineConfig};
-use kvwire::driver::{ReceiveOutcome, ReceiverDriver, ReserveParams};
 use kvwire::memory::{PagePool, PoolGeometry, Scrub};
 use kvwire::proto::admission::AdmissionError;
 use kvwire::proto::receiver::ReceiverConfig;
@@ -18,6 +17,7 @@ use kvwire::proto::wire::{
     Commit, Digest128, DigestAlgorithm, ErrorCode, Frame, Hello, Role, TransferRef,
 };
 use kvwire::proto::{CountField, FailureReason};
+use kvwire::receiver::{ReceiveOutcome, ReceiverDriver, ReserveParams};
 use kvwire::testkit::{handshake, Pair, PairConfig, PairError};
 use kvwire::testkit::{Fault, FaultRule};
 use kvwire::transport::loopback::{self, LoopbackReceiver, LoopbackSender};

@@ -939,9 +939,9 @@ mod engine {
     use std::time::Duration;
 
     use kvwire::config::TransportConfig;
-    use kvwire::driver::ReserveParams;
     use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn};
     use kvwire::proto::admission::Request;
+    use kvwire::receiver::ReserveParams;
     use kvwire::testkit::kv_pattern;
     use kvwire::TransferId;
 

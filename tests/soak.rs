@@ -21,10 +21,10 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::{assert_invariants, try_reserve, try_send};
-use kvwire::driver::ReserveParams;
 use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::{ErrorCode, FrameType};
+use kvwire::receiver::ReserveParams;
 use kvwire::testkit::{kv_pattern, Pair, PairConfig};
 use kvwire::testkit::{Fault, FaultRule, Side, Step};
 

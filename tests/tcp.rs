@@ -4,11 +4,11 @@
 use kvwire::TransferId;
 use std::time::Duration;
 
-use kvwire::driver::ReserveParams;
 use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::{DigestAlgorithm, ErrorCode};
 use kvwire::proto::{FailureReason, Wait};
+use kvwire::receiver::ReserveParams;
 use kvwire::testkit::{first_pattern_mismatch, kv_pattern};
 use tokio::net::TcpListener;
 
@@ -370,7 +370,7 @@ async fn the_sender_digests_large_transfers_after_their_writes_and_small_ones_be
     // 160 tokens: 10 pages of 2 x 64 KiB, 1.25 MiB; then 16 tokens: one page, 128 KiB.
     for (id, tokens, pages) in [(1u64, 160, 10u64), (2, 16, 1)] {
         assert_eq!(
-            pages * page >= kvwire::driver::DIGEST_AFTER_WRITE_MIN_BYTES,
+            pages * page >= kvwire::sender::DIGEST_AFTER_WRITE_MIN_BYTES,
             id == 1
         );
         let verified = r.reserve(params(id, tokens));

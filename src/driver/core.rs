@@ -361,7 +361,7 @@ pub(crate) use driver_common;
 /// Implements [`Driver`](super::Driver) for a driver type with the `driver_common` methods.
 macro_rules! impl_driver {
     ($driver:ident, $transport:ident) => {
-        impl<T: $transport> super::Driver for $driver<T> {
+        impl<T: $transport> crate::driver::Driver for $driver<T> {
             fn poll_input(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<()> {
                 $driver::poll_input(self, cx, now)
             }

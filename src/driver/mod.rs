@@ -1,4 +1,5 @@
-//! Drivers: the one loop per role that runs a protocol session over a transport.
+//! The drivers' shared core: what the one loop per role (`crate::sender::SenderDriver`,
+//! `crate::receiver::ReceiverDriver`) has in common, whatever its role.
 //!
 //! A driver owns a sans-IO session (`kvwire_proto`), the memory it moves (a [`PagePool`]
 //! shared with the node) and a transport (any implementation of the seam in
@@ -8,16 +9,13 @@
 //! driver runs:
 //!
 //! * inside the engine's connection task (`crate::engine`), which awaits
-//!   [`SenderDriver::poll_input`] / [`ReceiverDriver::poll_input`] on tokio;
+//!   [`Driver::poll_input`] on tokio;
 //! * under the in-process `Pair` harness with simulated time (feature `testkit`).
 //!
 //! [`PagePool`]: crate::memory::PagePool
 
-mod core;
+pub(crate) mod core;
 mod digest;
-mod landing;
-mod receiver;
-mod sender;
 
 pub use digest::{default_digest_threads, DigestExecution, MIN_PART_BYTES};
 
@@ -49,10 +47,3 @@ pub trait Driver {
     /// Why the connection closed, once it has.
     fn closed(&self) -> Option<&Closed>;
 }
-pub use receiver::{
-    ReceiveError, ReceiveOutcome, ReceiverDriver, ReceiverDriverStats, ReserveParams, VerifiedKv,
-};
-pub use sender::{
-    admission_policy, ChunkStartError, SenderDriver, SenderDriverStats, StartError,
-    DIGEST_AFTER_WRITE_MIN_BYTES,
-};

@@ -10,7 +10,7 @@
 //! use std::time::Duration;
 //! use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn};
 //! use kvwire::proto::admission::Request;
-//! use kvwire::driver::ReserveParams;
+//! use kvwire::receiver::ReserveParams;
 //! use kvwire::TransferId;
 //!
 //! let config = NodeConfig::example();
@@ -58,8 +58,9 @@ pub use rooms::{Rooms, Route, ROOMS_REMEMBERED};
 pub use sender::{OutgoingTransfer, SenderConn, SenderConnStats};
 
 use crate::config::ConfigError;
-use crate::driver::{ReceiveError, StartError};
 use crate::memory::PoolError;
+use crate::receiver::ReceiveError;
+use crate::sender::StartError;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -140,7 +141,7 @@ pub enum TransferError {
     Start(#[from] StartError),
     /// A chunk of a transfer sent in chunks was refused (the transfer goes on).
     #[error("{0}")]
-    Chunk(crate::driver::ChunkStartError),
+    Chunk(crate::sender::ChunkStartError),
     /// The connection task is gone.
     #[error("connection closed")]
     ConnectionClosed,
@@ -166,7 +167,8 @@ impl TransferError {
     /// deadline passed) or the pool was momentarily full, not because of what was sent.
     /// Rejections, digest mismatches, aborts and authentication failures are not.
     pub fn is_retryable(&self) -> bool {
-        use crate::driver::{ReceiveError as R, StartError as S};
+        use crate::receiver::ReceiveError as R;
+        use crate::sender::StartError as S;
         use kvwire_proto::receiver::ReserveError;
         use kvwire_proto::sender::SubmitError;
         match self {
@@ -174,7 +176,7 @@ impl TransferError {
             Self::ConnectionClosed => true,
             Self::Reserve(R::Reserve(ReserveError::PeerLost) | R::Pool(_)) => true,
             Self::Start(S::OutOfPages { .. } | S::Session(SubmitError::PeerLost(_))) => true,
-            Self::Chunk(crate::driver::ChunkStartError::Session(
+            Self::Chunk(crate::sender::ChunkStartError::Session(
                 kvwire_proto::sender::ChunkError::PeerLost,
             )) => true,
             _ => false,

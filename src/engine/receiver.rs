@@ -13,9 +13,9 @@ use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{transfer_error, ConnectionTask, EngineError, Node, NodeConfig, TransferError};
-use crate::driver::{ReceiveOutcome, ReceiverDriver, ReserveParams, VerifiedKv};
 use crate::memory::{PagePool, PageRef, PoolError};
 use crate::metrics::{Connection, Metrics};
+use crate::receiver::{ReceiveOutcome, ReceiverDriver, ReserveParams, VerifiedKv};
 use crate::transport::ReceiverTransport;
 
 enum Cmd {

@@ -14,7 +14,7 @@ use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{transfer_error, ConnectionTask, EngineError, Node, Rooms, Route, TransferError};
-use crate::driver::{SenderDriver, StartError};
+use crate::sender::{SenderDriver, StartError};
 
 use crate::metrics::Metrics;
 use crate::transport::SenderTransport;
@@ -93,7 +93,7 @@ pub struct SenderConnStats {
     pub digest_jobs_offloaded: u64,
     /// Source pages digested right after their writes completed, while the transport's copy
     /// left them in cache (TCP from host memory, chunks of at least
-    /// [`DIGEST_AFTER_WRITE_MIN_BYTES`](crate::driver::DIGEST_AFTER_WRITE_MIN_BYTES)).
+    /// [`DIGEST_AFTER_WRITE_MIN_BYTES`](crate::sender::DIGEST_AFTER_WRITE_MIN_BYTES)).
     pub pages_digested_after_write: u64,
 }
 
@@ -117,7 +117,7 @@ impl SenderConn {
         transport: T,
     ) -> Result<Self, EngineError> {
         let (pool, config) = (node.pool().clone(), node.config());
-        let admission = crate::driver::admission_policy(&pool, &config.engine);
+        let admission = crate::sender::admission_policy(&pool, &config.engine);
         let mut driver = SenderDriver::new(
             &est,
             pool,
@@ -523,7 +523,7 @@ impl OutgoingTransfer {
     /// chunks before it, read in place until the transfer's outcome (the engine must not
     /// write them meanwhile). `aux` goes with the final chunk only (the one that completes
     /// the request's pages). The returned future says whether the chunk was taken (a refused
-    /// chunk changes nothing; see [`ChunkStartError`](crate::driver::ChunkStartError)); the
+    /// chunk changes nothing; see [`ChunkStartError`](crate::sender::ChunkStartError)); the
     /// engine need not wait for it before computing the next chunk.
     pub fn send_chunk(
         &self,

@@ -60,7 +60,7 @@ impl Manager {
     /// The node's admission policy (its pool, context length and page size).
     pub(super) fn admission(&self) -> kvwire_proto::admission::AdmissionPolicy {
         let node = &self.inner.node;
-        crate::driver::admission_policy(node.pool(), &node.config().engine)
+        crate::sender::admission_policy(node.pool(), &node.config().engine)
     }
 
     /// How long a prefill's request waits for its decode's reservation.

@@ -26,8 +26,9 @@ use kvwire_proto::FailureReason;
 
 use super::faults::{FaultPlan, FaultRule, FaultyReceiver, FaultySender, Request, Side};
 use crate::config::{ConfigError, EngineConfig};
-use crate::driver::{ReceiveOutcome, ReceiverDriver, SenderDriver};
 use crate::memory::{PagePool, PoolGeometry, Scrub};
+use crate::receiver::{ReceiveOutcome, ReceiverDriver};
+use crate::sender::SenderDriver;
 use crate::transport::loopback::{
     self, LandingRecord, LoopbackReceiver, LoopbackSender, WireStats,
 };

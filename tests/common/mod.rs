@@ -5,9 +5,9 @@
 use kvwire::TransferId;
 use std::time::Duration;
 
-use kvwire::driver::ReserveParams;
 use kvwire::proto::admission::{AdmissionError, Request};
 use kvwire::proto::wire::TransferRef;
+use kvwire::receiver::ReserveParams;
 use kvwire::testkit::{kv_pattern, Pair};
 use kvwire::transport::{ReceiverTransport, SenderTransport};
 
@@ -26,7 +26,7 @@ pub fn try_reserve<S: SenderTransport, R: ReceiverTransport>(
     pair: &mut Pair<S, R>,
     id: impl Into<TransferId>,
     tokens: u32,
-) -> Result<TransferRef, kvwire::driver::ReceiveError> {
+) -> Result<TransferRef, kvwire::receiver::ReceiveError> {
     let id: TransferId = id.into();
     let now = pair.now;
     pair.receiver.reserve(
@@ -50,7 +50,7 @@ pub fn try_send<S: SenderTransport, R: ReceiverTransport>(
     pair: &mut Pair<S, R>,
     id: impl Into<TransferId>,
     tokens: u64,
-) -> Result<Result<(), kvwire::driver::StartError>, AdmissionError> {
+) -> Result<Result<(), kvwire::sender::StartError>, AdmissionError> {
     let id: TransferId = id.into();
     let now = pair.now;
     let admitted = pair.sender.admit(

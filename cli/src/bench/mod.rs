@@ -33,8 +33,8 @@ use kvwire::proto::admission::Request;
 use kvwire::proto::wire::TransferId;
 use tokio::net::{TcpListener, TcpStream};
 
-use kvwire::driver::ReserveParams;
 use kvwire::engine::{Listener, ListenerConfig, Node, ReceiverConn, SenderConn, TransferError};
+use kvwire::receiver::ReserveParams;
 
 /// The body byte at `offset` of a page of `buffer`.
 fn body(buffer: usize, offset: usize) -> u8 {

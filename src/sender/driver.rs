@@ -20,10 +20,10 @@ use kvwire_proto::sender::{
 };
 use kvwire_proto::wire::{ErrorCode, TransferRef};
 
-use super::core::{driver_common, impl_driver, Core};
-use super::digest::DigestExecution;
 use crate::checksum::DigestMode;
 use crate::config::{ConfigError, EngineConfig};
+use crate::driver::core::{driver_common, impl_driver, Core};
+use crate::driver::DigestExecution;
 use crate::memory::{Holder, PageLease, PagePool, PageState, PoolError};
 use crate::transport::{Closed, SenderTransport, TransportEvent};
 

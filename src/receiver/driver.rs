@@ -21,11 +21,11 @@ use kvwire_proto::receiver::{
 use kvwire_proto::wire::{DigestAlgorithm, ErrorCode, TransferRef};
 use kvwire_proto::FailureReason;
 
-use super::core::{driver_common, impl_driver, Core};
-use super::digest::DigestExecution;
 use super::landing::Landings;
 use crate::checksum::DigestMode;
 use crate::config::{ConfigError, EngineConfig};
+use crate::driver::core::{driver_common, impl_driver, Core};
+use crate::driver::DigestExecution;
 use crate::memory::{Holder, PageLease, PagePool, PageRef, PoolError};
 use crate::transport::{Closed, Fence, ReceiverTransport, TransportEvent};
 
