@@ -79,6 +79,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
+mod backend;
 mod embedded;
 #[cfg(feature = "etcd")]
 mod etcd;
@@ -86,6 +87,7 @@ mod http;
 mod record;
 mod server;
 
+pub use backend::{connect, DiscoveryBackend};
 pub use embedded::EmbeddedDiscovery;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdDiscovery, EtcdOptions};
@@ -173,6 +175,9 @@ pub enum DiscoveryError {
     /// The registration's background task is gone (its runtime shut down).
     #[error("the registration's task has ended")]
     Closed,
+    /// The backend is not in this build.
+    #[error("{0}")]
+    Unsupported(&'static str),
     /// An etcd call failed.
     #[cfg(feature = "etcd")]
     #[error("etcd {op}: {source}")]

@@ -33,6 +33,7 @@
 //! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(()) }).unwrap();
 //! ```
 
+mod discovery;
 mod listener;
 mod node;
 mod open;

@@ -8,25 +8,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::{Error, ErrorKind, Manager, Role};
-use crate::config::TransportConfig;
+pub use crate::discovery::DiscoveryBackend;
 use crate::discovery::{
-    node_layout_fingerprint, Discovery, DiscoveryError, EmbeddedDiscovery, PeerQuery, PeerRecord,
-    Role as PeerRole,
+    connect, Discovery, DiscoveryError, PeerQuery, PeerRecord, Role as PeerRole,
 };
-
-/// Where a manager publishes itself and finds its peers.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum DiscoveryBackend {
-    /// kvwire's embedded bootstrap server at `host:port` ([`BootstrapServer`]).
-    Bootstrap(String),
-    /// etcd at these endpoints, under this key prefix (builds with the feature `etcd`).
-    Etcd {
-        /// `http://host:port` of each member.
-        endpoints: Vec<String>,
-        /// The key prefix (`"kvwire"` by default elsewhere).
-        prefix: String,
-    },
-}
 
 impl Error {
     /// A discovery call's failure.
@@ -51,39 +36,21 @@ impl Manager {
     /// The fingerprint of this node's KV layout and model fingerprint, as discovery records
     /// carry it.
     pub fn layout_fingerprint(&self) -> String {
-        node_layout_fingerprint(self.node().config())
+        self.node().layout_fingerprint()
     }
 
+    /// A client of `backend` (etcd: connected within the call timeout).
     fn backend(
         &self,
         backend: &DiscoveryBackend,
         ttl: Duration,
     ) -> Result<Arc<dyn Discovery>, Error> {
-        match backend {
-            DiscoveryBackend::Bootstrap(server) => Ok(Arc::new(
-                EmbeddedDiscovery::from_host(server.clone()).with_ttl(ttl),
-            )),
-            #[cfg(feature = "etcd")]
-            DiscoveryBackend::Etcd { endpoints, prefix } => {
-                use crate::discovery::{EtcdDiscovery, EtcdOptions};
-                let options = EtcdOptions::default()
-                    .with_prefix(prefix.clone())
-                    .with_ttl(ttl);
-                let endpoints = endpoints.clone();
-                let d = self
-                    .block(
-                        EtcdDiscovery::connect(endpoints, options),
-                        self.config().call_timeout,
-                    )?
-                    .map_err(|e| Error::from_discovery(&e))?;
-                Ok(Arc::new(d))
-            }
-            #[cfg(not(feature = "etcd"))]
-            DiscoveryBackend::Etcd { .. } => Err(Error::new(
-                ErrorKind::DiscoveryError,
-                "this kvwire was built without etcd (build with --features etcd)",
-            )),
-        }
+        let backend = backend.clone();
+        self.block(
+            async move { connect(&backend, ttl).await },
+            self.config().call_timeout,
+        )?
+        .map_err(|e| Error::from_discovery(&e))
     }
 
     /// Publishes this node in `cluster` as engine rank `rank`, reachable at `address` (by
@@ -106,18 +73,9 @@ impl Manager {
                 })?
                 .to_string(),
         };
-        let config = self.node().config();
-        let mut record = PeerRecord::new(
-            cluster,
-            peer_role(self.role()),
-            rank,
-            config.node_id,
-            address,
-        )
-        .with_layout_of(config);
-        if matches!(config.transport, TransportConfig::Rdma { .. }) {
-            record.transport = "rdma".to_owned();
-        }
+        let record = self
+            .node()
+            .peer_record(cluster, peer_role(self.role()), rank, address);
         let disc = self.backend(backend, ttl)?;
         let reg = self
             .block(
@@ -157,23 +115,18 @@ impl Manager {
             query = query.rank(r);
         }
         let disc = self.backend(backend, Duration::from_secs(10))?;
+        let node = self.node().clone();
         let found = self
             .block(
-                async move { disc.resolve(query).await },
+                async move { node.resolve(disc.as_ref(), query, check_layout).await },
                 self.config().call_timeout,
             )?
-            .map_err(|e| Error::from_discovery(&e))?;
-        if check_layout {
-            let mine = self.layout_fingerprint();
-            for r in &found {
-                r.check_layout(&mine).map_err(|e| {
-                    Error::new(
-                        ErrorKind::LayoutMismatch,
-                        format!("peer {} at {}: {e}", r.node_id, r.address),
-                    )
-                })?;
-            }
-        }
+            .map_err(|e| match e {
+                DiscoveryError::LayoutMismatch { .. } => {
+                    Error::new(ErrorKind::LayoutMismatch, e.to_string())
+                }
+                e => Error::from_discovery(&e),
+            })?;
         Ok(found)
     }
 }
