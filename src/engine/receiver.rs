@@ -169,7 +169,7 @@ pub struct ReceiverConn {
 }
 
 impl ReceiverConn {
-    super::open::constructors!(super::open::receiver);
+    super::open::constructors!(super::open::open::<ReceiverConn>);
 
     /// Starts the connection's task: the receiver driver over `transport`.
     pub(crate) fn run<T: ReceiverTransport + 'static>(

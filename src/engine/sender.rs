@@ -108,7 +108,7 @@ pub struct SenderConn {
 }
 
 impl SenderConn {
-    super::open::constructors!(super::open::sender);
+    super::open::constructors!(super::open::open::<SenderConn>);
 
     /// Starts the connection's task: the sender driver over `transport`.
     pub(crate) fn run<T: SenderTransport + 'static>(
