@@ -77,7 +77,7 @@ pub mod transport;
 pub use config::{Auth, ConfigError, EngineConfig, NodeConfig, NodeConfigBuilder, TransportConfig};
 pub use engine::{
     loopback, EngineError, Listener, ListenerConfig, Node, OutgoingTransfer, ReceiverConn,
-    ReceiverConnStats, SenderConn, SenderConnStats, TransferError, Verified,
+    ReceiverConnStats, SenderConn, SenderConnStats, SetupError, TransferError, Verified,
 };
 pub use memory::{Holder, KvMemory, PagePool, PoolError, PoolGeometry, Scrub};
 pub use proto::admission::{AdmissionError, Admitted, Request};

@@ -173,10 +173,13 @@ async fn mismatched_stream_counts_are_refused_at_both_ends() {
         pc.tcp_streams = prefill_streams;
         let (prefill, decode) = (Node::new(pc).unwrap(), Node::new(dc).unwrap());
         let (s, r) = connect(&prefill, &decode).await;
-        for (side, e) in [("sender", s.err()), ("receiver", r.err())] {
+        for (side, e, ours, theirs) in [
+            ("sender", s.err(), prefill_streams, decode_streams),
+            ("receiver", r.err(), decode_streams, prefill_streams),
+        ] {
             match e {
-                Some(EngineError::Transport(m)) => {
-                    assert!(m.contains("tcp_streams"), "{side}: {m}");
+                Some(EngineError::Transport(kvwire::SetupError::StreamCount { ours: o, peer })) => {
+                    assert_eq!((o, peer), (ours, theirs), "{side}");
                 }
                 other => panic!(
                     "{prefill_streams}/{decode_streams}: the {side} was not refused: {other:?}"

@@ -87,7 +87,7 @@ pub enum EngineError {
     /// The transport could not be set up (e.g. no RDMA device, a registration refused, the
     /// peer's queue pairs unusable, or a transport this build does not include).
     #[error("transport: {0}")]
-    Transport(String),
+    Transport(#[from] SetupError),
     /// The accepted stream is not a connection of its own: it joined another one as one of
     /// its extra TCP streams (SPEC §9.1, several streams; `NodeConfig::tcp_streams`). Not a
     /// failure: a listener accepting it goes on to the next.
@@ -97,6 +97,74 @@ pub enum EngineError {
     /// one that had all its streams already): closed at once (SPEC §9.1, several streams).
     #[error("a joining TCP stream names no connection of this node ({0})")]
     StrayJoin(&'static str),
+}
+
+/// Why a connection's transport could not be set up ([`EngineError::Transport`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// The node's transport is not in this build.
+    #[error("this kvwire was built without the {0} transport (rebuild with `--features {0}`)")]
+    NotBuilt(&'static str),
+    /// `tcp_streams` beyond what a connection may run.
+    #[error("tcp_streams = {asked}: at most {max} TCP streams per connection")]
+    TooManyStreams {
+        /// The configured count.
+        asked: u16,
+        /// The bound ([`MAX_STREAMS`](crate::transport::tcp::MAX_STREAMS)).
+        max: u16,
+    },
+    /// Several TCP streams over device memory (they move host memory only).
+    #[error(
+        "several TCP streams per connection move host memory only (device memory: tcp_streams = 1)"
+    )]
+    StreamsNeedHostMemory,
+    /// The peer's TCP transport parameters are malformed.
+    #[error("the peer's TCP transport parameters: {0}")]
+    PeerParams(#[from] crate::transport::tcp::TcpParamsError),
+    /// The two ends run different stream counts.
+    #[error("this node runs {ours} TCP streams per connection, the peer {peer} (both ends must set the same tcp_streams)")]
+    StreamCount {
+        /// This node's `tcp_streams`.
+        ours: u16,
+        /// The peer's.
+        peer: u16,
+    },
+    /// The client could not open its extra streams in time.
+    #[error("the connection's {streams} TCP streams could not be opened within {} ms", within.as_millis())]
+    StreamsNotOpened {
+        /// The connection's streams.
+        streams: u16,
+        /// The handshake timeout.
+        within: std::time::Duration,
+    },
+    /// The server did not see every extra stream join in time.
+    #[error("{joined} of the connection's {expected} extra TCP streams joined within {} ms", within.as_millis())]
+    StreamsNotJoined {
+        /// How many joined.
+        joined: usize,
+        /// How many were expected.
+        expected: usize,
+        /// The handshake timeout.
+        within: std::time::Duration,
+    },
+    /// Another connection of this node already uses the client's stream token.
+    #[error("another connection already uses this client's stream token")]
+    TokenInUse,
+    /// A stream of the connection is missing.
+    #[error("a TCP stream of the connection did not join")]
+    StreamMissing,
+    /// A loopback connection between a node and itself.
+    #[error("loopback needs two nodes: a node cannot send into its own memory")]
+    LoopbackSameNode,
+    /// A loopback connection over device memory.
+    #[error("loopback moves host memory only: a node with device memory connects over TCP")]
+    LoopbackDeviceMemory,
+    /// An RDMA device, registration or queue pair failed, or the peer's queue pair
+    /// parameters are unusable.
+    #[cfg(feature = "rdma")]
+    #[error(transparent)]
+    Rdma(#[from] crate::transport::rdma::bootstrap::BootstrapError),
 }
 
 impl From<crate::transport::ConnectError> for EngineError {

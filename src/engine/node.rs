@@ -162,7 +162,9 @@ pub(crate) mod rdma {
         }
     }
 
-    pub(crate) fn transport(e: impl std::fmt::Display) -> EngineError {
-        EngineError::Transport(e.to_string())
+    pub(crate) fn transport(
+        e: impl Into<crate::transport::rdma::bootstrap::BootstrapError>,
+    ) -> EngineError {
+        super::super::SetupError::Rdma(e.into()).into()
     }
 }

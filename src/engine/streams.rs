@@ -20,7 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use super::EngineError;
+use super::{EngineError, SetupError};
 use crate::transport::tcp::{JoinRecord, JOIN_MAGIC, MAX_STREAMS};
 
 /// One stream of a connection, with its lane of the connection's authentication channel.
@@ -197,19 +197,17 @@ pub(crate) async fn open_lanes(
                 Ok::<(), std::io::Error>(())
             };
             tokio::time::timeout(timeout, connect).await.map_err(|_| {
-                EngineError::Transport(format!(
-                    "the connection's {streams} TCP streams could not be opened within {} ms",
-                    timeout.as_millis()
-                ))
+                EngineError::from(SetupError::StreamsNotOpened {
+                    streams,
+                    within: timeout,
+                })
             })??;
         } else {
             // The handshake is done: a listener's slot can serve the streams joining now.
             super::listener::release_handshake_slot();
-            let mut claim = claim.flatten().ok_or_else(|| {
-                EngineError::Transport(
-                    "another connection already uses this client's stream token".into(),
-                )
-            })?;
+            let mut claim = claim
+                .flatten()
+                .ok_or_else(|| EngineError::from(SetupError::TokenInUse))?;
             let gather = async {
                 let mut missing = others.len();
                 while missing > 0 {
@@ -251,20 +249,18 @@ pub(crate) async fn open_lanes(
             };
             tokio::time::timeout(timeout, gather).await.map_err(|_| {
                 let joined = others.iter().filter(|s| s.is_some()).count();
-                EngineError::Transport(format!(
-                    "{joined} of the connection's {} extra TCP streams joined within {} ms",
-                    others.len(),
-                    timeout.as_millis()
-                ))
+                EngineError::from(SetupError::StreamsNotJoined {
+                    joined,
+                    expected: others.len(),
+                    within: timeout,
+                })
             })??;
         }
     }
     let mut lanes = Vec::with_capacity(usize::from(streams.max(1)));
     for (s, c) in std::iter::once(Some(stream)).chain(others).zip(channels) {
         let Some(s) = s else {
-            return Err(EngineError::Transport(
-                "a TCP stream of the connection did not join".into(),
-            ));
+            return Err(SetupError::StreamMissing.into());
         };
         let (sealer, opener) = c.split();
         lanes.push((s, sealer, opener));

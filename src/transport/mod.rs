@@ -100,12 +100,39 @@ pub struct LandingDigests {
     pub per_buffer: Box<[u64]>,
 }
 
+/// How the peer went ([`Closed::PeerGone`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Gone {
+    /// The peer closed its end of the stream.
+    #[error("end of stream")]
+    EndOfStream,
+    /// The socket accepts no more bytes.
+    #[error("the socket accepts no more bytes")]
+    WriteZero,
+    /// The socket failed.
+    #[error("socket: {0}")]
+    Io(std::io::ErrorKind),
+    /// The peer's end of an in-process wire closed.
+    #[error("the peer's end closed")]
+    PeerClosed,
+    /// An RDMA connection's bootstrap stream (its liveness witness) closed.
+    #[error("the bootstrap connection closed")]
+    BootstrapClosed,
+}
+
+impl From<&std::io::Error> for Gone {
+    fn from(e: &std::io::Error) -> Self {
+        Self::Io(e.kind())
+    }
+}
+
 /// Why a connection is gone.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Closed {
     /// The peer closed the connection, its process died, or the socket failed.
-    PeerGone(String),
+    PeerGone(Gone),
     /// A frame failed authentication (altered, replayed, foreign, or unauthenticated): the
     /// connection was closed and nothing more is sent to that peer (SPEC §3.11).
     Unauthentic(AuthError),

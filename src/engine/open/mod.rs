@@ -16,7 +16,7 @@ use kvwire_proto::wire::Role;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::streams::LaneStream;
-use super::{EngineError, Node, ReceiverConn, SenderConn};
+use super::{EngineError, Node, ReceiverConn, SenderConn, SetupError};
 use crate::config::TransportConfig;
 use crate::transport::tcp::{TcpParams, TcpReceiver, TcpSender};
 use crate::transport::LaneSet;
@@ -162,8 +162,19 @@ pub(crate) async fn open<E: End>(
             E::over_tcp(est, &peer, lanes, node)
         }
         #[cfg(feature = "rdma")]
-        TransportConfig::Rdma { .. } => {
-            let (est, link) = rdma::handshake(stream, node, client, E::ROLE).await?;
+        TransportConfig::Rdma {
+            device,
+            queue_pairs,
+            busy_poll,
+            ack_timeout,
+        } => {
+            let settings = rdma::Settings {
+                device: device.as_deref(),
+                queue_pairs: *queue_pairs,
+                busy_poll: *busy_poll,
+                ack_timeout: *ack_timeout,
+            };
+            let (est, link) = rdma::handshake(stream, node, client, E::ROLE, settings).await?;
             E::over_rdma(est, link, node).await
         }
         #[allow(unreachable_patterns)]
@@ -173,11 +184,7 @@ pub(crate) async fn open<E: End>(
 
 #[allow(dead_code)]
 fn unsupported(t: &TransportConfig) -> EngineError {
-    EngineError::Transport(format!(
-        "this kvwire was built without the {} transport (rebuild with `--features {}`)",
-        t.name(),
-        t.name()
-    ))
+    SetupError::NotBuilt(t.name()).into()
 }
 
 /// Both ends of one connection in this process over the loopback transport (a simulated
@@ -194,16 +201,12 @@ pub fn loopback(prefill: &Node, decode: &Node) -> Result<(SenderConn, ReceiverCo
     )?;
     let (source, dest) = (prefill.pool().clone(), decode.pool().clone());
     if std::sync::Arc::ptr_eq(&source, &dest) {
-        return Err(EngineError::Transport(
-            "loopback needs two nodes: a node cannot send into its own memory".into(),
-        ));
+        return Err(SetupError::LoopbackSameNode.into());
     }
     if source.memory().has_device_memory() || dest.memory().has_device_memory() {
         // The in-process wire copies page bytes with the CPU; device memory goes over TCP
         // (its staging pipeline), docs/GPU.md.
-        return Err(EngineError::Transport(
-            "loopback moves host memory only: a node with device memory connects over TCP".into(),
-        ));
+        return Err(SetupError::LoopbackDeviceMemory.into());
     }
     let (s, r) = loopback::connect(source.clone(), dest.clone(), std::time::Duration::ZERO);
     let receiver = ReceiverConn::run(client, dest, r, decode.config())?;

@@ -8,8 +8,15 @@ use kvwire_proto::wire::Role;
 use tokio::net::TcpStream;
 
 use super::super::{EngineError, Node};
-use crate::config::TransportConfig;
 use crate::transport::rdma::bootstrap::{self, Prepared};
+
+/// The node's RDMA settings (its `TransportConfig::Rdma`).
+pub(super) struct Settings<'a> {
+    pub(super) device: Option<&'a str>,
+    pub(super) queue_pairs: u16,
+    pub(super) busy_poll: bool,
+    pub(super) ack_timeout: u8,
+}
 
 /// What the handshake leaves for the role's end to connect.
 pub(crate) struct Handshaken {
@@ -24,7 +31,7 @@ pub(crate) struct Handshaken {
 }
 
 /// An RDMA setup failure, as the engine reports it.
-pub(super) fn error(e: impl std::fmt::Display) -> EngineError {
+pub(super) fn error(e: impl Into<bootstrap::BootstrapError>) -> EngineError {
     super::super::node::rdma::transport(e)
 }
 
@@ -35,29 +42,24 @@ pub(super) async fn handshake(
     node: &Node,
     client: bool,
     role: Role,
+    settings: Settings<'_>,
 ) -> Result<(Established, Handshaken), EngineError> {
     let config = node.config();
-    let TransportConfig::Rdma {
+    let Settings {
         device,
         queue_pairs,
         busy_poll,
         ack_timeout,
-    } = &config.transport
-    else {
-        // Called from the node's RDMA arm only.
-        return Err(EngineError::Transport(
-            "an RDMA handshake on a node whose transport is not RDMA".into(),
-        ));
-    };
-    let registration = node.rdma(device.as_deref())?;
+    } = settings;
+    let registration = node.rdma(device)?;
     let (prepared, params) = bootstrap::prepare(
         &registration.device,
         role,
-        *queue_pairs,
+        queue_pairs,
         config.window,
         config.pool.buffers(),
-        *busy_poll,
-        *ack_timeout,
+        busy_poll,
+        ack_timeout,
     )
     .map_err(error)?;
     let (stream, est, channel) = super::super::handshake(

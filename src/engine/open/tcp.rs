@@ -6,7 +6,7 @@ use kvwire_proto::wire::Role;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::super::streams::{self, LaneStream};
-use super::super::{EngineError, Node};
+use super::super::{EngineError, Node, SetupError};
 use crate::transport::tcp::{TcpParams, MAX_STREAMS};
 
 /// A connection's TCP transports: one stream's alone (no lanes to route), or several.
@@ -22,9 +22,7 @@ pub(super) fn one_or_several<T>(mut lanes: Vec<T>) -> Result<Streams<T>, EngineE
             lanes.push(t);
             Ok(Streams::Several(lanes))
         }
-        (_, None) => Err(EngineError::Transport(
-            "a connection without streams".into(),
-        )),
+        (_, None) => Err(SetupError::StreamMissing.into()),
     }
 }
 
@@ -44,15 +42,14 @@ pub(super) async fn handshake(
     let started = std::time::Instant::now();
     let streams = config.tcp_streams.max(1);
     if streams > MAX_STREAMS {
-        return Err(EngineError::Transport(format!(
-            "tcp_streams = {streams}: at most {MAX_STREAMS} TCP streams per connection"
-        )));
+        return Err(SetupError::TooManyStreams {
+            asked: streams,
+            max: MAX_STREAMS,
+        }
+        .into());
     }
     if streams > 1 && node.pool().memory().has_device_memory() {
-        return Err(EngineError::Transport(
-            "several TCP streams per connection move host memory only (device memory: tcp_streams = 1)"
-                .into(),
-        ));
+        return Err(SetupError::StreamsNeedHostMemory.into());
     }
     let mut stream = Some(stream);
     if !client && streams > 1 {
@@ -95,13 +92,13 @@ pub(super) async fn handshake(
         &mut on_frame,
     )
     .await?;
-    let peer = TcpParams::parse(&est.peer.transport_params)
-        .map_err(|e| EngineError::Transport(format!("the peer's TCP transport parameters: {e}")))?;
+    let peer = TcpParams::parse(&est.peer.transport_params).map_err(SetupError::PeerParams)?;
     if peer.streams != streams {
-        return Err(EngineError::Transport(format!(
-            "this node runs {streams} TCP streams per connection, the peer {} (both ends must set the same tcp_streams)",
-            peer.streams
-        )));
+        return Err(SetupError::StreamCount {
+            ours: streams,
+            peer: peer.streams,
+        }
+        .into());
     }
     // The client's token names the connection; its extra streams present it.
     let join = if client { token } else { peer.token };

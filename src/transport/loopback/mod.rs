@@ -29,7 +29,7 @@ use kvwire_proto::wire::{Frame, TransferRef};
 
 pub use self::wire::WireStats;
 use self::wire::{Direction, Packet, Wire, WriteOp};
-use super::{Closed, SenderTransport, TableScoped, Transport, TransportEvent};
+use super::{Closed, Gone, SenderTransport, TableScoped, Transport, TransportEvent};
 use crate::memory::{AccessKey, PagePool, PageState, ScopeTable};
 
 /// The two ends of one loopback connection: the sender writes from `source` into `dest`.
@@ -152,7 +152,7 @@ impl Transport for LoopbackSender {
                         ok,
                     });
                 }
-                Packet::Closed => self.shut(Closed::PeerGone("the receiver closed".into()), now),
+                Packet::Closed => self.shut(Closed::PeerGone(Gone::PeerClosed), now),
                 Packet::Write(_) => {}
             }
         }
@@ -337,7 +337,7 @@ impl Transport for LoopbackReceiver {
                         });
                     }
                 }
-                Packet::Closed => self.shut(Closed::PeerGone("the sender closed".into()), now),
+                Packet::Closed => self.shut(Closed::PeerGone(Gone::PeerClosed), now),
                 Packet::WriteAck { .. } => {}
             }
         }

@@ -218,12 +218,12 @@ impl Lanes {
         match Pin::new(stream).poll_read(cx, &mut buf) {
             Poll::Pending => None,
             Poll::Ready(Ok(())) if buf.filled().is_empty() => {
-                Some(Closed::PeerGone("the bootstrap connection closed".into()))
+                Some(Closed::PeerGone(crate::transport::Gone::BootstrapClosed))
             }
             Poll::Ready(Ok(())) => Some(Closed::Malformed(
                 "bytes on the RDMA bootstrap connection after the handshake".into(),
             )),
-            Poll::Ready(Err(e)) => Some(Closed::PeerGone(e.to_string())),
+            Poll::Ready(Err(e)) => Some(Closed::PeerGone(crate::transport::Gone::from(&e))),
         }
     }
 }

@@ -104,35 +104,31 @@ impl TcpParams {
         b
     }
 
-    /// Parses a peer's parameters; an error naming what is wrong with them otherwise.
-    pub fn parse(b: &[u8]) -> Result<Self, String> {
+    /// Parses a peer's parameters; what is wrong with them otherwise.
+    pub fn parse(b: &[u8]) -> Result<Self, TcpParamsError> {
         let (kind, rest) = match b {
             [k0, k1, rest @ ..] => (u16::from_le_bytes([*k0, *k1]), rest),
-            _ => return Err(format!("{} bytes of transport parameters", b.len())),
+            _ => return Err(TcpParamsError::Short(b.len())),
         };
         if kind != TCP_PARAMS_KIND {
-            return Err(format!(
-                "transport parameters of kind {kind} (expected {TCP_PARAMS_KIND}, TCP)"
-            ));
+            return Err(TcpParamsError::Kind(kind));
         }
         let (len, body) = match rest {
             [l0, l1, body @ ..] => (u16::from_le_bytes([*l0, *l1]), body),
-            _ => return Err(format!("{} bytes of transport parameters", b.len())),
+            _ => return Err(TcpParamsError::Short(b.len())),
         };
         if usize::from(len) != body.len() {
-            return Err(format!(
-                "TCP transport parameters of length {len} with {} bytes after the header",
-                body.len()
-            ));
+            return Err(TcpParamsError::LengthMismatch {
+                declared: len,
+                after_header: body.len(),
+            });
         }
         match body {
             [p0, p1, p2, p3] => Ok(Self::one_stream(u32::from_le_bytes([*p0, *p1, *p2, *p3]))),
             [p0, p1, p2, p3, s0, s1, token @ ..] if token.len() == 16 => {
                 let streams = u16::from_le_bytes([*s0, *s1]);
                 if !(2..=MAX_STREAMS).contains(&streams) {
-                    return Err(format!(
-                        "TCP transport parameters naming {streams} streams (the long form names 2 to {MAX_STREAMS})"
-                    ));
+                    return Err(TcpParamsError::Streams(streams));
                 }
                 let mut t = [0u8; 16];
                 t.copy_from_slice(token);
@@ -142,11 +138,39 @@ impl TcpParams {
                     token: t,
                 })
             }
-            _ => Err(format!(
-                "TCP transport parameters of length {len} (expected 4: the page count, or 22: pages, streams, token)"
-            )),
+            _ => Err(TcpParamsError::Length(len)),
         }
     }
+}
+
+/// What is wrong with a peer's TCP transport parameters (SPEC §9.1).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TcpParamsError {
+    /// Shorter than their 4-byte header.
+    #[error("{0} bytes of transport parameters")]
+    Short(usize),
+    /// Another transport's kind.
+    #[error("transport parameters of kind {0} (expected {TCP_PARAMS_KIND}, TCP)")]
+    Kind(u16),
+    /// The header's length is not what follows it.
+    #[error(
+        "TCP transport parameters of length {declared} with {after_header} bytes after the header"
+    )]
+    LengthMismatch {
+        /// The length the header declares.
+        declared: u16,
+        /// The bytes after the header.
+        after_header: usize,
+    },
+    /// The long form names a stream count outside 2 to [`MAX_STREAMS`].
+    #[error(
+        "TCP transport parameters naming {0} streams (the long form names 2 to {MAX_STREAMS})"
+    )]
+    Streams(u16),
+    /// Neither form's length.
+    #[error("TCP transport parameters of length {0} (expected 4: the page count, or 22: pages, streams, token)")]
+    Length(u16),
 }
 
 /// A TCP node's HELLO transport parameters for one stream (SPEC §9.1): kind 2, length 4,
@@ -158,7 +182,7 @@ pub fn transport_params(pages: u32) -> Vec<u8> {
 
 /// The page count a TCP peer advertised in its transport parameters (SPEC §9.1); an error
 /// naming what is wrong with them otherwise.
-pub fn parse_transport_params(b: &[u8]) -> Result<u32, String> {
+pub fn parse_transport_params(b: &[u8]) -> Result<u32, TcpParamsError> {
     TcpParams::parse(b).map(|p| p.pages)
 }
 

@@ -19,7 +19,7 @@ use super::reader::{StreamReader, StreamStats};
 use super::records::{DataHeader, Record, StreamError};
 use crate::memory::{PagePool, ScopeTable};
 use crate::transport::staging::{Staging, StagingStats, STAGING_BUFFERS};
-use crate::transport::{Closed, TableScoped, Transport, TransportEvent};
+use crate::transport::{Closed, Gone, TableScoped, Transport, TransportEvent};
 
 /// Frames handed to one vectored write.
 const MAX_IOV: usize = 64;
@@ -189,7 +189,7 @@ impl TcpReceiver {
             match written {
                 Poll::Pending => return,
                 Poll::Ready(Ok(0)) => {
-                    self.shut(Closed::PeerGone("the socket accepts no more bytes".into()));
+                    self.shut(Closed::PeerGone(Gone::WriteZero));
                     return;
                 }
                 Poll::Ready(Ok(mut n)) => {
@@ -205,7 +205,7 @@ impl TcpReceiver {
                     }
                 }
                 Poll::Ready(Err(e)) => {
-                    self.shut(Closed::PeerGone(e.to_string()));
+                    self.shut(Closed::PeerGone(Gone::from(&e)));
                     return;
                 }
             }
@@ -311,12 +311,12 @@ impl TcpReceiver {
             let n = match read {
                 Ok(n) => n,
                 Err(e) => {
-                    self.shut(Closed::PeerGone(e.to_string()));
+                    self.shut(Closed::PeerGone(Gone::from(&e)));
                     return None;
                 }
             };
             if n == 0 {
-                self.shut(Closed::PeerGone("end of stream".into()));
+                self.shut(Closed::PeerGone(Gone::EndOfStream));
                 return None;
             }
             if let Some(record) = self.reader.advance(n, &self.pool, &self.scopes) {

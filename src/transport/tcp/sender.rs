@@ -16,7 +16,7 @@ use tokio::net::TcpStream;
 use super::records::DataHeader;
 use crate::memory::{AccessKey, PagePool, PageRef};
 use crate::transport::staging::{Staging, StagingStats, STAGING_BUFFERS};
-use crate::transport::{Closed, SenderTransport, Transport, TransportEvent};
+use crate::transport::{Closed, Gone, SenderTransport, Transport, TransportEvent};
 
 /// Data records queued at most (their bytes stay in the source pages until written).
 const MAX_QUEUED_RECORDS: usize = 256;
@@ -280,7 +280,7 @@ impl TcpSender {
                 }
                 Some(Poll::Pending) => return,
                 Some(Poll::Ready(Ok(0))) => {
-                    self.shut(Closed::PeerGone("the socket accepts no more bytes".into()));
+                    self.shut(Closed::PeerGone(Gone::WriteZero));
                     return;
                 }
                 Some(Poll::Ready(Ok(n))) => {
@@ -293,7 +293,7 @@ impl TcpSender {
                     }
                 }
                 Some(Poll::Ready(Err(e))) => {
-                    self.shut(Closed::PeerGone(e.to_string()));
+                    self.shut(Closed::PeerGone(Gone::from(&e)));
                     return;
                 }
             }
@@ -400,7 +400,7 @@ impl TcpSender {
             match written {
                 Poll::Pending => return,
                 Poll::Ready(Ok(0)) => {
-                    self.shut(Closed::PeerGone("the socket accepts no more bytes".into()));
+                    self.shut(Closed::PeerGone(Gone::WriteZero));
                     return;
                 }
                 Poll::Ready(Ok(n)) => {
@@ -408,7 +408,7 @@ impl TcpSender {
                     self.advance(n);
                 }
                 Poll::Ready(Err(e)) => {
-                    self.shut(Closed::PeerGone(e.to_string()));
+                    self.shut(Closed::PeerGone(Gone::from(&e)));
                     return;
                 }
             }
@@ -465,12 +465,12 @@ impl TcpSender {
             match Pin::new(stream).poll_read(cx, &mut buf) {
                 Poll::Pending => return None,
                 Poll::Ready(Ok(())) if buf.filled().is_empty() => {
-                    self.shut(Closed::PeerGone("end of stream".into()));
+                    self.shut(Closed::PeerGone(Gone::EndOfStream));
                     return None;
                 }
                 Poll::Ready(Ok(())) => self.rfilled += buf.filled().len(),
                 Poll::Ready(Err(e)) => {
-                    self.shut(Closed::PeerGone(e.to_string()));
+                    self.shut(Closed::PeerGone(Gone::from(&e)));
                     return None;
                 }
             }
