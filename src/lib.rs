@@ -47,41 +47,60 @@
 //!
 //! The layers, bottom up (each imports only those below it): [`proto`] (wire format and
 //! sans-IO sessions), [`memory`] (registered KV memory, the page pool, access scopes) and
-//! [`checksum`], [`transport`] (the seam, and the loopback, TCP and RDMA transports),
-//! [`driver`] (one driver per role over any transport), [`engine`] (the async API),
-//! [`polled`] (a poll-style synchronous facade over it, for scheduler loops and the C ABI);
-//! [`config`] describes a node; [`discovery`] finds peers (an embedded bootstrap server, or
-//! etcd with the `etcd` feature); [`gpu`] computes the same digests on a GPU (feature `cuda`
-//! for the device side; the kernel source and its CPU test are always built).
+//! [`checksum`], `transport` (the seam, and the loopback, TCP and RDMA transports),
+//! `driver` (the drivers' shared core), `sender` and `receiver` (each role's driver),
+//! [`engine`] (the async API), [`polled`] (a poll-style synchronous facade over it, for
+//! scheduler loops and the C ABI); [`config`] describes a node; [`discovery`] finds peers (an
+//! embedded bootstrap server, or etcd with the `etcd` feature); [`gpu`] computes the same
+//! digests on a GPU (feature `cuda` for the device side; the kernel source and its CPU test
+//! are always built).
+//!
+//! The transport seam, the drivers and the transports' own types are public only with the
+//! feature `unstable` (no stability promise: for kvwire's own tests, the `Pair` harness of
+//! the feature `testkit`, and new transports); an integrator needs none of them.
 #![deny(unused_must_use, unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
+// Without `unstable`, the seam's and the drivers' items that only tests and the harness use
+// are unreachable; with it (as every test build has it) they are public and linted as such.
+#![cfg_attr(not(feature = "unstable"), allow(dead_code, unused_imports))]
 
 pub use kvwire_proto as proto;
 
 pub mod checksum;
 pub mod config;
 pub mod discovery;
+#[cfg(feature = "unstable")]
 pub mod driver;
+#[cfg(not(feature = "unstable"))]
+pub(crate) mod driver;
 pub mod engine;
 pub mod gpu;
 pub mod host;
 pub mod memory;
 pub mod metrics;
 pub mod polled;
+#[cfg(feature = "unstable")]
 pub mod receiver;
+#[cfg(not(feature = "unstable"))]
+pub(crate) mod receiver;
+#[cfg(feature = "unstable")]
 pub mod sender;
+#[cfg(not(feature = "unstable"))]
+pub(crate) mod sender;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+#[cfg(feature = "unstable")]
 pub mod transport;
+#[cfg(not(feature = "unstable"))]
+pub(crate) mod transport;
 
 pub use config::{Auth, ConfigError, EngineConfig, NodeConfig, NodeConfigBuilder, TransportConfig};
 pub use engine::{
-    loopback, EngineError, Listener, ListenerConfig, Node, OutgoingTransfer, ReceiverConn,
-    ReceiverConnStats, SenderConn, SenderConnStats, SetupError, TransferError, Verified,
+    loopback, ChunkStartError, EngineError, Listener, ListenerConfig, Node, OutgoingTransfer,
+    ReceiveError, ReceiverConn, ReceiverConnStats, ReserveParams, SenderConn, SenderConnStats,
+    SetupError, StartError, TransferError, Verified,
 };
 pub use memory::{Holder, KvMemory, PagePool, PoolError, PoolGeometry, Scrub};
 pub use proto::admission::{AdmissionError, Admitted, Request};
 pub use proto::wire::{DigestAlgorithm, ErrorCode, TransferId, TransferRef};
 pub use proto::FailureReason;
-pub use receiver::{ReceiveError, ReserveParams};
-pub use sender::StartError;

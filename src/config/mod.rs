@@ -12,7 +12,7 @@ mod node;
 
 pub use node::{
     random_bytes, Auth, NodeConfig, NodeConfigBuilder, TransportConfig, ACK_TIMEOUTS,
-    DEFAULT_ACK_TIMEOUT, MAX_QUEUE_PAIRS,
+    DEFAULT_ACK_TIMEOUT, MAX_QUEUE_PAIRS, MAX_STREAMS,
 };
 
 use std::fmt;

@@ -128,6 +128,8 @@ pub enum TransportConfig {
 // `DEFAULT_ACK_TIMEOUT` (14, as perftest's `ib_write_bw`), `ACK_TIMEOUTS` (1 to 31) and
 // `MAX_QUEUE_PAIRS` (146, SPEC §9.2).
 pub use crate::transport::rdma::{ACK_TIMEOUTS, DEFAULT_ACK_TIMEOUT, MAX_QUEUE_PAIRS};
+/// The most TCP streams a connection may run (`NodeConfig::tcp_streams`, SPEC §9.1).
+pub use crate::transport::tcp::MAX_STREAMS;
 
 impl TransportConfig {
     /// RDMA on `device` (or the first device) with one queue pair, waiting on the completion
@@ -147,7 +149,7 @@ impl TransportConfig {
     /// * TCP: none (`u64::MAX`). The connection's own thread copies every byte in and out of
     ///   the socket, and digests each page right after that copy, from cache: the receiver as
     ///   it lands, the sender as its write completes
-    ///   ([`SenderTransport::writes_leave_source_in_cache`](crate::transport::SenderTransport::writes_leave_source_in_cache)).
+    ///   (the TCP sender transport's `writes_leave_source_in_cache`).
     ///   A job on the pool reads the pages again from memory on another core. On 2 cores
     ///   inline beat the pool for 8 MiB and 32 MiB transfers alike (1.01-1.26x GB/s at
     ///   0.86-1.01x CPU; docs/BENCHMARKS.md, "The sender's digest after the kernel's copy").

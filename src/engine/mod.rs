@@ -50,6 +50,8 @@ use kvwire_proto::handshake::HandshakeError;
 use kvwire_proto::wire::Role;
 use kvwire_proto::FailureReason;
 
+pub use crate::receiver::{ReceiveError, ReserveParams};
+pub use crate::sender::{ChunkStartError, StartError};
 pub(crate) use listener::failure_class;
 pub use listener::{Listener, ListenerConfig, ListenerStats};
 pub use node::Node;
@@ -60,8 +62,6 @@ pub use sender::{OutgoingTransfer, SenderConn, SenderConnStats};
 
 use crate::config::ConfigError;
 use crate::memory::PoolError;
-use crate::receiver::ReceiveError;
-use crate::sender::StartError;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -111,7 +111,7 @@ pub enum SetupError {
     TooManyStreams {
         /// The configured count.
         asked: u16,
-        /// The bound ([`MAX_STREAMS`](crate::transport::tcp::MAX_STREAMS)).
+        /// The bound ([`MAX_STREAMS`](crate::config::MAX_STREAMS)).
         max: u16,
     },
     /// Several TCP streams over device memory (they move host memory only).

@@ -92,8 +92,7 @@ pub struct SenderConnStats {
     /// (`NodeConfig::digest_offload_bytes`; by default RDMA's every one, TCP's none).
     pub digest_jobs_offloaded: u64,
     /// Source pages digested right after their writes completed, while the transport's copy
-    /// left them in cache (TCP from host memory, chunks of at least
-    /// [`DIGEST_AFTER_WRITE_MIN_BYTES`](crate::sender::DIGEST_AFTER_WRITE_MIN_BYTES)).
+    /// left them in cache (TCP from host memory, chunks of at least 1 MiB).
     pub pages_digested_after_write: u64,
 }
 
@@ -523,7 +522,7 @@ impl OutgoingTransfer {
     /// chunks before it, read in place until the transfer's outcome (the engine must not
     /// write them meanwhile). `aux` goes with the final chunk only (the one that completes
     /// the request's pages). The returned future says whether the chunk was taken (a refused
-    /// chunk changes nothing; see [`ChunkStartError`](crate::sender::ChunkStartError)); the
+    /// chunk changes nothing; see [`ChunkStartError`](super::ChunkStartError)); the
     /// engine need not wait for it before computing the next chunk.
     pub fn send_chunk(
         &self,

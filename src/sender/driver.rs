@@ -27,7 +27,7 @@ use crate::driver::DigestExecution;
 use crate::memory::{Holder, PageLease, PagePool, PageState, PoolError};
 use crate::transport::{Closed, SenderTransport, TransportEvent};
 
-/// Why [`SenderDriver::submit`] could not start a transfer.
+/// Why a transfer could not start (the sender driver's `submit`).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StartError {

@@ -34,7 +34,7 @@ use kvwire::proto::wire::TransferId;
 use tokio::net::{TcpListener, TcpStream};
 
 use kvwire::engine::{Listener, ListenerConfig, Node, ReceiverConn, SenderConn, TransferError};
-use kvwire::receiver::ReserveParams;
+use kvwire::ReserveParams;
 
 /// The body byte at `offset` of a page of `buffer`.
 fn body(buffer: usize, offset: usize) -> u8 {
