@@ -19,6 +19,7 @@ from kvwire import KVPoll, KVReceiver
 
 import common
 from common import Peer, SENTINEL
+from ports import free_port
 
 TTL = 1.5
 
@@ -82,12 +83,6 @@ def test_embedded_bootstrap_server():
         server.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _skip_or_fail(why: str):
     if os.environ.get("KVWIRE_REQUIRE_ETCD") == "1":
         pytest.fail(f"{why} and KVWIRE_REQUIRE_ETCD=1")
@@ -103,7 +98,7 @@ def etcd():
     if not kvwire._native.Engine.has_etcd():
         _skip_or_fail("this kvwire was built without etcd (maturin --features etcd)")
     d = tempfile.mkdtemp(prefix="kvwire-py-etcd-")
-    client, peer = _free_port(), _free_port()
+    client, peer = free_port(), free_port()
     endpoint, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
     log = open(os.path.join(d, "etcd.log"), "w")
     proc = subprocess.Popen(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 import kvwire
 import common
 import sglang_common as sc
+from ports import free_port
 
 PSK = kvwire.gen_psk()
 
@@ -37,12 +37,6 @@ def ks():
     os.environ["KVWIRE_PSK"] = PSK.hex()  # every manager (and peer) reads it, as a server does
     ks.install()
     return ks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prefill:

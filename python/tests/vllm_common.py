@@ -26,6 +26,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
+from ports import free_port  # noqa: F401  (the tests call vc.free_port)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 BLOCK_SIZE = 16
 LAYERS = 2
@@ -325,14 +327,6 @@ class Engine:
             if not bool((sel == fill).all()):
                 return False
         return True
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peer_argv(*args: str) -> List[str]:

@@ -106,6 +106,12 @@ impl Node {
         &self.inner.rooms
     }
 
+    /// The admission policy of this node's connections (its pool, context length and page
+    /// size): what a prefill checks a request against before it reaches a transfer.
+    pub fn admission_policy(&self) -> kvwire_proto::admission::AdmissionPolicy {
+        crate::sender::admission_policy(self.pool(), &self.config().engine)
+    }
+
     /// Where the extra TCP streams of the node's connections wait to be claimed.
     pub(crate) fn joins(&self) -> &super::streams::Joins {
         &self.inner.joins

@@ -641,68 +641,6 @@ mod tests {
         assert!(KvMemory::from_buffers(&g, vec![vec![0; 4096 * 8].into()]).is_err());
     }
 
-    /// Device buffers are registered with their kind, never reachable through host
-    /// references, and need the device's operations.
-    #[test]
-    fn device_buffers_are_registered_by_kind_and_refused_on_the_host() {
-        use crate::gpu::HostStandIn;
-        use crate::memory::PagePool;
-
-        let g = geometry();
-        let dev = HostStandIn::new(2);
-        let mut host = vec![7u8; 4096 * 8];
-        let device = dev.alloc(512 * 8, 9);
-        let buffers = vec![
-            KvBuffer::Host {
-                ptr: NonNull::new(host.as_mut_ptr()).unwrap(),
-                len: host.len(),
-            },
-            KvBuffer::Device {
-                ptr: device,
-                len: 512 * 8,
-            },
-        ];
-        // SAFETY: `host` outlives the memory and is not touched meanwhile; `device` is the
-        // stand-in's allocation of that length.
-        let missing = unsafe { KvMemory::from_buffers_in(&g, buffers.clone(), None) };
-        assert_eq!(missing.unwrap_err(), PoolError::NoDeviceOps { buffer: 1 });
-        // SAFETY: as above.
-        let m = unsafe { KvMemory::from_buffers_in(&g, buffers, Some(dev.ops())) }.unwrap();
-        assert_eq!(m.kind(0), Some(MemoryKind::Host));
-        assert_eq!(m.kind(1), Some(MemoryKind::Device { ordinal: 2 }));
-        assert!(m.has_device_memory());
-        assert_eq!(m.region(1), None, "no host region for a device buffer");
-        assert_eq!(m.device_page(3, 1), Some(device.offset(3 * 512)));
-        assert_eq!(m.device_page(3, 0), None);
-        let pool = PagePool::with_memory(g, m, crate::memory::Scrub::Zero).unwrap();
-        assert!(pool.raw_page(3, 1).is_none());
-        assert_eq!(
-            pool.engine_page(3, 1).unwrap_err(),
-            PoolError::DeviceMemory { buffer: 1 }
-        );
-        assert!(pool.engine_page(3, 0).is_ok());
-        let mut out = vec![0u8; 512];
-        pool.engine_read(3, 1, &mut out).unwrap();
-        assert!(out.iter().all(|&x| x == 9));
-        pool.engine_write(3, 1, &[5u8; 512]).unwrap();
-        assert_eq!(
-            dev.read_vec(device.offset(3 * 512), 512).unwrap(),
-            vec![5u8; 512]
-        );
-        // A leased page is not the engine's to write; released, it is scrubbed on the device.
-        let lease = pool.lease_pages(&[3]).unwrap().pop().unwrap();
-        assert!(pool.engine_write(3, 1, &[6u8; 512]).is_err());
-        pool.write_page(&lease, 1, &[6u8; 512]).unwrap();
-        pool.release(lease).unwrap();
-        assert_eq!(
-            dev.read_vec(device.offset(3 * 512), 512).unwrap(),
-            vec![0u8; 512]
-        );
-        assert_eq!(dev.stats().fills, 1);
-        drop(pool);
-        assert!(host.iter().take(4096 * 3).all(|&x| x == 7));
-    }
-
     #[test]
     fn caller_memory_is_used_in_place_and_not_freed() {
         let g = geometry();

@@ -59,8 +59,7 @@ impl Manager {
 
     /// The node's admission policy (its pool, context length and page size).
     pub(super) fn admission(&self) -> kvwire_proto::admission::AdmissionPolicy {
-        let node = &self.inner.node;
-        crate::sender::admission_policy(node.pool(), &node.config().engine)
+        self.inner.node.admission_policy()
     }
 
     /// How long a prefill's request waits for its decode's reservation.
