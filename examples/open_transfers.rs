@@ -15,10 +15,10 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
-use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn};
 use kvwire::proto::admission::Request;
 use kvwire::receiver::ReserveParams;
 use kvwire::{Auth, PoolGeometry, TransferId};
+use kvwire::{Node, NodeConfig, ReceiverConn, SenderConn};
 
 /// The system allocator, counting the bytes live.
 struct Counting;

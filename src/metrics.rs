@@ -1,6 +1,6 @@
 //! Counters and gauges of an engine, in the Prometheus text format.
 //!
-//! Shared by every connection of a node through [`crate::engine::NodeConfig::metrics`];
+//! Shared by every connection of a node through [`crate::NodeConfig::metrics`];
 //! [`serve`] exposes them over HTTP (`kvwire bench --metrics-addr`).
 
 use std::sync::Arc;

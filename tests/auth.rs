@@ -7,13 +7,13 @@ use kvwire::TransferId;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvwire::engine::{Auth, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::proto::admission::Request;
 use kvwire::proto::auth::{AuthError, Psk, AUTH_FLAG};
 use kvwire::proto::wire::{ErrorCode, FrameType, HEADER_LEN, TRAILER_LEN};
 use kvwire::receiver::ReserveParams;
 use kvwire::testkit::kv_pattern;
 use kvwire::transport::tcp::DATA_HEADER_LEN;
+use kvwire::{Auth, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

@@ -939,11 +939,11 @@ mod engine {
     use std::time::Duration;
 
     use kvwire::config::TransportConfig;
-    use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn};
     use kvwire::proto::admission::Request;
     use kvwire::receiver::ReserveParams;
     use kvwire::testkit::kv_pattern;
     use kvwire::TransferId;
+    use kvwire::{Node, NodeConfig, ReceiverConn, SenderConn};
 
     /// Two connections one after the other over the same two nodes: the second reuses each
     /// node's registration (the way a connection recovers after its link failed).

@@ -21,12 +21,12 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::{assert_invariants, try_reserve, try_send};
-use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::{ErrorCode, FrameType};
 use kvwire::receiver::ReserveParams;
 use kvwire::testkit::{kv_pattern, Pair, PairConfig};
 use kvwire::testkit::{Fault, FaultRule, Side, Step};
+use kvwire::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 
 /// splitmix64: small, seedable, good enough to pick faults.
 struct Rng(u64);

@@ -4,12 +4,12 @@
 use kvwire::TransferId;
 use std::time::Duration;
 
-use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use kvwire::proto::admission::Request;
 use kvwire::proto::wire::{DigestAlgorithm, ErrorCode};
 use kvwire::proto::{FailureReason, Wait};
 use kvwire::receiver::ReserveParams;
 use kvwire::testkit::{first_pattern_mismatch, kv_pattern};
+use kvwire::{Node, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use tokio::net::TcpListener;
 
 async fn pair(config: &NodeConfig) -> (SenderConn, ReceiverConn) {

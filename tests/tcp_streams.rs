@@ -8,14 +8,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvwire::engine::{
-    EngineError, Listener, ListenerConfig, Node, NodeConfig, ReceiverConn, SenderConn,
-};
 use kvwire::proto::admission::Request;
 use kvwire::receiver::ReserveParams;
 use kvwire::testkit::{first_pattern_mismatch, kv_pattern};
 use kvwire::transport::tcp::JoinRecord;
 use kvwire::TransferId;
+use kvwire::{EngineError, Listener, ListenerConfig, Node, NodeConfig, ReceiverConn, SenderConn};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 

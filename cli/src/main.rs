@@ -303,7 +303,7 @@ fn check_config(file: &std::path::Path) -> ExitCode {
     );
     // The rest of the file is checked without the key; whether a key is found is reported
     // (the key may be provided only on the serving host).
-    if let Err(e) = cfg.node_config_with(kvwire::engine::Auth::Off) {
+    if let Err(e) = cfg.node_config_with(kvwire::Auth::Off) {
         eprintln!("kvwire check-config: {e}");
         return ExitCode::from(2);
     }
@@ -340,8 +340,8 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     let auth = if !two_process && !a.insecure_no_auth && a.psk_file.is_none() {
         // Both ends in this process: an ephemeral key, unless one was given.
         match kvwire::config::auth::find_psk(None) {
-            Ok(Some((k, _))) => kvwire::engine::Auth::Psk(k),
-            Ok(None) => kvwire::engine::Auth::ephemeral(),
+            Ok(Some((k, _))) => kvwire::Auth::Psk(k),
+            Ok(None) => kvwire::Auth::ephemeral(),
             Err(e) => {
                 eprintln!("kvwire bench: {e}");
                 return ExitCode::from(2);

@@ -8,7 +8,7 @@
 //! ```
 //! # tokio::runtime::Runtime::new().unwrap().block_on(async {
 //! use std::time::Duration;
-//! use kvwire::engine::{Node, NodeConfig, ReceiverConn, SenderConn};
+//! use kvwire::{Node, NodeConfig, ReceiverConn, SenderConn};
 //! use kvwire::proto::admission::Request;
 //! use kvwire::receiver::ReserveParams;
 //! use kvwire::TransferId;
@@ -42,7 +42,7 @@ mod rooms;
 mod sender;
 mod streams;
 
-pub use crate::config::{random_bytes, Auth, NodeConfig};
+use crate::config::NodeConfig;
 
 use kvwire_proto::admission::AdmissionError;
 use kvwire_proto::auth::AuthError;

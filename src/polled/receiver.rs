@@ -7,9 +7,9 @@ use kvwire_proto::wire::{ErrorCode, TransferId};
 
 use super::aux::AuxBuffers;
 use super::{Conn, Error, ErrorKind, KvPoll, Manager, Shared, Target};
+use crate::engine::ReserveParams;
 use crate::engine::{ReceiverConn, Verified};
 use crate::memory::Holder;
-use crate::engine::ReserveParams;
 use tokio::runtime::Handle;
 
 /// What a verified transfer delivered, kept until the engine releases it.

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 
 use kvwire::checksum::DigestMode;
 use kvwire::config::{EngineConfig, TransportConfig};
-use kvwire::engine::NodeConfig;
 use kvwire::memory::PoolGeometry;
+use kvwire::NodeConfig;
 
 /// The transport a bench runs over.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -121,12 +121,12 @@ pub struct BenchSpec {
     /// Peer authentication of every connection (reported as "psk (key id ...)" or "off",
     /// never the key). In one process, an ephemeral key serves both ends.
     #[serde(serialize_with = "serialize_auth")]
-    pub auth: kvwire::engine::Auth,
+    pub auth: kvwire::Auth,
     /// The transport.
     pub transport: BenchTransport,
 }
 
-fn serialize_auth<S: serde::Serializer>(a: &kvwire::engine::Auth, s: S) -> Result<S::Ok, S::Error> {
+fn serialize_auth<S: serde::Serializer>(a: &kvwire::Auth, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&a.describe())
 }
 
@@ -161,7 +161,7 @@ impl Default for BenchSpec {
             liveness: kvwire::proto::liveness::LivenessConfig::default(),
             metrics: None,
             on_transfer: None,
-            auth: kvwire::engine::Auth::ephemeral(),
+            auth: kvwire::Auth::ephemeral(),
             transport: BenchTransport::Tcp,
         }
     }
