@@ -36,9 +36,9 @@ def aux_record(room: int) -> bytes:
     return bytes((room * 7 + i) % 256 for i in range(AUX_BYTES))
 
 
-def buffers(pages: int = PAGES, fill: int = 0):
+def buffers(pages: int = PAGES, fill: int = 0, aux_slots: int = AUX_SLOTS):
     kv = [np.full((pages, PAGE_BYTES), fill, dtype=np.uint8) for _ in range(BUFFERS)]
-    aux = [np.zeros((AUX_SLOTS, 16), np.uint8), np.zeros((AUX_SLOTS, 8), np.uint8)]
+    aux = [np.zeros((aux_slots, 16), np.uint8), np.zeros((aux_slots, 8), np.uint8)]
     return kv, aux
 
 
@@ -49,8 +49,9 @@ TRANSPORT = os.environ.get("KVWIRE_PY_TRANSPORT", "tcp")
 IB_DEVICE = os.environ.get("KVWIRE_PY_IB_DEVICE") or None
 
 
-def manager(role: str, psk: Optional[bytes], pages: int = PAGES, fill: int = 0, **kw: Any):
-    kv, aux = buffers(pages, fill)
+def manager(role: str, psk: Optional[bytes], pages: int = PAGES, fill: int = 0,
+            aux_slots: int = AUX_SLOTS, **kw: Any):
+    kv, aux = buffers(pages, fill, aux_slots)
     if psk is None:
         kw.setdefault("insecure_no_auth", True)
     if TRANSPORT != "tcp":
