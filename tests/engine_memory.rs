@@ -466,3 +466,52 @@ async fn a_taken_outcome_sees_a_decode_abort_before_the_final_chunk() {
         Err(TransferError::ConnectionClosed)
     ));
 }
+
+/// The seed incident at the engine API: a prompt longer than the decode node's context (though
+/// its pool could hold it, and the prefill, serving a longer context, admitted it) is refused by
+/// the decode's reserve before anything is leased, and the prefill's transfer fails at once
+/// with PROMPT_EXCEEDS_CONTEXT: no page is written on either side. (The chaos cluster found
+/// this check only in the poll-style facade, scripts/cluster/run.py.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_over_the_decodes_context_is_refused_at_reserve_and_the_prefill_told() {
+    let config = NodeConfig::example();
+    let mut short = config.clone();
+    short.engine.max_context_tokens = 1024;
+    let prefill = Node::new(config.clone()).unwrap();
+    let decode = Node::new(short).unwrap();
+    let (s, r) = connect(&prefill, &decode).await;
+    let id = TransferId(77);
+    let tokens = 2000; // 125 pages: the decode's pool (256) holds them, its context does not
+    let admitted = s
+        .admit(Request {
+            transfer_id: id,
+            tokens: tokens.into(),
+        })
+        .unwrap();
+    let sent = s.send(admitted, |_, _, page| page.fill(0xAB));
+    let refused = r
+        .reserve(ReserveParams::new(id, tokens, Duration::from_secs(10)))
+        .await;
+    assert!(
+        matches!(
+            refused,
+            Err(TransferError::Reserve(ReceiveError::ExceedsContext {
+                tokens: 2000,
+                context: 1024
+            }))
+        ),
+        "{refused:?}"
+    );
+    let e = sent.await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TransferError::Failed(kvwire::FailureReason::PeerAbort { code, .. })
+                if code == kvwire::ErrorCode::PROMPT_EXCEEDS_CONTEXT
+        ),
+        "{e:?}"
+    );
+    assert!(decode.pool().held_pages().is_empty());
+    assert_eq!(decode.pool().free_pages(), 256);
+    assert!(prefill.pool().held_pages().is_empty());
+}

@@ -278,6 +278,10 @@ impl Error {
             TransferError::ConnectionClosed => {
                 Self::new(ErrorKind::PeerLost, e.to_string()).retryable(true)
             }
+            TransferError::Reserve(crate::engine::ReceiveError::ExceedsContext { .. }) => {
+                Self::new(ErrorKind::Rejected, e.to_string())
+                    .with_code(ErrorCode::PROMPT_EXCEEDS_CONTEXT)
+            }
             TransferError::Reserve(_) => {
                 Self::new(ErrorKind::ReservationFailed, e.to_string()).retryable(retryable)
             }

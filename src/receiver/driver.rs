@@ -98,6 +98,15 @@ pub enum ReceiveError {
     /// memory window failed, or the pages are too scattered for one descriptor).
     #[error("transport could not scope access to the pages: {0}")]
     Access(String),
+    /// The prompt is longer than the context this node serves: nothing was reserved, and the
+    /// sender was told (PROMPT_EXCEEDS_CONTEXT, SPEC §5.1 "Refused before reservation").
+    #[error("rejected at the decode node: prompt of {tokens} tokens exceeds its context length of {context} tokens")]
+    ExceedsContext {
+        /// The request's tokens.
+        tokens: u32,
+        /// This node's context length.
+        context: u64,
+    },
 }
 
 /// KV pages of a verified transfer, owned by the engine until it gives them back with
@@ -217,6 +226,8 @@ pub struct ReceiverDriver<T> {
     digest_at_landing: bool,
     outcomes: VecDeque<ReceiveOutcome>,
     stats: ReceiverDriverStats,
+    /// The context length this node serves: a longer prompt is refused before reserving.
+    max_context_tokens: u64,
 }
 
 impl<T: ReceiverTransport> ReceiverDriver<T> {
@@ -246,6 +257,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             digest_at_landing: true,
             outcomes: VecDeque::new(),
             stats: ReceiverDriverStats::default(),
+            max_context_tokens: engine.max_context_tokens,
         })
     }
 
@@ -262,6 +274,21 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
     pub fn reserve(&mut self, now: Instant, p: ReserveParams) -> Result<TransferRef, ReceiveError> {
         if self.core.closed.is_some() {
             return Err(ReserveError::PeerLost.into());
+        }
+        if u64::from(p.tokens) > self.max_context_tokens {
+            // The seed incident's request: never reserved, never transferred; the sender
+            // fails it at once with this code.
+            let e = ReceiveError::ExceedsContext {
+                tokens: p.tokens,
+                context: self.max_context_tokens,
+            };
+            self.refuse(
+                now,
+                p.transfer_id,
+                ErrorCode::PROMPT_EXCEEDS_CONTEXT,
+                e.to_string(),
+            );
+            return Err(e);
         }
         let holder = Holder::Receiving(p.transfer_id);
         let leases = match &p.pages {
