@@ -436,6 +436,16 @@ fn poll_inputs<D: crate::driver::Driver>(
 /// the writes go. With 100 single-page transfers in flight this cut the system calls per
 /// transfer several-fold (docs/BENCHMARKS.md); a large batch still goes out in parts
 /// ([`crate::transport::Transport::hold_writes`]) so that the peer is never idle for long.
+/// Hands finished transfers over; first, if the connection ended, says so to the handles
+/// (`is_closed`), so that no transfer reported failed by it can see it still up: a transfer
+/// about to pick a connection never picks one whose peer is already gone.
+fn report<T: ConnectionTask>(task: &mut T, ended: &AtomicBool) {
+    if crate::driver::Driver::closed(task.driver()).is_some() {
+        ended.store(true, Ordering::Release);
+    }
+    task.report();
+}
+
 pub(crate) async fn run_task<T: ConnectionTask>(
     mut task: T,
     mut commands: tokio::sync::mpsc::UnboundedReceiver<T::Command>,
@@ -451,13 +461,7 @@ pub(crate) async fn run_task<T: ConnectionTask>(
     // Writes are held (or commands were handled) since the last release.
     let mut held = false;
     loop {
-        // Seen by the handles at once (`is_closed`), before the transfers it failed are
-        // reported: a transfer about to pick a connection never picks one whose peer is
-        // already gone.
-        if task.driver().closed().is_some() {
-            ended.store(true, Ordering::Release);
-        }
-        task.report();
+        report(&mut task, &ended);
         if held {
             held = false;
             // Only worth a scheduler turn when the transport coalesces what it holds and other
@@ -480,7 +484,7 @@ pub(crate) async fn run_task<T: ConnectionTask>(
                 std::task::Poll::Ready(())
             })
             .await;
-            task.report();
+            report(&mut task, &ended);
         }
         // Checked before waiting: once every engine handle is gone and nothing is open,
         // nothing more can happen on this connection (its pool lives on in the verified
