@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "python", "tests"))
 
 from kvwire import KVPoll, KVReceiver, KVSender  # noqa: E402
 
+import kvwire  # noqa: E402
 import common  # noqa: E402  (the byte pattern, the aux record, the buffers)
 
 AUX_SLOTS = 128
@@ -127,14 +128,21 @@ class Node:
             t = r["t"]
             state = t.poll()
             if self.role == "prefill" and state == KVPoll.WaitingForInput:
+                began = time.monotonic()
                 if not r["init"]:
                     t.init(len(r["pages"]), r["slot"], r["tokens"])
                     r["init"] = True
                     r["next"] = 0
+                    slow(began, "init")
                 # One chunk per loop turn: chunked prefill computes them one after another.
                 if r["next"] < len(r["chunks"]) and t.poll() == KVPoll.WaitingForInput:
                     n = r["chunks"][r["next"]]
-                    t.send(r["pages"][r["sent"]:r["sent"] + n])
+                    began = time.monotonic()
+                    try:
+                        t.send(r["pages"][r["sent"]:r["sent"] + n])
+                    except kvwire.TransferError:
+                        pass  # the transfer failed: its poll says so, typed
+                    slow(began, "send")
                     r["sent"] += n
                     r["next"] += 1
                 continue
@@ -183,11 +191,24 @@ def main() -> None:
             buf += chunk
             while "\n" in buf:
                 line, buf = buf.split("\n", 1)
-                if line.strip() and not node.command(json.loads(line)):
+                cmd = json.loads(line) if line.strip() else None
+                began = time.monotonic()
+                if cmd is not None and not node.command(cmd):
                     node.mgr.shutdown(10.0)
                     out(ev="bye")
                     return
+                slow(began, cmd and cmd["op"])
+        began = time.monotonic()
         node.step()
+        slow(began, "step")
+
+
+def slow(began: float, what: Any) -> None:
+    """A call into kvwire that held the engine's loop for over 1 s: reported (an engine's
+    scheduler must never stall on its transfer layer)."""
+    took = time.monotonic() - began
+    if took > 1.0:
+        out(ev="slow", what=what, s=round(took, 2))
 
 
 if __name__ == "__main__":

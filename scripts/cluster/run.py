@@ -240,6 +240,7 @@ def main() -> None:
     violations: List[str] = []
     faults: List[Dict[str, Any]] = []
     counts = {"no_pages": 0}
+    slow: List[Dict[str, Any]] = []
     t0 = time.monotonic()
     next_fault = t0 + 3.0 + rng.expovariate(1 / a.fault_every)
     pending_restart: List[Tuple[float, Proc]] = []
@@ -253,6 +254,9 @@ def main() -> None:
     def on_event(node: Proc, ev: Dict[str, Any]) -> None:
         if ev["ev"] == "ready":
             node.ready = ev
+            return
+        if ev["ev"] == "slow":
+            slow.append({"at": round(time.monotonic() - t0, 2), "node": node.name, "call": ev["what"], "s": ev["s"]})
             return
         if ev["ev"] != "end":
             return
@@ -497,6 +501,7 @@ def main() -> None:
         "connections_cut": sum(p.cut for p in proxies.values()),
         "recovery_s": {"p50": pct(0.5), "p99": pct(0.99),
                        "never": sum(1 for f in faults if f["recovered_s"] is None and f["node"] != "etcd")},
+        "slow_calls": slow,
         "violations": violations,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.report)), exist_ok=True)

@@ -280,10 +280,16 @@ impl SenderTransfer {
             return Ok(());
         };
         let taken = out.send_chunk(pages.to_vec(), aux);
+        // The slot's lock is let go while the connection takes the chunk: tasks on the
+        // runtime's threads take it (opening this transfer when its decode names it), and a
+        // thread blocked on it cannot run the connection's task that answers. (In the chaos
+        // cluster a prefill's `send` once waited out the whole call timeout, 30 s, stalling
+        // its engine loop; docs/CLUSTER.md.)
+        drop(slot);
         self.manager
             .block(taken, self.manager.config().call_timeout)?
             .map_err(|e| Error::from_transfer(&e))?;
-        slot.sent.extend_from_slice(pages);
+        self.slot().sent.extend_from_slice(pages);
         if last {
             self.shared.advance(KvPoll::Transferring);
         }
