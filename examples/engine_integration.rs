@@ -27,7 +27,7 @@ use std::time::Duration;
 use kvwire::proto::admission::Request;
 use kvwire::{
     Auth, ErrorCode, KvMemory, Listener, ListenerConfig, Node, NodeConfig, PoolGeometry,
-    ReserveParams, SenderConn, TransferError, TransferId, TransportConfig,
+    ReceiveError, ReserveParams, SenderConn, TransferError, TransferId, TransportConfig,
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -186,6 +186,15 @@ async fn decode(addr: SocketAddr, config: NodeConfig) -> Result<(), Error> {
                     }
                     landed.release()?;
                     verified += 1;
+                }
+                // Over this decode's context too: it refuses the request itself before
+                // reserving (and tells the prefill), or, if the prefill's REJECT came first,
+                // fails with the prefill's rejection. Either way nothing was transferred.
+                (
+                    Kind::Rejected,
+                    Err(TransferError::Reserve(ReceiveError::ExceedsContext { .. })),
+                ) => {
+                    eprintln!("decode: {id} refused before reserving, as planned");
                 }
                 (Kind::Rejected, Err(TransferError::Failed(reason)))
                     if reason.code() == ErrorCode::PROMPT_EXCEEDS_CONTEXT =>
