@@ -9,14 +9,17 @@ checker over the whole history. Exits non-zero on any violation; writes a JSON r
 The workload: prompts from 1 token to the decode's context, some over a decode's context (the
 seed incident: they must never reach a transfer), a few over the prefill's too; chunked sends
 with aux records; user cancels on either side; requests to a prefill or a decode that is down.
-The nemesis (this step): kill -9 of a node and its restart under the same rank, SIGSTOP/SIGCONT
-of a node. The checker:
+The nemesis: kill -9 of a node and its restart under the same rank, SIGSTOP/SIGCONT of a node,
+a proxy in front of a prefill flipping bits or cutting connections, etcd stopped; with each node
+in a network namespace of its own (scripts/cluster/net.py; root): a node's link down and up, a
+share of its packets dropped one way, its CPU capped at 5 %. The checker:
   - no request is delivered with a byte or an aux record other than its own;
   - every request ends, on each live side, verified or failed with a typed code, within a bound;
   - a request over the decode's context never reaches a transfer (its prefill sends no page);
   - a request is verified on the prefill only if its decode verified it (when the decode lived);
   - at quiesce every node holds no page (leased or quarantined).
-A failing seed replays the same schedule (timing on a loaded host may still differ).
+A failing seed replays the same schedule (timing on a loaded host may still differ). Writes a JSON
+report and an SVG timeline (throughput, failures by code, faults) beside it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "python", "tests"))
 from ports import free_port  # noqa: E402
 
 import kvwire  # noqa: E402
+from net import Net  # noqa: E402
+import timeline  # noqa: E402
 
 PAGE_SIZE = 16  # tokens per page (python/tests/common.py)
 
@@ -96,14 +101,15 @@ class Proc:
             self.p.wait()
 
 
-def start_etcd(tmp: str) -> Tuple[subprocess.Popen, str]:
+def start_etcd(tmp: str, host: str) -> Tuple[subprocess.Popen, str]:
     binary = shutil.which("etcd")
     if binary is None:
         sys.exit("cluster: etcd is not installed (apt-get install etcd-server)")
     client, peer = free_port(), free_port()
-    endpoint = f"http://127.0.0.1:{client}"
+    endpoint = f"http://{host}:{client}"
+    listen = endpoint if host == "127.0.0.1" else f"http://127.0.0.1:{client},{endpoint}"
     proc = subprocess.Popen(
-        [binary, "--data-dir", os.path.join(tmp, "etcd"), "--listen-client-urls", endpoint,
+        [binary, "--data-dir", os.path.join(tmp, "etcd"), "--listen-client-urls", listen,
          "--advertise-client-urls", endpoint, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
          "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
          "--initial-cluster", f"default=http://127.0.0.1:{peer}",
@@ -125,13 +131,13 @@ class Proxy:
     reaches it through here. Normally it passes bytes; the nemesis makes it flip a byte in the
     prefill-to-decode direction now and then, or cut connections after some bytes."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, host: str) -> None:
         self.target = target
         self.mode = "pass"
         self.rng = random.Random(0)
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", free_port()))
+        self.sock.bind((host, free_port()))
         self.sock.listen(64)
         self.address = "%s:%d" % self.sock.getsockname()
         self.flipped = 0
@@ -207,11 +213,23 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=24)
     ap.add_argument("--fault-every", type=float, default=4.0, help="mean seconds between faults")
     ap.add_argument("--bound", type=float, default=30.0, help="seconds a request may stay open")
+    ap.add_argument("--netns", choices=["auto", "on", "off"], default="auto",
+                    help="each node in a network namespace of its own (root); auto: where the machine can; "
+                         "KVWIRE_REQUIRE_NETNS=1 makes a machine that cannot fail")
     ap.add_argument("--report", default="target/cluster/report.json")
     a = ap.parse_args()
     rng = random.Random(a.seed)
+    why_not = Net.unavailable() if a.netns != "off" else "--netns off"
+    if why_not is not None and (a.netns == "on" or os.environ.get("KVWIRE_REQUIRE_NETNS") == "1"):
+        sys.exit(f"cluster: network namespaces required but unavailable: {why_not}")
+    if why_not is not None:
+        print(f"cluster: nodes share the host's network (no link, loss or CPU faults): {why_not}", file=sys.stderr)
+    net = Net(a.prefills + a.decodes) if why_not is None else None
+    if net is not None:
+        net.up()
+    host = net.gateway if net else "127.0.0.1"
     tmp = tempfile.mkdtemp(prefix="kvwire-cluster-")
-    etcd, endpoint = start_etcd(tmp)
+    etcd, endpoint = start_etcd(tmp, host)
     psk = kvwire.gen_psk().hex()
     cluster = f"chaos{a.seed}"
     # Decodes serve a shorter context than prefills, and shorter than their pool holds: prompts
@@ -221,8 +239,12 @@ def main() -> None:
     decode_context, prefill_context = 128 * PAGE_SIZE, prefill_pages * PAGE_SIZE
 
     # Each prefill listens on a port of its own (kept across restarts) behind a proxy.
-    listen = {i: f"127.0.0.1:{free_port()}" for i in range(a.prefills)}
-    proxies = {i: Proxy(listen[i]) for i in range(a.prefills)}
+    listen = {i: f"{net.address(i) if net else '127.0.0.1'}:{free_port()}" for i in range(a.prefills)}
+    proxies = {i: Proxy(listen[i], host) for i in range(a.prefills)}
+
+    def index(role: str, rank: int) -> int:
+        """The node's place among all nodes: its namespace and address."""
+        return rank if role == "prefill" else a.prefills + rank
 
     def argv(role: str, rank: int) -> List[str]:
         v = [sys.executable, os.path.join(HERE, "node.py"), role, "--rank", str(rank),
@@ -232,7 +254,7 @@ def main() -> None:
             v += ["--context", str(decode_context)]
         if role == "prefill":
             v += ["--listen", listen[rank], "--advertise", proxies[rank].address]
-        return v
+        return net.wrap(index(role, rank), v) if net else v
 
     nodes = {("prefill", i): Proc("prefill", i, argv("prefill", i)) for i in range(a.prefills)}
     nodes.update({("decode", i): Proc("decode", i, argv("decode", i)) for i in range(a.decodes)})
@@ -300,39 +322,79 @@ def main() -> None:
     pending_heal: List[Tuple[float, Any]] = []
     etcd_state = {"proc": etcd}
 
+    net_faulted: set = set()  # nodes under a link, loss or CPU fault now
+
+    # Faults come in rounds, each kind once per round (kill twice) in a seeded order, so that
+    # a short run sees every kind; a fault that cannot be injected now is tried again next.
+    round_of_kinds: List[str] = []
+
     def fault(now: float) -> None:
-        kind = rng.choice(["kill", "kill", "stop", "flip", "cut", "etcd"])
+        if not round_of_kinds:
+            round_of_kinds.extend(["kill", "kill", "stop", "flip", "cut", "etcd"] + (["link", "loss", "starve"] if net else []))
+            rng.shuffle(round_of_kinds)
+        kind = round_of_kinds.pop(0)
+        if not inject(now, kind):
+            round_of_kinds.insert(0, kind)
+
+    def inject(now: float, kind: str) -> bool:
         if kind in ("flip", "cut"):
             rank = rng.randrange(a.prefills)
             if proxies[rank].mode != "pass":
-                return
-            faults.append({"at": round(now - t0, 2), "kind": kind, "node": f"prefill{rank}"})
+                return False
+            d = rng.uniform(0.5, 2.0)
+            faults.append({"at": round(now - t0, 2), "until": round(now + d - t0, 2), "kind": kind,
+                           "node": f"prefill{rank}"})
             proxies[rank].mode = kind
-            pending_heal.append((now + rng.uniform(0.5, 2.0), proxies[rank]))
-            return
+            pending_heal.append((now + d, proxies[rank]))
+            return True
         if kind == "etcd":
             if etcd_state["proc"] is None:
-                return
+                return False
             # Discovery goes away for a while (its data stays): resolving fails typed, the
             # connections already up keep serving, registrations come back after it.
-            faults.append({"at": round(now - t0, 2), "kind": kind, "node": "etcd"})
+            d = rng.uniform(1.0, 3.0)
+            faults.append({"at": round(now - t0, 2), "until": round(now + d - t0, 2), "kind": kind, "node": "etcd"})
             etcd_state["proc"].send_signal(signal.SIGSTOP)
-            pending_heal.append((now + rng.uniform(1.0, 3.0), "etcd"))
+            pending_heal.append((now + d, "etcd"))
             etcd_state["proc"] = None
-            return
+            return True
         victim = nodes[rng.choice(sorted(nodes))]
-        if not victim.alive() or victim.ready is None or victim.stopped:
-            return
-        faults.append({"at": round(now - t0, 2), "kind": kind, "node": victim.name})
+        if not victim.alive() or victim.ready is None or victim.stopped or victim.name in net_faulted:
+            return False
+        f = {"at": round(now - t0, 2), "kind": kind, "node": victim.name}
+        faults.append(f)
+        i = index(victim.role, victim.rank)
+        if kind in ("link", "loss", "starve"):
+            assert net is not None
+            if kind == "link":
+                net.link(i, up=False)
+                heal = ("link", i)
+                until = rng.uniform(0.5, 3.0)
+            elif kind == "loss":
+                f["direction"], f["share"] = rng.choice(["in", "out"]), round(rng.uniform(0.1, 0.5), 2)
+                net.loss(i, f["direction"], f["share"])
+                heal = ("loss", i)
+                until = rng.uniform(1.0, 4.0)
+            else:
+                net.starve(i, victim.p.pid, 0.05)
+                heal = ("starve", i)
+                until = rng.uniform(1.0, 4.0)
+            net_faulted.add(victim.name)
+            pending_heal.append((now + until, (heal, victim.name, f)))
+            return True
         if kind == "kill":
             victim.kill()
             node_down(victim)
-            pending_restart.append((now + rng.uniform(0.5, 2.0), victim))
+            d = rng.uniform(0.5, 2.0)
+            pending_restart.append((now + d, victim))
         else:
             # Its requests stay open in the stopped process and must end once it runs again.
             victim.p.send_signal(signal.SIGSTOP)
             victim.stopped = True
-            pending_cont.append((now + rng.uniform(0.5, 3.0), victim))
+            d = rng.uniform(0.5, 3.0)
+            pending_cont.append((now + d, victim))
+        f["until"] = round(now + d - t0, 2)
+        return True
 
     try:
         while any(n.ready is None for n in nodes.values()):
@@ -354,6 +416,16 @@ def main() -> None:
                     if what == "etcd":
                         etcd.send_signal(signal.SIGCONT)
                         etcd_state["proc"] = etcd
+                    elif isinstance(what, tuple):
+                        (kind, i), name, f = what
+                        if kind == "link":
+                            net.link(i, up=True)
+                        elif kind == "loss":
+                            net.loss(i, "out", None)
+                        else:
+                            net.starve(i, 0, None)
+                        f["until"] = round(now - t0, 2)
+                        net_faulted.discard(name)
                     else:
                         what.mode = "pass"
             for when, n in list(pending_cont):
@@ -401,6 +473,12 @@ def main() -> None:
                                     prefill_rank=r.prefill)
                         if not ok:  # down (a stopped node reads it once it runs again)
                             r.lost.add(n.role)
+                    if len(r.lost) == 1:
+                        # The router saw the request fail on a node that is down: it cancels the
+                        # other side at once, as it does when a node cannot schedule it.
+                        other = "prefill" if "decode" in r.lost else "decode"
+                        nodes[(other, r.prefill if other == "prefill" else r.decode)].send(op="cancel", room=room)
+                        r.cancelled_at[other] = now
                     open_now.append(r)
             for r in requests.values():
                 if not r.open_sides():
@@ -452,7 +530,13 @@ def main() -> None:
         # A prefill's success is the decode's verdict: never without the decode's own.
         for r in requests.values():
             p, d = r.ends.get("prefill"), r.ends.get("decode")
-            if p and p["state"] == "verified" and d and d["state"] != "verified":
+            # An abort on the decode that crossed the verdict on its way (the harness
+            # cancelled it) ends CANCELLED there while the prefill verified (kvwire's
+            # ReceiverTransfer::abort says so); any other difference is a violation.
+            crossed = d and d.get("code") == "CANCELLED" and "decode" in r.cancelled_at
+            if p and p["state"] == "verified" and crossed:
+                counts["crossed"] = counts.get("crossed", 0) + 1
+            if p and p["state"] == "verified" and d and d["state"] != "verified" and not crossed:
                 violate(f"room {r.room}: verified on the prefill, {d['state']} ({d.get('code')}) on the decode")
     finally:
         for n in nodes.values():
@@ -467,19 +551,24 @@ def main() -> None:
         etcd.kill()
         etcd.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+        if net is not None:
+            net.down()
 
-    # Recovery: from each fault to the first request through that node verified after it.
+    # Recovery: from each fault's end (the restart, SIGCONT, the link up, ...) to the first
+    # request through that node (any node, after etcd) sent after it and verified.
     for f in faults:
-        if f["node"] == "etcd":
-            f["recovered_s"] = None
-            continue
-        role, rank = f["node"].rstrip("0123456789"), int(f["node"].lstrip("prefilldecode"))
+        through = None
+        if f["node"] != "etcd":
+            role, rank = f["node"].rstrip("0123456789"), int(f["node"].lstrip("prefilldecode"))
+            through = (role, rank)
         times = [r.ends["decode"]["at"] for r in requests.values()
-                 if (r.prefill if role == "prefill" else r.decode) == rank
+                 if (through is None or (r.prefill if through[0] == "prefill" else r.decode) == through[1])
                  and r.ends.get("decode", {}).get("state") == "verified"
-                 and r.sent_at - t0 >= f["at"]]
-        f["recovered_s"] = round(min(times) - f["at"], 2) if times else None
+                 and r.sent_at - t0 >= f["until"]]
+        f["recovered_s"] = round(min(times) - f["until"], 2) if times else None
     rec = sorted(f["recovered_s"] for f in faults if f["recovered_s"] is not None)
+    # A fault that ended within 5 s of the workload's end may see no request after it.
+    never = [f for f in faults if f["recovered_s"] is None and f["until"] < a.seconds - 5]
 
     def pct(q: float) -> Optional[float]:
         return rec[min(len(rec) - 1, int(q * len(rec)))] if rec else None
@@ -494,19 +583,25 @@ def main() -> None:
         "seed": a.seed, "seconds": a.seconds, "prefills": a.prefills, "decodes": a.decodes,
         "requests": len(requests), "verified": verified,
         "over_context": sum(1 for r in requests.values() if r.over_context),
-        "no_pages": counts["no_pages"], "failures_by_code": dict(sorted(by_code.items())),
+        "no_pages": counts["no_pages"], "aborts_crossing_verdict": counts.get("crossed", 0),
+        "failures_by_code": dict(sorted(by_code.items())),
         "faults": faults,
-        "faults_by_kind": {k: sum(1 for f in faults if f["kind"] == k) for k in ("kill", "stop", "flip", "cut", "etcd")},
+        "netns": net is not None,
+        "faults_by_kind": {k: sum(1 for f in faults if f["kind"] == k)
+                           for k in ("kill", "stop", "flip", "cut", "etcd", "link", "loss", "starve")},
         "bytes_flipped": sum(p.flipped for p in proxies.values()),
         "connections_cut": sum(p.cut for p in proxies.values()),
         "recovery_s": {"p50": pct(0.5), "p99": pct(0.99),
-                       "never": sum(1 for f in faults if f["recovered_s"] is None and f["node"] != "etcd")},
+                       "never": len(never)},
         "slow_calls": slow,
         "violations": violations,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.report)), exist_ok=True)
     with open(a.report, "w") as f:
         json.dump(report, f, indent=1)
+    svg = os.path.splitext(a.report)[0] + ".svg"
+    with open(svg, "w") as f:
+        f.write(timeline.svg(report, [(side, e) for r in requests.values() for side, e in r.ends.items()]))
     print(json.dumps({k: v for k, v in report.items() if k not in ("faults",)}, indent=1))
     if violations:
         print(f"cluster: {len(violations)} violations (seed {a.seed})", file=sys.stderr)

@@ -271,6 +271,13 @@ impl ReceiverTransfer {
     /// Aborts the transfer: it fails at once with [`ErrorKind::Aborted`](super::ErrorKind)
     /// (`CANCELLED`); kvwire fences the reservation (no write for it can land any more) and
     /// tells the sender. Nothing happens to a transfer that already ended.
+    ///
+    /// "Ended" is what [`poll`](Self::poll) read: the abort takes effect here at once, before
+    /// the connection hears of it. An abort that crosses the verdict on its way (the
+    /// connection had verified the transfer and told the sender, but this handle had not read
+    /// it yet) still fails the transfer here with `CANCELLED`, while the sender reports it
+    /// verified: the bytes were verified, this engine chose not to use them, and the pages go
+    /// back as for any abort.
     pub fn abort(&self) {
         let slot = self.slot();
         if self.shared.poll().is_final() {
