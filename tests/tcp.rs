@@ -595,3 +595,101 @@ async fn held_frames_go_out_on_release_or_once_a_batch_is_queued() {
         (10..26).map(Frame::Ping).collect::<Vec<_>>()
     );
 }
+
+/// A proxy that forwards the receiver's bytes to the sender always, and the sender's to the
+/// receiver until `stall` is notified; then it stops reading from the sender (and keeps both
+/// sockets open): a peer that keeps talking but no longer reads.
+async fn one_way_stalling_proxy(
+    target: std::net::SocketAddr,
+) -> (std::net::SocketAddr, std::sync::Arc<tokio::sync::Notify>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stall = std::sync::Arc::new(tokio::sync::Notify::new());
+    let st = stall.clone();
+    tokio::spawn(async move {
+        let (client, _) = listener.accept().await.unwrap();
+        let server = tokio::net::TcpStream::connect(target).await.unwrap();
+        let (mut from_sender, mut to_sender) = client.into_split();
+        let (mut from_receiver, mut to_receiver) = server.into_split();
+        let back = tokio::spawn(async move {
+            let _ = tokio::io::copy(&mut from_receiver, &mut to_sender).await;
+        });
+        let mut buf = vec![0u8; 64 * 1024];
+        let stalled = st.notified();
+        tokio::pin!(stalled);
+        loop {
+            tokio::select! {
+                _ = &mut stalled => break,
+                n = from_sender.read(&mut buf) => match n {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => {
+                        if to_receiver.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                },
+            }
+        }
+        // Stalled: nothing more is read from the sender; its bytes back up into its socket.
+        let _keep = (from_sender, to_receiver);
+        let _ = back.await;
+    });
+    (addr, stall)
+}
+
+/// SPEC §8.3, a peer that does not read: the receiver's end keeps sending (its heartbeats
+/// reach the sender) but stops reading, so the sender's page bytes back up in the socket.
+/// The sender declares the peer unresponsive once its bytes found no taker for its liveness
+/// timeout, fails the transfer with `PeerUnresponsive` (not at a protocol deadline, which are
+/// a minute here) and gets its source pages back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_talks_but_does_not_read_is_declared_unresponsive() {
+    let mut config = NodeConfig::example();
+    config.pool = kvwire::PoolGeometry {
+        tokens_per_page: 16,
+        buffer_page_bytes: vec![256 * 1024, 256 * 1024],
+        pages: 64,
+    };
+    config.engine = kvwire::EngineConfig::new(1024);
+    config.sender.verdict_timeout = Duration::from_secs(60);
+    config.sender.reservation_timeout = Duration::from_secs(60);
+    let mut patient = config.clone();
+    // The receiver hears nothing from the sender once the proxy stalls: it must not be the
+    // one that gives up first.
+    patient.liveness.timeout = Duration::from_secs(120);
+    let nodes = (Node::new(config).unwrap(), Node::new(patient).unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (via, stall) = one_way_stalling_proxy(listener.local_addr().unwrap()).await;
+    let decode = nodes.1.clone();
+    let accept = tokio::spawn(async move { ReceiverConn::accept(&listener, &decode).await });
+    let s = SenderConn::connect(via, &nodes.0).await.unwrap();
+    let r = accept.await.unwrap().unwrap();
+    stall.notify_one();
+    // 48 pages of 512 KiB (24 MiB): more than the sockets on the way can hold.
+    let verified = r.reserve(ReserveParams::new(
+        TransferId(1),
+        48 * 16,
+        Duration::from_secs(60),
+    ));
+    let e = tokio::time::timeout(Duration::from_secs(50), send(&s, 1, 48 * 16))
+        .await
+        .expect("the sender still waits on a peer that does not read")
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            TransferError::Failed(FailureReason::PeerUnresponsive)
+                | TransferError::Failed(FailureReason::Unconfirmed { .. })
+        ),
+        "{e:?}"
+    );
+    for _ in 0..2000 {
+        if nodes.0.pool().held_pages().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(nodes.0.pool().held_pages().is_empty(), "source pages held");
+    drop(verified);
+}

@@ -254,7 +254,7 @@ impl fmt::Display for FailureReason {
             }
             Self::WriteFailed => write!(f, "a data write failed"),
             Self::PeerLost => write!(f, "connection to the peer lost"),
-            Self::PeerUnresponsive => write!(f, "peer unresponsive (no heartbeat answer)"),
+            Self::PeerUnresponsive => write!(f, "peer unresponsive (silent, or not reading, for the liveness timeout)"),
             Self::Unconfirmed { cause } => write!(
                 f,
                 "unconfirmed: committed, but no verdict came back ({cause}); the receiver may have delivered"

@@ -15,11 +15,23 @@
 //! Silence is counted only while this node runs: a `handle_timeout` that comes more than one
 //! interval after the deadline [`Liveness::poll_timeout`] asked for (this process was stopped
 //! or starved, so frames may be waiting unread) restarts the count instead of blaming the peer.
+//!
+//! A peer must also **read**: the driver tells [`Liveness::handle_write_blocked`] since when
+//! the connection has taken none of the bytes waiting to go (a peer that keeps sending but
+//! stopped reading fills the socket), and a block as long as the timeout makes the peer
+//! unresponsive too ([`LivenessEvent::NotReading`]). PINGs are answered at most
+//! [`PONGS_PER_INTERVAL`] per interval, so a peer sending them faster cannot make this node
+//! queue PONGs without bound ([`LivenessEvent::PingFlood`], reported once).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use crate::wire::Frame;
+
+/// PINGs answered per `interval` of this node's, at most (SPEC.md §8.3): a peer that sends
+/// them faster has the rest left unanswered (its liveness needs none of them: any frame of
+/// this node's counts as heard).
+pub const PONGS_PER_INTERVAL: u32 = 16;
 
 /// How often to send a heartbeat and how long a silent peer is tolerated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +62,16 @@ pub enum LivenessEvent {
         /// How long the peer had been silent when declared.
         silent_for: Duration,
     },
+    /// The connection took none of this node's waiting bytes for `blocked_for` (at least the
+    /// configured timeout): the peer does not read, and is unresponsive. Reported once, and
+    /// never after [`LivenessEvent::Unresponsive`].
+    NotReading {
+        /// How long the bytes had waited with none taken.
+        blocked_for: Duration,
+    },
+    /// The peer sent more PINGs in one interval than this node answers
+    /// ([`PONGS_PER_INTERVAL`]); the rest go unanswered. Reported once per connection.
+    PingFlood,
 }
 
 /// Counters.
@@ -63,6 +85,8 @@ pub struct LivenessStats {
     pub pings_received: u64,
     /// Times the silence count was restarted because this node itself had not run.
     pub local_stalls: u64,
+    /// PINGs received and left unanswered (beyond [`PONGS_PER_INTERVAL`] per interval).
+    pub pings_unanswered: u64,
 }
 
 /// The heartbeat state of one connection.
@@ -76,6 +100,14 @@ pub struct Liveness {
     outstanding: Option<(u64, Instant)>,
     rtt: Option<Duration>,
     unresponsive: bool,
+    /// Since when the connection has taken none of the bytes waiting to go (the driver's
+    /// report), and the instant the count restarted after this node's own stall.
+    write_blocked_since: Option<Instant>,
+    write_count_from: Instant,
+    /// PINGs that may still be answered before `pong_refill`.
+    pong_budget: u32,
+    pong_refill: Instant,
+    flood_reported: bool,
     transmit: VecDeque<Frame>,
     events: VecDeque<LivenessEvent>,
     stats: LivenessStats,
@@ -94,6 +126,11 @@ impl Liveness {
             outstanding: None,
             rtt: None,
             unresponsive: false,
+            write_blocked_since: None,
+            write_count_from: now,
+            pong_budget: PONGS_PER_INTERVAL,
+            pong_refill: now + config.interval,
+            flood_reported: false,
             transmit: VecDeque::new(),
             events: VecDeque::new(),
             stats: LivenessStats::default(),
@@ -112,8 +149,21 @@ impl Liveness {
         match *frame {
             Frame::Ping(token) => {
                 self.stats.pings_received += 1;
-                if !self.unresponsive {
+                if now >= self.pong_refill {
+                    self.pong_budget = PONGS_PER_INTERVAL;
+                    self.pong_refill = now + self.config.interval;
+                }
+                if self.unresponsive {
+                    // Nothing more goes out.
+                } else if self.pong_budget > 0 {
+                    self.pong_budget -= 1;
                     self.transmit.push_back(Frame::Pong(token));
+                } else {
+                    self.stats.pings_unanswered += 1;
+                    if !self.flood_reported {
+                        self.flood_reported = true;
+                        self.events.push_back(LivenessEvent::PingFlood);
+                    }
                 }
                 true
             }
@@ -139,12 +189,32 @@ impl Liveness {
         }
     }
 
+    /// The driver's report of its outgoing bytes: since when the connection has taken none
+    /// of those waiting to go, or `None` when nothing waits or the last write took some. A
+    /// block that lasts the timeout makes the peer unresponsive
+    /// ([`LivenessEvent::NotReading`]); call before [`Liveness::poll_timeout`] and
+    /// [`Liveness::handle_timeout`].
+    pub fn handle_write_blocked(&mut self, since: Option<Instant>) {
+        self.write_blocked_since = since;
+    }
+
+    /// When the current write block is judged from (after a stall of this node, from then).
+    fn blocked_from(&self) -> Option<Instant> {
+        self.write_blocked_since
+            .map(|since| since.max(self.write_count_from))
+    }
+
     /// When [`Liveness::handle_timeout`] must next be called; `None` once unresponsive.
     pub fn poll_timeout(&self) -> Option<Instant> {
         if self.unresponsive {
             return None;
         }
-        Some(self.next_ping.min(self.last_heard + self.config.timeout))
+        let blocked = self.blocked_from().map(|t| t + self.config.timeout);
+        Some(
+            self.next_ping
+                .min(self.last_heard + self.config.timeout)
+                .min(blocked.unwrap_or(self.next_ping)),
+        )
     }
 
     /// Handles the passage of time: the next PING, or the verdict on a silent peer.
@@ -160,6 +230,7 @@ impl Liveness {
             // Count the silence from now instead of blaming the peer.
             self.stats.local_stalls += 1;
             self.last_heard = now;
+            self.write_count_from = now;
         }
         let silent_for = now.saturating_duration_since(self.last_heard);
         if silent_for >= self.config.timeout {
@@ -168,6 +239,16 @@ impl Liveness {
             self.events
                 .push_back(LivenessEvent::Unresponsive { silent_for });
             return;
+        }
+        if let Some(from) = self.blocked_from() {
+            let blocked_for = now.saturating_duration_since(from);
+            if blocked_for >= self.config.timeout {
+                self.unresponsive = true;
+                self.transmit.clear();
+                self.events
+                    .push_back(LivenessEvent::NotReading { blocked_for });
+                return;
+            }
         }
         if now >= self.next_ping {
             let token = self.next_token;
@@ -295,5 +376,101 @@ mod tests {
             now - (t0 + Duration::from_secs(10)),
             Duration::from_millis(500)
         );
+    }
+
+    #[test]
+    fn a_peer_that_does_not_read_is_unresponsive_after_the_timeout_of_blocked_writes() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(t0, cfg());
+        // The peer keeps talking (a PING every interval) but took none of our bytes since
+        // 200 ms in.
+        let blocked = t0 + Duration::from_millis(200);
+        let mut now = t0;
+        loop {
+            now += Duration::from_millis(100);
+            l.handle_frame(now, &Frame::Ping(now.duration_since(t0).as_millis() as u64));
+            l.handle_write_blocked((now >= blocked).then_some(blocked));
+            assert!(l.poll_timeout().unwrap() <= blocked.max(now) + cfg().timeout);
+            l.handle_timeout(now);
+            if let Some(e) = l.poll_event() {
+                assert_eq!(
+                    e,
+                    LivenessEvent::NotReading {
+                        blocked_for: Duration::from_millis(500)
+                    }
+                );
+                break;
+            }
+            assert!(now < t0 + Duration::from_secs(5), "never declared");
+        }
+        assert_eq!(now, blocked + cfg().timeout);
+        assert!(l.is_unresponsive());
+        assert_eq!(l.poll_timeout(), None);
+    }
+
+    #[test]
+    fn writes_that_progress_keep_a_slow_reader_alive_and_a_stall_of_this_node_restarts_the_count() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(t0, cfg());
+        // Blocked 400 ms at a time, then some bytes go: never the 500 ms timeout.
+        for i in 0..20u64 {
+            let now = t0 + Duration::from_millis(100 * i);
+            l.handle_frame(now, &Frame::Ping(i));
+            l.handle_write_blocked(Some(t0 + Duration::from_millis(400 * (i / 4))));
+            l.handle_timeout(now);
+            assert_eq!(l.poll_event(), None, "at {i}");
+        }
+        // Blocked since 2.0 s; this node then did not run until 4.0 s (stopped): the count
+        // restarts at 4.0 s instead of blaming the peer.
+        let mut l = Liveness::new(t0, cfg());
+        l.handle_write_blocked(Some(t0 + Duration::from_millis(100)));
+        l.handle_frame(t0 + Duration::from_millis(100), &Frame::Ping(1));
+        l.handle_timeout(t0 + Duration::from_millis(100));
+        let late = t0 + Duration::from_secs(4);
+        l.handle_frame(late, &Frame::Ping(2));
+        l.handle_timeout(late);
+        assert_eq!(l.poll_event(), None);
+        assert_eq!(l.stats().local_stalls, 1);
+        // From then on this node runs on time, the peer talks, and the block goes on.
+        let (declared, now) = loop {
+            let now = l.poll_timeout().unwrap();
+            l.handle_frame(now, &Frame::Ping(4));
+            l.handle_timeout(now);
+            if let Some(e) = l.poll_event() {
+                break (e, now);
+            }
+        };
+        assert_eq!(
+            declared,
+            LivenessEvent::NotReading {
+                blocked_for: Duration::from_millis(500)
+            }
+        );
+        assert_eq!(now, late + Duration::from_millis(500));
+    }
+
+    #[test]
+    fn a_ping_flood_gets_a_bounded_number_of_pongs() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(t0, cfg());
+        // 100,000 PINGs within one interval, then 100,000 more within the next.
+        let mut pongs = 0;
+        for half in 0..2u64 {
+            let now = t0 + Duration::from_millis(100 * half + 50);
+            for i in 0..100_000u64 {
+                assert!(l.handle_frame(now, &Frame::Ping(i)));
+            }
+            pongs += std::iter::from_fn(|| l.poll_transmit())
+                .filter(|f| matches!(f, Frame::Pong(_)))
+                .count();
+        }
+        assert_eq!(pongs, 2 * PONGS_PER_INTERVAL as usize);
+        assert_eq!(l.stats().pings_received, 200_000);
+        assert_eq!(
+            l.stats().pings_unanswered,
+            200_000 - 2 * PONGS_PER_INTERVAL as u64
+        );
+        assert_eq!(l.poll_event(), Some(LivenessEvent::PingFlood));
+        assert_eq!(l.poll_event(), None, "reported once");
     }
 }

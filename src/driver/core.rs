@@ -107,8 +107,11 @@ impl<S: Session, T: Transport> Core<S, T> {
     pub(crate) fn poll_timeout(&mut self) -> Option<Instant> {
         let session = self.session.poll_timeout();
         let transport = self.transport.poll_timeout();
-        let liveness = match (&self.liveness, &self.closed) {
-            (Some(l), None) => l.poll_timeout(),
+        let liveness = match (&mut self.liveness, &self.closed) {
+            (Some(l), None) => {
+                l.handle_write_blocked(self.transport.write_blocked_since());
+                l.poll_timeout()
+            }
             _ => None,
         };
         session.into_iter().chain(transport).chain(liveness).min()
@@ -123,14 +126,42 @@ impl<S: Session, T: Transport> Core<S, T> {
         let Some(l) = self.liveness.as_mut() else {
             return;
         };
+        if let Some(t) = self.transport.last_read() {
+            l.handle_activity(t);
+        }
+        l.handle_write_blocked(self.transport.write_blocked_since());
         l.handle_timeout(now);
-        while let Some(LivenessEvent::Unresponsive { silent_for }) = l.poll_event() {
+        while let Some(event) = l.poll_event() {
+            let silent_for = match event {
+                LivenessEvent::Unresponsive { silent_for } => {
+                    tracing::warn!(
+                        silent_ms = silent_for.as_millis() as u64,
+                        "peer unresponsive: nothing from it for {silent_for:?}; closing the connection"
+                    );
+                    silent_for
+                }
+                LivenessEvent::NotReading { blocked_for } => {
+                    tracing::warn!(
+                        blocked_ms = blocked_for.as_millis() as u64,
+                        "peer unresponsive: it took none of this node's bytes for {blocked_for:?} (it does not read); closing the connection"
+                    );
+                    blocked_for
+                }
+                LivenessEvent::PingFlood => {
+                    tracing::warn!(
+                        "the peer sends PINGs faster than this node answers ({} per interval); the rest go unanswered",
+                        kvwire_proto::liveness::PONGS_PER_INTERVAL
+                    );
+                    continue;
+                }
+                _ => continue,
+            };
             if self.unresponsive.is_none() {
-                tracing::warn!(
-                    silent_ms = silent_for.as_millis() as u64,
-                    "peer unresponsive: no frame for {silent_for:?}; closing the connection"
-                );
                 self.unresponsive = Some(silent_for);
+                // The session first, so that its transfers fail for this reason rather than
+                // for the writes the close is about to fail (it is told again, to no effect,
+                // when the transport reports the end).
+                self.session.handle_peer_unresponsive(now);
                 self.transport.close(now);
             }
         }

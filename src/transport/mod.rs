@@ -227,6 +227,23 @@ pub trait Transport: Send {
     fn poll_timeout(&self) -> Option<Instant> {
         None
     }
+
+    /// Since when bytes waiting to go to the peer have found no taker (the stream accepted
+    /// none of them since), or `None` when nothing waits or the last write took some: the
+    /// driver declares a peer that does not read unresponsive once this lasts its liveness
+    /// timeout (SPEC §8.3). Transports whose writes do not wait on the peer's reading
+    /// (loopback; RDMA, whose adapter takes the writes) report `None`.
+    fn write_blocked_since(&self) -> Option<Instant> {
+        None
+    }
+
+    /// When bytes from the peer last arrived, part of a record included (SPEC §8.3: reading
+    /// progress counts as the peer heard, so a record longer than the liveness timeout takes
+    /// on a slow link does not make a live peer look silent). `None`: this transport reports
+    /// only whole frames and records.
+    fn last_read(&self) -> Option<Instant> {
+        None
+    }
 }
 
 /// The prefill side's transport: page writes out of the source memory.

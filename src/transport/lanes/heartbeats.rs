@@ -42,10 +42,10 @@ impl LaneHeartbeats {
         self.limit = Some(limit);
     }
 
-    /// The peer was heard on `lane` (a frame, or a whole data record, from it).
+    /// The peer was heard on `lane` (a frame, or bytes of a data record, from it).
     pub(super) fn heard(&mut self, lane: usize, now: Instant) {
         if let Some(h) = self.heard.as_mut().and_then(|h| h.get_mut(lane)) {
-            *h = now;
+            *h = (*h).max(now);
         }
     }
 

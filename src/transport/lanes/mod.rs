@@ -290,6 +290,10 @@ impl<T: Transport> Transport for LaneSet<T> {
                 }
                 Poll::Pending => {}
             }
+            if let Some(t) = self.lanes[i].last_read() {
+                // Part of a record arrived on this lane: heard, whole record or not.
+                self.heartbeats.heard(i, t);
+            }
         }
         if self.closing.is_none() {
             if let Some((lane, silent_for)) = self.heartbeats.end_pass(n, &self.ended, now) {
@@ -332,6 +336,21 @@ impl<T: Transport> Transport for LaneSet<T> {
             .filter_map(Transport::poll_timeout)
             .chain(self.grace_until)
             .min()
+    }
+
+    /// The longest block of any lane: a peer that stops reading one stream holds the
+    /// transfers on it as surely as one that stops reading all.
+    fn write_blocked_since(&self) -> Option<Instant> {
+        self.lanes
+            .iter()
+            .zip(&self.ended)
+            .filter(|(_, ended)| !**ended)
+            .filter_map(|(l, _)| l.write_blocked_since())
+            .min()
+    }
+
+    fn last_read(&self) -> Option<Instant> {
+        self.lanes.iter().filter_map(Transport::last_read).max()
     }
 }
 

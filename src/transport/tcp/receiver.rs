@@ -43,6 +43,12 @@ pub struct TcpReceiver {
     fences: Vec<TransferRef>,
     /// Frames are held back until a batch's worth is queued ([`Transport::hold_writes`]).
     writes_held: bool,
+    /// The driver's clock at the current `poll_event`.
+    clock: Instant,
+    /// Since when queued frames found no taker ([`Transport::write_blocked_since`]).
+    blocked_since: Option<Instant>,
+    /// When bytes last arrived ([`Transport::last_read`]).
+    last_read: Option<Instant>,
 }
 
 impl TcpReceiver {
@@ -73,6 +79,9 @@ impl TcpReceiver {
             copying: VecDeque::with_capacity(STAGING_BUFFERS),
             fences: Vec::new(),
             writes_held: false,
+            clock: Instant::now(),
+            blocked_since: None,
+            last_read: None,
         };
         if let Some(e) = failed {
             receiver.shut(Closed::LinkFailed(format!("device staging: {e}")));
@@ -187,12 +196,16 @@ impl TcpReceiver {
                 Pin::new(stream).poll_write_vectored(cx, &slices)
             };
             match written {
-                Poll::Pending => return,
+                Poll::Pending => {
+                    self.blocked_since.get_or_insert(self.clock);
+                    return;
+                }
                 Poll::Ready(Ok(0)) => {
                     self.shut(Closed::PeerGone(Gone::WriteZero));
                     return;
                 }
                 Poll::Ready(Ok(mut n)) => {
+                    self.blocked_since = None;
                     while let Some(front) = self.out.front() {
                         let left = front.len() - self.front_written;
                         if n < left {
@@ -319,6 +332,7 @@ impl TcpReceiver {
                 self.shut(Closed::PeerGone(Gone::EndOfStream));
                 return None;
             }
+            self.last_read = Some(self.clock);
             if let Some(record) = self.reader.advance(n, &self.pool, &self.scopes) {
                 if let Some(e) = self.on_record(record) {
                     return Some(e);
@@ -342,7 +356,8 @@ impl Transport for TcpReceiver {
     /// Queued frames are written before the stream is read and before waiting, not after
     /// every event: the frames a burst of records produces leave together. While writes are
     /// held ([`Transport::hold_writes`]), only once 16 frames are queued.
-    fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
+    fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {
+        self.clock = now;
         if let Some(e) = self.events.pop_front() {
             return Poll::Ready(e);
         }
@@ -360,6 +375,18 @@ impl Transport for TcpReceiver {
 
     fn close(&mut self, _now: Instant) {
         self.shut(Closed::Local);
+    }
+
+    fn write_blocked_since(&self) -> Option<Instant> {
+        if self.out.is_empty() || self.closed {
+            None
+        } else {
+            self.blocked_since
+        }
+    }
+
+    fn last_read(&self) -> Option<Instant> {
+        self.last_read
     }
 
     fn hold_writes(&mut self, held: bool) {

@@ -109,6 +109,10 @@ pub struct TcpSender {
     staging: Option<Staging>,
     /// Writes are held back until a batch's worth is queued ([`Transport::hold_writes`]).
     writes_held: bool,
+    /// The driver's clock at the current `poll_event`.
+    clock: Instant,
+    /// Since when queued bytes found no taker ([`Transport::write_blocked_since`]).
+    blocked_since: Option<Instant>,
 }
 
 impl TcpSender {
@@ -136,6 +140,8 @@ impl TcpSender {
             destination_pages: None,
             staging: None,
             writes_held: false,
+            clock: Instant::now(),
+            blocked_since: None,
         };
         match staging {
             Ok(s) => sender.staging = s,
@@ -278,12 +284,16 @@ impl TcpSender {
                     self.shut(Closed::Malformed("a source page could not be read".into()));
                     return;
                 }
-                Some(Poll::Pending) => return,
+                Some(Poll::Pending) => {
+                    self.blocked_since.get_or_insert(self.clock);
+                    return;
+                }
                 Some(Poll::Ready(Ok(0))) => {
                     self.shut(Closed::PeerGone(Gone::WriteZero));
                     return;
                 }
                 Some(Poll::Ready(Ok(n))) => {
+                    self.blocked_since = None;
                     self.stats.writes += 1;
                     self.advance(n);
                     if self.stats.bytes - bytes_before >= MAX_WRITE_PAGE_BYTES as u64 {
@@ -398,12 +408,16 @@ impl TcpSender {
                 Pin::new(stream).poll_write_vectored(cx, &slices)
             };
             match written {
-                Poll::Pending => return,
+                Poll::Pending => {
+                    self.blocked_since.get_or_insert(self.clock);
+                    return;
+                }
                 Poll::Ready(Ok(0)) => {
                     self.shut(Closed::PeerGone(Gone::WriteZero));
                     return;
                 }
                 Poll::Ready(Ok(n)) => {
+                    self.blocked_since = None;
                     self.stats.writes += 1;
                     self.advance(n);
                 }
@@ -543,7 +557,8 @@ impl Transport for TcpSender {
     /// driver handles them (frames, data records) leaves in one vectored write, made before
     /// the socket is read again and before waiting. While writes are held
     /// ([`Transport::hold_writes`]), only once 16 items or 64 KiB of page bytes are queued.
-    fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
+    fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {
+        self.clock = now;
         if let Some(e) = self.events.pop_front() {
             return Poll::Ready(e);
         }
@@ -567,6 +582,14 @@ impl Transport for TcpSender {
 
     fn close(&mut self, _now: Instant) {
         self.shut(Closed::Local);
+    }
+
+    fn write_blocked_since(&self) -> Option<Instant> {
+        if self.out.is_empty() || self.closed {
+            None
+        } else {
+            self.blocked_since
+        }
     }
 
     fn hold_writes(&mut self, held: bool) {
