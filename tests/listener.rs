@@ -167,6 +167,9 @@ async fn a_stalled_client_is_sent_hello_reject_handshake_timeout() {
         Ok((Frame::HelloReject(r), _)) => {
             assert_eq!(r.code, ErrorCode::HANDSHAKE_TIMEOUT);
             assert!(r.detail.contains("HELLO"), "{}", r.detail);
+            // The node's timeout, not what was left of it when the handshake began.
+            let ms = config().handshake_timeout.as_millis();
+            assert!(r.detail.contains(&format!("of {ms} ms")), "{}", r.detail);
         }
         other => panic!("expected HELLO_REJECT(HANDSHAKE_TIMEOUT), got {other:?} from {got:02x?}"),
     }

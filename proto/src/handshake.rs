@@ -436,6 +436,14 @@ impl Handshake {
         }
     }
 
+    /// The handshake timeout its HELLO_REJECT(`HANDSHAKE_TIMEOUT`) names, when the deadline
+    /// given at the start was what was left of it (the connection had already spent some:
+    /// "within the handshake timeout of 10000 ms", not "9999 ms").
+    pub fn naming_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// Makes this an authenticated handshake (SPEC.md §4.8): the client answers an accepted
     /// HELLO_ACK with HELLO_CONFIRM, and the server is established only once it has received
     /// HELLO_CONFIRM. Use exactly when the connection's frames pass through an

@@ -736,6 +736,19 @@ fn a_reservation_naming_a_page_beyond_the_receivers_pool_is_refused() {
     }
     assert!(!std::iter::from_fn(|| s.poll_action())
         .any(|a| matches!(a, SenderAction::PostWrites { .. })));
+    // Both pages beyond: the detail names the first in the reservation's order, not the
+    // largest.
+    let mut s = sender(now, None);
+    s.limit_destination_pages(5);
+    s.handle_frame(now, Frame::Reserve(reserve(9))).unwrap_err();
+    match &frames_s(&mut s)[..] {
+        [Frame::Reject(r)] => assert!(
+            r.detail.starts_with("page index 5 (ordinal 0) is beyond"),
+            "{}",
+            r.detail
+        ),
+        other => panic!("not refused: {other:?}"),
+    }
     // Within the bound it is served.
     let mut s = sender(now, None);
     s.limit_destination_pages(7);

@@ -297,7 +297,8 @@ pub(crate) async fn handshake(
         Handshake::client(now, hello, timeout)
     } else {
         Handshake::server(now, hello, timeout)
-    };
+    }
+    .naming_timeout(config.handshake_timeout);
     let mut channel = config.auth.channel(client)?;
     if channel.is_authenticated() {
         hs = hs.with_confirmation();

@@ -247,12 +247,13 @@ impl Ctx<'_> {
                 format!("page {} reserved twice", w[0]),
             ));
         }
-        if let (Some(limit), Some(&last)) = (self.destination_pages, sorted.last()) {
-            if last >= limit {
+        if let Some(limit) = self.destination_pages {
+            // The first such page in the reservation's order (SPEC §5.3.1 #7).
+            if let Some((ordinal, page)) = r.pages.iter().enumerate().find(|(_, &p)| p >= limit) {
                 return Err((
                     ErrorCode::BAD_RESERVATION,
                     format!(
-                        "page index {last} is beyond the receiver's advertised {limit} pages (0..{limit})"
+                        "page index {page} (ordinal {ordinal}) is beyond the receiver's advertised {limit} pages (0..{limit})"
                     ),
                 ));
             }
