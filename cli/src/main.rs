@@ -519,7 +519,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
     let failed = report
         .cases
         .iter()
-        .any(|c| !c.failures.is_empty() || c.verified < c.transfers);
+        .any(|c| !c.failures.is_empty() || !c.unconfirmed.is_empty() || c.verified < c.transfers);
     if failed {
         ExitCode::FAILURE
     } else {

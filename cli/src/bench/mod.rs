@@ -79,6 +79,7 @@ pub(crate) struct Tally {
     verified: u64,
     checked: u64,
     failures: BTreeMap<String, u64>,
+    unconfirmed: BTreeMap<String, u64>,
 }
 
 impl Tally {
@@ -113,6 +114,7 @@ impl Tally {
             verified: self.verified,
             bytes_checked: self.checked,
             failures: self.failures,
+            unconfirmed: self.unconfirmed,
             raw_gb_per_s: None,
             ratio_to_raw: None,
             raw_in_flight_gb_per_s: None,
@@ -124,6 +126,14 @@ impl Tally {
     }
 
     fn fail(&mut self, e: &TransferError) {
+        if let Some(kvwire::FailureReason::Unconfirmed { cause }) = e.reason() {
+            // Not a failure: the receiver may have delivered (SPEC §7.6).
+            *self
+                .unconfirmed
+                .entry(cause.code().to_string())
+                .or_default() += 1;
+            return;
+        }
         let key = match e.reason() {
             Some(r) => r.code().to_string(),
             None => e.to_string(),
@@ -695,4 +705,24 @@ async fn run_sender_side(spec: &BenchSpec, page: u32, sender: &SenderConn) -> Ca
         .ok();
     let (s, tokens) = (sender.clone(), spec.tokens());
     run_side(spec, page, move |id| send_one(&s, tokens, id)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Tally;
+    use kvwire::{FailureReason, TransferError};
+
+    /// SPEC §7.6: a transfer whose verdict never came back may have been delivered; the bench
+    /// counts it apart, by what ended the wait, never as a failure of that code.
+    #[test]
+    fn unconfirmed_transfers_are_counted_apart_from_failures() {
+        let mut t = Tally::default();
+        t.fail(&TransferError::Failed(FailureReason::Unconfirmed {
+            cause: Box::new(FailureReason::PeerUnresponsive),
+        }));
+        t.fail(&TransferError::Failed(FailureReason::PeerUnresponsive));
+        assert_eq!(t.unconfirmed.get("PEER_UNRESPONSIVE"), Some(&1));
+        assert_eq!(t.failures.get("PEER_UNRESPONSIVE"), Some(&1));
+        assert_eq!(t.failures.len(), 1);
+    }
 }

@@ -203,8 +203,13 @@ pub struct CaseResult {
     pub verified: u64,
     /// Transfers whose bytes were compared and matched (`--check-bytes`).
     pub bytes_checked: u64,
-    /// Failures by reason.
+    /// Failures by reason (code): transfers that did not deliver.
     pub failures: BTreeMap<String, u64>,
+    /// Sender only: transfers whose COMMIT went out and whose verdict never came back, by
+    /// what ended the wait (SPEC §7.6: the receiver may have delivered them; only it knows).
+    /// Counted apart from the failures, never as one.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub unconfirmed: BTreeMap<String, u64>,
     /// Raw TCP loopback throughput for the same bytes in the same run, 10^9 bytes/s.
     pub raw_gb_per_s: Option<f64>,
     /// `gb_per_s / raw_gb_per_s`.

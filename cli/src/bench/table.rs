@@ -61,7 +61,7 @@ pub fn table(report: &Report) -> String {
         "raw CPU"
     );
     for c in &report.cases {
-        let failures = if c.failures.is_empty() {
+        let mut failures = if c.failures.is_empty() {
             "-".to_string()
         } else {
             c.failures
@@ -70,6 +70,17 @@ pub fn table(report: &Report) -> String {
                 .collect::<Vec<_>>()
                 .join(",")
         };
+        if !c.unconfirmed.is_empty() {
+            // Apart from the failures: these may have been delivered (SPEC §7.6).
+            failures += &format!(
+                " unconfirmed({})",
+                c.unconfirmed
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+        }
         out += &format!(
             "{:>9} {:>6} {:>4} {:>9} {:>4} {:>8.3} {:>9.1} {:>8.2} {:>8.2} {:>9.2} {:>9} {:>8} {:>8} {:>6} {:>8} {:>6} {:>8} {:>7}  {}\n",
             human_bytes(u64::from(c.page_bytes)),
