@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvwire::proto::admission::Request;
+use kvwire::proto::wire::ErrorCode;
 use kvwire::receiver::ReserveParams;
 use kvwire::testkit::{first_pattern_mismatch, kv_pattern};
 use kvwire::transport::tcp::JoinRecord;
@@ -160,8 +161,9 @@ async fn a_listener_serves_multi_stream_connections_and_counts_the_joined_stream
     assert_eq!((stats.established, stats.joined), (2, 4), "{stats:?}");
 }
 
-/// Both ends must run the same number of streams: a mismatch is refused at both ends after
-/// the handshake, naming the counts; no transfer starts.
+/// Both ends must run the same number of streams: a mismatch is refused in the handshake
+/// (SPEC §4.3 #7), HELLO_REJECT(TRANSPORT_MISMATCH) naming both counts, so that each end
+/// learns why, the one that refused and the one refused; no transfer starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mismatched_stream_counts_are_refused_at_both_ends() {
     for (prefill_streams, decode_streams) in [(2u16, 1u16), (1, 3), (2, 4)] {
@@ -171,19 +173,33 @@ async fn mismatched_stream_counts_are_refused_at_both_ends() {
         pc.tcp_streams = prefill_streams;
         let (prefill, decode) = (Node::new(pc).unwrap(), Node::new(dc).unwrap());
         let (s, r) = connect(&prefill, &decode).await;
-        for (side, e, ours, theirs) in [
-            ("sender", s.err(), prefill_streams, decode_streams),
-            ("receiver", r.err(), decode_streams, prefill_streams),
-        ] {
-            match e {
-                Some(EngineError::Transport(kvwire::SetupError::StreamCount { ours: o, peer })) => {
-                    assert_eq!((o, peer), (ours, theirs), "{side}");
+        let mut refused = 0;
+        for (side, e) in [("sender", s.err()), ("receiver", r.err())] {
+            use kvwire::proto::handshake::HandshakeError;
+            let reject = match e {
+                Some(EngineError::Handshake(HandshakeError::Refused(r))) => {
+                    refused += 1;
+                    r
                 }
+                Some(EngineError::Handshake(HandshakeError::RefusedByPeer(r))) => r,
                 other => panic!(
                     "{prefill_streams}/{decode_streams}: the {side} was not refused: {other:?}"
                 ),
-            }
+            };
+            assert_eq!(reject.code, ErrorCode::TRANSPORT_MISMATCH, "{side}");
+            let (mine, theirs) = if side == "sender" {
+                (prefill_streams, decode_streams)
+            } else {
+                (decode_streams, prefill_streams)
+            };
+            assert!(
+                reject.detail.contains(&mine.to_string())
+                    && reject.detail.contains(&theirs.to_string()),
+                "{side}: {}",
+                reject.detail
+            );
         }
+        assert_eq!(refused, 1, "one end refused, the other was told");
     }
 }
 

@@ -252,6 +252,7 @@ struct AwaitingAck {
     local: Hello,
     deadline: Instant,
     confirm: bool,
+    transport: Option<TransportCheck>,
 }
 
 /// Server: waiting for HELLO.
@@ -260,6 +261,28 @@ struct AwaitingHello {
     local: Hello,
     deadline: Instant,
     confirm: bool,
+    transport: Option<TransportCheck>,
+}
+
+/// A transport's check of the peer's `transport_params` against this node's (SPEC.md §4.3
+/// #7): `Err` with a detail naming both sides' values refuses the connection with
+/// HELLO_REJECT(TRANSPORT_MISMATCH) instead of a bare close after the handshake.
+pub type TransportCheck = fn(local: &[u8], peer: &[u8]) -> Result<(), String>;
+
+/// [`check_peer`], then the transport's check of the peer's parameters, if any.
+fn check_hello(
+    local: &Hello,
+    peer: &Hello,
+    transport: Option<TransportCheck>,
+) -> Result<Vec<DigestAlgorithm>, HelloReject> {
+    let digests = check_peer(local, peer)?;
+    if let Some(check) = transport {
+        check(&local.transport_params, &peer.transport_params).map_err(|detail| HelloReject {
+            code: ErrorCode::TRANSPORT_MISMATCH,
+            detail,
+        })?;
+    }
+    Ok(digests)
 }
 
 /// Server of an authenticated handshake: HELLO_ACK sent, waiting for HELLO_CONFIRM.
@@ -291,7 +314,7 @@ type Step = (
 impl AwaitingAck {
     fn handle_frame(self, frame: Frame) -> Step {
         match frame {
-            Frame::HelloAck(peer) => match check_peer(&self.local, &peer) {
+            Frame::HelloAck(peer) => match check_hello(&self.local, &peer, self.transport) {
                 Ok(digests) => (
                     Some(Ok(Established {
                         local: self.local,
@@ -328,7 +351,7 @@ impl AwaitingAck {
 impl AwaitingHello {
     fn handle_frame(self, frame: Frame) -> Step {
         match frame {
-            Frame::Hello(peer) => match check_peer(&self.local, &peer) {
+            Frame::Hello(peer) => match check_hello(&self.local, &peer, self.transport) {
                 Ok(digests) => {
                     let ack = Frame::HelloAck(self.local.clone());
                     let established = Established {
@@ -416,6 +439,7 @@ impl Handshake {
                 local,
                 deadline: now + timeout,
                 confirm: false,
+                transport: None,
             }),
             outcome: None,
             timeout,
@@ -430,6 +454,7 @@ impl Handshake {
                 local,
                 deadline: now + timeout,
                 confirm: false,
+                transport: None,
             }),
             outcome: None,
             timeout,
@@ -441,6 +466,17 @@ impl Handshake {
     /// "within the handshake timeout of 10000 ms", not "9999 ms").
     pub fn naming_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Checks the peer's transport parameters in the handshake (SPEC.md §4.3 #7): a peer
+    /// whose parameters `check` refuses gets HELLO_REJECT(TRANSPORT_MISMATCH) naming why.
+    pub fn checking_transport(mut self, check: TransportCheck) -> Self {
+        match &mut self.state {
+            State::AwaitingAck(s) => s.transport = Some(check),
+            State::AwaitingHello(s) => s.transport = Some(check),
+            State::AwaitingConfirm(_) | State::Done => {}
+        }
         self
     }
 

@@ -528,3 +528,67 @@ fn handshake_errors_display_their_codes() {
     assert!(!HandshakeError::Timeout.to_string().is_empty());
     assert!(!HandshakeError::PeerLost.to_string().is_empty());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Transport parameters (SPEC §4.3 #7).
+
+/// A check that accepts only parameters equal to this node's.
+fn same_params(local: &[u8], peer: &[u8]) -> Result<(), String> {
+    if local == peer {
+        Ok(())
+    } else {
+        Err(format!("this node {local:?}, the peer {peer:?}"))
+    }
+}
+
+/// SPEC §4.3 #7 (Q23): a transport that refuses the peer's parameters says so in the
+/// handshake, HELLO_REJECT(TRANSPORT_MISMATCH) naming both, instead of a bare close after
+/// it: a server at the client's HELLO, and a client at a HELLO_ACK from a server that did not
+/// check (an older peer), which then hears why.
+#[test]
+fn transport_parameters_a_transport_refuses_are_refused_in_the_handshake() {
+    let now = Instant::now();
+    // The server checks: it refuses the client's HELLO.
+    let mut client = Handshake::client(now, sender(), TIMEOUT);
+    let mut server = Handshake::server(now, receiver(), TIMEOUT).checking_transport(same_params);
+    server.handle_frame(client_hello(&mut client));
+    let Some(Frame::HelloReject(r)) = server.poll_transmit().map(wire) else {
+        panic!("the server did not refuse");
+    };
+    assert_eq!(r.code, ErrorCode::TRANSPORT_MISMATCH);
+    assert_names(&r.detail, &["[]", "[1, 2, 3]"]);
+    assert_eq!(
+        server.poll_outcome(),
+        Some(Err(HandshakeError::Refused(r.clone())))
+    );
+    client.handle_frame(Frame::HelloReject(r.clone()));
+    assert_eq!(
+        client.poll_outcome(),
+        Some(Err(HandshakeError::RefusedByPeer(r)))
+    );
+
+    // Only the client checks: it refuses the server's HELLO_ACK, and tells it.
+    let mut client = Handshake::client(now, sender(), TIMEOUT).checking_transport(same_params);
+    let mut server = Handshake::server(now, receiver(), TIMEOUT);
+    server.handle_frame(client_hello(&mut client));
+    client.handle_frame(server.poll_transmit().map(wire).expect("HELLO_ACK"));
+    let Some(Frame::HelloReject(r)) = client.poll_transmit().map(wire) else {
+        panic!("the client did not refuse");
+    };
+    assert_eq!(r.code, ErrorCode::TRANSPORT_MISMATCH);
+    assert_eq!(client.poll_outcome(), Some(Err(HandshakeError::Refused(r))));
+
+    // Equal parameters pass.
+    let mut same = receiver();
+    same.transport_params = sender().transport_params;
+    let (reply, outcome) = {
+        let mut client = Handshake::client(now, sender(), TIMEOUT).checking_transport(same_params);
+        let mut server = Handshake::server(now, same, TIMEOUT).checking_transport(same_params);
+        server.handle_frame(client_hello(&mut client));
+        let ack = server.poll_transmit().map(wire).expect("HELLO_ACK");
+        client.handle_frame(ack.clone());
+        (ack, client.poll_outcome())
+    };
+    assert!(matches!(reply, Frame::HelloAck(_)));
+    assert!(matches!(outcome, Some(Ok(_))), "{outcome:?}");
+}

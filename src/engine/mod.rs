@@ -269,15 +269,16 @@ fn digest_execution(config: &NodeConfig) -> crate::driver::DigestExecution {
 }
 
 /// The handshake on a fresh stream as `role` (client or server), with this node's hello
-/// carrying `transport_params`, within `timeout` (the node's handshake timeout, less what
-/// the connection already spent); returns the established session parameters and the
+/// carrying `transport_params` and the peer's checked by `transport_check` (SPEC §4.3 #7),
+/// within `timeout` (the node's handshake timeout, less what the connection already spent);
+/// returns the established session parameters and the
 /// connection's authentication channel.
 pub(crate) async fn handshake(
     mut stream: tokio::net::TcpStream,
     config: &NodeConfig,
     client: bool,
     role: Role,
-    transport_params: Vec<u8>,
+    (transport_params, transport_check): (Vec<u8>, Option<kvwire_proto::handshake::TransportCheck>),
     timeout: std::time::Duration,
     on_frame: &mut (dyn FnMut(&kvwire_proto::wire::Frame) + Send),
 ) -> Result<
@@ -299,6 +300,9 @@ pub(crate) async fn handshake(
         Handshake::server(now, hello, timeout)
     }
     .naming_timeout(config.handshake_timeout);
+    if let Some(check) = transport_check {
+        hs = hs.checking_transport(check);
+    }
     let mut channel = config.auth.channel(client)?;
     if channel.is_authenticated() {
         hs = hs.with_confirmation();

@@ -131,6 +131,9 @@ wire_enum! {
         AUTH_MISMATCH = 0x0007 => "AUTH_MISMATCH",
         /// A handshake tag did not verify: another key, or altered or replayed bytes.
         AUTH_FAILED = 0x0008 => "AUTH_FAILED",
+        /// The peer's transport parameters are malformed, of another transport, or do not
+        /// match this node's (a stream count, SPEC.md §4.3 #7).
+        TRANSPORT_MISMATCH = 0x0009 => "TRANSPORT_MISMATCH",
 
         // Request admission (REJECT), carried verbatim from the sender's admission.
         /// The prompt needs more pages than the sender's pool has in total.

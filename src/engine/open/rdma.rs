@@ -67,7 +67,9 @@ pub(super) async fn handshake(
         config,
         client,
         role,
-        params,
+        // RDMA validates its queue-pair records while it builds the queue pairs, after the
+        // handshake (SPEC §9.2).
+        (params, None),
         config.handshake_timeout,
         &mut |_| {},
     )

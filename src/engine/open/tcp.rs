@@ -87,7 +87,7 @@ pub(super) async fn handshake(
         config,
         client,
         role,
-        params.encode(),
+        (params.encode(), Some(check_tcp_params)),
         left,
         &mut on_frame,
     )
@@ -115,4 +115,19 @@ pub(super) async fn handshake(
     )
     .await?;
     Ok((est, peer, lanes))
+}
+
+/// The handshake's check of the peer's TCP transport parameters (SPEC §4.3 #7, §9.1): of the
+/// TCP kind, well formed, and naming this node's stream count; a peer that fails it is told
+/// why in HELLO_REJECT(TRANSPORT_MISMATCH) instead of a bare close after the handshake.
+fn check_tcp_params(local: &[u8], peer: &[u8]) -> Result<(), String> {
+    let peer = TcpParams::parse(peer).map_err(|e| format!("the peer's {e}"))?;
+    let local = TcpParams::parse(local).map_err(|e| format!("this node's {e}"))?;
+    if peer.streams != local.streams {
+        return Err(format!(
+            "TCP streams: this node runs {}, the peer {}",
+            local.streams, peer.streams
+        ));
+    }
+    Ok(())
 }
