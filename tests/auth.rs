@@ -11,7 +11,7 @@ use kvwire::proto::admission::Request;
 use kvwire::proto::auth::{AuthError, Psk, AUTH_FLAG};
 use kvwire::proto::wire::{ErrorCode, FrameType, HEADER_LEN, TRAILER_LEN};
 use kvwire::receiver::ReserveParams;
-use kvwire::testkit::kv_pattern;
+use kvwire::testkit::{first_pattern_mismatch, kv_pattern};
 use kvwire::transport::tcp::DATA_HEADER_LEN;
 use kvwire::{Auth, NodeConfig, ReceiverConn, SenderConn, TransferError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -187,7 +187,13 @@ async fn both_sides_off_still_connect() {
     let (s, r) = (s.unwrap(), r.unwrap());
     let v = r.reserve(params(3));
     send(&s, 3).await.unwrap();
-    v.await.unwrap().release().unwrap();
+    let kv = v.await.unwrap();
+    assert_eq!(
+        first_pattern_mismatch(&kv, TransferId(3)),
+        None,
+        "delivered bytes differ from the sender's"
+    );
+    kv.release().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -264,7 +270,9 @@ async fn a_replayed_commit_is_refused() {
     let (s, r) = (s.unwrap(), r.unwrap());
     let v = r.reserve(params(1));
     send(&s, 1).await.unwrap();
-    v.await.unwrap().release().unwrap();
+    let kv = v.await.unwrap();
+    assert_eq!(first_pattern_mismatch(&kv, TransferId(1)), None);
+    kv.release().unwrap();
     let v = r.reserve(params(2));
     let sent = tokio::spawn(async move { send(&s, 2).await });
     match v.await {

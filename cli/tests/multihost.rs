@@ -23,6 +23,8 @@ const CASE: &[&str] = &[
     "--bytes",
     "1G",
     "--no-raw",
+    // Content, not only status: the receiver compares every byte it verified.
+    "--check-bytes",
     "--json",
 ];
 

@@ -26,6 +26,8 @@ fn kvwire(dev: &str, args: &[&str]) -> Child {
             "8",
             "--bytes",
             "64M",
+            // Content, not only status: the receiver compares the bytes it verified.
+            "--check-bytes",
             "--json",
             // Under TCG emulation rxe moves tens of MB/s and a PING waits behind the
             // WRITEs posted before it on its queue pair (SPEC §8.3): a generous peer

@@ -90,6 +90,10 @@ pub fn assert_receiver_account(code: Option<i32>, json: &serde_json::Value, err:
         );
     }
     assert_eq!(cases[0]["verified"], cases[0]["transfers"], "{}", cases[0]);
+    // Every verified transfer's bytes were compared with the sender's pattern and matched.
+    for c in [&cases[0], &cases[2]] {
+        assert_eq!(c["bytes_checked"], c["transfers"], "{c}");
+    }
     let killed = &cases[1];
     assert!(
         killed["verified"].as_u64() < killed["transfers"].as_u64(),
