@@ -6,7 +6,7 @@ use std::io::IoSlice;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvwire_proto::auth::{Opener, Sealer};
 use kvwire_proto::wire::Frame;
@@ -350,6 +350,18 @@ impl Transport for TcpReceiver {
         match self.sealer.seal_to_vec(frame) {
             Ok(bytes) => self.out.push_back(bytes),
             Err(e) => tracing::error!(error = %e, "frame could not be encoded; dropped"),
+        }
+        if self.out.len() >= super::MAX_UNSENT_FRAMES {
+            let blocked_for = self
+                .blocked_since
+                .map_or(Duration::ZERO, |t| self.clock.saturating_duration_since(t));
+            tracing::warn!(
+                frames = self.out.len(),
+                "the peer reads none of the frames it asks for; closing the connection"
+            );
+            self.shut(Closed::Unresponsive {
+                silent_for: blocked_for,
+            });
         }
     }
 

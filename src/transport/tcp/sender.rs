@@ -5,7 +5,7 @@ use std::io::IoSlice;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvwire_proto::auth::{OpenError, Opener, Sealer};
 use kvwire_proto::sender::PageWrite;
@@ -551,6 +551,18 @@ impl Transport for TcpSender {
             Ok(bytes) => self.out.push_back(Out::Frame(bytes)),
             Err(e) => tracing::error!(error = %e, "frame could not be encoded; dropped"),
         }
+        if self.out.len() - self.data_queued >= super::MAX_UNSENT_FRAMES {
+            let blocked_for = self
+                .blocked_since
+                .map_or(Duration::ZERO, |t| self.clock.saturating_duration_since(t));
+            tracing::warn!(
+                frames = self.out.len() - self.data_queued,
+                "the peer reads none of the frames it asks for; closing the connection"
+            );
+            self.shut(Closed::Unresponsive {
+                silent_for: blocked_for,
+            });
+        }
     }
 
     /// Frames already read are handed out before anything is written: what queues while the
@@ -803,5 +815,49 @@ mod tests {
         assert_eq!(s.stats().records, 16);
         drop(s);
         drain.join().unwrap().unwrap();
+    }
+}
+
+#[cfg(test)]
+mod unsent_frames {
+    use super::*;
+    use crate::memory::{PoolGeometry, Scrub};
+    use kvwire_proto::auth::AuthChannel;
+
+    /// SPEC §8.3: frames held unsent for a peer are bounded; at the bound the connection
+    /// ends as unresponsive (a peer that asks for answers and reads none of them), and the
+    /// queue is dropped.
+    #[tokio::test(flavor = "current_thread")]
+    async fn frames_held_unsent_are_bounded_and_the_connection_ends_at_the_bound() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (a, b) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        let _peer = b.unwrap().0; // never reads
+        let pool = Arc::new(
+            PagePool::new(
+                PoolGeometry {
+                    tokens_per_page: 1,
+                    buffer_page_bytes: vec![8],
+                    pages: 4,
+                },
+                Scrub::None,
+            )
+            .unwrap(),
+        );
+        let (sealer, opener) = AuthChannel::off().split();
+        let mut s = TcpSender::new(a.unwrap(), sealer, opener, pool);
+        let now = Instant::now();
+        for i in 0..super::super::MAX_UNSENT_FRAMES as u64 - 1 {
+            s.send_frame(now, &Frame::Pong(i));
+        }
+        assert!(!s.closed, "closed before the bound");
+        s.send_frame(now, &Frame::Pong(u64::MAX));
+        assert!(s.closed);
+        assert!(s.out.is_empty(), "the queue is dropped");
+        let ev = std::future::poll_fn(|cx| s.poll_event(cx, now)).await;
+        assert!(
+            matches!(ev, TransportEvent::Closed(Closed::Unresponsive { .. })),
+            "{ev:?}"
+        );
     }
 }

@@ -383,3 +383,208 @@ fn a_record_cut_by_a_fence_drops_its_partial_digests() {
     assert_eq!((d.algorithm, &d.per_buffer[..]), (alg, &want[..]));
     assert_eq!(reader.stats.digested_at_landing, 1);
 }
+
+/// SPEC §9.1 (records and magics; Q26): on an established stream a record is a frame
+/// (`KVWR`) or a data record (`KVDT`), classified by its first 4 bytes; anything else — a
+/// join record (`KVJN`) included, which only ever starts a newly accepted stream — ends the
+/// connection. The frame decoder itself knows one magic, so during the handshake a data
+/// record is a `BadMagic` too (§3.3).
+#[test]
+fn an_established_stream_reads_frames_and_data_records_and_nothing_else() {
+    use kvwire_proto::wire::{DecodeError, Frame};
+    let pool = PagePool::new(
+        PoolGeometry {
+            tokens_per_page: 1,
+            buffer_page_bytes: vec![8],
+            pages: 2,
+        },
+        Scrub::None,
+    )
+    .unwrap();
+    let scopes = ScopeTable::default();
+    let data = {
+        let mut b = DataHeader {
+            transfer: TransferRef {
+                transfer_id: TransferId(1),
+                nonce: 2,
+            },
+            key: crate::memory::AccessKey(99),
+            ordinal: 0,
+            dst_page: 0,
+            len: 8,
+        }
+        .encode()
+        .to_vec();
+        b.extend_from_slice(&[0xAB; 8]);
+        b
+    };
+    let mut stream = Frame::Ping(1).to_bytes().unwrap();
+    stream.extend_from_slice(&data);
+    let mut reader = StreamReader::new(&[8]);
+    let got = feed(&mut reader, &pool, &scopes, &stream).unwrap();
+    assert!(matches!(
+        &got[..],
+        [Record::Frame(Frame::Ping(1)), Record::Refused(_)]
+    ));
+    // Three bytes of a join record: not yet a record's magic (the reader waits for four).
+    let mut join = b"KVJN".to_vec();
+    join.extend_from_slice(&1u16.to_le_bytes());
+    join.extend_from_slice(&2u16.to_le_bytes());
+    join.extend_from_slice(&[0x5a; 16]);
+    assert!(feed(&mut reader, &pool, &scopes, &join[..3])
+        .unwrap()
+        .is_empty());
+    let e = feed(&mut reader, &pool, &scopes, &join[3..]).unwrap_err();
+    assert!(
+        matches!(e, StreamError::BadMagic(m) if m == *b"KVJN"),
+        "{e}"
+    );
+    assert!(e.to_string().contains(r#""KVJN""#), "{e}");
+    // Where only a frame may come (the handshake), a data record is not one.
+    assert_eq!(Frame::decode(&data), Err(DecodeError::BadMagic(*b"KVDT")));
+}
+
+/// SPEC §9.1 (Q26): a data record's length is checked at its header before its access key:
+/// a length other than the layout's bytes per page index ends the connection whether the key
+/// names an open scope, a record that mismatches it, or no scope at all (never a discard:
+/// the length is what says where the next record starts). With the right length a record
+/// under a key that names no open scope is read and discarded.
+#[test]
+fn a_data_records_length_is_checked_before_its_key() {
+    let pool = PagePool::new(
+        PoolGeometry {
+            tokens_per_page: 1,
+            buffer_page_bytes: vec![8],
+            pages: 8,
+        },
+        Scrub::None,
+    )
+    .unwrap();
+    let t = TransferRef {
+        transfer_id: TransferId(7),
+        nonce: 0x1234,
+    };
+    let mut scopes = ScopeTable::default();
+    let key = scopes.open(t.transfer_id, &[5, 2]);
+    scopes.bind(t);
+    let record = |transfer, key, ordinal, dst_page, len: u32| {
+        let mut b = DataHeader {
+            transfer,
+            key,
+            ordinal,
+            dst_page,
+            len,
+        }
+        .encode()
+        .to_vec();
+        b.extend(std::iter::repeat_n(0xAB, len as usize));
+        b
+    };
+    let stranger = TransferRef { nonce: 0x9999, ..t };
+    let never_issued = crate::memory::AccessKey(key.0 ^ 0x4000_0000);
+    assert!(scopes.get(never_issued).is_none());
+    for (transfer, key, ordinal, dst_page, len) in [
+        (t, key, 0, 5, 7),                 // the reservation's own record, one byte short
+        (stranger, key, 0, 5, 16),         // mismatching its open scope, and too long
+        (stranger, never_issued, 0, 0, 9), // under no scope, and too long
+    ] {
+        let mut reader = StreamReader::new(&[8]);
+        let e = feed(
+            &mut reader,
+            &pool,
+            &scopes,
+            &record(transfer, key, ordinal, dst_page, len),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, StreamError::BadDataLength { got, expected: 8 } if got == len),
+            "{e}"
+        );
+    }
+    let mut reader = StreamReader::new(&[8]);
+    let got = feed(
+        &mut reader,
+        &pool,
+        &scopes,
+        &record(stranger, never_issued, 0, 0, 8),
+    )
+    .unwrap();
+    assert!(matches!(&got[..], [Record::Refused(_)]));
+}
+
+/// SPEC §9.1, transport parameters (Q26): `pages = 0` is well formed (in either form), not
+/// malformed; a receiver that advertises it has no page a reservation may name, so a sender
+/// limited by it (§5.3.1 #7) refuses every RESERVE with BAD_RESERVATION and writes nothing.
+#[test]
+fn tcp_params_with_zero_pages_are_well_formed_and_every_reservation_is_refused() {
+    use crate::transport::tcp::TcpParams;
+    use kvwire_proto::handshake::Established;
+    use kvwire_proto::sender::{SenderAction, SenderConfig, SenderSession};
+    use kvwire_proto::wire::{ErrorCode, Frame, Hello, KvLayout, Reserve, Role};
+    assert_eq!(
+        TcpParams::parse(&[2, 0, 4, 0, 0, 0, 0, 0]),
+        Ok(TcpParams::one_stream(0))
+    );
+    let long = TcpParams {
+        pages: 0,
+        streams: 2,
+        token: [1; 16],
+    };
+    assert_eq!(TcpParams::parse(&long.encode()), Ok(long));
+
+    let hello = |role, pages: u32| Hello {
+        node_id: 1,
+        role,
+        layout: KvLayout {
+            tokens_per_page: 16,
+            buffer_page_bytes: vec![4096],
+            fingerprint: b"m".to_vec(),
+        },
+        digests: vec![DigestAlgorithm::XXH3_64],
+        transport_params: TcpParams::one_stream(pages).encode(),
+        max_aux: 0,
+    };
+    let est = Established {
+        local: hello(Role::SENDER, 64),
+        peer: hello(Role::RECEIVER, 0),
+        digests: vec![DigestAlgorithm::XXH3_64],
+    };
+    let now = std::time::Instant::now();
+    let mut s = SenderSession::new(&est, SenderConfig::default());
+    let peer = TcpParams::parse(&est.peer.transport_params).unwrap();
+    s.limit_destination_pages(peer.pages);
+    let admitted = kvwire_proto::admission::AdmissionPolicy {
+        tokens_per_page: 16,
+        pool_pages: 64,
+        max_context_tokens: 1024,
+    }
+    .admit(kvwire_proto::admission::Request {
+        transfer_id: TransferId(1),
+        tokens: 16,
+    })
+    .unwrap();
+    s.submit(now, admitted, vec![0]).unwrap();
+    let e = s
+        .handle_frame(
+            now,
+            Frame::Reserve(Reserve {
+                transfer_id: TransferId(1),
+                nonce: 9,
+                tokens: 16,
+                digest: DigestAlgorithm::XXH3_64,
+                page_digests: false,
+                deadline_ms: 1000,
+                pages: vec![0],
+                access: vec![0; 4],
+            }),
+        )
+        .unwrap_err();
+    assert_eq!(e.scope, kvwire_proto::Scope::Transfer);
+    let frames: Vec<_> = std::iter::from_fn(|| s.poll_transmit()).collect();
+    assert!(
+        matches!(&frames[..], [Frame::Reject(r)] if r.code == ErrorCode::BAD_RESERVATION),
+        "{frames:?}"
+    );
+    assert!(!std::iter::from_fn(|| s.poll_action())
+        .any(|a| matches!(a, SenderAction::PostWrites { .. })));
+}
