@@ -430,14 +430,22 @@ pub async fn run_listen(
             let receiver = good.accept().await.ok_or("the listening socket failed")?;
             let st = good.stats();
             drop(good);
-            // Streams that joined the connection (several TCP streams) are not failures.
-            if st.accepted > st.established + st.joined {
+            // Streams that joined the connection (several TCP streams) are not failures. The
+            // dropped ones are the sum of their causes; connections accepted and counted in
+            // none (still in their handshake when this one was handed out) are said apart.
+            let dropped = st.refused + st.malformed + st.failed;
+            let pending = st
+                .accepted
+                .saturating_sub(st.established + st.joined + dropped);
+            if dropped > 0 {
                 progress(&format!(
-                    "dropped {} connections whose handshake failed ({} refused, {} not kvwire, {} stalled or lost)",
-                    st.accepted - st.established - st.joined,
-                    st.refused,
-                    st.malformed,
-                    st.failed
+                    "dropped {dropped} connections whose handshake failed ({} refused, {} not kvwire, {} stalled or lost)",
+                    st.refused, st.malformed, st.failed
+                ));
+            }
+            if pending > 0 {
+                progress(&format!(
+                    "{pending} other connections were still in their handshake (not served)"
                 ));
             }
             let size = human_bytes(u64::from(page));
