@@ -839,3 +839,25 @@ fn bad_bytes_in_errors_are_shown_as_hex_and_ascii() {
         .to_string()
         .contains(r#"58 00 00 00 "X...""#));
 }
+
+/// A VERIFIED before the COMMIT ends the connection; its error names what the transfer
+/// accepted then (NACK, ABORT), not VERIFIED itself (issue 37).
+#[test]
+fn an_early_verified_names_what_was_expected_without_verified() {
+    let now = Instant::now();
+    let mut s = sender(now, Some(9));
+    let e = s
+        .handle_frame(now, Frame::Verified(tref(9)))
+        .expect_err("a VERIFIED before the COMMIT is refused");
+    let text = e.to_string();
+    assert!(text.contains("VERIFIED before COMMIT"), "{text}");
+    let expected = text
+        .split("expected one of")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(!expected.contains("VERIFIED"), "{text}");
+    assert!(
+        expected.contains("NACK") && expected.contains("ABORT"),
+        "{text}"
+    );
+}

@@ -323,6 +323,10 @@ impl Ctx<'_> {
     }
 }
 
+/// What a transfer accepts while Writing (before its COMMIT): a VERIFIED then is a violation,
+/// and its error lists these, not VERIFIED.
+const WRITING_ACCEPTS: &[FrameType] = &[FrameType::NACK, FrameType::ABORT];
+
 const SENDER_ACCEPTS: &[FrameType] = &[
     FrameType::RESERVE,
     FrameType::VERIFIED,
@@ -486,7 +490,7 @@ impl Transfer {
                 (Next::Stay(state), Ok(()))
             }
             (state @ State::Writing(_), frame @ Frame::Verified(t)) if matches(t) => {
-                let e = unexpected(&frame, name, SENDER_ACCEPTS).to_string();
+                let e = unexpected(&frame, name, WRITING_ACCEPTS).to_string();
                 (
                     Next::Stay(state),
                     Err(FrameError::connection(format!(
