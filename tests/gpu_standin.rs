@@ -492,7 +492,9 @@ async fn an_abort_mid_pipeline_releases_pages_only_after_the_copies_completed() 
     })
     .await;
     r.abort(TransferId(9), ErrorCode::CANCELLED);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Handled once the connection's task answered this (its commands run in order); the
+    // copies are held at the gate, so the pages must be held now.
+    r.stats().await.unwrap();
     for &p in &dst {
         assert!(
             !decode.pool().holders(p).is_empty(),
@@ -662,7 +664,10 @@ async fn a_sender_abort_mid_pipeline_keeps_source_pages_until_the_copies_complet
     })
     .await;
     s.abort(TransferId(10), ErrorCode::CANCELLED);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The connection's task runs its commands in order: once it answered this, it has
+    // handled the abort. The copies are held at the gate, so no amount of waiting could
+    // complete them: the source pages must be held now.
+    s.stats().await.unwrap();
     for p in [20u32, 21] {
         assert!(
             !prefill.pool().holders(p).is_empty(),
