@@ -410,3 +410,28 @@ fn after_shutdown_nothing_lands_in_the_memory_and_transfers_report_it() {
     decode.shutdown(Duration::ZERO).unwrap();
     tx.clear().unwrap();
 }
+
+/// `send` never waits on the connection: a chunk the connection refuses (a page beyond the
+/// pool) returns at once, and the refusal comes back through `poll` as a typed failure; the
+/// transfer is aborted, so the decode's reservation fails too instead of waiting for pages
+/// that never come, and every page comes back.
+#[test]
+fn a_chunk_the_connection_refuses_fails_the_transfer_through_poll() {
+    let (decode, _, prefill, _) = pair(1024);
+    let room = TransferId(13);
+    let dst = vec![20, 21];
+    let rx = decode.receiver(room, None).unwrap();
+    rx.init(dst.clone(), 32, WAIT).unwrap();
+    let tx = prefill.sender(room, None).unwrap();
+    tx.init(2, 32).unwrap();
+    assert_eq!(opened(&tx), KvPoll::WaitingForInput);
+    tx.send(&[1, PAGES as u32 + 7], None).unwrap();
+    assert_eq!(tx.wait(WAIT), KvPoll::Failed);
+    let e = tx.failure().unwrap();
+    assert!(e.to_string().contains(&(PAGES + 7).to_string()), "{e}");
+    assert_eq!(rx.wait(WAIT), KvPoll::Failed, "the decode still waits");
+    rx.release().unwrap();
+    assert!(decode.node().pool().check_engine_free(&dst).is_ok());
+    tx.clear().unwrap();
+    assert!(prefill.node().pool().held_pages().is_empty());
+}

@@ -78,7 +78,8 @@ pub unsafe extern "C" fn kvwire_sender_init_aux(
 
 /// Hands over the next chunk: the engine's pages `pages[0..n]`, in transfer order, read in
 /// place (not written by the engine until kvwire_sender_clear returned); `aux[0..aux_len]`
-/// (NULL: none) goes with the final chunk only. Returns once the connection took the chunk.
+/// (NULL: none) goes with the final chunk only. Never waits on the connection: a chunk it
+/// refuses (a page the pool cannot lend) fails the transfer, read from kvwire_sender_poll.
 ///
 /// # Safety
 /// `sender` is a live handle; `pages` holds `n` entries; `aux` null or `aux_len` bytes.

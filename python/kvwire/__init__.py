@@ -412,7 +412,9 @@ class KVSender(_Transfer):
 
     def send(self, kv_indices: Any, index_slice: Any = None) -> None:
         """Sends the next chunk (page indices of the engine's KV memory, in order); the chunk
-        that completes the request also sends the aux record at ``aux_index``."""
+        that completes the request also sends the aux record at ``aux_index``. Never waits on
+        the connection: a chunk it refuses (a page the pool cannot lend) fails the transfer,
+        read from :meth:`poll` (Failed) and :attr:`error`."""
         raw, width = _indices(kv_indices)
         self._native.send(raw, width)
 

@@ -232,9 +232,13 @@ impl SenderTransfer {
     /// Hands over the next chunk: `pages` of the engine's registered memory, in transfer
     /// order after the chunks before it, read in place (the engine must not write them
     /// until [`Self::clear`] returned). `aux` goes with the final chunk only (the one that
-    /// completes the request's pages). Waits only for the connection to take the chunk (a
-    /// local round trip), not for the data to be written. A refused chunk changes nothing:
-    /// the transfer goes on. A chunk handed over after `init` but before the transfer opened
+    /// completes the request's pages). Never waits: the chunk goes to the connection's task
+    /// and this returns (an engine's scheduler loop must not stall on its transfer layer; the
+    /// chaos cluster once saw a send wait 30 s). A chunk the connection refuses (pages the
+    /// pool cannot lend, a chunk the session does not take) fails the transfer: [`Self::poll`]
+    /// reads Failed with the reason, and the transfer is aborted. Checks that need no
+    /// connection (the page count, the aux record) still fail here, changing nothing. A
+    /// chunk handed over after `init` but before the transfer opened
     /// (its decode has not reserved yet) is queued and sent when it opens.
     pub fn send(&self, pages: &[u32], aux: Option<&[u8]>) -> Result<(), Error> {
         let mut slot = self.slot();
@@ -279,20 +283,27 @@ impl SenderTransfer {
             slot.sent.extend_from_slice(pages);
             return Ok(());
         };
+        // The chunk is in the connection's queue once this returns; whether it was taken is
+        // learnt on the runtime, never waited for here (in the chaos cluster a prefill's
+        // `send` that waited once held its engine loop for the whole call timeout, 30 s;
+        // docs/CLUSTER.md).
         let taken = out.send_chunk(pages.to_vec(), aux);
-        // The slot's lock is let go while the connection takes the chunk: tasks on the
-        // runtime's threads take it (opening this transfer when its decode names it), and a
-        // thread blocked on it cannot run the connection's task that answers. (In the chaos
-        // cluster a prefill's `send` once waited out the whole call timeout, 30 s, stalling
-        // its engine loop; docs/CLUSTER.md.)
+        slot.sent.extend_from_slice(pages);
         drop(slot);
-        self.manager
-            .block(taken, self.manager.config().call_timeout)?
-            .map_err(|e| Error::from_transfer(&e))?;
-        self.slot().sent.extend_from_slice(pages);
         if last {
             self.shared.advance(KvPoll::Transferring);
         }
+        let (shared, slot) = (self.shared.clone(), self.slot.clone());
+        self.manager.spawn(async move {
+            if let Err(e) = taken.await {
+                // Refused: the transfer would wait for a chunk that never comes. Abort it,
+                // and let poll say why.
+                if let Some(out) = &lock(&slot).out {
+                    out.abort(ErrorCode::CANCELLED);
+                }
+                shared.fail(Error::from_transfer(&e));
+            }
+        });
         Ok(())
     }
 
