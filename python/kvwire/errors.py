@@ -114,7 +114,9 @@ class PeerUnresponsive(PeerLost):
 
 class Unconfirmed(TransferError):
     """Prefill: the commit was sent but no verdict came back (``cause`` says what ended the
-    wait, e.g. ``"PeerLost"``); the decode node may have delivered."""
+    wait, e.g. ``"PeerLost"``); the decode node may have delivered. ``retryable`` is the
+    cause's (the request itself is sound), but the prefill must not send it again on its own:
+    only the decode knows whether it delivered, and it re-reserves if it did not (SPEC §7.6)."""
 
 
 class ProtocolViolation(TransferError):

@@ -114,7 +114,9 @@ kinds! {
     /// The peer stopped answering heartbeats.
     PeerUnresponsive = 35,
     /// Sender only: the commit was sent but no verdict came back; the receiver may have
-    /// delivered ([`Error::cause`] says what ended the wait).
+    /// delivered ([`Error::cause`] says what ended the wait). Its [`Error::is_retryable`] is
+    /// the cause's (the request is sound), but the sender must not send it again on its own:
+    /// only the receiver knows, and it reserves again if it did not deliver (SPEC §7.6).
     Unconfirmed = 36,
     /// The peer broke the protocol.
     ProtocolViolation = 37,
