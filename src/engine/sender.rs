@@ -354,7 +354,13 @@ impl<T: SenderTransport> Task<T> {
                 SenderEvent::Failed { transfer, reason } => {
                     self.stats.failed += 1;
                     if let Some(m) = &self.metrics {
-                        m.transfer("sender", &reason.code().to_string());
+                        // Unconfirmed is not a failure of its cause's code: the receiver may
+                        // have delivered (SPEC §7.6).
+                        let outcome = match &reason {
+                            FailureReason::Unconfirmed { .. } => "unconfirmed".to_string(),
+                            r => r.code().to_string(),
+                        };
+                        m.transfer("sender", &outcome);
                     }
                     let span = self
                         .spans
