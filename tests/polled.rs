@@ -435,3 +435,38 @@ fn a_chunk_the_connection_refuses_fails_the_transfer_through_poll() {
     tx.clear().unwrap();
     assert!(prefill.node().pool().held_pages().is_empty());
 }
+
+/// A chunk sent while the transfer is ending (the decode aborted it; the prefill's `poll`
+/// has not read that yet) does not mask why it ended: the prefill fails with the decode's
+/// abort (or succeeds, where the abort crossed the verdict), never with the chunk's refusal. (The chaos cluster saw `InvalidRequest` 7 times in
+/// 220,891 requests before this.) Many rounds, to meet the race.
+#[test]
+fn a_chunk_refused_because_the_transfer_ended_does_not_mask_its_outcome() {
+    let (decode, _, prefill, _) = pair(1024);
+    for round in 0..40u64 {
+        let room = TransferId(100 + round);
+        let rx = decode.receiver(room, None).unwrap();
+        rx.init(vec![30, 31, 32], 48, WAIT).unwrap();
+        let tx = prefill.sender(room, None).unwrap();
+        tx.init(3, 48).unwrap();
+        assert_eq!(opened(&tx), KvPoll::WaitingForInput);
+        tx.send(&[1], None).unwrap();
+        rx.abort();
+        // Sent at once after the abort, and again after it surely reached the prefill's
+        // connection; each may be refused, as the transfer is ending.
+        let _ = tx.send(&[2], None);
+        std::thread::sleep(Duration::from_millis((round % 4) * 2));
+        let _ = tx.send(&[3], None);
+        // The decode's abort may also cross the verdict on its way (the decode's connection
+        // verified the pages before it handled the abort: `ReceiverTransfer::abort`), and
+        // the prefill reads Success; what it must never read is the chunk's refusal.
+        if tx.wait(WAIT) == KvPoll::Failed {
+            let e = tx.failure().unwrap();
+            assert_eq!(e.kind(), ErrorKind::PeerAborted, "round {round}: {e}");
+        }
+        rx.release().unwrap();
+        tx.clear().unwrap();
+    }
+    assert!(prefill.node().pool().held_pages().is_empty());
+    assert!(decode.node().pool().held_pages().is_empty());
+}

@@ -295,13 +295,26 @@ impl SenderTransfer {
         }
         let (shared, slot) = (self.shared.clone(), self.slot.clone());
         self.manager.spawn(async move {
-            if let Err(e) = taken.await {
-                // Refused: the transfer would wait for a chunk that never comes. Abort it,
-                // and let poll say why.
-                if let Some(out) = &lock(&slot).out {
-                    out.abort(ErrorCode::CANCELLED);
+            use crate::sender::ChunkStartError::Session;
+            use kvwire_proto::sender::ChunkError;
+            match taken.await {
+                Ok(()) => {}
+                // The transfer already ended (failed, aborted, its connection lost): its own
+                // outcome says why, and must not be masked by the chunk's refusal.
+                Err(
+                    TransferError::ConnectionClosed
+                    | TransferError::Chunk(Session(
+                        ChunkError::UnknownTransfer(_) | ChunkError::TransferEnding(_),
+                    )),
+                ) => {}
+                Err(e) => {
+                    // Refused: the transfer would wait for a chunk that never comes. Abort
+                    // it, and let poll say why.
+                    if let Some(out) = &lock(&slot).out {
+                        out.abort(ErrorCode::CANCELLED);
+                    }
+                    shared.fail(Error::from_transfer(&e));
                 }
-                shared.fail(Error::from_transfer(&e));
             }
         });
         Ok(())
