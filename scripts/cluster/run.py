@@ -259,6 +259,9 @@ def main() -> None:
     nodes = {("prefill", i): Proc("prefill", i, argv("prefill", i)) for i in range(a.prefills)}
     nodes.update({("decode", i): Proc("decode", i, argv("decode", i)) for i in range(a.decodes)})
     requests: Dict[int, Request] = {}
+    # The requests with a side still open: what the loop looks at each turn (the whole history
+    # grows to hundreds of thousands in an hour; scanning it every turn slowed the router).
+    live: Dict[int, Request] = {}
     violations: List[str] = []
     faults: List[Dict[str, Any]] = []
     counts = {"no_pages": 0}
@@ -315,7 +318,7 @@ def main() -> None:
 
     def node_down(n: Proc) -> None:
         side = n.role
-        for r in requests.values():
+        for r in live.values():
             if side not in r.ends and (r.prefill if side == "prefill" else r.decode) == n.rank:
                 r.lost.add(side)
 
@@ -436,7 +439,9 @@ def main() -> None:
             if now < stop_at and now >= next_fault:
                 fault(now)
                 next_fault = now + rng.expovariate(1 / a.fault_every)
-            open_now = [r for r in requests.values() if r.open_sides()]
+            for done in [k for k, r in live.items() if not r.open_sides()]:
+                del live[done]
+            open_now = list(live.values())
             if now < stop_at:
                 while len(open_now) < a.in_flight:
                     room += 1
@@ -466,6 +471,7 @@ def main() -> None:
                                 chunks, cancel, over_context=tokens > decode_context)
                     r.sent_at = now
                     requests[room] = r
+                    live[room] = r
                     p, d = nodes[("prefill", r.prefill)], nodes[("decode", r.decode)]
                     order = [(d, "recv"), (p, "send")] if rng.random() < 0.5 else [(p, "send"), (d, "recv")]
                     for n, op in order:
@@ -480,7 +486,7 @@ def main() -> None:
                         nodes[(other, r.prefill if other == "prefill" else r.decode)].send(op="cancel", room=room)
                         r.cancelled_at[other] = now
                     open_now.append(r)
-            for r in requests.values():
+            for r in list(live.values()):
                 if not r.open_sides():
                     continue
                 age = now - r.sent_at
@@ -502,7 +508,7 @@ def main() -> None:
                                 f"still open after {a.bound:.0f} s (cancelled: {sorted(r.cancelled_at)}, "
                                 f"ended: {sorted(r.ends)})")
                         r.lost.add(side)  # reported once
-            if now >= stop_at and not pending_restart and not pending_cont and not pending_heal and not any(r.open_sides() for r in requests.values()):
+            if now >= stop_at and not pending_restart and not pending_cont and not pending_heal and not any(r.open_sides() for r in live.values()):
                 break
             pump(0.01)
         # Quiesce: every node holds no page.
@@ -556,16 +562,31 @@ def main() -> None:
 
     # Recovery: from each fault's end (the restart, SIGCONT, the link up, ...) to the first
     # request through that node (any node, after etcd) sent after it and verified.
+    # Verified requests by node, in the order sent, with the earliest verdict from each on.
+    import bisect
+    by_node: Dict[Any, List[Tuple[float, float]]] = {}
+    for r in requests.values():
+        d = r.ends.get("decode", {})
+        if d.get("state") == "verified":
+            for key in (("prefill", r.prefill), ("decode", r.decode), None):
+                by_node.setdefault(key, []).append((r.sent_at - t0, d["at"]))
+    suffix_min: Dict[Any, Tuple[List[float], List[float]]] = {}
+    for key, xs in by_node.items():
+        xs.sort()
+        mins = [0.0] * len(xs)
+        low = float("inf")
+        for i in range(len(xs) - 1, -1, -1):
+            low = min(low, xs[i][1])
+            mins[i] = low
+        suffix_min[key] = ([x[0] for x in xs], mins)
     for f in faults:
-        through = None
+        key = None
         if f["node"] != "etcd":
             role, rank = f["node"].rstrip("0123456789"), int(f["node"].lstrip("prefilldecode"))
-            through = (role, rank)
-        times = [r.ends["decode"]["at"] for r in requests.values()
-                 if (through is None or (r.prefill if through[0] == "prefill" else r.decode) == through[1])
-                 and r.ends.get("decode", {}).get("state") == "verified"
-                 and r.sent_at - t0 >= f["until"]]
-        f["recovered_s"] = round(min(times) - f["until"], 2) if times else None
+            key = (role, rank)
+        sent, mins = suffix_min.get(key, ([], []))
+        i = bisect.bisect_left(sent, f["until"])
+        f["recovered_s"] = round(mins[i] - f["until"], 2) if i < len(sent) else None
     rec = sorted(f["recovered_s"] for f in faults if f["recovered_s"] is not None)
     # A fault that ended within 5 s of the workload's end may see no request after it.
     never = [f for f in faults if f["recovered_s"] is None and f["until"] < a.seconds - 5]
