@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvwire_proto::admission::{AdmissionPolicy, Request};
+use kvwire_proto::admission::Request;
 use kvwire_proto::auth::{AuthChannel, AuthError, Nonce, OpenError, Psk};
 use kvwire_proto::handshake::{Established, Handshake, HandshakeError};
 use kvwire_proto::receiver::{
@@ -12,74 +12,14 @@ use kvwire_proto::receiver::{
 };
 use kvwire_proto::sender::{SenderAction, SenderConfig, SenderEvent, SenderSession, WriteOutcome};
 use kvwire_proto::wire::{
-    Abort, Commit, DecodeError, Digest128, DigestAlgorithm, ErrorCode, Frame, FrameType, Hello,
-    HelloReject, KvLayout, Nack, Reserve, Role, TransferDigests, TransferId, TransferRef, MAX_AUX,
-    NONE_INDEX, TRAILER_LEN,
+    Abort, Commit, DecodeError, Digest128, DigestAlgorithm, ErrorCode, Frame, FrameType,
+    HelloReject, Nack, Role, TransferDigests, TransferId, TransferRef, MAX_AUX, NONE_INDEX,
+    TRAILER_LEN,
 };
 use kvwire_proto::{FailureReason, Scope};
 
-const ID: TransferId = TransferId(1);
-
-fn layout() -> KvLayout {
-    KvLayout {
-        tokens_per_page: 16,
-        buffer_page_bytes: vec![4096],
-        fingerprint: b"m".to_vec(),
-    }
-}
-
-fn hello(role: Role, max_aux: u32) -> Hello {
-    Hello {
-        node_id: 1,
-        role,
-        layout: layout(),
-        digests: vec![DigestAlgorithm::XXH3_64],
-        transport_params: vec![],
-        max_aux,
-    }
-}
-
-/// A connection as `role` sees it; the receiver's `max_aux` is `max_aux` (the sender's 0).
-fn established(role: Role, max_aux: u32) -> Established {
-    let (local, peer) = if role == Role::SENDER {
-        (hello(Role::SENDER, 0), hello(Role::RECEIVER, max_aux))
-    } else {
-        (hello(Role::RECEIVER, max_aux), hello(Role::SENDER, 0))
-    };
-    Established {
-        local,
-        peer,
-        digests: vec![DigestAlgorithm::XXH3_64],
-    }
-}
-
-fn policy() -> AdmissionPolicy {
-    AdmissionPolicy {
-        tokens_per_page: 16,
-        pool_pages: 64,
-        max_context_tokens: 1024,
-    }
-}
-
-fn reserve_for(id: TransferId, nonce: u64) -> Reserve {
-    Reserve {
-        transfer_id: id,
-        nonce,
-        tokens: 32,
-        digest: DigestAlgorithm::XXH3_64,
-        page_digests: false,
-        deadline_ms: 1000,
-        pages: vec![5, 6],
-        access: vec![],
-    }
-}
-
-fn tref(nonce: u64) -> TransferRef {
-    TransferRef {
-        transfer_id: ID,
-        nonce,
-    }
-}
+mod common;
+use common::*;
 
 fn abort(t: TransferRef, code: ErrorCode) -> Frame {
     Frame::Abort(Abort {
@@ -102,30 +42,6 @@ fn commit(t: TransferRef, aux: Vec<u8>) -> Frame {
         aux_digest: Digest128::from_u128(6),
         aux,
     })
-}
-
-fn frames_s(s: &mut SenderSession) -> Vec<Frame> {
-    std::iter::from_fn(|| s.poll_transmit()).collect()
-}
-
-fn frames_r(r: &mut ReceiverSession) -> Vec<Frame> {
-    std::iter::from_fn(|| r.poll_transmit()).collect()
-}
-
-fn actions_s(s: &mut SenderSession) -> Vec<SenderAction> {
-    std::iter::from_fn(|| s.poll_action()).collect()
-}
-
-fn actions_r(r: &mut ReceiverSession) -> Vec<ReceiverAction> {
-    std::iter::from_fn(|| r.poll_action()).collect()
-}
-
-fn events_s(s: &mut SenderSession) -> Vec<SenderEvent> {
-    std::iter::from_fn(|| s.poll_event()).collect()
-}
-
-fn events_r(r: &mut ReceiverSession) -> Vec<ReceiverEvent> {
-    std::iter::from_fn(|| r.poll_event()).collect()
 }
 
 fn admitted(id: TransferId) -> kvwire_proto::admission::Admitted {

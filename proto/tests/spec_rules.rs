@@ -1,93 +1,28 @@
 //! Rules that closed SPEC.md §12's open questions (issue 13): one test per rule, each
 //! naming the section of the SPEC body that states it.
 
-use kvwire_proto::wire::TransferId;
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::{AdmissionPolicy, Request};
-use kvwire_proto::handshake::Established;
 use kvwire_proto::receiver::{ReceiverConfig, ReceiverSession, ReservationRequest};
 use kvwire_proto::sender::{SenderConfig, SenderSession, WriteOutcome};
 use kvwire_proto::wire::{
-    Abort, Digest128, DigestAlgorithm, ErrorCode, Frame, Hello, KvLayout, Reserve, Role,
-    TransferDigests, TransferRef,
+    Abort, Digest128, DigestAlgorithm, ErrorCode, Frame, Hello, Reserve, Role, TransferDigests,
+    TransferRef,
 };
 use kvwire_proto::FailureReason;
 
-const ID: TransferId = TransferId(1);
-
-fn layout() -> KvLayout {
-    KvLayout {
-        tokens_per_page: 16,
-        buffer_page_bytes: vec![4096],
-        fingerprint: b"m".to_vec(),
-    }
-}
-
-fn hello(role: Role) -> Hello {
-    Hello {
-        node_id: 1,
-        role,
-        layout: layout(),
-        digests: vec![DigestAlgorithm::XXH3_64],
-        transport_params: vec![],
-        max_aux: 0,
-    }
-}
-
-fn established(role: Role) -> Established {
-    let peer = if role == Role::SENDER {
-        Role::RECEIVER
-    } else {
-        Role::SENDER
-    };
-    Established {
-        local: hello(role),
-        peer: hello(peer),
-        digests: vec![DigestAlgorithm::XXH3_64],
-    }
-}
-
-fn policy() -> AdmissionPolicy {
-    AdmissionPolicy {
-        tokens_per_page: 16,
-        pool_pages: 64,
-        max_context_tokens: 1024,
-    }
-}
+mod common;
+use common::*;
 
 fn reserve(nonce: u64) -> Reserve {
-    Reserve {
-        transfer_id: ID,
-        nonce,
-        tokens: 32,
-        digest: DigestAlgorithm::XXH3_64,
-        page_digests: false,
-        deadline_ms: 1000,
-        pages: vec![5, 6],
-        access: vec![],
-    }
-}
-
-fn tref(nonce: u64) -> TransferRef {
-    TransferRef {
-        transfer_id: ID,
-        nonce,
-    }
-}
-
-fn frames_s(s: &mut SenderSession) -> Vec<Frame> {
-    std::iter::from_fn(|| s.poll_transmit()).collect()
-}
-
-fn frames_r(r: &mut ReceiverSession) -> Vec<Frame> {
-    std::iter::from_fn(|| r.poll_transmit()).collect()
+    reserve_for(ID, nonce)
 }
 
 /// A sender with one two-page transfer submitted; `nonce` (if any) is a RESERVE accepted at
 /// `now`, after which it is Writing with its writes and one digest job posted.
 fn sender(now: Instant, nonce: Option<u64>) -> SenderSession {
-    let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
+    let mut s = SenderSession::new(&established(Role::SENDER, 0), SenderConfig::default());
     let admitted = policy()
         .admit(Request {
             transfer_id: ID,
@@ -104,7 +39,7 @@ fn sender(now: Instant, nonce: Option<u64>) -> SenderSession {
 
 fn receiver(now: Instant) -> (ReceiverSession, TransferRef) {
     let mut r = ReceiverSession::new(
-        &established(Role::RECEIVER),
+        &established(Role::RECEIVER, 0),
         ReceiverConfig::default(),
         0x6b76_7769_7265_0001,
     );
@@ -253,7 +188,7 @@ fn an_abort_for_a_verified_reservation_of_a_reserved_again_id_gets_verified() {
 fn a_parked_reservations_deadline_counts_from_its_receipt() {
     use kvwire_proto::sender::SenderAction;
     let t0 = Instant::now();
-    let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
+    let mut s = SenderSession::new(&established(Role::SENDER, 0), SenderConfig::default());
     s.handle_frame(t0, Frame::Reserve(reserve(9))).unwrap(); // parked
     let submit_at = t0 + Duration::from_millis(800);
     let admitted = policy()
@@ -286,7 +221,7 @@ fn a_parked_reservation_lives_for_the_receivers_deadline_at_most_the_senders_bou
     let t0 = Instant::now();
     // deadline_ms 1000 < the bound (60 s by default): rejected 1 s after it (the grace for
     // the receiver's own ABORT), not before.
-    let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
+    let mut s = SenderSession::new(&established(Role::SENDER, 0), SenderConfig::default());
     s.handle_frame(t0, Frame::Reserve(reserve(9))).unwrap();
     assert_eq!(s.poll_timeout(), Some(t0 + Duration::from_millis(2000)));
     s.handle_timeout(t0 + Duration::from_millis(1999));
@@ -298,7 +233,7 @@ fn a_parked_reservation_lives_for_the_receivers_deadline_at_most_the_senders_bou
     }
     // The sender's bound is shorter: it wins.
     let mut s = SenderSession::new(
-        &established(Role::SENDER),
+        &established(Role::SENDER, 0),
         SenderConfig {
             parked_reservation_timeout: Duration::from_millis(300),
             ..SenderConfig::default()
@@ -390,9 +325,9 @@ fn a_handshake_that_times_out_sends_hello_reject_handshake_timeout() {
     assert_eq!(DEFAULT_HANDSHAKE_TIMEOUT, Duration::from_secs(10));
     let now = Instant::now();
     let timeout = Duration::from_millis(1500);
-    let mut client = Handshake::client(now, hello(Role::SENDER), timeout);
+    let mut client = Handshake::client(now, hello(Role::SENDER, 0), timeout);
     assert!(matches!(client.poll_transmit(), Some(Frame::Hello(_))));
-    let mut server = Handshake::server(now, hello(Role::RECEIVER), timeout);
+    let mut server = Handshake::server(now, hello(Role::RECEIVER, 0), timeout);
     for (hs, waited) in [(&mut client, "HELLO_ACK"), (&mut server, "HELLO")] {
         hs.handle_timeout(now + timeout - Duration::from_millis(1));
         assert!(hs.poll_outcome().is_none() && hs.poll_transmit().is_none());
@@ -515,7 +450,7 @@ fn retire_refuses_an_open_id_and_a_later_submit_supersedes_a_retirement() {
     assert!(std::iter::from_fn(|| s.poll_action())
         .any(|a| matches!(a, SenderAction::PostWrites { .. })));
 
-    let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
+    let mut s = SenderSession::new(&established(Role::SENDER, 0), SenderConfig::default());
     s.retire(rejected()).unwrap();
     let admitted = policy()
         .admit(Request {
@@ -610,7 +545,7 @@ fn admission_must_use_the_layouts_tokens_per_page_and_names_wire_limits() {
     use kvwire_proto::admission::AdmissionError;
     use kvwire_proto::sender::SubmitError;
     let now = Instant::now();
-    let mut s = SenderSession::new(&established(Role::SENDER), SenderConfig::default());
+    let mut s = SenderSession::new(&established(Role::SENDER, 0), SenderConfig::default());
     let wrong = AdmissionPolicy {
         tokens_per_page: 8, // the layout has 16
         ..policy()
@@ -688,7 +623,7 @@ fn the_nonce_seed_is_given_per_session_and_drives_the_nonces() {
     };
     let nonces = |seed| {
         let mut r = ReceiverSession::new(
-            &established(Role::RECEIVER),
+            &established(Role::RECEIVER, 0),
             ReceiverConfig::default(),
             seed,
         );
@@ -762,10 +697,10 @@ fn a_reservation_naming_a_page_beyond_the_receivers_pool_is_refused() {
 #[test]
 fn hello_reject_details_name_both_sides_in_human_form() {
     use kvwire_proto::handshake::{check_peer, show_fingerprint, version_reject};
-    let local = hello(Role::RECEIVER);
+    let local = hello(Role::RECEIVER, 0);
     let refuse = |peer: Hello| check_peer(&local, &peer).unwrap_err();
 
-    let mut peer = hello(Role::SENDER);
+    let mut peer = hello(Role::SENDER, 0);
     peer.layout.tokens_per_page = 32;
     peer.layout.buffer_page_bytes = vec![4096, 2048];
     let r = refuse(peer);
@@ -783,9 +718,9 @@ fn hello_reject_details_name_both_sides_in_human_form() {
         b"meta-llama/Llama-3-70B/tp0of8".to_vec(),
         b"meta-llama/Llama-3-70B/tp1of8".to_vec(),
     );
-    let mut l = hello(Role::RECEIVER);
+    let mut l = hello(Role::RECEIVER, 0);
     l.layout.fingerprint = a.clone();
-    let mut peer = hello(Role::SENDER);
+    let mut peer = hello(Role::SENDER, 0);
     peer.layout.fingerprint = b.clone();
     let r = check_peer(&l, &peer).unwrap_err();
     assert_eq!(r.code, ErrorCode::FINGERPRINT_MISMATCH);
@@ -800,7 +735,7 @@ fn hello_reject_details_name_both_sides_in_human_form() {
     );
     assert!(r.detail.contains("sha256 "), "{}", r.detail);
 
-    let mut peer = hello(Role::SENDER);
+    let mut peer = hello(Role::SENDER, 0);
     peer.digests = vec![DigestAlgorithm::CRC32, DigestAlgorithm(9)];
     let r = refuse(peer);
     assert_eq!(r.code, ErrorCode::NO_COMMON_DIGEST);
