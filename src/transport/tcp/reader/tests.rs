@@ -78,12 +78,9 @@ fn an_unknown_record_magic_is_named_in_hex_and_ascii() {
     assert!(text.contains(r#"4b 56 44 54 "KVDT""#), "{text}");
 }
 
-/// SPEC §9.1: under an open scope a data record MUST be that reservation's (transfer id
-/// and nonce) and write the page reserved at its ordinal; one that is not is a protocol
-/// violation that ends the connection, before any of its bytes lands. A record under a
-/// closed (fenced) key is discarded.
-#[test]
-fn a_record_that_does_not_match_its_scopes_reservation_ends_the_connection() {
+/// A pool of 8 one-buffer pages of 8 bytes, and a scope table with one reservation (transfer 7,
+/// nonce 0x1234, pages 5 and 2) open under `key`.
+fn one_open_scope() -> (PagePool, ScopeTable, TransferRef, crate::memory::AccessKey) {
     let pool = PagePool::new(
         PoolGeometry {
             tokens_per_page: 1,
@@ -100,6 +97,16 @@ fn a_record_that_does_not_match_its_scopes_reservation_ends_the_connection() {
     let mut scopes = ScopeTable::default();
     let key = scopes.open(t.transfer_id, &[5, 2]);
     scopes.bind(t);
+    (pool, scopes, t, key)
+}
+
+/// SPEC §9.1: under an open scope a data record MUST be that reservation's (transfer id
+/// and nonce) and write the page reserved at its ordinal; one that is not is a protocol
+/// violation that ends the connection, before any of its bytes lands. A record under a
+/// closed (fenced) key is discarded.
+#[test]
+fn a_record_that_does_not_match_its_scopes_reservation_ends_the_connection() {
+    let (pool, mut scopes, t, key) = one_open_scope();
     let record = |transfer, ordinal, dst_page| {
         let mut b = DataHeader {
             transfer,
@@ -451,22 +458,7 @@ fn an_established_stream_reads_frames_and_data_records_and_nothing_else() {
 /// under a key that names no open scope is read and discarded.
 #[test]
 fn a_data_records_length_is_checked_before_its_key() {
-    let pool = PagePool::new(
-        PoolGeometry {
-            tokens_per_page: 1,
-            buffer_page_bytes: vec![8],
-            pages: 8,
-        },
-        Scrub::None,
-    )
-    .unwrap();
-    let t = TransferRef {
-        transfer_id: TransferId(7),
-        nonce: 0x1234,
-    };
-    let mut scopes = ScopeTable::default();
-    let key = scopes.open(t.transfer_id, &[5, 2]);
-    scopes.bind(t);
+    let (pool, scopes, t, key) = one_open_scope();
     let record = |transfer, key, ordinal, dst_page, len: u32| {
         let mut b = DataHeader {
             transfer,
