@@ -209,12 +209,19 @@ impl Liveness {
         if self.unresponsive {
             return None;
         }
+        let silent = self.last_heard + self.config.timeout;
         let blocked = self.blocked_from().map(|t| t + self.config.timeout);
-        Some(
-            self.next_ping
-                .min(self.last_heard + self.config.timeout)
-                .min(blocked.unwrap_or(self.next_ping)),
-        )
+        [Some(self.next_ping), Some(silent), blocked]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// The peer is unresponsive: nothing more goes out, and `event` says why (once).
+    fn declare(&mut self, event: LivenessEvent) {
+        self.unresponsive = true;
+        self.transmit.clear();
+        self.events.push_back(event);
     }
 
     /// Handles the passage of time: the next PING, or the verdict on a silent peer.
@@ -234,20 +241,12 @@ impl Liveness {
         }
         let silent_for = now.saturating_duration_since(self.last_heard);
         if silent_for >= self.config.timeout {
-            self.unresponsive = true;
-            self.transmit.clear();
-            self.events
-                .push_back(LivenessEvent::Unresponsive { silent_for });
-            return;
+            return self.declare(LivenessEvent::Unresponsive { silent_for });
         }
         if let Some(from) = self.blocked_from() {
             let blocked_for = now.saturating_duration_since(from);
             if blocked_for >= self.config.timeout {
-                self.unresponsive = true;
-                self.transmit.clear();
-                self.events
-                    .push_back(LivenessEvent::NotReading { blocked_for });
-                return;
+                return self.declare(LivenessEvent::NotReading { blocked_for });
             }
         }
         if now >= self.next_ping {
