@@ -94,7 +94,9 @@ pub mod transport;
 #[cfg(not(feature = "unstable"))]
 pub(crate) mod transport;
 
-pub use config::{Auth, ConfigError, EngineConfig, NodeConfig, NodeConfigBuilder, TransportConfig};
+pub use config::{
+    Auth, ConfigError, EngineConfig, NodeConfig, NodeConfigBuilder, SameHost, TransportConfig,
+};
 pub use engine::{
     loopback, ChunkStartError, EngineError, Listener, ListenerConfig, Node, OutgoingTransfer,
     ReceiveError, ReceiverConn, ReceiverConnStats, ReserveParams, SenderConn, SenderConnStats,

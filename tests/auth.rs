@@ -109,6 +109,9 @@ fn pass() -> Hook {
 fn config(auth: Auth) -> NodeConfig {
     let mut c = NodeConfig::example();
     c.auth = auth;
+    // The proxy parses the stream's frames and data records: page bytes travel on it (no
+    // same-host pulls, SPEC §9.3, whose pull records it does not parse).
+    c.same_host = kvwire::SameHost::Off;
     c.handshake_timeout = Duration::from_secs(5);
     c
 }

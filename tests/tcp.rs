@@ -121,6 +121,8 @@ async fn tcp_verifies_from_digests_taken_at_landing_unless_turned_off() {
         ),
     ] {
         let mut config = NodeConfig::example();
+        // Digests of page bytes read off the stream (same-host pulls: tests/same_host.rs).
+        config.same_host = kvwire::SameHost::Off;
         config.digest_at_landing = at_landing;
         config.pool.buffer_page_bytes = page_bytes.clone();
         config.pool.pages = 64;
@@ -353,6 +355,8 @@ async fn offloaded_digests_verify_and_release() {
 /// The example node with 64 pages of two 64 KiB buffers (16 tokens each, 1024 in all).
 fn pages_of_two_64k_buffers() -> NodeConfig {
     let mut config = NodeConfig::example();
+    // Page bytes on the stream (the sender's digests around its writes of them).
+    config.same_host = kvwire::SameHost::Off;
     config.pool.buffer_page_bytes = vec![64 << 10, 64 << 10];
     config.pool.pages = 64;
     config.engine = kvwire::config::EngineConfig::new(1024);
@@ -654,6 +658,9 @@ async fn a_peer_that_talks_but_does_not_read_is_declared_unresponsive() {
     config.engine = kvwire::EngineConfig::new(1024);
     config.sender.verdict_timeout = Duration::from_secs(60);
     config.sender.reservation_timeout = Duration::from_secs(60);
+    // Page bytes on the stream, which is what backs up (same-host pulls send only records
+    // naming the pages).
+    config.same_host = kvwire::SameHost::Off;
     let mut patient = config.clone();
     // The receiver hears nothing from the sender once the proxy stalls: it must not be the
     // one that gives up first.

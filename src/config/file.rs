@@ -87,6 +87,8 @@ pub struct NodeSection {
     pub fingerprint: String,
     /// Digest algorithms, preferred first: "xxh3", "crc32".
     pub digests: Option<Vec<String>>,
+    /// Same-host pulls over TCP: "auto" (the default), "off" or "require" (SPEC §9.3).
+    pub same_host: Option<String>,
 }
 
 /// `[pool]`.
@@ -246,6 +248,9 @@ impl ConfigFile {
                     ))),
                 })
                 .collect::<Result<_, _>>()?;
+        }
+        if let Some(m) = &self.node.same_host {
+            c.same_host = m.parse().map_err(FileError::Invalid)?;
         }
         c.scrub = match self.pool.scrub.as_deref() {
             None | Some("none") => Scrub::None,

@@ -11,7 +11,7 @@ pub mod file;
 mod node;
 
 pub use node::{
-    random_bytes, Auth, NodeConfig, NodeConfigBuilder, TransportConfig, ACK_TIMEOUTS,
+    random_bytes, Auth, NodeConfig, NodeConfigBuilder, SameHost, TransportConfig, ACK_TIMEOUTS,
     DEFAULT_ACK_TIMEOUT, MAX_QUEUE_PAIRS, MAX_STREAMS,
 };
 

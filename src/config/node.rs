@@ -91,6 +91,42 @@ pub struct NodeConfig {
     pub auth: Auth,
     /// The transport every connection of this node uses.
     pub transport: TransportConfig,
+    /// Over TCP: whether the decode may copy pages straight out of the prefill's memory when
+    /// both run on one host (SPEC §9.3, same-host pulls; docs/SAME_HOST.md). Default
+    /// [`SameHost::Auto`].
+    pub same_host: SameHost,
+}
+
+/// Same-host pulls over TCP (SPEC §9.3): when both ends run on one host, the decode copies
+/// each page out of the prefill's memory with `process_vm_readv` (one copy per byte) and the
+/// TCP stream carries only frames and pull records.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SameHost {
+    /// Offered on connections whose peer address is this host's (loopback, or this end's own
+    /// address), used when both ends offered them from the same boot and the decode attested
+    /// the prefill's process and may read it; otherwise page bytes travel on the stream.
+    #[default]
+    Auto,
+    /// Never offered: page bytes always travel on the stream.
+    Off,
+    /// Offered on every connection, and a connection without them is refused: a peer that
+    /// does not offer them from this boot in its handshake (TRANSPORT_MISMATCH), or, at the
+    /// decode, a prefill it cannot attest or read (closed before any transfer).
+    Require,
+}
+
+impl std::str::FromStr for SameHost {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "off" => Ok(Self::Off),
+            "require" => Ok(Self::Require),
+            other => Err(format!("same_host = {other:?}: auto, off or require")),
+        }
+    }
 }
 
 /// Which transport a node's connections use. Both ends of a connection must use the same.
@@ -278,6 +314,7 @@ impl NodeConfig {
             tcp_streams: 1,
             auth: Auth::ephemeral(),
             transport: TransportConfig::Tcp,
+            same_host: SameHost::Auto,
         }
     }
 
@@ -376,6 +413,12 @@ impl NodeConfigBuilder {
     /// TCP streams per connection ([`NodeConfig::tcp_streams`], 1 to 64).
     pub fn tcp_streams(mut self, streams: u16) -> Self {
         self.config.tcp_streams = streams;
+        self
+    }
+
+    /// Same-host pulls over TCP ([`NodeConfig::same_host`]).
+    pub fn same_host(mut self, same_host: SameHost) -> Self {
+        self.config.same_host = same_host;
         self
     }
 

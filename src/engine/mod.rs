@@ -122,6 +122,12 @@ pub enum SetupError {
     /// The peer's TCP transport parameters are malformed.
     #[error("the peer's TCP transport parameters: {0}")]
     PeerParams(#[from] crate::transport::tcp::TcpParamsError),
+    /// `same_host = require` and same-host pulls cannot be used with this peer (SPEC §9.3).
+    #[error("same_host = require: {0}")]
+    SameHost(#[from] crate::transport::same_host::SameHostError),
+    /// `same_host = require` over device memory (pulls read host memory only).
+    #[error("same_host = require: same-host pulls read host memory only (this node's KV memory is on a device)")]
+    SameHostNeedsHostMemory,
     /// The two ends run different stream counts.
     #[error("this node runs {ours} TCP streams per connection, the peer {peer} (both ends must set the same tcp_streams)")]
     StreamCount {

@@ -71,6 +71,9 @@ pub struct ReceiverConnStats {
     pub pages_quarantined: u32,
     /// Whether the peer is gone.
     pub peer_lost: bool,
+    /// Whether this connection copies its pages out of the prefill's memory (same-host
+    /// pulls over TCP, SPEC §9.3; `NodeConfig::same_host`) instead of receiving their bytes.
+    pub same_host_pulls: bool,
 }
 
 /// KV pages of a verified transfer, read in place. Only a transfer whose digests, computed
@@ -399,6 +402,7 @@ impl<T: ReceiverTransport> Task<T> {
                 s.digest_jobs_split = d.digest_jobs_split;
                 s.digest_jobs_offloaded = d.digest_jobs_offloaded;
                 s.peer_lost = self.driver.closed().is_some();
+                s.same_host_pulls = self.driver.transport().pulls_pages();
                 let _ = reply.send(s);
             }
         }

@@ -32,6 +32,7 @@
 pub mod lanes;
 pub mod loopback;
 pub mod rdma;
+pub mod same_host;
 pub(crate) mod staging;
 pub(crate) mod stream;
 pub mod tcp;
@@ -317,6 +318,12 @@ pub trait ReceiverTransport: Transport {
     /// Closes `transfer`'s scope: the fence. After [`Fence::Done`], or once
     /// [`TransportEvent::Fenced`] is reported, no write for it can land any more.
     fn fence(&mut self, transfer: TransferRef) -> Fence;
+
+    /// Whether this end copies its pages out of the prefill's memory itself (same-host pulls,
+    /// SPEC §9.3) instead of receiving their bytes. Default: no.
+    fn pulls_pages(&self) -> bool {
+        false
+    }
 }
 
 /// A receiver transport whose access scopes and fence are a [`ScopeTable`] it checks before
@@ -331,6 +338,17 @@ pub trait TableScoped: Transport {
 
     /// Called with a reservation's pages just before its scope opens.
     fn scope_opening(&mut self, _pages: &[u32]) {}
+
+    /// The access descriptor RESERVE carries for a scope opened with `key` (default: the
+    /// 4-byte key, SPEC §9.1).
+    fn access_descriptor(&self, key: AccessKey) -> Vec<u8> {
+        key.to_descriptor()
+    }
+
+    /// [`ReceiverTransport::pulls_pages`].
+    fn pulls_pages(&self) -> bool {
+        false
+    }
 
     /// Called when `transfer`'s scope was just closed (the fence): whether writes already
     /// accepted under it are still being placed in its pages (a staging pipeline's copies
@@ -348,7 +366,8 @@ impl<T: TableScoped> ReceiverTransport for T {
         pages: &[u32],
     ) -> Result<Vec<u8>, ScopeError> {
         self.scope_opening(pages);
-        Ok(self.scopes_mut().open(transfer_id, pages).to_descriptor())
+        let key = self.scopes_mut().open(transfer_id, pages);
+        Ok(self.access_descriptor(key))
     }
 
     fn bind_scope(&mut self, transfer: TransferRef) {
@@ -369,6 +388,10 @@ impl<T: TableScoped> ReceiverTransport for T {
 
     fn digest_landings(&mut self, transfer_id: TransferId, alg: DigestAlgorithm) {
         self.scopes_mut().digest_landings(transfer_id, alg);
+    }
+
+    fn pulls_pages(&self) -> bool {
+        TableScoped::pulls_pages(self)
     }
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {

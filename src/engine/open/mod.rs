@@ -18,7 +18,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::streams::LaneStream;
 use super::{EngineError, Node, ReceiverConn, SenderConn, SetupError};
 use crate::config::TransportConfig;
-use crate::transport::tcp::{TcpParams, TcpReceiver, TcpSender};
+use crate::transport::tcp::{TcpReceiver, TcpSender};
 use crate::transport::LaneSet;
 
 /// One role's end of a connection, as each transport builds it.
@@ -29,7 +29,7 @@ pub(crate) trait End: Sized + Send + 'static {
     /// Over TCP: the connection's streams, lane 0 first (one: no lanes to route).
     fn over_tcp(
         est: Established,
-        peer: &TcpParams,
+        settled: &tcp::Settled,
         lanes: Vec<LaneStream>,
         node: &Node,
     ) -> Result<Self, EngineError>;
@@ -48,7 +48,7 @@ impl End for SenderConn {
 
     fn over_tcp(
         est: Established,
-        peer: &TcpParams,
+        settled: &tcp::Settled,
         lanes: Vec<LaneStream>,
         node: &Node,
     ) -> Result<Self, EngineError> {
@@ -57,7 +57,14 @@ impl End for SenderConn {
         let lanes: Vec<TcpSender> = lanes
             .into_iter()
             .map(|(s, sealer, opener)| {
-                TcpSender::new(s, sealer, opener, pool.clone()).with_destination_pages(peer.pages)
+                let t = TcpSender::new(s, sealer, opener, pool.clone())
+                    .with_destination_pages(settled.peer.pages);
+                // Both offered same-host pulls: the decode may ask for them (SPEC §9.3).
+                if settled.same_host.is_some() {
+                    t.with_pulls()
+                } else {
+                    t
+                }
             })
             .collect();
         match tcp::one_or_several(lanes)? {
@@ -99,17 +106,22 @@ impl End for ReceiverConn {
 
     fn over_tcp(
         est: Established,
-        _peer: &TcpParams,
+        settled: &tcp::Settled,
         lanes: Vec<LaneStream>,
         node: &Node,
     ) -> Result<Self, EngineError> {
         let (pool, config) = (node.pool(), node.config());
         let n = lanes.len() as u16;
+        let puller = tcp::puller(settled, &lanes, config.same_host)?;
         let lanes: Vec<TcpReceiver> = lanes
             .into_iter()
             .zip(0u16..)
             .map(|((s, sealer, opener), i)| {
-                TcpReceiver::new(s, sealer, opener, pool.clone()).with_lane(i, n)
+                let t = TcpReceiver::new(s, sealer, opener, pool.clone()).with_lane(i, n);
+                match puller {
+                    Some(p) => t.with_pulls(p),
+                    None => t,
+                }
             })
             .collect();
         match tcp::one_or_several(lanes)? {
@@ -157,9 +169,9 @@ pub(crate) async fn open<E: End>(
 ) -> Result<E, EngineError> {
     match &node.config().transport {
         TransportConfig::Tcp => {
-            let (est, peer, lanes) =
+            let (est, settled, lanes) =
                 tcp::handshake(stream, node, client, E::ROLE, listener).await?;
-            E::over_tcp(est, &peer, lanes, node)
+            E::over_tcp(est, &settled, lanes, node)
         }
         #[cfg(feature = "rdma")]
         TransportConfig::Rdma {

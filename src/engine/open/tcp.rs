@@ -7,6 +7,8 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::super::streams::{self, LaneStream};
 use super::super::{EngineError, Node, SetupError};
+use crate::config::SameHost;
+use crate::transport::same_host::{self, HostIdentity};
 use crate::transport::tcp::{TcpParams, MAX_STREAMS};
 
 /// A connection's TCP transports: one stream's alone (no lanes to route), or several.
@@ -26,6 +28,40 @@ pub(super) fn one_or_several<T>(mut lanes: Vec<T>) -> Result<Streams<T>, EngineE
     }
 }
 
+/// What a TCP handshake settled: the peer's parameters and, when both ends offered same-host
+/// pulls from the same boot (SPEC §9.3), the peer's identity.
+pub(crate) struct Settled {
+    /// The peer's transport parameters.
+    pub(crate) peer: TcpParams,
+    /// The peer's process, when both offered same-host pulls from one boot.
+    pub(crate) same_host: Option<HostIdentity>,
+}
+
+/// Whether this node offers same-host pulls on `stream` (SPEC §9.3), and as whom.
+fn same_host_offer(stream: &TcpStream, node: &Node) -> Result<Option<HostIdentity>, EngineError> {
+    let mode = node.config().same_host;
+    if mode == SameHost::Off {
+        return Ok(None);
+    }
+    if node.pool().memory().has_device_memory() {
+        return match mode {
+            SameHost::Require => Err(SetupError::SameHostNeedsHostMemory.into()),
+            _ => Ok(None),
+        };
+    }
+    let local_peer = match (stream.local_addr(), stream.peer_addr()) {
+        (Ok(l), Ok(p)) => same_host::looks_local(l, p),
+        _ => false,
+    };
+    match mode {
+        SameHost::Require => Ok(Some(
+            HostIdentity::this_process().map_err(SetupError::from)?,
+        )),
+        _ if local_peer => Ok(HostIdentity::this_process().ok()),
+        _ => Ok(None),
+    }
+}
+
 /// The TCP transport's handshake (its parameters carrying the page count and, with several
 /// streams, the stream count and a token) and the connection's streams, lane 0 first (SPEC
 /// §9.1): a server with several streams first hands a stream that joins another connection
@@ -37,7 +73,7 @@ pub(super) async fn handshake(
     client: bool,
     role: Role,
     listener: Option<&TcpListener>,
-) -> Result<(Established, TcpParams, Vec<LaneStream>), EngineError> {
+) -> Result<(Established, Settled, Vec<LaneStream>), EngineError> {
     let config = node.config();
     let started = std::time::Instant::now();
     let streams = config.tcp_streams.max(1);
@@ -67,6 +103,12 @@ pub(super) async fn handshake(
         pages: node.pool().capacity_pages(),
         streams,
         token,
+        same_host: same_host_offer(&stream, node)?,
+    };
+    let check: kvwire_proto::handshake::TransportCheck = if config.same_host == SameHost::Require {
+        check_tcp_params_same_host
+    } else {
+        check_tcp_params
     };
     let left = config.handshake_timeout.saturating_sub(started.elapsed());
     // A server with several streams claims the client's token as soon as it reads the
@@ -87,7 +129,7 @@ pub(super) async fn handshake(
         config,
         client,
         role,
-        (params.encode(), Some(check_tcp_params)),
+        (params.encode(), Some(check)),
         left,
         &mut on_frame,
     )
@@ -114,7 +156,8 @@ pub(super) async fn handshake(
         config.handshake_timeout,
     )
     .await?;
-    Ok((est, peer, lanes))
+    let same_host = params.same_host_with(&peer);
+    Ok((est, Settled { peer, same_host }, lanes))
 }
 
 /// The handshake's check of the peer's TCP transport parameters (SPEC §4.3 #7, §9.1): of the
@@ -130,4 +173,67 @@ fn check_tcp_params(local: &[u8], peer: &[u8]) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// [`check_tcp_params`] for `same_host = require` (SPEC §9.3): the peer must also offer
+/// same-host pulls, from this node's boot.
+fn check_tcp_params_same_host(local: &[u8], peer: &[u8]) -> Result<(), String> {
+    check_tcp_params(local, peer)?;
+    let (local, peer) = match (TcpParams::parse(local), TcpParams::parse(peer)) {
+        (Ok(l), Ok(p)) => (l, p),
+        _ => return Err("transport parameters that do not parse".into()),
+    };
+    match (local.same_host, peer.same_host) {
+        (Some(ours), Some(theirs)) => ours.same_boot(&theirs).map_err(|e| {
+            format!("this node requires same-host pulls (same_host = require) and {e}")
+        }),
+        _ => Err(
+            "this node requires same-host pulls (same_host = require) and the peer does not offer them"
+                .into(),
+        ),
+    }
+}
+
+/// The decode's side of same-host pulls (SPEC §9.3): when both ends offered them from one
+/// boot, checks that the prefill's pid holds the other end of every stream of the connection
+/// and that this process may read its memory. A check that fails leaves the connection on
+/// page bytes (`same_host = auto`, with one log line) or refuses it before any transfer
+/// (`require`).
+pub(super) fn puller(
+    settled: &Settled,
+    lanes: &[LaneStream],
+    mode: SameHost,
+) -> Result<Option<same_host::Puller>, EngineError> {
+    let Some(prefill) = settled.same_host else {
+        return Ok(None);
+    };
+    let checked = lanes
+        .iter()
+        .try_for_each(|(s, _, _)| {
+            let (local, peer) = match (s.local_addr(), s.peer_addr()) {
+                (Ok(l), Ok(p)) => (l, p),
+                (Err(cause), _) | (_, Err(cause)) => {
+                    return Err(same_host::SameHostError::Proc {
+                        path: "the stream's addresses".into(),
+                        cause,
+                    })
+                }
+            };
+            same_host::attest_peer(local, peer, prefill.pid)
+        })
+        .and_then(|()| {
+            let p = same_host::Puller::new(prefill.pid);
+            p.probe().map(|()| p)
+        });
+    match (checked, mode) {
+        (Ok(p), _) => {
+            tracing::debug!(pid = prefill.pid, "same-host pulls from the prefill");
+            Ok(Some(p))
+        }
+        (Err(e), SameHost::Require) => Err(SetupError::from(e).into()),
+        (Err(e), _) => {
+            tracing::warn!(error = %e, "same-host pulls not used; page bytes travel on the stream");
+            Ok(None)
+        }
+    }
 }

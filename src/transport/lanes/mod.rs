@@ -424,6 +424,10 @@ impl<T: ReceiverTransport> ReceiverTransport for LaneSet<T> {
         self.lanes.iter().all(ReceiverTransport::reports_landings)
     }
 
+    fn pulls_pages(&self) -> bool {
+        self.lanes.iter().all(ReceiverTransport::pulls_pages)
+    }
+
     fn digest_landings(&mut self, transfer_id: TransferId, alg: DigestAlgorithm) {
         if let Some(&lane) = self.scoped.get(&transfer_id) {
             self.lanes[lane].digest_landings(transfer_id, alg);

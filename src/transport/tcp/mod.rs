@@ -47,6 +47,34 @@ pub use receiver::TcpReceiver;
 pub use records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};
 pub use sender::TcpSender;
 
+use crate::transport::same_host::HostIdentity;
+
+/// Magic of a pull record (SPEC §9.3): a data record's header under this magic, then one u64 LE
+/// source address per buffer, in the prefill's address space; the decode copies the page.
+pub const PULL_MAGIC: [u8; 4] = *b"KVPL";
+
+/// The length of an access descriptor that asks the sender for pull records (SPEC §9.3): the
+/// 4-byte scope key, then [`PULL_FLAG`].
+pub const PULL_DESCRIPTOR_LEN: usize = 5;
+/// The last byte of an access descriptor that asks for pull records.
+pub const PULL_FLAG: u8 = 1;
+
+/// A TCP access descriptor's scope key, and whether it asks for pull records (SPEC §9.1,
+/// §9.3): 4 bytes, the key; 5 bytes, the key and [`PULL_FLAG`]. `None` for anything else.
+pub fn parse_access(access: &[u8]) -> Option<(crate::memory::AccessKey, bool)> {
+    match access {
+        [k0, k1, k2, k3] => Some((
+            crate::memory::AccessKey(u32::from_le_bytes([*k0, *k1, *k2, *k3])),
+            false,
+        )),
+        [k0, k1, k2, k3, PULL_FLAG] => Some((
+            crate::memory::AccessKey(u32::from_le_bytes([*k0, *k1, *k2, *k3])),
+            true,
+        )),
+        _ => None,
+    }
+}
+
 /// The prefill end of a connection over several TCP streams: one [`TcpSender`] per stream.
 pub type TcpSenderLanes = crate::transport::LaneSet<TcpSender>;
 /// The decode end of a connection over several TCP streams: one [`TcpReceiver`] per stream.
@@ -68,6 +96,13 @@ const HELD_WRITE_BYTES: usize = 64 * 1024;
 /// The `kind` of the TCP transport parameters (SPEC §9.1; RDMA's are kind 1, §9.2).
 pub const TCP_PARAMS_KIND: u16 = 2;
 
+/// The `kind` of the TCP transport parameters of a node that offers same-host pulls (SPEC
+/// §9.3): TCP's, plus the node's pid and boot id.
+pub const SAME_HOST_PARAMS_KIND: u16 = 3;
+
+/// The length of the same-host form's body (SPEC §9.3): pages, streams, token, pid, boot id.
+const SAME_HOST_PARAMS_LEN: u16 = 4 + 2 + 16 + 4 + 16;
+
 /// The most TCP streams one connection may have (SPEC §9.1, several streams).
 pub const MAX_STREAMS: u16 = 64;
 
@@ -83,6 +118,8 @@ pub struct TcpParams {
     /// With several streams: 16 random bytes naming the connection; the client's is the one
     /// its extra streams present when they join ([`JoinRecord`]). Zero with one stream.
     pub token: [u8; 16],
+    /// The node offers same-host pulls (SPEC §9.3, kind 3): who it is, on which boot.
+    pub same_host: Option<HostIdentity>,
 }
 
 impl TcpParams {
@@ -92,12 +129,26 @@ impl TcpParams {
             pages,
             streams: 1,
             token: [0; 16],
+            same_host: None,
         }
     }
 
     /// The bytes: kind 2, length 4, `pages` (one stream); or kind 2, length 22, `pages`,
-    /// `streams` (u16 LE, at least 2), `token` (several streams).
+    /// `streams` (u16 LE, at least 2), `token` (several streams); or, offering same-host
+    /// pulls, kind 3, length 42, `pages`, `streams` (u16 LE, 1 or more), `token`, `pid` (u32
+    /// LE), `boot_id` (16 bytes).
     pub fn encode(&self) -> Vec<u8> {
+        if let Some(h) = &self.same_host {
+            let mut b = Vec::with_capacity(4 + usize::from(SAME_HOST_PARAMS_LEN));
+            b.extend_from_slice(&SAME_HOST_PARAMS_KIND.to_le_bytes());
+            b.extend_from_slice(&SAME_HOST_PARAMS_LEN.to_le_bytes());
+            b.extend_from_slice(&self.pages.to_le_bytes());
+            b.extend_from_slice(&self.streams.to_le_bytes());
+            b.extend_from_slice(&self.token);
+            b.extend_from_slice(&h.pid.to_le_bytes());
+            b.extend_from_slice(&h.boot_id);
+            return b;
+        }
         let long = self.streams > 1;
         let mut b = Vec::with_capacity(if long { 26 } else { 8 });
         b.extend_from_slice(&TCP_PARAMS_KIND.to_le_bytes());
@@ -116,7 +167,7 @@ impl TcpParams {
             [k0, k1, rest @ ..] => (u16::from_le_bytes([*k0, *k1]), rest),
             _ => return Err(TcpParamsError::Short(b.len())),
         };
-        if kind != TCP_PARAMS_KIND {
+        if kind != TCP_PARAMS_KIND && kind != SAME_HOST_PARAMS_KIND {
             return Err(TcpParamsError::Kind(kind));
         }
         let (len, body) = match rest {
@@ -128,6 +179,9 @@ impl TcpParams {
                 declared: len,
                 after_header: body.len(),
             });
+        }
+        if kind == SAME_HOST_PARAMS_KIND {
+            return Self::parse_same_host(len, body);
         }
         match body {
             [p0, p1, p2, p3] => Ok(Self::one_stream(u32::from_le_bytes([*p0, *p1, *p2, *p3]))),
@@ -142,10 +196,44 @@ impl TcpParams {
                     pages: u32::from_le_bytes([*p0, *p1, *p2, *p3]),
                     streams,
                     token: t,
+                    same_host: None,
                 })
             }
             _ => Err(TcpParamsError::Length(len)),
         }
+    }
+
+    /// The body of the same-host form (kind 3, SPEC §9.3).
+    fn parse_same_host(len: u16, body: &[u8]) -> Result<Self, TcpParamsError> {
+        if len != SAME_HOST_PARAMS_LEN {
+            return Err(TcpParamsError::Length(len));
+        }
+        let u32_at =
+            |i: usize| u32::from_le_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
+        let streams = u16::from_le_bytes([body[4], body[5]]);
+        if !(1..=MAX_STREAMS).contains(&streams) {
+            return Err(TcpParamsError::Streams(streams));
+        }
+        let mut token = [0u8; 16];
+        token.copy_from_slice(&body[6..22]);
+        let mut boot_id = [0u8; 16];
+        boot_id.copy_from_slice(&body[26..42]);
+        Ok(Self {
+            pages: u32_at(0),
+            streams,
+            token,
+            same_host: Some(HostIdentity {
+                pid: u32_at(22),
+                boot_id,
+            }),
+        })
+    }
+
+    /// Whether both ends offered same-host pulls from the same boot (SPEC §9.3): only then
+    /// may the decode pull, once it attested the prefill's pid.
+    pub fn same_host_with(&self, peer: &TcpParams) -> Option<HostIdentity> {
+        let (ours, theirs) = (self.same_host?, peer.same_host?);
+        ours.same_boot(&theirs).ok().map(|()| theirs)
     }
 }
 
@@ -157,7 +245,7 @@ pub enum TcpParamsError {
     #[error("{0} bytes of transport parameters")]
     Short(usize),
     /// Another transport's kind.
-    #[error("transport parameters of kind {0} (expected {TCP_PARAMS_KIND}, TCP)")]
+    #[error("transport parameters of kind {0} (expected {TCP_PARAMS_KIND}, TCP, or {SAME_HOST_PARAMS_KIND}, TCP with same-host pulls)")]
     Kind(u16),
     /// The header's length is not what follows it.
     #[error(
@@ -174,8 +262,8 @@ pub enum TcpParamsError {
         "TCP transport parameters naming {0} streams (the long form names 2 to {MAX_STREAMS})"
     )]
     Streams(u16),
-    /// Neither form's length.
-    #[error("TCP transport parameters of length {0} (expected 4: the page count, or 22: pages, streams, token)")]
+    /// Neither form's length (or, of kind 3, not 42).
+    #[error("TCP transport parameters of length {0} (expected 4: the page count, or 22: pages, streams, token; of kind 3, 42: pages, streams, token, pid, boot id)")]
     Length(u16),
 }
 
@@ -277,6 +365,7 @@ mod params_tests {
             pages: 0x0102_0304,
             streams: 4,
             token: [0xAB; 16],
+            same_host: None,
         };
         let b = p.encode();
         let mut want = vec![2, 0, 22, 0, 4, 3, 2, 1, 4, 0];
@@ -293,6 +382,64 @@ mod params_tests {
         short.pop();
         short[2] = 21;
         assert!(TcpParams::parse(&short).is_err());
+    }
+
+    /// SPEC §9.3: the same-host form (kind 3, golden bytes) round-trips with one stream and
+    /// several; another length or a stream count outside 1..=64 is refused; both ends' kind 3
+    /// from one boot settle on pulls, and a kind 2 peer or another boot on none.
+    #[test]
+    fn same_host_params_round_trip_and_settle_only_on_one_boot() {
+        let me = HostIdentity {
+            pid: 0x0A0B_0C0D,
+            boot_id: [0x42; 16],
+        };
+        let p = TcpParams {
+            pages: 9,
+            streams: 1,
+            token: [0; 16],
+            same_host: Some(me),
+        };
+        let b = p.encode();
+        let mut want = vec![3, 0, 42, 0, 9, 0, 0, 0, 1, 0];
+        want.extend_from_slice(&[0; 16]);
+        want.extend_from_slice(&[0x0D, 0x0C, 0x0B, 0x0A]);
+        want.extend_from_slice(&[0x42; 16]);
+        assert_eq!(b, want);
+        assert_eq!(TcpParams::parse(&b), Ok(p));
+        let several = TcpParams {
+            streams: 4,
+            token: [7; 16],
+            ..p
+        };
+        assert_eq!(TcpParams::parse(&several.encode()), Ok(several));
+        for streams in [0u16, 65] {
+            let mut bad = b.clone();
+            bad[8..10].copy_from_slice(&streams.to_le_bytes());
+            assert!(TcpParams::parse(&bad).is_err(), "{streams} streams");
+        }
+        let mut short = b.clone();
+        short.pop();
+        short[2] = 41;
+        assert!(TcpParams::parse(&short).is_err());
+        assert_eq!(p.same_host_with(&p), Some(me));
+        assert_eq!(p.same_host_with(&TcpParams::one_stream(9)), None);
+        let elsewhere = TcpParams {
+            same_host: Some(HostIdentity {
+                boot_id: [0x43; 16],
+                ..me
+            }),
+            ..p
+        };
+        assert_eq!(p.same_host_with(&elsewhere), None);
+        assert_eq!(
+            parse_access(&[1, 0, 0, 0]),
+            Some((crate::memory::AccessKey(1), false))
+        );
+        assert_eq!(
+            parse_access(&[1, 0, 0, 0, 1]),
+            Some((crate::memory::AccessKey(1), true))
+        );
+        assert_eq!(parse_access(&[1, 0, 0, 0, 2]), None);
     }
 
     /// The join record (golden bytes) round-trips; lane 0, a lane beyond the count, or a

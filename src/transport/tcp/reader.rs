@@ -5,8 +5,10 @@ use kvwire_proto::auth::{AuthChannel, OpenError, Opener};
 use kvwire_proto::wire::{DecodeError, HEADER_LEN, MAGIC, TRAILER_LEN};
 
 use super::records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};
+use super::PULL_MAGIC;
 use crate::checksum::Kind;
 use crate::memory::{PagePool, ScopeTable};
+use crate::transport::same_host::Puller;
 use crate::transport::staging::Staging;
 use crate::transport::LandingDigests;
 use kvwire_proto::wire::DigestAlgorithm;
@@ -197,6 +199,11 @@ pub struct StreamStats {
     /// Data records landed whose page digests the stream took as their bytes landed (SPEC
     /// §6, digests at landing).
     pub digested_at_landing: u64,
+    /// Pull records whose pages were copied out of the prefill's memory (SPEC §9.3); they
+    /// count among `writes_landed` and their bytes among `bytes_landed`.
+    pub pulled: u64,
+    /// Pull records under an open scope whose copy failed (the page is not covered).
+    pub pulls_failed: u64,
 }
 
 /// The receiving side of a stream, as an incremental, cancel-safe parser.
@@ -229,6 +236,9 @@ pub struct StreamReader {
     /// record for them).
     spare_digests: Vec<u64>,
     opener: Opener,
+    /// Same-host pulls (SPEC §9.3): where pull records copy pages from. `None`: a pull record
+    /// ends the stream.
+    pub(crate) puller: Option<Puller>,
     /// Device memory: payloads go to staging buffers, then to the device.
     pub(crate) staging: Option<Staging>,
     /// Counters.
@@ -255,6 +265,7 @@ impl StreamReader {
             digesting: None,
             spare_digests: Vec::new(),
             opener: AuthChannel::off().split().1,
+            puller: None,
             staging: None,
             stats: StreamStats::default(),
         }
@@ -478,6 +489,15 @@ impl StreamReader {
                         self.state = ReadState::Frame { total };
                         continue;
                     }
+                    if magic == PULL_MAGIC && self.puller.is_some() {
+                        let len = DATA_HEADER_LEN + 8 * self.page_bytes.len();
+                        if avail < len {
+                            return Ok(None);
+                        }
+                        let record = self.ahead[at..at + len].to_vec();
+                        self.start += len;
+                        return self.pull(&record, pool, scopes).map(Some);
+                    }
                     if magic != DATA_MAGIC {
                         return Err(StreamError::BadMagic(magic));
                     }
@@ -589,6 +609,64 @@ impl StreamReader {
                 }
             }
         }
+    }
+
+    /// A pull record (SPEC §9.3), whole in `record`: the data record's checks at its header,
+    /// then each buffer's slot of the reserved page copied out of the prefill's memory,
+    /// digested right after its copy when the scope asks for digests at landing. The copy runs
+    /// here, on the stream's own task, after the scope check and before anything else of the
+    /// connection: a fence (which closes the scope on this task) lets no pull start after it.
+    fn pull(
+        &mut self,
+        record: &[u8],
+        pool: &PagePool,
+        scopes: &ScopeTable,
+    ) -> Result<Record, StreamError> {
+        let mut h = [0u8; DATA_HEADER_LEN];
+        h.copy_from_slice(&record[..DATA_HEADER_LEN]);
+        let header = DataHeader::decode(&h);
+        let landing_digest = match self.data_state(header, scopes)? {
+            ReadState::Land { .. } => scopes.get(header.key).and_then(|s| s.landing_digest()),
+            _ => {
+                self.stats.writes_refused += 1;
+                return Ok(Record::Refused(header));
+            }
+        };
+        self.digesting = None;
+        let (Some(puller), Some(mut row)) = (self.puller, pool.raw_row_mut(header.dst_page)) else {
+            tracing::warn!(
+                page = header.dst_page,
+                "destination page busy: pull record dropped"
+            );
+            self.stats.writes_refused += 1;
+            return Ok(Record::Refused(header));
+        };
+        let kind =
+            landing_digest.and_then(|alg| Some((alg, crate::checksum::Kind::new(alg).ok()?)));
+        let mut digests = Vec::with_capacity(self.page_bytes.len());
+        for (b, slot) in row.buffers_mut().iter_mut().enumerate() {
+            let at = 8 * b + DATA_HEADER_LEN;
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&record[at..at + 8]);
+            if let Err(e) = puller.pull(slot, u64::from_le_bytes(a)) {
+                tracing::warn!(error = %e, transfer = header.transfer.transfer_id.0, ordinal = header.ordinal, "pull failed: the page is not covered");
+                self.stats.pulls_failed += 1;
+                self.stats.writes_refused += 1;
+                return Ok(Record::Refused(header));
+            }
+            if let Some((_, kind)) = kind {
+                digests.push(kind.page_digest(slot));
+            }
+        }
+        self.stats.writes_landed += 1;
+        self.stats.pulled += 1;
+        self.stats.bytes_landed += u64::from(header.len);
+        let digests = kind.map(|(algorithm, _)| LandingDigests {
+            algorithm,
+            per_buffer: digests.into(),
+        });
+        self.stats.digested_at_landing += u64::from(digests.is_some());
+        Ok(Record::Landed(header, digests))
     }
 
     /// What a data record's header leads to: landing, staging, or discarding its payload;

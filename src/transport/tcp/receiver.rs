@@ -96,6 +96,16 @@ impl TcpReceiver {
         self
     }
 
+    /// Same-host pulls (SPEC §9.3): the prefill's process was attested and may be read, so
+    /// this end's reservations ask for pull records and copies their pages out of it with
+    /// `puller`. Host memory only (ignored over device memory).
+    pub fn with_pulls(mut self, puller: crate::transport::same_host::Puller) -> Self {
+        if self.reader.staging.is_none() {
+            self.reader.puller = Some(puller);
+        }
+        self
+    }
+
     /// What the stream carried.
     pub fn stats(&self) -> StreamStats {
         self.reader.stats
@@ -419,6 +429,20 @@ impl TableScoped for TcpReceiver {
 
     fn scopes_mut(&mut self) -> &mut ScopeTable {
         &mut self.scopes
+    }
+
+    /// With same-host pulls, the scope key and [`PULL_FLAG`](super::PULL_FLAG): the sender
+    /// sends pull records for the reservation (SPEC §9.3).
+    fn access_descriptor(&self, key: crate::memory::AccessKey) -> Vec<u8> {
+        let mut d = key.to_descriptor();
+        if self.reader.puller.is_some() {
+            d.push(super::PULL_FLAG);
+        }
+        d
+    }
+
+    fn pulls_pages(&self) -> bool {
+        self.reader.puller.is_some()
     }
 
     /// Device memory: the fence of a transfer with copies into its pages still running

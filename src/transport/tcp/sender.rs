@@ -36,6 +36,12 @@ const MAX_WRITE_PAGE_BYTES: usize = 1 << 20;
 enum Out {
     /// A sealed control frame.
     Frame(Vec<u8>),
+    /// A pull record (SPEC §9.3): its header and source addresses, whole; the decode copies
+    /// the page out of this process's memory when it reads it.
+    Pull {
+        record: Vec<u8>,
+        transfer: TransferRef,
+    },
     /// A data record: header, then the source page of every buffer.
     Data {
         header: [u8; super::DATA_HEADER_LEN],
@@ -53,7 +59,7 @@ fn items_per_write(out: &VecDeque<Out>, buffers: usize, record_len: usize) -> us
     let (mut items, mut slices, mut page_bytes) = (0, 0, 0);
     for item in out {
         let (item_slices, item_bytes) = match item {
-            Out::Frame(_) => (1, 0),
+            Out::Frame(_) | Out::Pull { .. } => (1, 0),
             Out::Data { .. } => (1 + buffers, record_len),
         };
         if items > 0
@@ -76,6 +82,8 @@ pub struct TcpSenderStats {
     pub records: u64,
     /// Page bytes written.
     pub bytes: u64,
+    /// Pull records written (SPEC §9.3): pages the decode copies out of this process.
+    pub pulls: u64,
     /// Control frames written.
     pub frames: u64,
     /// Write system calls.
@@ -105,6 +113,9 @@ pub struct TcpSender {
     stats: TcpSenderStats,
     /// The receiver's page slots per buffer, from its transport parameters (SPEC §9.1).
     destination_pages: Option<u32>,
+    /// Both ends offered same-host pulls (SPEC §9.3): a reservation whose descriptor asks for
+    /// them gets pull records.
+    pulls: bool,
     /// Device memory: records go device → pinned staging → socket.
     staging: Option<Staging>,
     /// Writes are held back until a batch's worth is queued ([`Transport::hold_writes`]).
@@ -138,6 +149,7 @@ impl TcpSender {
             closed: false,
             stats: TcpSenderStats::default(),
             destination_pages: None,
+            pulls: false,
             staging: None,
             writes_held: false,
             clock: Instant::now(),
@@ -154,6 +166,14 @@ impl TcpSender {
     /// SPEC §9.1): reservations naming a page beyond them are refused (§5.3.1 #7).
     pub fn with_destination_pages(mut self, pages: u32) -> Self {
         self.destination_pages = Some(pages);
+        self
+    }
+
+    /// Both ends offered same-host pulls (SPEC §9.3): reservations whose access descriptor
+    /// asks for them ([`super::PULL_DESCRIPTOR_LEN`]) get pull records instead of data records.
+    /// Host memory only (refused otherwise: the descriptor then fails its pages).
+    pub fn with_pulls(mut self) -> Self {
+        self.pulls = self.staging.is_none();
         self
     }
 
@@ -182,7 +202,7 @@ impl TcpSender {
             }
         }
         for item in std::mem::take(&mut self.out) {
-            if let Out::Data { transfer, .. } = item {
+            if let Out::Data { transfer, .. } | Out::Pull { transfer, .. } = item {
                 self.complete(transfer, false);
             }
         }
@@ -262,7 +282,9 @@ impl TcpSender {
                 let mut pages = guards.iter();
                 for item in self.out.iter().take(covered) {
                     match item {
-                        Out::Frame(bytes) => push_part(&mut slices, &mut skip, bytes),
+                        Out::Frame(bytes) | Out::Pull { record: bytes, .. } => {
+                            push_part(&mut slices, &mut skip, bytes)
+                        }
                         Out::Data { header, .. } => {
                             push_part(&mut slices, &mut skip, header);
                             for page in pages.by_ref().take(buffers) {
@@ -388,7 +410,9 @@ impl TcpSender {
                 let mut skip = self.front_written;
                 for item in self.out.iter().take(ready) {
                     match item {
-                        Out::Frame(bytes) => push_part(&mut slices, &mut skip, bytes),
+                        Out::Frame(bytes) | Out::Pull { record: bytes, .. } => {
+                            push_part(&mut slices, &mut skip, bytes)
+                        }
                         Out::Data { header, slot, .. } => {
                             push_part(&mut slices, &mut skip, header);
                             if let Some(s) = slot {
@@ -436,7 +460,7 @@ impl TcpSender {
                 return;
             };
             let len = match front {
-                Out::Frame(b) => b.len(),
+                Out::Frame(b) | Out::Pull { record: b, .. } => b.len(),
                 Out::Data { .. } => super::DATA_HEADER_LEN + self.record_len as usize,
             };
             let left = len - self.front_written;
@@ -454,6 +478,12 @@ impl TcpSender {
                     self.data_queued -= 1;
                     self.stats.records += 1;
                     self.stats.bytes += u64::from(self.record_len);
+                    self.complete(transfer, true);
+                }
+                Some(Out::Pull { transfer, .. }) => {
+                    self.data_queued -= 1;
+                    self.stats.records += 1;
+                    self.stats.pulls += 1;
                     self.complete(transfer, true);
                 }
                 Some(Out::Frame(_)) => self.stats.frames += 1,
@@ -628,8 +658,9 @@ impl SenderTransport for TcpSender {
 
     /// Host memory: the kernel copies each record's pages into the socket during the write
     /// that completes it, and [`TcpSender`] reports that write's records before the next one.
+    /// Not where the decode may pull (SPEC §9.3): a pull record leaves the pages unread.
     fn writes_leave_source_in_cache(&self) -> bool {
-        self.staging.is_none()
+        self.staging.is_none() && !self.pulls
     }
 
     fn post_writes(
@@ -639,9 +670,22 @@ impl SenderTransport for TcpSender {
         access: &Arc<[u8]>,
         writes: &[PageWrite],
     ) {
-        let key = AccessKey::from_descriptor(access);
+        let (key, pull) = match super::parse_access(access) {
+            Some((key, pull)) if !pull || self.pulls => (Some(key), pull),
+            // A descriptor that asks for pulls on a connection without them.
+            _ => (None, false),
+        };
         for w in writes {
             match key {
+                Some(key) if pull && !self.closed && w.src_page < self.pool.capacity_pages() => {
+                    match self.pull_record(transfer, key, w) {
+                        Some(record) => {
+                            self.out.push_back(Out::Pull { record, transfer });
+                            self.data_queued += 1;
+                        }
+                        None => self.complete(transfer, false),
+                    }
+                }
                 Some(key) if !self.closed && w.src_page < self.pool.capacity_pages() => {
                     let header = DataHeader {
                         transfer,
@@ -658,11 +702,40 @@ impl SenderTransport for TcpSender {
                     });
                     self.data_queued += 1;
                 }
-                // A descriptor that is not a TCP scope key (SPEC §9.1: exactly 4 bytes), a
-                // source page out of range, or a closed connection: refused before sending.
+                // A descriptor that is not a TCP scope key (SPEC §9.1: exactly 4 bytes, or 5
+                // asking for pulls where both ends offered them, §9.3), a source page out of
+                // range, or a closed connection: refused before sending.
                 _ => self.complete(transfer, false),
             }
         }
+    }
+}
+
+impl TcpSender {
+    /// The pull record of page write `w` (SPEC §9.3): the data record's header under the pull
+    /// magic, then the address of each buffer's slot of the source page in this process.
+    fn pull_record(&self, transfer: TransferRef, key: AccessKey, w: &PageWrite) -> Option<Vec<u8>> {
+        let memory = self.pool.memory();
+        let mut header = DataHeader {
+            transfer,
+            key,
+            ordinal: w.ordinal,
+            dst_page: w.dst_page,
+            len: self.record_len,
+        }
+        .encode();
+        header[..4].copy_from_slice(&super::PULL_MAGIC);
+        let mut record = Vec::with_capacity(header.len() + 8 * memory.buffers());
+        record.extend_from_slice(&header);
+        for b in 0..memory.buffers() {
+            if !memory.is_host(b) {
+                return None;
+            }
+            let (base, _) = memory.region(b)?;
+            let addr = base.as_ptr() as u64 + memory.range(w.src_page, b).start as u64;
+            record.extend_from_slice(&addr.to_le_bytes());
+        }
+        Some(record)
     }
 }
 

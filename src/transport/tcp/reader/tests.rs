@@ -521,6 +521,7 @@ fn tcp_params_with_zero_pages_are_well_formed_and_every_reservation_is_refused()
         pages: 0,
         streams: 2,
         token: [1; 16],
+        same_host: None,
     };
     assert_eq!(TcpParams::parse(&long.encode()), Ok(long));
 
@@ -579,4 +580,93 @@ fn tcp_params_with_zero_pages_are_well_formed_and_every_reservation_is_refused()
     );
     assert!(!std::iter::from_fn(|| s.poll_action())
         .any(|a| matches!(a, SenderAction::PostWrites { .. })));
+}
+
+/// A pull record (SPEC §9.3) of `header`, naming `sources` (one address per buffer).
+fn pull_record(header: DataHeader, sources: &[u64]) -> Vec<u8> {
+    let mut b = header.encode().to_vec();
+    b[..4].copy_from_slice(&super::super::PULL_MAGIC);
+    for a in sources {
+        b.extend_from_slice(&a.to_le_bytes());
+    }
+    b
+}
+
+/// SPEC §9.3: under an open scope a pull record copies each buffer's slot out of the named
+/// process's memory (this one here), with its digests at landing; after the fence (a closed
+/// scope) the same record copies nothing; an address outside the process's mappings fails the
+/// pull (the page is not covered, the stream goes on); a pull record that mismatches its
+/// reservation ends the connection as a data record does; and a reader that did not ask for
+/// pulls takes `KVPL` as an unknown magic.
+#[test]
+fn pull_records_copy_under_an_open_scope_only() {
+    let (pool, mut scopes, t, key) = one_open_scope();
+    scopes.digest_landings(t.transfer_id, DigestAlgorithm::XXH3_64);
+    let source: Vec<u8> = b"pulled!!".to_vec();
+    let header = DataHeader {
+        transfer: t,
+        key,
+        ordinal: 1,
+        dst_page: 2,
+        len: 8,
+    };
+    let record = pull_record(header, &[source.as_ptr() as u64]);
+    let slot = |pool: &PagePool| pool.raw_page(2, 0).unwrap().to_vec();
+
+    // Without pulls: an unknown magic.
+    let mut plain = StreamReader::new(&[8]);
+    let e = feed(&mut plain, &pool, &scopes, &record).unwrap_err();
+    assert!(
+        matches!(e, StreamError::BadMagic(m) if m == *b"KVPL"),
+        "{e}"
+    );
+
+    let mut reader = StreamReader::new(&[8]);
+    reader.puller = Some(Puller::new(std::process::id()));
+    // Split anywhere, the record copies the source into page 2, digested as it lands.
+    let got = feed_in_reads_of(&mut reader, &pool, &scopes, &record, 5).unwrap();
+    match got.as_slice() {
+        [Record::Landed(h, Some(d))] => {
+            assert_eq!(*h, header);
+            let kind = crate::checksum::Kind::new(DigestAlgorithm::XXH3_64).unwrap();
+            assert_eq!(*d.per_buffer, [kind.page_digest(&source)]);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(slot(&pool), source);
+    assert_eq!((reader.stats.pulled, reader.stats.writes_landed), (1, 1));
+
+    // An address this process does not map: the pull fails, nothing covered, stream on.
+    let bad = pull_record(header, &[8]);
+    let got = feed(&mut reader, &pool, &scopes, &bad).unwrap();
+    assert!(matches!(got.as_slice(), [Record::Refused(_)]), "{got:?}");
+    assert_eq!(reader.stats.pulls_failed, 1);
+
+    // The record's reservation must match its key's (another page at ordinal 1).
+    let wrong = pull_record(
+        DataHeader {
+            dst_page: 5,
+            ..header
+        },
+        &[source.as_ptr() as u64],
+    );
+    let mut strict = StreamReader::new(&[8]);
+    strict.puller = reader.puller;
+    assert!(matches!(
+        feed(&mut strict, &pool, &scopes, &wrong),
+        Err(StreamError::RecordMismatch { .. })
+    ));
+
+    // After the fence, the same record copies nothing.
+    scopes.close(t.transfer_id);
+    let other = b"late!!!!".to_vec();
+    let late = pull_record(header, &[other.as_ptr() as u64]);
+    let got = feed(&mut reader, &pool, &scopes, &late).unwrap();
+    assert!(matches!(got.as_slice(), [Record::Refused(_)]), "{got:?}");
+    assert_eq!(
+        slot(&pool),
+        source,
+        "no byte of a pull after the fence lands"
+    );
+    assert_eq!(reader.stats.pulled, 1);
 }

@@ -1,0 +1,102 @@
+//! Same-host pulls over TCP (SPEC §9.3): two nodes on one host, the decode copying each page
+//! out of the prefill's memory with `process_vm_readv`, every byte checked in place by the
+//! README's integrator code; and the configurations that turn it off or require it.
+
+#[path = "../examples/quickstart/integrator.rs"]
+mod integrator;
+
+use kvwire::{Auth, EngineError, NodeConfig, PoolGeometry, ReceiverConn, SameHost, SenderConn};
+
+/// The test's node configuration (one key for every node of the test binary), with
+/// `same_host` and `streams`.
+fn config(same_host: SameHost, streams: u16) -> NodeConfig {
+    static BASE: std::sync::OnceLock<NodeConfig> = std::sync::OnceLock::new();
+    let mut c = BASE
+        .get_or_init(|| {
+            let pool = PoolGeometry {
+                tokens_per_page: 16,
+                buffer_page_bytes: vec![4096, 8192],
+                pages: 256,
+            };
+            NodeConfig::builder(pool, 4096)
+                .fingerprint("same-host/tp0")
+                .auth(Auth::ephemeral())
+                .build()
+                .unwrap()
+        })
+        .clone();
+    c.same_host = same_host;
+    c.tcp_streams = streams;
+    c
+}
+
+/// Runs the integrator's 8 requests of 100 tokens from a prefill configured `prefill` to a
+/// decode configured `decode`; returns whether the decode pulled, and the bytes it checked.
+async fn run(prefill: NodeConfig, decode: NodeConfig) -> (bool, u64) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let decode_node = kvwire::Node::new(decode).unwrap();
+    let prefill_node = kvwire::Node::new(prefill).unwrap();
+    let decode = tokio::spawn(async move {
+        let conn = ReceiverConn::accept(&listener, &decode_node).await.unwrap();
+        let checked = integrator::decode(&conn, 8, 100).await.unwrap();
+        let stats = conn.stats().await.unwrap();
+        assert_eq!(stats.verified, 8);
+        (stats.same_host_pulls, checked)
+    });
+    let conn = SenderConn::connect(addr, &prefill_node).await.unwrap();
+    integrator::prefill(&conn, 8, 100).await.unwrap();
+    decode.await.unwrap()
+}
+
+const BYTES: u64 = 8 * 7 * (4096 + 8192);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_one_host_the_decode_pulls_every_page_and_verifies_it() {
+    let (pulled, checked) = run(config(SameHost::Auto, 1), config(SameHost::Auto, 1)).await;
+    assert!(
+        pulled,
+        "both ends on 127.0.0.1 with same_host = auto: pulls"
+    );
+    assert_eq!(checked, BYTES);
+    // Over several streams too, with the prefill as the server.
+    let (pulled, checked) = run(config(SameHost::Require, 3), config(SameHost::Require, 3)).await;
+    assert!(pulled);
+    assert_eq!(checked, BYTES);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn either_end_off_keeps_page_bytes_on_the_stream() {
+    for (p, d) in [
+        (SameHost::Off, SameHost::Auto),
+        (SameHost::Auto, SameHost::Off),
+    ] {
+        let (pulled, checked) = run(config(p, 1), config(d, 1)).await;
+        assert!(!pulled, "prefill {p:?}, decode {d:?}");
+        assert_eq!(checked, BYTES);
+    }
+}
+
+/// A node that requires pulls refuses a peer that does not offer them, in the handshake,
+/// naming why (SPEC §9.3, §4.3 #7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn require_refuses_a_peer_without_pulls_in_the_handshake() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let decode_node = kvwire::Node::new(config(SameHost::Require, 1)).unwrap();
+    let prefill_node = kvwire::Node::new(config(SameHost::Off, 1)).unwrap();
+    let decode =
+        tokio::spawn(async move { ReceiverConn::accept(&listener, &decode_node).await.err() });
+    let prefill = SenderConn::connect(addr, &prefill_node).await.err();
+    let decode = decode.await.unwrap();
+    let shown = format!("{prefill:?} / {decode:?}");
+    assert!(
+        matches!(prefill, Some(EngineError::Handshake(_))),
+        "the prefill is told in HELLO_REJECT: {shown}"
+    );
+    assert!(shown.contains("same_host = require"), "{shown}");
+    assert!(
+        shown.contains("TRANSPORT_MISMATCH") || shown.contains("TransportMismatch"),
+        "{shown}"
+    );
+}
