@@ -109,6 +109,13 @@ pub struct Report {
     pub memlock: Option<Option<u64>>,
     /// Huge pages: (total, free, size in KiB), from `/proc/meminfo`.
     pub hugepages: Option<(u64, u64, u64)>,
+    /// Transparent huge pages: the mode in `/sys/kernel/mm/transparent_hugepage/enabled`
+    /// (`always`, `madvise`, `never`). Same-host pulls copy about twice as fast out of memory
+    /// on them (docs/SAME_HOST.md).
+    pub thp: Option<String>,
+    /// Yama's `ptrace_scope` (`/proc/sys/kernel/yama/ptrace_scope`), `None` without Yama: which
+    /// processes may read another's memory, as same-host pulls do (docs/SAME_HOST.md).
+    pub ptrace_scope: Option<u8>,
 }
 
 fn read(p: &Path) -> Option<String> {
@@ -192,11 +199,20 @@ pub fn inspect_at(root: &Path) -> Report {
             field("Hugepagesize:"),
         )
     });
+    let thp = read(&root.join("sys/kernel/mm/transparent_hugepage/enabled")).and_then(|m| {
+        let start = m.find('[')?;
+        let end = m[start..].find(']')?;
+        Some(m[start + 1..start + end].to_string())
+    });
+    let ptrace_scope =
+        read(&root.join("proc/sys/kernel/yama/ptrace_scope")).and_then(|v| v.parse().ok());
     Report {
         rdma,
         rdma_sysfs: ib.exists(),
         memlock,
         hugepages,
+        thp,
+        ptrace_scope,
     }
 }
 

@@ -81,7 +81,25 @@ pub fn render(report: &Report) -> String {
             let _ = writeln!(o, "hugepages: unknown (/proc/meminfo unreadable)");
         }
     }
+    let _ = writeln!(o, "{}", same_host_line(report));
     o
+}
+
+/// The `same-host:` line: whether a decode on this host may pull pages out of a prefill's
+/// memory (SPEC §9.3; docs/SAME_HOST.md), and how fast its memory can be.
+fn same_host_line(report: &Report) -> String {
+    let who = match report.ptrace_scope {
+        None | Some(0) => "a decode may pull from a prefill of the same user",
+        Some(1) => "Yama ptrace_scope 1: a decode may pull only from a prefill it started, or one that named it with prctl(PR_SET_PTRACER); otherwise page bytes travel on the stream",
+        Some(2) => "Yama ptrace_scope 2: only a decode with CAP_SYS_PTRACE may pull; otherwise page bytes travel on the stream",
+        Some(_) => "Yama ptrace_scope 3: no process may pull; page bytes travel on the stream",
+    };
+    let thp = match report.thp.as_deref() {
+        Some("never") => "; transparent huge pages off: pulls copy at about half speed",
+        Some(_) => "",
+        None => "; transparent huge pages unknown",
+    };
+    format!("same-host: {who}{thp}")
 }
 
 /// The `auth:` lines of `kvwire doctor`: whether peers will be authenticated and where the
@@ -132,11 +150,17 @@ mod tests {
             rdma_sysfs: true,
             memlock: Some(Some(8 << 20)),
             hugepages: Some((16, 8, 2048)),
+            thp: Some("never".into()),
+            ptrace_scope: Some(1),
         };
         let text = render(&report);
         assert!(text.contains("rxe0") && text.contains("too low"), "{text}");
         assert!(
             text.contains("gid 1/0: fe80") && text.contains("(RoCE v2)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("ptrace_scope 1") && text.contains("half speed"),
             "{text}"
         );
     }

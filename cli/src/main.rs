@@ -175,6 +175,11 @@ struct BenchArgs {
     /// transfer's records and frames travel on one, chosen by the receiver round robin.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     tcp_streams: u16,
+    /// Same-host pulls over TCP (`NodeConfig::same_host`; SPEC §9.3): `auto` (the decode copies
+    /// pages out of the prefill's memory when both run on this host), `off` (page bytes on the
+    /// stream) or `require`.
+    #[arg(long, default_value = "auto", value_parser = parse_same_host)]
+    same_host: kvwire::SameHost,
     /// Start every KV buffer the run allocates (kvwire's and the raw baselines') this many
     /// bytes past a 4 KiB boundary (0 to 4095; 0, on one, is how kvwire allocates): to
     /// measure memory placed as an engine's allocator places it (glibc's large blocks start
@@ -335,6 +340,10 @@ fn check_config(file: &std::path::Path) -> ExitCode {
     }
 }
 
+fn parse_same_host(s: &str) -> Result<kvwire::SameHost, String> {
+    s.parse()
+}
+
 fn bench_main(a: BenchArgs) -> ExitCode {
     let two_process = a.listen.is_some() || a.connect.is_some();
     let auth = if !two_process && !a.insecure_no_auth && a.psk_file.is_none() {
@@ -386,6 +395,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         digest_offload_bytes: a.digest_offload,
         digest_threads: a.digest_threads,
         tcp_streams: a.tcp_streams,
+        same_host: a.same_host,
         digest_at_landing: !a.digest_after_fence,
         digest_while_sending: !a.digest_before_send,
         buffer_offset: usize::from(a.buffer_offset),

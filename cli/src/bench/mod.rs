@@ -19,7 +19,7 @@ mod table;
 use cost::CpuClock;
 use engine::EngineSide;
 use raw::{engine_raw_read, engine_raw_write, raw_read, raw_write};
-pub use raw::{raw_engine_baseline, raw_tcp_baseline, RawRun};
+pub use raw::{memcpy_baseline, raw_engine_baseline, raw_tcp_baseline, RawRun};
 pub use spec::{BenchSpec, BenchTransport, CaseResult, OnTransfer, Report, Verify, Workload};
 pub use table::{human_bytes, table};
 
@@ -122,6 +122,9 @@ impl Tally {
             raw_in_flight_cpu_s_per_gb: None,
             pages_free_after: None,
             pages_total: None,
+            same_host_pulls: None,
+            memcpy_gb_per_s: None,
+            ratio_to_memcpy: None,
         }
     }
 
@@ -231,6 +234,22 @@ async fn run_case_pair(
         }
     })
     .await
+}
+
+/// The case with the memcpy baseline of its bytes, measured in this run.
+fn with_memcpy(mut case: CaseResult, spec: &BenchSpec, page: u32) -> CaseResult {
+    if spec.transport != BenchTransport::Tcp {
+        return case;
+    }
+    let record = (u64::from(page) * u64::from(spec.buffers)) as usize;
+    let run = memcpy_baseline(
+        spec.transfer_bytes(page) * spec.transfers(page),
+        record,
+        spec.buffer_offset,
+    );
+    case.memcpy_gb_per_s = Some(run.gb_per_s);
+    case.ratio_to_memcpy = (run.gb_per_s > 0.0).then(|| case.gb_per_s / run.gb_per_s);
+    case
 }
 
 fn with_baseline(
@@ -346,7 +365,11 @@ pub async fn run_in_process(
                 }
             }
         }
-        cases.push(with_baseline(case, raw, raw_in_flight));
+        cases.push(with_memcpy(
+            with_baseline(case, raw, raw_in_flight),
+            spec,
+            page,
+        ));
     }
     Ok(Report {
         spec: spec.clone(),
@@ -469,6 +492,11 @@ pub async fn run_listen(
                 case.pages_free_after.unwrap_or(0),
                 case.pages_total.unwrap_or(0)
             ));
+            if case.same_host_pulls == Some(true) {
+                progress(&format!(
+                    "case {size}: pages pulled from the prefill's memory (same host)"
+                ));
+            }
             cases.push(with_baseline(case, raw_run, raw_in_flight));
         }
     }
@@ -609,7 +637,11 @@ pub async fn run_connect(
                 run_side(spec, page, move |id| tx.send_one(&s, &spec2, id)).await
             }
         };
-        cases.push(with_baseline(case, raw_run, raw_in_flight));
+        cases.push(with_memcpy(
+            with_baseline(case, raw_run, raw_in_flight),
+            spec,
+            page,
+        ));
     }
     Ok(Report {
         spec: spec.clone(),
@@ -691,12 +723,14 @@ async fn run_receiver_side(spec: &BenchSpec, page: u32, receiver: &ReceiverConn)
 }
 
 /// Records the receiver's pool once every page has come back (releases travel on
-/// channels), or after 5 s, whichever is first.
+/// channels), or after 5 s, whichever is first; and whether the connection pulled its pages
+/// (same-host pulls).
 async fn with_pool_state(mut case: CaseResult, receiver: &ReceiverConn) -> CaseResult {
     for _ in 0..500 {
         if let Ok(s) = receiver.stats().await {
             case.pages_free_after = Some(s.pages_free);
             case.pages_total = Some(s.pages_total);
+            case.same_host_pulls = Some(s.same_host_pulls);
             if s.pages_free == s.pages_total {
                 break;
             }

@@ -433,6 +433,29 @@ pub(super) async fn accept_raw(listener: &TcpListener) -> TcpStream {
     }
 }
 
+/// A single-threaded memcpy of `total` bytes in records of `record` bytes (one page index),
+/// from one buffer into another, both `offset` bytes past a 4 KiB boundary ([`PlacedBytes`]),
+/// each 256 MiB or the bytes moved if fewer (beyond the caches, as KV memory is): what one
+/// copy per byte costs on this host, the bound of same-host pulls (SPEC §9.3).
+pub fn memcpy_baseline(total: u64, record: usize, offset: usize) -> RawRun {
+    let record = record.max(1);
+    let span = (total.min(256 << 20) as usize).max(record) / record * record;
+    let src = PlacedBytes::new(span, offset, 0x5A);
+    let mut dst = PlacedBytes::new(span, offset, 0);
+    let (start, cpu) = (Instant::now(), CpuClock::start());
+    let (mut moved, mut at) = (0u64, 0usize);
+    while moved < total {
+        if at + record > span {
+            at = 0;
+        }
+        dst[at..at + record].copy_from_slice(&src[at..at + record]);
+        at += record;
+        moved += record as u64;
+    }
+    std::hint::black_box(&dst[..]);
+    RawRun::since(start, cpu, moved)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

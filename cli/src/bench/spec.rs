@@ -100,6 +100,9 @@ pub struct BenchSpec {
     pub digest_threads: usize,
     /// `NodeConfig::tcp_streams` of both nodes.
     pub tcp_streams: u16,
+    /// `NodeConfig::same_host` of both nodes (same-host pulls over TCP, SPEC §9.3).
+    #[serde(serialize_with = "serialize_same_host")]
+    pub same_host: kvwire::SameHost,
     /// Receivers digest pages as they land (TCP, loopback); false: after the fence.
     pub digest_at_landing: bool,
     /// Senders digest pages as they hand them to the transport; false: before the first
@@ -124,6 +127,17 @@ pub struct BenchSpec {
     pub auth: kvwire::Auth,
     /// The transport.
     pub transport: BenchTransport,
+}
+
+fn serialize_same_host<S: serde::Serializer>(
+    m: &kvwire::SameHost,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.serialize_str(match m {
+        kvwire::SameHost::Off => "off",
+        kvwire::SameHost::Require => "require",
+        _ => "auto",
+    })
 }
 
 fn serialize_auth<S: serde::Serializer>(a: &kvwire::Auth, s: S) -> Result<S::Ok, S::Error> {
@@ -155,6 +169,7 @@ impl Default for BenchSpec {
             digest_offload_bytes: None,
             digest_threads: 1,
             tcp_streams: 1,
+            same_host: kvwire::SameHost::Auto,
             digest_at_landing: true,
             digest_while_sending: true,
             buffer_offset: 0,
@@ -231,6 +246,15 @@ pub struct CaseResult {
     pub pages_free_after: Option<u32>,
     /// Receiver pool pages in all (decode side only).
     pub pages_total: Option<u32>,
+    /// Receiving side: whether the decode copied the pages out of the prefill's memory
+    /// (same-host pulls, SPEC §9.3) rather than receiving them on the stream.
+    pub same_host_pulls: Option<bool>,
+    /// A single-threaded memcpy of the same bytes, page index by page index, between two
+    /// buffers of the run's placement, in the same run (the prefill side, TCP only), 10^9
+    /// bytes/s: what one copy per byte costs on this host.
+    pub memcpy_gb_per_s: Option<f64>,
+    /// `gb_per_s` / `memcpy_gb_per_s`.
+    pub ratio_to_memcpy: Option<f64>,
 }
 
 /// A whole run.
@@ -330,6 +354,7 @@ impl BenchSpec {
         c.digest_offload_bytes = self.digest_offload_bytes;
         c.digest_threads = self.digest_threads;
         c.tcp_streams = self.tcp_streams;
+        c.same_host = self.same_host;
         c.digest_at_landing = self.digest_at_landing;
         c.digest_while_sending = self.digest_while_sending;
         c.liveness = self.liveness;

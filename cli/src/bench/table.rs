@@ -105,6 +105,23 @@ pub fn table(report: &Report) -> String {
             c.raw_cpu_s_per_gb.map_or("-".into(), |r| format!("{r:.2}")),
             failures
         );
+        let path = match c.same_host_pulls {
+            Some(true) => "pages pulled from the prefill's memory (same host)",
+            Some(false) => "page bytes on the TCP stream",
+            None => "",
+        };
+        match c.memcpy_gb_per_s {
+            Some(m) => {
+                out += &format!(
+                    "{:>9} memcpy of the same bytes {m:.3} GB/s, ratio {}{}{path}\n",
+                    "",
+                    c.ratio_to_memcpy.map_or("-".into(), |r| format!("{r:.2}")),
+                    if path.is_empty() { "" } else { "; " }
+                )
+            }
+            None if !path.is_empty() => out += &format!("{:>9} {path}\n", ""),
+            None => {}
+        }
     }
     if let Some(m) = &report.metrics {
         out += "counters:";
