@@ -132,6 +132,10 @@ class KVManager:
     ``tcp_streams``: TCP streams per connection (1 to 64, the same on both engines; transfers
     spread over them, each on one stream).
 
+    ``same_host``: ``"auto"`` (the default: when both engines run on one host, the decode
+    copies each page straight out of the prefill's memory, one copy per byte; docs/SAME_HOST.md),
+    ``"off"`` (page bytes on the TCP stream) or ``"require"`` (refuse a peer without it).
+
     RDMA (``transport="rdma"``; the device is ``KVArgs.ib_device``, the first one if unset):
     ``ib_queue_pairs`` RC queue pairs per connection (1 to 146, the same on both engines;
     transfers take them in turn), ``ib_busy_poll`` (poll completion queues in a loop: lower
@@ -163,6 +167,7 @@ class KVManager:
         parked_reservation_s: float = 30.0,
         worker_threads: int = 2,
         tcp_streams: int = 1,
+        same_host: str = "auto",
         ib_queue_pairs: int = 1,
         ib_busy_poll: bool = False,
         ib_ack_timeout: int = 14,
@@ -201,6 +206,7 @@ class KVManager:
             parked_reservation_s=parked_reservation_s,
             worker_threads=worker_threads,
             tcp_streams=tcp_streams,
+            same_host=same_host,
             ib_queue_pairs=ib_queue_pairs,
             ib_busy_poll=ib_busy_poll,
             ib_ack_timeout=ib_ack_timeout,

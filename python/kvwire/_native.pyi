@@ -38,6 +38,7 @@ class Engine:
         parked_reservation_s: float = 30.0,
         worker_threads: int = 2,
         tcp_streams: int = 1,
+        same_host: str = "auto",
         keepalive: Any = None,
     ) -> None: ...
     @property

@@ -48,6 +48,8 @@ pub struct ManagerConfig {
     /// TCP streams per connection (`NodeConfig::tcp_streams`; both engines must set the
     /// same; default 1).
     pub tcp_streams: u16,
+    /// Same-host pulls over TCP (`NodeConfig::same_host`, SPEC §9.3; default auto).
+    pub same_host: crate::config::SameHost,
 }
 
 impl ManagerConfig {
@@ -70,6 +72,7 @@ impl ManagerConfig {
             sender: None,
             release_verified: false,
             tcp_streams: 1,
+            same_host: crate::config::SameHost::Auto,
         }
     }
 

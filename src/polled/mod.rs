@@ -304,7 +304,8 @@ impl Manager {
             .fingerprint(config.fingerprint.clone())
             .auth(config.auth.clone())
             .transport(config.transport.clone())
-            .tcp_streams(config.tcp_streams);
+            .tcp_streams(config.tcp_streams)
+            .same_host(config.same_host);
         if config.allow_undersized_pool {
             builder = builder.allow_undersized_pool();
         }
