@@ -18,6 +18,7 @@ use kvwire::proto::auth::AuthChannel;
 use kvwire::proto::wire::FrameType;
 use kvwire::proto::{FailureReason, Wait};
 use kvwire::testkit::{Fault, FaultRule, Pair, PairConfig, Side, Step};
+use kvwire::transport::same_host::Puller;
 use kvwire::transport::tcp::{TcpReceiver, TcpReceiverLanes, TcpSender, TcpSenderLanes};
 use kvwire::transport::{LaneSet, ReceiverTransport, SenderTransport};
 
@@ -213,6 +214,12 @@ fn run(flow: Flow, fault: Option<Fault>) -> (Pair, End, End) {
 /// Both ends of a TCP connection on the loopback address, unauthenticated (the matrix's
 /// faults are injected above the transport).
 async fn tcp_pair() -> Pair<TcpSender, TcpReceiver> {
+    tcp_pair_pulling(false).await
+}
+
+/// [`tcp_pair`], with same-host pulls when `pulls` (SPEC §9.3): the receiver copies every
+/// page out of the sender's pool, in this process, instead of reading its bytes.
+async fn tcp_pair_pulling(pulls: bool) -> Pair<TcpSender, TcpReceiver> {
     let cfg = config();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -222,9 +229,13 @@ async fn tcp_pair() -> Pair<TcpSender, TcpReceiver> {
     b.set_nodelay(true).unwrap();
     let (s_pool, r_pool): (std::sync::Arc<PagePool>, _) = cfg.pools().unwrap();
     let (sealer, opener) = AuthChannel::off().split();
-    let s = TcpSender::new(a, sealer, opener, s_pool.clone());
+    let mut s = TcpSender::new(a, sealer, opener, s_pool.clone());
     let (sealer, opener) = AuthChannel::off().split();
-    let r = TcpReceiver::new(b, sealer, opener, r_pool.clone());
+    let mut r = TcpReceiver::new(b, sealer, opener, r_pool.clone());
+    if pulls {
+        s = s.with_pulls();
+        r = r.with_pulls(Puller::new(std::process::id()));
+    }
     Pair::with_transports(&cfg, std::time::Instant::now(), (s_pool, s), (r_pool, r)).unwrap()
 }
 
@@ -256,6 +267,11 @@ async fn tcp_lanes_pair(n: u16) -> Pair<TcpSenderLanes, TcpReceiverLanes> {
 /// One cell over TCP: its outcome, or the invariant it broke.
 async fn run_tcp(flow: Flow, fault: Option<Fault>) -> Result<(End, End), String> {
     run_live(tcp_pair().await, flow, fault).await
+}
+
+/// One cell over TCP with same-host pulls.
+async fn run_tcp_pulls(flow: Flow, fault: Option<Fault>) -> Result<(End, End), String> {
+    run_live(tcp_pair_pulling(true).await, flow, fault).await
 }
 
 /// One cell over two TCP streams.
@@ -361,17 +377,32 @@ fn compare(actual: &str, name: &str) {
 /// the cells that wait for a deadline take seconds).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_matrix_over_tcp() {
-    live_matrix(false).await;
+    live_matrix(Live::Tcp).await;
+}
+
+/// The same matrix over TCP with same-host pulls (SPEC §9.3): the receiver copies the pages
+/// out of the sender's memory; every cell ends as with page bytes on the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_matrix_over_same_host_pulls() {
+    live_matrix(Live::Pulls).await;
+}
+
+/// How a live matrix's cells connect.
+#[derive(Clone, Copy)]
+enum Live {
+    Tcp,
+    Pulls,
+    TwoStreams,
 }
 
 /// The same matrix over connections of two TCP streams, the cell's transfer on lane 1: every
 /// cell ends as over one stream (the same reviewed outcomes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_matrix_over_two_tcp_streams() {
-    live_matrix(true).await;
+    live_matrix(Live::TwoStreams).await;
 }
 
-async fn live_matrix(lanes: bool) {
+async fn live_matrix(live: Live) {
     let mut tasks = tokio::task::JoinSet::new();
     for (i, (flow, step, fault)) in cells().into_iter().enumerate() {
         tasks.spawn(async move {
@@ -379,10 +410,10 @@ async fn live_matrix(lanes: bool) {
                 (Some(step), Some(fault)) => format!("{flow:?} {step:?} {fault:?}"),
                 _ => format!("{flow:?} baseline"),
             };
-            let outcome = if lanes {
-                run_tcp_lanes(flow, fault).await
-            } else {
-                run_tcp(flow, fault).await
+            let outcome = match live {
+                Live::TwoStreams => run_tcp_lanes(flow, fault).await,
+                Live::Pulls => run_tcp_pulls(flow, fault).await,
+                Live::Tcp => run_tcp(flow, fault).await,
             };
             let line = match outcome {
                 Ok((r, s)) => format!("{label}: receiver {r:?}, sender {s:?}"),
