@@ -304,6 +304,57 @@ impl Puller {
         Ok(())
     }
 
+    /// Copies each `slots[i]` from address `sources[i]` of the peer's memory, in one system
+    /// call where it can (the kernel's per-call checks once for them all), slot by slot where
+    /// that copied short.
+    pub fn pull_slots(&self, slots: &mut [&mut [u8]], sources: &[u64]) -> Result<(), PullError> {
+        const IOV_MAX: usize = 1024;
+        if slots.len() != sources.len() || slots.len() > IOV_MAX {
+            for (slot, &src) in slots.iter_mut().zip(sources) {
+                self.pull(slot, src)?;
+            }
+            return Ok(());
+        }
+        let local: Vec<libc::iovec> = slots
+            .iter_mut()
+            .map(|s| libc::iovec {
+                iov_base: s.as_mut_ptr().cast(),
+                iov_len: s.len(),
+            })
+            .collect();
+        let remote: Vec<libc::iovec> = slots
+            .iter()
+            .zip(sources)
+            .map(|(s, &a)| libc::iovec {
+                iov_base: a as usize as *mut libc::c_void,
+                iov_len: s.len(),
+            })
+            .collect();
+        let want: usize = slots.iter().map(|s| s.len()).sum();
+        // SAFETY: every local iovec is one of `slots`, slices this function borrows mutably for
+        // the call, with its own length, so the kernel writes only into them; the remote
+        // iovecs name memory of another process, which the kernel reads (checking each range
+        // against that process's mappings) and which is never dereferenced in this process.
+        let n = unsafe {
+            libc::process_vm_readv(
+                self.pid,
+                local.as_ptr(),
+                local.len() as libc::c_ulong,
+                remote.as_ptr(),
+                remote.len() as libc::c_ulong,
+                0,
+            )
+        };
+        if n >= 0 && n as usize == want {
+            return Ok(());
+        }
+        // Short or failed: again slot by slot, which names the slot that cannot be read.
+        for (slot, &src) in slots.iter_mut().zip(sources) {
+            self.pull(slot, src)?;
+        }
+        Ok(())
+    }
+
     /// One `process_vm_readv` of up to `dst.len()` bytes at `src`.
     fn read_once(&self, dst: &mut [u8], src: u64) -> io::Result<usize> {
         let local = libc::iovec {
@@ -419,6 +470,16 @@ mod tests {
         assert_eq!(dst, src);
         let bad = p.pull(&mut dst, 8);
         assert!(matches!(bad, Err(PullError::Io { .. })), "{bad:?}");
+        // Several slots in one call; one unreadable slot among them is named.
+        let (mut a, mut b) = (vec![0u8; 1000], vec![0u8; 3000]);
+        let srcs = [src.as_ptr() as u64 + 5, src.as_ptr() as u64 + 50_000];
+        p.pull_slots(&mut [&mut a[..], &mut b[..]], &srcs).unwrap();
+        assert_eq!((&a[..], &b[..]), (&src[5..1005], &src[50_000..53_000]));
+        let bad = p.pull_slots(&mut [&mut a[..], &mut b[..]], &[srcs[0], 16]);
+        assert!(
+            matches!(bad, Err(PullError::Io { addr: 16, .. })),
+            "{bad:?}"
+        );
         // A process that does not exist.
         let gone = Puller::new(u32::MAX >> 2).probe();
         assert!(

@@ -644,19 +644,36 @@ impl StreamReader {
         let kind =
             landing_digest.and_then(|alg| Some((alg, crate::checksum::Kind::new(alg).ok()?)));
         let mut digests = Vec::with_capacity(self.page_bytes.len());
-        for (b, slot) in row.buffers_mut().iter_mut().enumerate() {
-            let at = 8 * b + DATA_HEADER_LEN;
-            let mut a = [0u8; 8];
-            a.copy_from_slice(&record[at..at + 8]);
-            if let Err(e) = puller.pull(slot, u64::from_le_bytes(a)) {
-                tracing::warn!(error = %e, transfer = header.transfer.transfer_id.0, ordinal = header.ordinal, "pull failed: the page is not covered");
-                self.stats.pulls_failed += 1;
-                self.stats.writes_refused += 1;
-                return Ok(Record::Refused(header));
-            }
-            if let Some((_, kind)) = kind {
-                digests.push(kind.page_digest(slot));
-            }
+        let sources: Vec<u64> = (0..self.page_bytes.len())
+            .map(|b| {
+                let at = 8 * b + DATA_HEADER_LEN;
+                let mut a = [0u8; 8];
+                a.copy_from_slice(&record[at..at + 8]);
+                u64::from_le_bytes(a)
+            })
+            .collect();
+        let slots = row.buffers_mut();
+        // A page of up to DIGEST_PIECE bytes in one call (its slots still in cache when they
+        // are digested); a larger one slot by slot, each digested right after its copy.
+        let pulled = if self.record_len <= DIGEST_PIECE {
+            puller.pull_slots(slots, &sources)
+        } else {
+            slots.iter_mut().zip(&sources).try_for_each(|(slot, &src)| {
+                puller.pull(slot, src)?;
+                if let Some((_, kind)) = kind {
+                    digests.push(kind.page_digest(slot));
+                }
+                Ok(())
+            })
+        };
+        if let Err(e) = pulled {
+            tracing::warn!(error = %e, transfer = header.transfer.transfer_id.0, ordinal = header.ordinal, "pull failed: the page is not covered");
+            self.stats.pulls_failed += 1;
+            self.stats.writes_refused += 1;
+            return Ok(Record::Refused(header));
+        }
+        if let (Some((_, kind)), true) = (kind, digests.is_empty()) {
+            digests.extend(slots.iter().map(|slot| kind.page_digest(slot)));
         }
         self.stats.writes_landed += 1;
         self.stats.pulled += 1;
