@@ -30,7 +30,8 @@ async fn connected_sender(page_bytes: u32, pages: u32) -> (TcpSender, TcpStream)
 }
 
 /// SPEC §9.1: a TCP access descriptor is exactly 4 bytes; a sender given any other
-/// length writes nothing for the reservation and reports every page write failed.
+/// length writes nothing for the reservation and reports every page write failed. So is one
+/// that asks for pull records (5 bytes, the last 1) on a connection without them (§9.3).
 #[tokio::test(flavor = "current_thread")]
 async fn a_tcp_access_descriptor_of_the_wrong_length_fails_the_writes() {
     let (mut s, _peer) = connected_sender(8, 4).await;
@@ -50,7 +51,12 @@ async fn a_tcp_access_descriptor_of_the_wrong_length_fails_the_writes() {
             dst_page: 1,
         },
     ];
-    for access in [&[1u8, 0, 0][..], &[1, 0, 0, 0, 0][..], &[][..]] {
+    for access in [
+        &[1u8, 0, 0][..],
+        &[1, 0, 0, 0, 0][..],
+        &[1, 0, 0, 0, 1][..],
+        &[][..],
+    ] {
         let access: Arc<[u8]> = access.into();
         s.post_writes(Instant::now(), t, &access, &writes);
         let mut cx = Context::from_waker(std::task::Waker::noop());
@@ -158,4 +164,50 @@ async fn frames_held_unsent_are_bounded_and_the_connection_ends_at_the_bound() {
         matches!(ev, TransportEvent::Closed(Closed::Unresponsive { .. })),
         "{ev:?}"
     );
+}
+
+/// SPEC §9.3: with pulls, a reservation whose descriptor asks for them gets one pull record per
+/// page (`KVPL`, the data header, the address of each buffer's slot of the source page), and
+/// no page bytes; one with a 4-byte descriptor still gets data records.
+#[tokio::test(flavor = "current_thread")]
+async fn a_pull_descriptor_gets_pull_records_naming_the_source_pages() {
+    use tokio::io::AsyncReadExt;
+    let (s, mut peer) = connected_sender(8, 4).await;
+    let mut s = s.with_pulls();
+    let t = TransferRef {
+        transfer_id: TransferId(3),
+        nonce: 5,
+    };
+    let write = [PageWrite {
+        ordinal: 0,
+        src_page: 2,
+        dst_page: 1,
+    }];
+    let pull: Arc<[u8]> = (&[7u8, 0, 0, 0, super::super::PULL_FLAG][..]).into();
+    s.post_writes(Instant::now(), t, &pull, &write);
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    match s.poll_event(&mut cx, Instant::now()) {
+        Poll::Ready(TransportEvent::WritesDone {
+            pages: 1, ok: true, ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let mut record = [0u8; super::super::DATA_HEADER_LEN + 8];
+    peer.read_exact(&mut record).await.unwrap();
+    assert_eq!(&record[..4], b"KVPL");
+    assert_eq!(&record[20..24], &[7, 0, 0, 0], "the access key");
+    let (base, _) = s.pool.memory().region(0).unwrap();
+    let want = base.as_ptr() as u64 + s.pool.memory().range(2, 0).start as u64;
+    assert_eq!(
+        record[36..44],
+        want.to_le_bytes(),
+        "buffer 0's slot of source page 2"
+    );
+    assert_eq!((s.stats().pulls, s.stats().bytes), (1, 0));
+    let bytes: Arc<[u8]> = (&[7u8, 0, 0, 0][..]).into();
+    s.post_writes(Instant::now(), t, &bytes, &write);
+    let _ = s.poll_event(&mut cx, Instant::now());
+    let mut head = [0u8; 4];
+    peer.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"KVDT");
 }
