@@ -122,6 +122,8 @@ impl Tally {
             raw_in_flight_cpu_s_per_gb: None,
             pages_free_after: None,
             pages_total: None,
+            tcp_stream_gb_per_s: None,
+            ratio_to_tcp_stream: None,
             same_host_pulls: None,
             memcpy_gb_per_s: None,
             ratio_to_memcpy: None,
@@ -277,6 +279,38 @@ fn with_baseline(
     case
 }
 
+/// One case with both roles in this process, over two nodes of the case's configuration.
+async fn in_process_case(spec: &BenchSpec, page: u32) -> Result<CaseResult, String> {
+    Ok(match spec.workload {
+        Workload::Pool => {
+            // Two nodes, each with memory of its own: the prefill engine's and the
+            // decode engine's.
+            let config = spec.node_config(page);
+            let prefill = spec.node(config.clone())?;
+            let decode = spec.node(config)?;
+            let (sender, receiver) = connect_in_process(spec, &prefill, &decode).await?;
+            let case = run_case_pair(spec, page, &sender, &receiver).await;
+            with_pool_state(case, &receiver).await
+        }
+        Workload::Engine { .. } => {
+            let tx = EngineSide::new(spec, page, engine::SEND_SEED)?;
+            let rx = EngineSide::new(spec, page, engine::RECEIVE_SEED)?;
+            let (s, r) = connect_in_process(spec, &tx.node, &rx.node).await?;
+            let (r2, spec2) = (r.clone(), spec.clone());
+            let case = run_side(spec, page, move |id| {
+                let (recv, send) = (rx.receive_one(&r2, &spec2, id), tx.send_one(&s, &spec2, id));
+                async move {
+                    // The receiver's outcome is the one that counts: only it verifies.
+                    let (got, _) = tokio::join!(recv, send);
+                    got
+                }
+            })
+            .await;
+            with_pool_state(case, &r).await
+        }
+    })
+}
+
 /// Both roles in this process over TCP loopback; each case is followed by its raw baseline.
 pub async fn run_in_process(
     spec: &BenchSpec,
@@ -302,35 +336,19 @@ pub async fn run_in_process(
                 ),
             }
         ));
-        let case = match spec.workload {
-            Workload::Pool => {
-                // Two nodes, each with memory of its own: the prefill engine's and the
-                // decode engine's.
-                let config = spec.node_config(page);
-                let prefill = spec.node(config.clone())?;
-                let decode = spec.node(config)?;
-                let (sender, receiver) = connect_in_process(spec, &prefill, &decode).await?;
-                let case = run_case_pair(spec, page, &sender, &receiver).await;
-                with_pool_state(case, &receiver).await
-            }
-            Workload::Engine { .. } => {
-                let tx = EngineSide::new(spec, page, engine::SEND_SEED)?;
-                let rx = EngineSide::new(spec, page, engine::RECEIVE_SEED)?;
-                let (s, r) = connect_in_process(spec, &tx.node, &rx.node).await?;
-                let (r2, spec2) = (r.clone(), spec.clone());
-                let case = run_side(spec, page, move |id| {
-                    let (recv, send) =
-                        (rx.receive_one(&r2, &spec2, id), tx.send_one(&s, &spec2, id));
-                    async move {
-                        // The receiver's outcome is the one that counts: only it verifies.
-                        let (got, _) = tokio::join!(recv, send);
-                        got
-                    }
-                })
-                .await;
-                with_pool_state(case, &r).await
-            }
-        };
+        let mut case = in_process_case(spec, page).await?;
+        if case.same_host_pulls == Some(true) {
+            // The same case with page bytes on the stream, in the same run (SPEC §9.3).
+            progress("case: again with page bytes on the TCP stream (--same-host off)");
+            let stream = BenchSpec {
+                same_host: kvwire::SameHost::Off,
+                ..spec.clone()
+            };
+            let over_stream = in_process_case(&stream, page).await?;
+            case.tcp_stream_gb_per_s = Some(over_stream.gb_per_s);
+            case.ratio_to_tcp_stream =
+                (over_stream.gb_per_s > 0.0).then(|| case.gb_per_s / over_stream.gb_per_s);
+        }
         // The raw baselines are TCP programs: they compare with the TCP transport only (RDMA
         // is compared with ib_write_bw by scripts/rdma-bench.sh).
         let (mut raw, mut raw_in_flight) = (None, None);

@@ -255,6 +255,11 @@ pub struct CaseResult {
     pub memcpy_gb_per_s: Option<f64>,
     /// `gb_per_s` / `memcpy_gb_per_s`.
     pub ratio_to_memcpy: Option<f64>,
+    /// Both roles in one process with same-host pulls: the same case again with page bytes
+    /// on the TCP stream (`--same-host off`), in the same run, 10^9 bytes/s.
+    pub tcp_stream_gb_per_s: Option<f64>,
+    /// `gb_per_s` / `tcp_stream_gb_per_s`.
+    pub ratio_to_tcp_stream: Option<f64>,
 }
 
 /// A whole run.

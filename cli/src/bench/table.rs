@@ -105,10 +105,14 @@ pub fn table(report: &Report) -> String {
             c.raw_cpu_s_per_gb.map_or("-".into(), |r| format!("{r:.2}")),
             failures
         );
-        let path = match c.same_host_pulls {
-            Some(true) => "pages pulled from the prefill's memory (same host)",
-            Some(false) => "page bytes on the TCP stream",
-            None => "",
+        let path = match (c.same_host_pulls, c.tcp_stream_gb_per_s) {
+            (Some(true), Some(t)) => format!(
+                "pages pulled from the prefill's memory (same host); over the TCP stream {t:.3} GB/s, ratio {}",
+                c.ratio_to_tcp_stream.map_or("-".into(), |r| format!("{r:.2}"))
+            ),
+            (Some(true), None) => "pages pulled from the prefill's memory (same host)".into(),
+            (Some(false), _) => "page bytes on the TCP stream".into(),
+            (None, _) => String::new(),
         };
         match c.memcpy_gb_per_s {
             Some(m) => {
