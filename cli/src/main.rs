@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod bench;
+#[cfg(feature = "conform")]
+mod conform;
 mod doctor;
 
 use bench::{BenchSpec, BenchTransport, Verify};
@@ -47,6 +49,28 @@ enum Command {
     /// Prints a fresh random pre-shared key (hex) for `--psk-file`, `[auth] psk_file`,
     /// KVWIRE_PSK_FILE or KVWIRE_PSK.
     GenPsk,
+    /// The conformance kit: a scripted prefill against a listening decode (any
+    /// implementation's), one fresh connection per check; exits non-zero if one fails.
+    #[cfg(feature = "conform")]
+    Conform {
+        /// The decode's listening address.
+        #[arg(long)]
+        connect: Option<std::net::SocketAddr>,
+        /// The kit's node configuration (TOML, as `check-config` reads): the target's layout,
+        /// fingerprint and key.
+        #[arg(long)]
+        config: PathBuf,
+        /// Check a kvwire decode listening in this process, with the same configuration.
+        #[arg(long)]
+        self_test: bool,
+        /// Seconds to wait for an answer or a close (longer than the target's handshake and
+        /// liveness timeouts).
+        #[arg(long, default_value_t = 15)]
+        wait_s: u64,
+        /// The target's heartbeat interval, in ms (the PING flood's bound counts in them).
+        #[arg(long, default_value_t = 250)]
+        interval_ms: u64,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -249,6 +273,19 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Bench(args) => bench_main(*args),
         Command::CheckConfig { file } => check_config(&file),
+        #[cfg(feature = "conform")]
+        Command::Conform {
+            connect,
+            config,
+            self_test,
+            wait_s,
+            interval_ms,
+        } => conform::main(
+            connect,
+            &config,
+            self_test,
+            conform::options(wait_s, interval_ms),
+        ),
         Command::GenPsk => match kvwire::config::auth::generate_hex() {
             Ok(k) => {
                 println!("{k}");

@@ -280,7 +280,7 @@ fn digest_execution(config: &NodeConfig) -> crate::driver::DigestExecution {
 /// returns the established session parameters and the
 /// connection's authentication channel.
 pub(crate) async fn handshake(
-    mut stream: tokio::net::TcpStream,
+    stream: tokio::net::TcpStream,
     config: &NodeConfig,
     client: bool,
     role: Role,
@@ -295,11 +295,40 @@ pub(crate) async fn handshake(
     ),
     EngineError,
 > {
+    let mut hello = config.hello(role);
+    hello.transport_params = transport_params;
+    handshake_hello(
+        stream,
+        config,
+        client,
+        hello,
+        transport_check,
+        timeout,
+        on_frame,
+    )
+    .await
+}
+
+/// [`handshake`] with `hello` as this node's (the conformance kit's misbehaving HELLOs).
+pub(crate) async fn handshake_hello(
+    mut stream: tokio::net::TcpStream,
+    config: &NodeConfig,
+    client: bool,
+    hello: kvwire_proto::wire::Hello,
+    transport_check: Option<kvwire_proto::handshake::TransportCheck>,
+    timeout: std::time::Duration,
+    on_frame: &mut (dyn FnMut(&kvwire_proto::wire::Frame) + Send),
+) -> Result<
+    (
+        tokio::net::TcpStream,
+        kvwire_proto::handshake::Established,
+        kvwire_proto::auth::AuthChannel,
+    ),
+    EngineError,
+> {
     use kvwire_proto::handshake::Handshake;
     stream.set_nodelay(true)?;
     let now = std::time::Instant::now();
-    let mut hello = config.hello(role);
-    hello.transport_params = transport_params;
     let mut hs = if client {
         Handshake::client(now, hello, timeout)
     } else {
