@@ -354,13 +354,7 @@ impl<T: SenderTransport> Task<T> {
                 SenderEvent::Failed { transfer, reason } => {
                     self.stats.failed += 1;
                     if let Some(m) = &self.metrics {
-                        // Unconfirmed is not a failure of its cause's code: the receiver may
-                        // have delivered (SPEC §7.6).
-                        let outcome = match &reason {
-                            FailureReason::Unconfirmed { .. } => "unconfirmed".to_string(),
-                            r => r.code().to_string(),
-                        };
-                        m.transfer("sender", &outcome);
+                        m.transfer("sender", &outcome_label(&reason));
                     }
                     let span = self
                         .spans
@@ -585,5 +579,46 @@ impl OutgoingTransfer {
         self.outcome
             .await
             .map_err(|_| TransferError::ConnectionClosed)?
+    }
+}
+
+/// The `outcome` label of a sender's failed transfer in the metrics: its code, except
+/// Unconfirmed, which is not a failure of its cause's code (the receiver may have delivered,
+/// SPEC §7.6) and is counted apart.
+fn outcome_label(reason: &FailureReason) -> String {
+    match reason {
+        FailureReason::Unconfirmed { .. } => "unconfirmed".to_string(),
+        r => r.code().to_string(),
+    }
+}
+
+#[cfg(test)]
+mod outcome_tests {
+    use super::*;
+
+    /// SPEC §7.6: an Unconfirmed transfer is counted under its own outcome, never under its
+    /// cause's code (PEER_UNRESPONSIVE here), which would count it a failure.
+    #[test]
+    fn an_unconfirmed_transfer_has_its_own_metrics_outcome() {
+        let cause = FailureReason::PeerUnresponsive;
+        assert_eq!(
+            outcome_label(&FailureReason::Unconfirmed {
+                cause: Box::new(cause.clone())
+            }),
+            "unconfirmed"
+        );
+        assert_eq!(outcome_label(&cause), cause.code().to_string());
+        let m = crate::metrics::Metrics::new();
+        m.transfer(
+            "sender",
+            &outcome_label(&FailureReason::Unconfirmed {
+                cause: Box::new(cause),
+            }),
+        );
+        assert!(
+            m.encode().contains(r#"outcome="unconfirmed""#),
+            "{}",
+            m.encode()
+        );
     }
 }
