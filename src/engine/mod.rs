@@ -274,6 +274,14 @@ fn digest_execution(config: &NodeConfig) -> crate::driver::DigestExecution {
     }
 }
 
+/// A stream whose handshake completed: the stream, the session parameters and the
+/// connection's authentication channel.
+pub(crate) type Handshaken = (
+    tokio::net::TcpStream,
+    kvwire_proto::handshake::Established,
+    kvwire_proto::auth::AuthChannel,
+);
+
 /// The handshake on a fresh stream as `role` (client or server), with this node's hello
 /// carrying `transport_params` and the peer's checked by `transport_check` (SPEC §4.3 #7),
 /// within `timeout` (the node's handshake timeout, less what the connection already spent);
@@ -287,14 +295,7 @@ pub(crate) async fn handshake(
     (transport_params, transport_check): (Vec<u8>, Option<kvwire_proto::handshake::TransportCheck>),
     timeout: std::time::Duration,
     on_frame: &mut (dyn FnMut(&kvwire_proto::wire::Frame) + Send),
-) -> Result<
-    (
-        tokio::net::TcpStream,
-        kvwire_proto::handshake::Established,
-        kvwire_proto::auth::AuthChannel,
-    ),
-    EngineError,
-> {
+) -> Result<Handshaken, EngineError> {
     let mut hello = config.hello(role);
     hello.transport_params = transport_params;
     handshake_hello(
@@ -318,14 +319,7 @@ pub(crate) async fn handshake_hello(
     transport_check: Option<kvwire_proto::handshake::TransportCheck>,
     timeout: std::time::Duration,
     on_frame: &mut (dyn FnMut(&kvwire_proto::wire::Frame) + Send),
-) -> Result<
-    (
-        tokio::net::TcpStream,
-        kvwire_proto::handshake::Established,
-        kvwire_proto::auth::AuthChannel,
-    ),
-    EngineError,
-> {
+) -> Result<Handshaken, EngineError> {
     use kvwire_proto::handshake::Handshake;
     stream.set_nodelay(true)?;
     let now = std::time::Instant::now();
