@@ -12,9 +12,8 @@ use kvwire_proto::receiver::{
 };
 use kvwire_proto::sender::{SenderAction, SenderConfig, SenderEvent, SenderSession, WriteOutcome};
 use kvwire_proto::wire::{
-    Abort, Commit, DecodeError, Digest128, DigestAlgorithm, ErrorCode, Frame, FrameType,
-    HelloReject, Nack, Role, TransferDigests, TransferId, TransferRef, MAX_AUX, NONE_INDEX,
-    TRAILER_LEN,
+    Abort, DecodeError, Digest128, ErrorCode, Frame, FrameType, HelloReject, Nack, Role,
+    TransferDigests, TransferId, TransferRef, MAX_AUX, NONE_INDEX, TRAILER_LEN,
 };
 use kvwire_proto::{FailureReason, Scope};
 
@@ -31,17 +30,7 @@ fn abort(t: TransferRef, code: ErrorCode) -> Frame {
 }
 
 fn commit(t: TransferRef, aux: Vec<u8>) -> Frame {
-    Frame::Commit(Commit {
-        transfer: t,
-        tokens: 32,
-        pages: 2,
-        bytes: 2 * 4096,
-        digest: DigestAlgorithm::XXH3_64,
-        buffer_digests: vec![Digest128::from_u128(5)],
-        page_digests: vec![],
-        aux_digest: Digest128::from_u128(6),
-        aux,
-    })
+    Frame::Commit(commit_of(t, aux))
 }
 
 fn admitted(id: TransferId) -> kvwire_proto::admission::Admitted {

@@ -7,6 +7,8 @@
 use kvwire_proto::wire::TransferId;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use kvwire_proto::admission::{AdmissionPolicy, Request};
 use kvwire_proto::handshake::Established;
 use kvwire_proto::receiver::{
@@ -15,8 +17,8 @@ use kvwire_proto::receiver::{
 };
 use kvwire_proto::sender::{SenderAction, SenderConfig, SenderEvent, SenderSession, WriteOutcome};
 use kvwire_proto::wire::{
-    Abort, Commit, DecodeError, Digest128, DigestAlgorithm, ErrorCode, Frame, FrameType, Hello,
-    KvLayout, Reserve, Role, TransferRef, MAX_PAGES, MAX_PAYLOAD,
+    Abort, Commit, DecodeError, DigestAlgorithm, ErrorCode, Frame, FrameType, Hello, KvLayout,
+    Reserve, Role, TransferRef, MAX_PAGES, MAX_PAYLOAD,
 };
 use kvwire_proto::{FailureReason, Scope};
 
@@ -106,17 +108,7 @@ fn reserve_frame(nonce: u64, pages: Vec<u32>) -> Frame {
 }
 
 fn commit(t: TransferRef) -> Commit {
-    Commit {
-        transfer: t,
-        tokens: 32,
-        pages: 2,
-        bytes: 2 * 4096,
-        digest: DigestAlgorithm::XXH3_64,
-        buffer_digests: vec![Digest128::from_u128(5)],
-        page_digests: vec![],
-        aux_digest: Digest128::from_u128(6),
-        aux: vec![],
-    }
+    common::commit_of(t, vec![])
 }
 
 fn actions<A>(mut poll: impl FnMut() -> Option<A>) -> Vec<A> {

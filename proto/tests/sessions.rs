@@ -3,6 +3,8 @@
 use kvwire_proto::wire::TransferId;
 use std::time::{Duration, Instant};
 
+mod common;
+
 use kvwire_proto::admission::{AdmissionPolicy, Request};
 use kvwire_proto::handshake::{check_peer, Established};
 use kvwire_proto::receiver::{ReceiverConfig, ReceiverSession, ReservationRequest, ReserveError};
@@ -183,7 +185,7 @@ fn drain_actions<A>(mut poll: impl FnMut() -> Option<A>) -> Vec<A> {
 /// A receiver whose transfer has been committed and fenced, with its digest job running.
 fn receiver_verifying(now: Instant) -> (ReceiverSession, TransferRef) {
     use kvwire_proto::receiver::ReceiverAction;
-    use kvwire_proto::wire::Commit;
+
     let mut r = ReceiverSession::new(
         &established(Role::RECEIVER, 1),
         ReceiverConfig::default(),
@@ -203,17 +205,7 @@ fn receiver_verifying(now: Instant) -> (ReceiverSession, TransferRef) {
             },
         )
         .unwrap();
-    let commit = Commit {
-        transfer: t,
-        tokens: 32,
-        pages: 2,
-        bytes: 2 * 4096,
-        digest: DigestAlgorithm::XXH3_64,
-        buffer_digests: vec![Digest128::from_u128(5)],
-        page_digests: vec![],
-        aux_digest: Digest128::from_u128(6),
-        aux: vec![],
-    };
+    let commit = common::commit_of(t, vec![]);
     r.handle_frame(now, Frame::Commit(commit)).unwrap();
     assert_eq!(
         drain_actions(|| r.poll_action()),

@@ -122,25 +122,11 @@ fn an_abort_for_another_reservation_of_an_open_id_is_acknowledged_and_changes_no
 /// sender it did not deliver, §7.6).
 #[test]
 fn an_abort_for_a_verified_reservation_of_a_reserved_again_id_gets_verified() {
-    use kvwire_proto::wire::Commit;
     let now = Instant::now();
     let (mut r, t) = receiver(now);
     let (b, a) = (Digest128::from_u128(5), Digest128::from_u128(6));
-    r.handle_frame(
-        now,
-        Frame::Commit(Commit {
-            transfer: t,
-            tokens: 32,
-            pages: 2,
-            bytes: 2 * 4096,
-            digest: DigestAlgorithm::XXH3_64,
-            buffer_digests: vec![b],
-            page_digests: vec![],
-            aux_digest: a,
-            aux: vec![],
-        }),
-    )
-    .unwrap();
+    r.handle_frame(now, Frame::Commit(commit_of(t, vec![])))
+        .unwrap();
     r.handle_fenced(now, t);
     r.handle_digests(
         now,
@@ -264,20 +250,8 @@ fn a_parked_reservation_lives_for_the_receivers_deadline_at_most_the_senders_bou
 /// reservation of the id with NACK(STALE_NONCE).
 #[test]
 fn a_commit_for_a_finished_transfer_gets_its_outcome_or_stale_nonce() {
-    use kvwire_proto::wire::{Commit, Nack, NONE_INDEX};
-    let commit = |t: TransferRef| {
-        Frame::Commit(Commit {
-            transfer: t,
-            tokens: 32,
-            pages: 2,
-            bytes: 2 * 4096,
-            digest: DigestAlgorithm::XXH3_64,
-            buffer_digests: vec![Digest128::from_u128(5)],
-            page_digests: vec![],
-            aux_digest: Digest128::from_u128(6),
-            aux: vec![],
-        })
-    };
+    use kvwire_proto::wire::{Nack, NONE_INDEX};
+    let commit = |t: TransferRef| Frame::Commit(commit_of(t, vec![]));
     let now = Instant::now();
     // Verified, then the same COMMIT again.
     let (mut r, t) = receiver(now);
@@ -386,15 +360,9 @@ fn commit_algorithm_and_digest_count_failures_have_their_deliberate_codes() {
         let _ = r.handle_frame(
             now,
             Frame::Commit(Commit {
-                transfer: t,
-                tokens: 32,
-                pages: 2,
-                bytes: 2 * 4096,
                 digest,
                 buffer_digests: vec![Digest128::from_u128(5); buffers],
-                page_digests: vec![],
-                aux_digest: Digest128::from_u128(6),
-                aux: vec![],
+                ..commit_of(t, vec![])
             }),
         );
         assert!(

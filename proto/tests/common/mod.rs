@@ -1,6 +1,7 @@
-//! Fixtures the protocol's rule tests share (`spec_rules.rs`, `ambiguities.rs`): one layout,
-//! a connection as either role sees it, the admission policy, a reservation, and drains of a
-//! session's outputs. Each test binary uses some of them.
+//! Fixtures the protocol's tests share (`spec_rules.rs`, `ambiguities.rs`, `sessions.rs`,
+//! `bad_input.rs`): one layout, a connection as either role sees it, the admission policy, a
+//! reservation, the COMMIT that matches it, and drains of a session's outputs. Each test binary
+//! uses some of them.
 #![allow(dead_code)]
 
 use kvwire_proto::admission::AdmissionPolicy;
@@ -8,7 +9,8 @@ use kvwire_proto::handshake::Established;
 use kvwire_proto::receiver::{ReceiverAction, ReceiverEvent, ReceiverSession};
 use kvwire_proto::sender::{SenderAction, SenderEvent, SenderSession};
 use kvwire_proto::wire::{
-    DigestAlgorithm, Frame, Hello, KvLayout, Reserve, Role, TransferId, TransferRef,
+    Commit, Digest128, DigestAlgorithm, Frame, Hello, KvLayout, Reserve, Role, TransferId,
+    TransferRef,
 };
 
 pub const ID: TransferId = TransferId(1);
@@ -64,6 +66,23 @@ pub fn reserve_for(id: TransferId, nonce: u64) -> Reserve {
         deadline_ms: 1000,
         pages: vec![5, 6],
         access: vec![],
+    }
+}
+
+/// The COMMIT of a reservation of two 4 KiB pages (32 tokens, one buffer) with `aux`, its
+/// buffer digest 5 and aux digest 6 (whatever the pages hold: tests that verify supply their
+/// own digests).
+pub fn commit_of(t: TransferRef, aux: Vec<u8>) -> Commit {
+    Commit {
+        transfer: t,
+        tokens: 32,
+        pages: 2,
+        bytes: 2 * 4096,
+        digest: DigestAlgorithm::XXH3_64,
+        buffer_digests: vec![Digest128::from_u128(5)],
+        page_digests: vec![],
+        aux_digest: Digest128::from_u128(6),
+        aux,
     }
 }
 
