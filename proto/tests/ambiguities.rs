@@ -61,15 +61,7 @@ fn sender(now: Instant, nonce: Option<u64>) -> SenderSession {
 }
 
 fn request(id: TransferId) -> ReservationRequest {
-    ReservationRequest {
-        transfer_id: id,
-        tokens: 32,
-        pages: vec![3, 4],
-        digest: None,
-        page_digests: false,
-        timeout: Duration::from_secs(1),
-        access: vec![],
-    }
+    reservation_request(id)
 }
 
 fn receiver_with_max_aux(now: Instant, max_aux: u32) -> (ReceiverSession, TransferRef) {

@@ -59,18 +59,7 @@ fn receiver(now: Instant) -> (ReceiverSession, TransferRef) {
         0x6b76_7769_7265_0001,
     );
     let t = r
-        .reserve(
-            now,
-            ReservationRequest {
-                transfer_id: TransferId(1),
-                tokens: 32,
-                pages: vec![3, 4],
-                digest: None,
-                page_digests: false,
-                timeout: Duration::from_secs(1),
-                access: vec![],
-            },
-        )
+        .reserve(now, common::reservation_request(TransferId(1)))
         .unwrap();
     assert!(matches!(r.poll_transmit(), Some(Frame::Reserve(_))));
     (r, t)

@@ -10,7 +10,7 @@ use kvwire_proto::handshake::{check_peer, Established};
 use kvwire_proto::receiver::{ReceiverConfig, ReceiverSession, ReservationRequest, ReserveError};
 use kvwire_proto::sender::{SenderAction, SenderConfig, SenderSession, WriteOutcome};
 use kvwire_proto::wire::{
-    Digest128, DigestAlgorithm, ErrorCode, Frame, Hello, KvLayout, Reserve, Role, TransferDigests,
+    Digest128, DigestAlgorithm, ErrorCode, Frame, Hello, KvLayout, Role, TransferDigests,
     TransferRef,
 };
 
@@ -67,20 +67,8 @@ fn a_deadline_rearmed_by_dropped_frames_fires_once() {
         })
         .unwrap();
     s.submit(now, admitted, vec![0, 1]).unwrap();
-    s.handle_frame(
-        now,
-        Frame::Reserve(Reserve {
-            transfer_id: TransferId(1),
-            nonce: 9,
-            tokens: 32,
-            digest: DigestAlgorithm::XXH3_64,
-            page_digests: false,
-            deadline_ms: 1000,
-            pages: vec![5, 6],
-            access: vec![],
-        }),
-    )
-    .unwrap();
+    s.handle_frame(now, Frame::Reserve(common::reserve_for(TransferId(1), 9)))
+        .unwrap();
     let t = TransferRef {
         transfer_id: TransferId(1),
         nonce: 9,
@@ -192,18 +180,7 @@ fn receiver_verifying(now: Instant) -> (ReceiverSession, TransferRef) {
         0x6b76_7769_7265_0001,
     );
     let t = r
-        .reserve(
-            now,
-            ReservationRequest {
-                transfer_id: TransferId(1),
-                tokens: 32,
-                pages: vec![3, 4],
-                digest: None,
-                page_digests: false,
-                timeout: Duration::from_secs(1),
-                access: vec![],
-            },
-        )
+        .reserve(now, common::reservation_request(TransferId(1)))
         .unwrap();
     let commit = common::commit_of(t, vec![]);
     r.handle_frame(now, Frame::Commit(commit)).unwrap();
@@ -267,20 +244,8 @@ fn sender_releases_source_only_after_the_digest_job_returns() {
         })
         .unwrap();
     s.submit(now, admitted, vec![0, 1]).unwrap();
-    s.handle_frame(
-        now,
-        Frame::Reserve(Reserve {
-            transfer_id: TransferId(1),
-            nonce: 9,
-            tokens: 32,
-            digest: DigestAlgorithm::XXH3_64,
-            page_digests: false,
-            deadline_ms: 1000,
-            pages: vec![5, 6],
-            access: vec![],
-        }),
-    )
-    .unwrap();
+    s.handle_frame(now, Frame::Reserve(common::reserve_for(TransferId(1), 9)))
+        .unwrap();
     let t = TransferRef {
         transfer_id: TransferId(1),
         nonce: 9,
@@ -318,20 +283,8 @@ fn sender_with_transfer(now: Instant, commit: bool) -> (SenderSession, TransferR
         })
         .unwrap();
     s.submit(now, admitted, vec![0, 1]).unwrap();
-    s.handle_frame(
-        now,
-        Frame::Reserve(Reserve {
-            transfer_id: TransferId(1),
-            nonce: 9,
-            tokens: 32,
-            digest: DigestAlgorithm::XXH3_64,
-            page_digests: false,
-            deadline_ms: 1000,
-            pages: vec![5, 6],
-            access: vec![],
-        }),
-    )
-    .unwrap();
+    s.handle_frame(now, Frame::Reserve(common::reserve_for(TransferId(1), 9)))
+        .unwrap();
     let t = TransferRef {
         transfer_id: TransferId(1),
         nonce: 9,

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use kvwire_proto::admission::{AdmissionPolicy, Request};
-use kvwire_proto::receiver::{ReceiverConfig, ReceiverSession, ReservationRequest};
+use kvwire_proto::receiver::{ReceiverConfig, ReceiverSession};
 use kvwire_proto::sender::{SenderConfig, SenderSession, WriteOutcome};
 use kvwire_proto::wire::{
     Abort, Digest128, DigestAlgorithm, ErrorCode, Frame, Hello, Reserve, Role, TransferDigests,
@@ -43,20 +43,7 @@ fn receiver(now: Instant) -> (ReceiverSession, TransferRef) {
         ReceiverConfig::default(),
         0x6b76_7769_7265_0001,
     );
-    let t = r
-        .reserve(
-            now,
-            ReservationRequest {
-                transfer_id: ID,
-                tokens: 32,
-                pages: vec![3, 4],
-                digest: None,
-                page_digests: false,
-                timeout: Duration::from_secs(1),
-                access: vec![],
-            },
-        )
-        .unwrap();
+    let t = r.reserve(now, reservation_request(ID)).unwrap();
     frames_r(&mut r);
     std::iter::from_fn(|| r.poll_action()).for_each(drop);
     (r, t)
@@ -138,20 +125,7 @@ fn an_abort_for_a_verified_reservation_of_a_reserved_again_id_gets_verified() {
         },
     );
     assert_eq!(frames_r(&mut r), vec![Frame::Verified(t)]);
-    let again = r
-        .reserve(
-            now,
-            ReservationRequest {
-                transfer_id: ID,
-                tokens: 32,
-                pages: vec![3, 4],
-                digest: None,
-                page_digests: false,
-                timeout: Duration::from_secs(1),
-                access: vec![],
-            },
-        )
-        .unwrap();
+    let again = r.reserve(now, reservation_request(ID)).unwrap();
     assert_ne!(again.nonce, t.nonce);
     frames_r(&mut r);
     r.handle_frame(
@@ -580,15 +554,7 @@ fn admission_must_use_the_layouts_tokens_per_page_and_names_wire_limits() {
 #[test]
 fn the_nonce_seed_is_given_per_session_and_drives_the_nonces() {
     let now = Instant::now();
-    let request = || ReservationRequest {
-        transfer_id: ID,
-        tokens: 32,
-        pages: vec![3, 4],
-        digest: None,
-        page_digests: false,
-        timeout: Duration::from_secs(1),
-        access: vec![],
-    };
+    let request = || reservation_request(ID);
     let nonces = |seed| {
         let mut r = ReceiverSession::new(
             &established(Role::RECEIVER, 0),

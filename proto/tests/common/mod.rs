@@ -6,7 +6,7 @@
 
 use kvwire_proto::admission::AdmissionPolicy;
 use kvwire_proto::handshake::Established;
-use kvwire_proto::receiver::{ReceiverAction, ReceiverEvent, ReceiverSession};
+use kvwire_proto::receiver::{ReceiverAction, ReceiverEvent, ReceiverSession, ReservationRequest};
 use kvwire_proto::sender::{SenderAction, SenderEvent, SenderSession};
 use kvwire_proto::wire::{
     Commit, Digest128, DigestAlgorithm, Frame, Hello, KvLayout, Reserve, Role, TransferId,
@@ -65,6 +65,19 @@ pub fn reserve_for(id: TransferId, nonce: u64) -> Reserve {
         page_digests: false,
         deadline_ms: 1000,
         pages: vec![5, 6],
+        access: vec![],
+    }
+}
+
+/// A receiver's request to reserve pages 3 and 4 for 32 tokens of `id` (1 s to deliver).
+pub fn reservation_request(id: TransferId) -> ReservationRequest {
+    ReservationRequest {
+        transfer_id: id,
+        tokens: 32,
+        pages: vec![3, 4],
+        digest: None,
+        page_digests: false,
+        timeout: std::time::Duration::from_secs(1),
         access: vec![],
     }
 }
