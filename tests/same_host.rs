@@ -30,6 +30,15 @@ fn config(same_host: SameHost, streams: u16) -> NodeConfig {
     c
 }
 
+/// [`config`] with pages of `buffer_page_bytes` (and 64 of them).
+fn config_with_pages(same_host: SameHost, buffer_page_bytes: Vec<u32>) -> NodeConfig {
+    let mut c = config(same_host, 1);
+    c.pool.buffer_page_bytes = buffer_page_bytes;
+    c.pool.pages = 64;
+    c.engine = kvwire::EngineConfig::new(1024);
+    c
+}
+
 /// Runs the integrator's 8 requests of 100 tokens from a prefill configured `prefill` to a
 /// decode configured `decode`; returns whether the decode pulled, and the bytes it checked.
 async fn run(prefill: NodeConfig, decode: NodeConfig) -> (bool, u64) {
@@ -63,6 +72,20 @@ async fn on_one_host_the_decode_pulls_every_page_and_verifies_it() {
     let (pulled, checked) = run(config(SameHost::Require, 3), config(SameHost::Require, 3)).await;
     assert!(pulled);
     assert_eq!(checked, BYTES);
+}
+
+/// Pages of more than 256 KiB are pulled slot by slot (each digested right after its copy),
+/// smaller ones in one call: both verify every byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_pages_are_pulled_slot_by_slot_and_verify() {
+    let pages = vec![160 * 1024, 200 * 1024];
+    let (pulled, checked) = run(
+        config_with_pages(SameHost::Auto, pages.clone()),
+        config_with_pages(SameHost::Auto, pages),
+    )
+    .await;
+    assert!(pulled);
+    assert_eq!(checked, 8 * 7 * (160 + 200) * 1024);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -308,51 +308,55 @@ impl Puller {
     /// call where it can (the kernel's per-call checks once for them all), slot by slot where
     /// that copied short.
     pub fn pull_slots(&self, slots: &mut [&mut [u8]], sources: &[u64]) -> Result<(), PullError> {
-        const IOV_MAX: usize = 1024;
-        if slots.len() != sources.len() || slots.len() > IOV_MAX {
-            for (slot, &src) in slots.iter_mut().zip(sources) {
-                self.pull(slot, src)?;
-            }
-            return Ok(());
+        /// Slots one call takes at most (iovecs on the stack: no allocation per page).
+        const MAX_SLOTS: usize = 16;
+        let empty = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
+        let n = slots.len();
+        if n != sources.len() || n > MAX_SLOTS {
+            return slots
+                .iter_mut()
+                .zip(sources)
+                .try_for_each(|(slot, &src)| self.pull(slot, src));
         }
-        let local: Vec<libc::iovec> = slots
-            .iter_mut()
-            .map(|s| libc::iovec {
-                iov_base: s.as_mut_ptr().cast(),
-                iov_len: s.len(),
-            })
-            .collect();
-        let remote: Vec<libc::iovec> = slots
-            .iter()
-            .zip(sources)
-            .map(|(s, &a)| libc::iovec {
-                iov_base: a as usize as *mut libc::c_void,
-                iov_len: s.len(),
-            })
-            .collect();
-        let want: usize = slots.iter().map(|s| s.len()).sum();
-        // SAFETY: every local iovec is one of `slots`, slices this function borrows mutably for
-        // the call, with its own length, so the kernel writes only into them; the remote
-        // iovecs name memory of another process, which the kernel reads (checking each range
-        // against that process's mappings) and which is never dereferenced in this process.
-        let n = unsafe {
+        let (mut local, mut remote) = ([empty; MAX_SLOTS], [empty; MAX_SLOTS]);
+        let mut want = 0;
+        for (i, (slot, &src)) in slots.iter_mut().zip(sources).enumerate() {
+            local[i] = libc::iovec {
+                iov_base: slot.as_mut_ptr().cast(),
+                iov_len: slot.len(),
+            };
+            remote[i] = libc::iovec {
+                iov_base: src as usize as *mut libc::c_void,
+                iov_len: slot.len(),
+            };
+            want += slot.len();
+        }
+        // SAFETY: the first `n` local iovecs are `slots`, slices this function borrows mutably
+        // for the call, each with its own length, so the kernel writes only into them; the
+        // remote iovecs name memory of another process, which the kernel reads (checking each
+        // range against that process's mappings) and which is never dereferenced in this
+        // process.
+        let got = unsafe {
             libc::process_vm_readv(
                 self.pid,
                 local.as_ptr(),
-                local.len() as libc::c_ulong,
+                n as libc::c_ulong,
                 remote.as_ptr(),
-                remote.len() as libc::c_ulong,
+                n as libc::c_ulong,
                 0,
             )
         };
-        if n >= 0 && n as usize == want {
+        if got >= 0 && got as usize == want {
             return Ok(());
         }
         // Short or failed: again slot by slot, which names the slot that cannot be read.
-        for (slot, &src) in slots.iter_mut().zip(sources) {
-            self.pull(slot, src)?;
-        }
-        Ok(())
+        slots
+            .iter_mut()
+            .zip(sources)
+            .try_for_each(|(slot, &src)| self.pull(slot, src))
     }
 
     /// One `process_vm_readv` of up to `dst.len()` bytes at `src`.

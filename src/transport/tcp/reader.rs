@@ -239,6 +239,8 @@ pub struct StreamReader {
     /// Same-host pulls (SPEC §9.3): where pull records copy pages from. `None`: a pull record
     /// ends the stream.
     pub(crate) puller: Option<Puller>,
+    /// The source addresses of the pull record being handled (no allocation per record).
+    pull_sources: Vec<u64>,
     /// Device memory: payloads go to staging buffers, then to the device.
     pub(crate) staging: Option<Staging>,
     /// Counters.
@@ -266,6 +268,7 @@ impl StreamReader {
             spare_digests: Vec::new(),
             opener: AuthChannel::off().split().1,
             puller: None,
+            pull_sources: Vec::new(),
             staging: None,
             stats: StreamStats::default(),
         }
@@ -494,9 +497,16 @@ impl StreamReader {
                         if avail < len {
                             return Ok(None);
                         }
-                        let record = self.ahead[at..at + len].to_vec();
+                        let mut h = [0u8; DATA_HEADER_LEN];
+                        h.copy_from_slice(&self.ahead[at..at + DATA_HEADER_LEN]);
+                        self.pull_sources.clear();
+                        self.pull_sources.extend(
+                            self.ahead[at + DATA_HEADER_LEN..at + len]
+                                .chunks_exact(8)
+                                .map(|a| u64::from_le_bytes(a.try_into().unwrap_or([0; 8]))),
+                        );
                         self.start += len;
-                        return self.pull(&record, pool, scopes).map(Some);
+                        return self.pull(DataHeader::decode(&h), pool, scopes).map(Some);
                     }
                     if magic != DATA_MAGIC {
                         return Err(StreamError::BadMagic(magic));
@@ -618,13 +628,10 @@ impl StreamReader {
     /// connection: a fence (which closes the scope on this task) lets no pull start after it.
     fn pull(
         &mut self,
-        record: &[u8],
+        header: DataHeader,
         pool: &PagePool,
         scopes: &ScopeTable,
     ) -> Result<Record, StreamError> {
-        let mut h = [0u8; DATA_HEADER_LEN];
-        h.copy_from_slice(&record[..DATA_HEADER_LEN]);
-        let header = DataHeader::decode(&h);
         let landing_digest = match self.data_state(header, scopes)? {
             ReadState::Land { .. } => scopes.get(header.key).and_then(|s| s.landing_digest()),
             _ => {
@@ -632,7 +639,11 @@ impl StreamReader {
                 return Ok(Record::Refused(header));
             }
         };
-        self.digesting = None;
+        // `data_state` may have started a streaming digest for a large record: pulls digest
+        // each slot whole instead; its allocation goes back to the spare.
+        if let Some(d) = self.digesting.take() {
+            self.spare_digests = d.finish(0).1;
+        }
         let (Some(puller), Some(mut row)) = (self.puller, pool.raw_row_mut(header.dst_page)) else {
             tracing::warn!(
                 page = header.dst_page,
@@ -641,47 +652,47 @@ impl StreamReader {
             self.stats.writes_refused += 1;
             return Ok(Record::Refused(header));
         };
-        let kind =
-            landing_digest.and_then(|alg| Some((alg, crate::checksum::Kind::new(alg).ok()?)));
-        let mut digests = Vec::with_capacity(self.page_bytes.len());
-        let sources: Vec<u64> = (0..self.page_bytes.len())
-            .map(|b| {
-                let at = 8 * b + DATA_HEADER_LEN;
-                let mut a = [0u8; 8];
-                a.copy_from_slice(&record[at..at + 8]);
-                u64::from_le_bytes(a)
-            })
-            .collect();
         let slots = row.buffers_mut();
-        // A page of up to DIGEST_PIECE bytes in one call (its slots still in cache when they
-        // are digested); a larger one slot by slot, each digested right after its copy.
+        let kind = landing_digest.and_then(|alg| crate::checksum::Kind::new(alg).ok());
+        let mut taken = std::mem::take(&mut self.spare_digests);
+        taken.clear();
+        // A page of up to DIGEST_PIECE bytes in one call, its slots digested after it (still
+        // in cache); a larger one slot by slot, each digested right after its copy.
         let pulled = if self.record_len <= DIGEST_PIECE {
-            puller.pull_slots(slots, &sources)
-        } else {
-            slots.iter_mut().zip(&sources).try_for_each(|(slot, &src)| {
-                puller.pull(slot, src)?;
-                if let Some((_, kind)) = kind {
-                    digests.push(kind.page_digest(slot));
+            puller.pull_slots(slots, &self.pull_sources).map(|()| {
+                if let Some(kind) = kind {
+                    taken.extend(slots.iter().map(|slot| kind.page_digest(slot)));
                 }
-                Ok(())
             })
+        } else {
+            slots
+                .iter_mut()
+                .zip(&self.pull_sources)
+                .try_for_each(|(slot, &src)| {
+                    puller.pull(slot, src)?;
+                    if let Some(kind) = kind {
+                        taken.push(kind.page_digest(slot));
+                    }
+                    Ok(())
+                })
         };
+        let digests = match (landing_digest, kind) {
+            (Some(algorithm), Some(_)) => Some(LandingDigests {
+                algorithm,
+                per_buffer: taken.as_slice().into(),
+            }),
+            _ => None,
+        };
+        self.spare_digests = taken;
         if let Err(e) = pulled {
             tracing::warn!(error = %e, transfer = header.transfer.transfer_id.0, ordinal = header.ordinal, "pull failed: the page is not covered");
             self.stats.pulls_failed += 1;
             self.stats.writes_refused += 1;
             return Ok(Record::Refused(header));
         }
-        if let (Some((_, kind)), true) = (kind, digests.is_empty()) {
-            digests.extend(slots.iter().map(|slot| kind.page_digest(slot)));
-        }
         self.stats.writes_landed += 1;
         self.stats.pulled += 1;
         self.stats.bytes_landed += u64::from(header.len);
-        let digests = kind.map(|(algorithm, _)| LandingDigests {
-            algorithm,
-            per_buffer: digests.into(),
-        });
         self.stats.digested_at_landing += u64::from(digests.is_some());
         Ok(Record::Landed(header, digests))
     }
