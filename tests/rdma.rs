@@ -439,12 +439,14 @@ mod driven {
 
     use super::common::{assert_invariants, reserve, send, transfer};
     use kvwire::memory::{PageLease, PagePool};
+    use kvwire::proto::liveness::LivenessConfig;
     use kvwire::proto::wire::ErrorCode;
+    use kvwire::proto::wire::Frame;
     use kvwire::proto::{CountField, FailureReason};
     use kvwire::testkit::{Fault, FaultRule, Pair, PairConfig, Side, Step};
     use kvwire::transport::rdma::descriptor::AccessKind;
     use kvwire::transport::rdma::{bootstrap, RdmaDevice, RdmaReceiver, RdmaSender};
-    use kvwire::transport::Closed;
+    use kvwire::transport::{Closed, Transport, TransportEvent};
     use kvwire::TransferId;
 
     type RdmaPair = Pair<RdmaSender, RdmaReceiver>;
@@ -694,6 +696,136 @@ mod driven {
         );
         assert_all_fenced(&pair);
         assert_invariants(&pair);
+    }
+
+    /// SPEC §8.3 over RDMA: a decode that keeps sending (its PINGs reach the prefill, so it is
+    /// never silent) but stops posting receives. Once the receives it had posted are used, the
+    /// prefill's SENDs (PINGs, COMMITs) wait in receiver-not-ready retries for ever, and so do
+    /// the WRITEs posted behind them on the queue pair: a transfer sent then holds its source
+    /// pages in the drain, where no protocol deadline runs. The prefill declares the peer
+    /// unresponsive once its SENDs made no progress for its liveness timeout: the connection
+    /// closes, every transfer fails safely, every source page comes back; nothing verifies.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_peer_that_sends_but_posts_no_receives_is_declared_unresponsive() {
+        let Some(d) =
+            super::device("a_peer_that_sends_but_posts_no_receives_is_declared_unresponsive")
+        else {
+            return;
+        };
+        let mut cfg = config();
+        // No protocol deadline may end these transfers first: only the liveness rule can.
+        cfg.sender.verdict_timeout = Duration::from_secs(600);
+        cfg.sender.reservation_timeout = Duration::from_secs(600);
+        let dev = Arc::new(RdmaDevice::open(Some(&d.name)).unwrap());
+        let pools = cfg.pools().unwrap();
+        let mut pair = pair_over(&dev, &cfg, pools, 1);
+        let now = Instant::now();
+        let quick = Duration::from_millis(100);
+        pair.sender.enable_liveness(
+            now,
+            LivenessConfig {
+                interval: quick,
+                timeout: Duration::from_secs(2),
+            },
+        );
+        // The decode hears nothing once its receives are used: it must not give up first.
+        pair.receiver.enable_liveness(
+            now,
+            LivenessConfig {
+                interval: quick,
+                timeout: Duration::from_secs(600),
+            },
+        );
+        pair.receiver
+            .transport_mut()
+            .inner_mut()
+            .stop_reposting_receives();
+        let tpp = pair.receiver.pool().geometry().tokens_per_page;
+        let reserve = |pair: &mut RdmaPair, id: u64| {
+            let now = pair.now;
+            let params =
+                kvwire::ReserveParams::new(TransferId(id), 4 * tpp, Duration::from_secs(600))
+                    .with_page_digests();
+            pair.receiver.reserve(now, params).unwrap();
+        };
+        // The prefill's PINGs use up the decode's receives; a reservation keeps the pair from
+        // settling meanwhile.
+        reserve(&mut pair, 1);
+        let start = Instant::now();
+        while pair.receiver.transport().inner().receives_posted() > 0 {
+            assert!(
+                start.elapsed() < LIMIT,
+                "the decode's receives were never used"
+            );
+            assert!(!pair.drive_live(Duration::from_millis(500)).await);
+        }
+        assert!(pair.sender.closed().is_none(), "{:?}", pair.sender.closed());
+        // Transfer 1's writes go out, then its COMMIT, which waits; transfer 2's writes are
+        // posted behind that COMMIT and wait with it.
+        send(&mut pair, 1, u64::from(4 * tpp)).unwrap();
+        assert!(!pair.drive_live(Duration::from_millis(100)).await);
+        reserve(&mut pair, 2);
+        send(&mut pair, 2, u64::from(4 * tpp)).unwrap();
+        let start = Instant::now();
+        while pair.sender.session().open_transfers() > 0 {
+            assert!(
+                start.elapsed() < LIMIT,
+                "the prefill still waits on a peer that takes nothing: {:?}",
+                pair.sender_events
+            );
+            pair.drive_live(Duration::from_millis(500)).await;
+        }
+        assert!(
+            matches!(pair.sender.closed(), Some(Closed::Unresponsive { .. })),
+            "{:?}",
+            pair.sender.closed()
+        );
+        for id in [1, 2].map(TransferId) {
+            assert!(
+                matches!(
+                    pair.sender_failure(id),
+                    Some(FailureReason::PeerUnresponsive | FailureReason::Unconfirmed { .. })
+                ),
+                "transfer {id}: {:?}",
+                pair.sender_failure(id)
+            );
+        }
+        assert!(
+            pair.sender.pool().held_pages().is_empty(),
+            "source pages held"
+        );
+        // In-process, the decode has no bootstrap connection whose end would tell it: its
+        // process closes it, as that end would.
+        let now = Instant::now();
+        pair.receiver.close(now);
+        assert!(pair.drive_live(LIMIT).await);
+        assert!(pair.verified.is_empty(), "{:?}", pair.verified);
+        assert_invariants(&pair);
+    }
+
+    /// SPEC §8.3, frames held unsent are bounded over RDMA too: a queue pair holding
+    /// `MAX_UNSENT_FRAMES` (65,536) frames it could not post ends the connection as
+    /// unresponsive at once, instead of growing for as long as the not-reading verdict takes.
+    #[tokio::test(flavor = "current_thread")]
+    async fn frames_held_unsent_on_a_queue_pair_are_bounded() {
+        let Some(d) = super::device("frames_held_unsent_on_a_queue_pair_are_bounded") else {
+            return;
+        };
+        let (_dev, mut pair) = pair(&d.name, 1);
+        let now = pair.now;
+        let t = pair.sender.transport_mut().inner_mut();
+        // Queued without polling: none is posted yet.
+        for n in 0..65_535u64 {
+            t.send_frame(now, &Frame::Ping(n));
+        }
+        assert_eq!(t.frames_unsent(), 65_535, "closed before the bound");
+        t.send_frame(now, &Frame::Ping(u64::MAX));
+        assert_eq!(t.frames_unsent(), 0, "the queue is kept at the bound");
+        let ev = std::future::poll_fn(|cx| t.poll_event(cx, Instant::now())).await;
+        assert!(
+            matches!(ev, TransportEvent::Closed(Closed::Unresponsive { .. })),
+            "{ev:?}"
+        );
     }
 
     #[tokio::test(flavor = "current_thread")]

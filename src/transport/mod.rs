@@ -232,8 +232,10 @@ pub trait Transport: Send {
     /// Since when bytes waiting to go to the peer have found no taker (the stream accepted
     /// none of them since), or `None` when nothing waits or the last write took some: the
     /// driver declares a peer that does not read unresponsive once this lasts its liveness
-    /// timeout (SPEC §8.3). Transports whose writes do not wait on the peer's reading
-    /// (loopback; RDMA, whose adapter takes the writes) report `None`.
+    /// timeout (SPEC §8.3). RDMA reports since when a queue pair's SENDs made no progress
+    /// (a peer that posts no receives holds them, and the writes behind them, in
+    /// receiver-not-ready retries). Transports whose writes never wait on the peer
+    /// (loopback) report `None`.
     fn write_blocked_since(&self) -> Option<Instant> {
         None
     }
@@ -246,6 +248,12 @@ pub trait Transport: Send {
         None
     }
 }
+
+/// Frames one end holds unsent for its peer, at most, on one TCP stream or one RDMA queue
+/// pair (SPEC §8.3): a peer that keeps asking for answers (PINGs, ABORTs, COMMITs, RESERVEs)
+/// while it reads none of them would otherwise grow this queue for as long as the not-reading
+/// verdict takes; at the limit the connection ends at once, as unresponsive.
+pub(crate) const MAX_UNSENT_FRAMES: usize = 65_536;
 
 /// The prefill side's transport: page writes out of the source memory.
 pub trait SenderTransport: Transport {

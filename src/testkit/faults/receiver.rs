@@ -85,6 +85,16 @@ impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
     fn poll_timeout(&self) -> Option<Instant> {
         timeout(&self.0)
     }
+
+    // What the wrapped transport knows of the peer's reading and writing reaches the driver's
+    // liveness (SPEC §8.3) as it would without the wrapper.
+    fn write_blocked_since(&self) -> Option<Instant> {
+        self.0.inner.write_blocked_since()
+    }
+
+    fn last_read(&self) -> Option<Instant> {
+        self.0.inner.last_read()
+    }
 }
 
 impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {

@@ -64,6 +64,11 @@ impl Lane {
         }
     }
 
+    /// Frames queued and not yet posted (waiting for a send slot).
+    pub(crate) fn unsent(&self) -> usize {
+        self.outbox.len()
+    }
+
     /// Posts queued frames while send slots are free.
     pub(crate) fn flush(&mut self) -> Result<(), RdmaError> {
         while let Some(f) = self.outbox.front() {
@@ -152,6 +157,18 @@ impl Lanes {
             l.wrs_in_flight = 0;
         }
         self.liveness = None;
+    }
+
+    /// Since when some lane's SENDs have made no progress ([`RcLink::sends_stalled_since`]),
+    /// the earliest over the lanes: what [`Transport::write_blocked_since`] reports over RDMA
+    /// (SPEC §8.3, a peer that does not read).
+    ///
+    /// [`Transport::write_blocked_since`]: crate::transport::Transport::write_blocked_since
+    pub(crate) fn sends_stalled_since(&self) -> Option<std::time::Instant> {
+        self.lanes
+            .iter()
+            .filter_map(|l| l.link.sends_stalled_since())
+            .min()
     }
 
     /// Posts every lane's queued frames.

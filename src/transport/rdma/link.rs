@@ -3,6 +3,7 @@
 //! memory-window binds and invalidations).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{BasicCompletionQueue, CompletionQueue, GenericCompletionQueue};
@@ -150,6 +151,16 @@ pub struct RcLink {
     mtu: u32,
     /// The local ACK timeout exponent set when connecting ([`RcLink::set_ack_timeout`]).
     ack_timeout: u8,
+    /// Signaled SENDs posted and not completed yet.
+    signaled_sends_out: u32,
+    /// Since when a signaled SEND has been outstanding with no SEND completing: when the
+    /// first of them was posted, moved on by every completion while others remain
+    /// ([`RcLink::sends_stalled_since`]).
+    sends_stalled_since: Option<Instant>,
+    /// Test-only fault: receives taken are not posted again ([`RcLink::stop_reposting_receives`]).
+    receives_stopped: bool,
+    /// Receives posted and not completed yet.
+    receives_posted: usize,
 }
 
 impl RcLink {
@@ -221,6 +232,10 @@ impl RcLink {
             gid_index: dev.gid_index,
             mtu: dev.mtu,
             ack_timeout: super::DEFAULT_ACK_TIMEOUT,
+            signaled_sends_out: 0,
+            sends_stalled_since: None,
+            receives_stopped: false,
+            receives_posted: 0,
         };
         for i in 0..RECV_SLOTS {
             link.post_recv(i)?;
@@ -228,7 +243,36 @@ impl RcLink {
         Ok(link)
     }
 
+    /// Since when this queue pair's SENDs have made no progress: the moment the oldest signaled
+    /// SEND still outstanding was posted, or the last completion of its send queue (a SEND, a
+    /// write, a bind or invalidation) if later; `None` when no signaled SEND is outstanding. A SEND completes once the peer's adapter took it, which
+    /// needs a receive the peer's process posted: a peer that posts none (it stopped reading
+    /// its completions) holds every SEND, and every WRITE posted after one (RC order), in
+    /// receiver-not-ready retries for ever (`rnr_retry` 7). At most `SIGNAL_SENDS - 1` SENDs
+    /// go unsignaled after the last signaled one, so a connection sending heartbeats has a
+    /// signaled SEND out within that many heartbeat intervals.
+    pub fn sends_stalled_since(&self) -> Option<Instant> {
+        self.sends_stalled_since
+    }
+
+    /// Test-only fault: the receives this queue pair takes are not posted again, as when the
+    /// peer process stops reading its completion queue while it keeps sending. Once the
+    /// receives posted are used up, the peer's SENDs wait in receiver-not-ready retries.
+    #[doc(hidden)]
+    pub fn stop_reposting_receives(&mut self) {
+        self.receives_stopped = true;
+    }
+
+    /// Receives posted and not yet taken by a SEND of the peer.
+    pub fn receives_posted(&self) -> usize {
+        self.receives_posted
+    }
+
     fn post_recv(&mut self, slot: usize) -> Result<(), RdmaError> {
+        if self.receives_stopped {
+            return Ok(());
+        }
+        self.receives_posted += 1;
         let addr = self.slots.as_ptr() as u64 + (slot * SLOT) as u64;
         let mut g = self.qp.start_post_recv();
         let h = g.construct_wr(TAG_RECV | slot as u64);
@@ -384,6 +428,12 @@ impl RcLink {
         unsafe { h.setup_sge(self.slots_mr.lkey(), addr, frame.len() as u32) };
         g.post().map_err(verbs("ibv_post_send(SEND)"))?;
         self.sends_in_flight += 1;
+        if signaled {
+            if self.signaled_sends_out == 0 {
+                self.sends_stalled_since = Some(Instant::now());
+            }
+            self.signaled_sends_out += 1;
+        }
         (self.unsignaled_sends, self.unsignaled) = if signaled {
             (0, 0)
         } else {
@@ -421,6 +471,9 @@ impl RcLink {
         self.sends_in_flight = 0;
         self.unsignaled_sends = 0;
         self.unsignaled = 0;
+        self.signaled_sends_out = 0;
+        self.sends_stalled_since = None;
+        self.receives_posted = 0;
         for i in 0..RECV_SLOTS {
             self.post_recv(i)?;
         }
@@ -567,10 +620,14 @@ impl RcLink {
     /// Polls the completion queue once (the only poller of this CQ), appending events.
     pub fn poll(&mut self, out: &mut Vec<RdmaEvent>) -> Result<(), RdmaError> {
         let mut repost = Vec::new();
+        // Whether a work request of the send queue completed: a SEND waiting behind the
+        // writes of a large transfer is not stalled while they complete.
+        let mut moved = false;
         if let Ok(poller) = self.cq.start_poll() {
             for wc in poller {
                 let (id, ok, len) = (wc.wr_id(), wc.status() == 0, wc.byte_len() as usize);
                 if id & TAG_RECV != 0 {
+                    self.receives_posted = self.receives_posted.saturating_sub(1);
                     let slot = (id & !TAG_RECV) as usize;
                     if ok {
                         let off = slot * SLOT;
@@ -580,6 +637,7 @@ impl RcLink {
                     }
                     repost.push(slot);
                 } else if id & TAG_LOCAL != 0 {
+                    moved |= ok;
                     out.push(RdmaEvent::LocalDone {
                         wr_id: id & !TAG_LOCAL,
                         ok,
@@ -589,13 +647,19 @@ impl RcLink {
                     let retired = ((id & !TAG_SEND) >> SEND_COUNT_SHIFT) as usize;
                     if ok {
                         self.sends_in_flight = self.sends_in_flight.saturating_sub(retired);
+                        self.signaled_sends_out = self.signaled_sends_out.saturating_sub(1);
+                        self.sends_stalled_since = (self.signaled_sends_out > 0).then(Instant::now);
                     } else {
                         out.push(RdmaEvent::SendFailed(wc.status()));
                     }
                 } else {
+                    moved |= ok;
                     out.push(RdmaEvent::WriteDone { wr_id: id, ok });
                 }
             }
+        }
+        if moved && self.signaled_sends_out > 0 {
+            self.sends_stalled_since = Some(Instant::now());
         }
         for slot in repost {
             self.post_recv(slot)?;

@@ -130,6 +130,27 @@ impl RdmaReceiver {
         }
     }
 
+    /// Test-only fault: this end stops posting receives again once its queue pairs' posted
+    /// ones are used (a peer process that keeps sending, its heartbeats included, but reads
+    /// none of its completions). The other end's SENDs, and the WRITEs it posts after them,
+    /// then wait in receiver-not-ready retries.
+    #[doc(hidden)]
+    pub fn stop_reposting_receives(&mut self) {
+        for l in &mut self.lanes.lanes {
+            l.link.stop_reposting_receives();
+        }
+    }
+
+    /// Receives posted on every lane and not yet taken by a SEND of the peer.
+    #[doc(hidden)]
+    pub fn receives_posted(&self) -> usize {
+        self.lanes
+            .lanes
+            .iter()
+            .map(|l| l.link.receives_posted())
+            .sum()
+    }
+
     /// How access is scoped on this device.
     pub fn access_kind(&self) -> AccessKind {
         self.kind
@@ -274,6 +295,31 @@ impl Transport for RdmaReceiver {
         }
         let lane = self.lane_of.of(frame);
         self.lanes.lanes[lane].queue(frame);
+        if self.lanes.lanes[lane].unsent() >= crate::transport::MAX_UNSENT_FRAMES {
+            let now = Instant::now();
+            let blocked_for = self
+                .lanes
+                .sends_stalled_since()
+                .map_or(std::time::Duration::ZERO, |t| {
+                    now.saturating_duration_since(t)
+                });
+            tracing::warn!(
+                lane,
+                frames = self.lanes.lanes[lane].unsent(),
+                "the peer takes none of the frames it asks for; closing the connection"
+            );
+            self.fail(Closed::Unresponsive {
+                silent_for: blocked_for,
+            });
+        }
+    }
+
+    fn write_blocked_since(&self) -> Option<Instant> {
+        if self.closed {
+            None
+        } else {
+            self.lanes.sends_stalled_since()
+        }
     }
 
     fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {

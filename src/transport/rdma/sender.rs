@@ -115,6 +115,11 @@ impl RdmaSender {
         self.lanes.ack_timeouts()
     }
 
+    /// Control frames queued on every lane and not yet posted (waiting for a send slot).
+    pub fn frames_unsent(&self) -> usize {
+        self.lanes.lanes.iter().map(|l| l.unsent()).sum()
+    }
+
     /// Counters.
     pub fn stats(&self) -> RdmaSenderStats {
         self.stats
@@ -292,6 +297,31 @@ impl Transport for RdmaSender {
         }
         let lane = self.lane_of.of(frame);
         self.lanes.lanes[lane].queue(frame);
+        if self.lanes.lanes[lane].unsent() >= crate::transport::MAX_UNSENT_FRAMES {
+            let now = Instant::now();
+            let blocked_for = self
+                .lanes
+                .sends_stalled_since()
+                .map_or(std::time::Duration::ZERO, |t| {
+                    now.saturating_duration_since(t)
+                });
+            tracing::warn!(
+                lane,
+                frames = self.lanes.lanes[lane].unsent(),
+                "the peer takes none of the frames it asks for; closing the connection"
+            );
+            self.fail(Closed::Unresponsive {
+                silent_for: blocked_for,
+            });
+        }
+    }
+
+    fn write_blocked_since(&self) -> Option<Instant> {
+        if self.closed {
+            None
+        } else {
+            self.lanes.sends_stalled_since()
+        }
     }
 
     fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {

@@ -85,11 +85,7 @@ pub type TcpReceiverLanes = crate::transport::LaneSet<TcpReceiver>;
 /// the first part of a large batch while this end still handles the rest.
 const HELD_WRITE_ITEMS: usize = 16;
 
-/// Frames one end holds unsent for its peer, at most (SPEC §8.3): a peer that keeps asking
-/// for answers (PINGs, ABORTs, COMMITs, RESERVEs) while it reads none of them would otherwise
-/// grow this queue for as long as the not-reading verdict takes; at the limit the connection
-/// ends at once, as unresponsive.
-pub(crate) const MAX_UNSENT_FRAMES: usize = 65_536;
+pub(crate) use super::MAX_UNSENT_FRAMES;
 /// Queued page bytes at which held writes go out anyway (a 64 KiB page is never held).
 const HELD_WRITE_BYTES: usize = 64 * 1024;
 
