@@ -369,13 +369,10 @@ async fn sending_overlaps_a_records_socket_write_with_the_next_records_copy() {
         x.to_host_queued - before.to_host_queued == 2 * b
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // No copy completed yet, so nothing may be on its way to the receiver. That no third
+    // record's copy is ever queued alongside is checked over the whole run at the end
+    // (`max_in_flight`), not by waiting here for something not to happen.
     let held = pdev.stats();
-    assert_eq!(
-        held.to_host_queued - before.to_host_queued,
-        2 * b,
-        "only two staging buffers: {held:?}"
-    );
     assert_eq!(held.to_host_done, before.to_host_done, "{held:?}");
     assert_eq!(
         ddev.stats().to_device_queued,
@@ -409,6 +406,12 @@ async fn sending_overlaps_a_records_socket_write_with_the_next_records_copy() {
     for (ordinal, page) in [1u32, 2, 3, 4].into_iter().enumerate() {
         assert!(read_page(&decode, page, 1) == kv_bytes(7, ordinal, 1));
     }
+    let p = pdev.stats();
+    assert_eq!(
+        p.max_in_flight,
+        2 * b,
+        "only two staging buffers: never a third record's copies at once: {p:?}"
+    );
 }
 
 /// Receiving: with the receiver's copies held, it reads one record into each staging buffer
@@ -436,12 +439,13 @@ async fn receiving_reads_the_next_record_while_the_previous_one_is_copied() {
     });
     let b = BUFFERS as u64;
     wait_for(&ddev, "two records staged", |x| x.to_device_queued == 2 * b).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // That no third record is read while both buffers are busy is checked over the whole run
+    // at the end (`max_in_flight`), not by waiting here for something not to happen.
     let held = ddev.stats();
     assert_eq!(
         held.to_device_queued,
         2 * b,
-        "a third record is not read: {held:?}"
+        "a third record is not read yet: {held:?}"
     );
     assert_eq!(held.to_device_done, 0);
     assert_eq!(
@@ -458,7 +462,13 @@ async fn receiving_reads_the_next_record_while_the_previous_one_is_copied() {
     let kv = verified.await.unwrap();
     kv.release().unwrap();
     sent.await.unwrap().1.unwrap();
-    assert_eq!(ddev.stats().digests_racing_copies, 0);
+    let d = ddev.stats();
+    assert_eq!(d.digests_racing_copies, 0);
+    assert_eq!(
+        d.max_in_flight,
+        2 * b,
+        "a third record is never read while both buffers' copies are in flight: {d:?}"
+    );
     for (ordinal, page) in [9u32, 8, 7, 6, 5].into_iter().enumerate() {
         assert!(read_page(&decode, page, 0) == kv_bytes(8, ordinal, 0));
     }
