@@ -195,7 +195,15 @@ async fn a_page_leased_twice_is_refused_across_connections() {
     let first = a.1.reserve(
         ReserveParams::new(TransferId(1), 32, Duration::from_secs(10)).into_pages(vec![10, 11]),
     );
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    // The first reservation holds page 11 before the second asks for it.
+    let start = std::time::Instant::now();
+    while decode.pool().holders(11).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "page 11 never leased"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let second =
         b.1.reserve(
             ReserveParams::new(TransferId(2), 32, Duration::from_secs(10)).into_pages(vec![12, 11]),
@@ -379,10 +387,16 @@ async fn a_decode_abort_before_the_prefill_submits_fails_the_late_submit_at_once
     let id = TransferId(41);
     let reserved =
         r.reserve(ReserveParams::new(id, 32, Duration::from_secs(10)).into_pages(vec![12, 13]));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The RESERVE goes out before the ABORT on the one ordered connection.
     r.abort(id, kvwire::ErrorCode::CANCELLED);
     assert!(reserved.await.is_err());
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The decode's transfer stays open until the prefill's ABORT_ACK: once it is closed the
+    // prefill has handled the abort.
+    let start = std::time::Instant::now();
+    while r.stats().await.unwrap().open_transfers > 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "no ABORT_ACK");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let admitted = s
         .admit(Request {
             transfer_id: id,
@@ -442,7 +456,15 @@ async fn a_taken_outcome_sees_a_decode_abort_before_the_final_chunk() {
         prefill_kv.write(p, id, o as u32);
     }
     tx.send_chunk(vec![1, 2], None).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The first chunk landed at the decode before it aborts.
+    let start = std::time::Instant::now();
+    while r.stats().await.unwrap().pages_landed < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the first chunk never landed"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     r.abort(id, kvwire::ErrorCode::CANCELLED);
     assert!(reserved.await.is_err());
     let got = tokio::time::timeout(Duration::from_secs(5), outcome)

@@ -1,7 +1,11 @@
 //! The `kvwire` binary as a user runs it: the bench checks content and exits non-zero on
 //! any failure; check-config refuses an undersized pool naming both numbers.
 
+mod common;
+
 use std::process::Command;
+
+use common::process::assert_all_verified;
 
 fn kvwire(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
@@ -63,7 +67,7 @@ fn bench_runs_on_the_worker_threads_it_is_given() {
     let report = json(&out);
     assert_eq!(report["worker_threads"].as_u64(), Some(1), "{report}");
     let case = &report["cases"][0];
-    assert_eq!(case["verified"], case["transfers"], "{case}");
+    assert_all_verified(case);
     assert_eq!(case["bytes_checked"], case["transfers"], "{case}");
     let (code, out, err) = kvwire(&[&args[..], &["--worker-threads", "3"]].concat());
     assert_eq!(code, 0, "{err}");
@@ -386,7 +390,7 @@ fn bench_listen_with_bad_clients(raw: bool) {
     let cases = report["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 2, "{report}");
     for case in cases {
-        assert_eq!(case["verified"], case["transfers"], "{case}");
+        assert_all_verified(case);
     }
     let dropped = if raw {
         "not a raw-baseline connection"
@@ -441,7 +445,7 @@ fn bench_sweeps_depths_reports_cpu_cost_and_draws_a_chart() {
         "{report}"
     );
     for c in cases {
-        assert_eq!(c["verified"], c["transfers"], "{c}");
+        assert_all_verified(c);
         assert!(c["cpu_seconds"].as_f64().unwrap() > 0.0, "{c}");
         assert!(c["cpu_s_per_gb"].as_f64().unwrap() > 0.0, "{c}");
         assert!(c["raw_cpu_s_per_gb"].as_f64().unwrap() > 0.0, "{c}");

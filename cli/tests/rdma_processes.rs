@@ -12,7 +12,9 @@ use rdma_device::device;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::process::{assert_receiver_account, finish, wait_for_line, Reaped};
+use common::process::{
+    assert_all_verified, assert_receiver_account, finish, wait_for_line, Reaped,
+};
 
 fn kvwire(dev: &str, args: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_kvwire"))
@@ -75,7 +77,7 @@ fn two_processes_over_rdma_survive_a_killed_sender() {
     assert_eq!(code, Some(0), "first sender failed: {err} {json}");
     assert_eq!(json["transport"], "rdma");
     let case = &json["cases"][0];
-    assert_eq!(case["verified"], case["transfers"], "{case}");
+    assert_all_verified(case);
 
     let mut victim = sender();
     wait_for_line(&mut victim, "connected over rdma");
@@ -90,7 +92,7 @@ fn two_processes_over_rdma_survive_a_killed_sender() {
     let (code, json, err) = finish(sender(), Duration::from_secs(300));
     assert_eq!(code, Some(0), "sender after the kill failed: {err} {json}");
     let case = &json["cases"][0];
-    assert_eq!(case["verified"], case["transfers"], "{case}");
+    assert_all_verified(case);
 
     let (code, json, err) = finish(receiver.take(), Duration::from_secs(120));
     assert_receiver_account(code, &json, &err);

@@ -74,6 +74,9 @@ pub struct ReceiverConnStats {
     /// Whether this connection copies its pages out of the prefill's memory (same-host
     /// pulls over TCP, SPEC §9.3; `NodeConfig::same_host`) instead of receiving their bytes.
     pub same_host_pulls: bool,
+    /// Transfers open on the connection: reserved and not yet delivered or failed, and those
+    /// this end aborted whose ABORT_ACK has not come back (SPEC §7.3).
+    pub open_transfers: usize,
 }
 
 /// KV pages of a verified transfer, read in place. Only a transfer whose digests, computed
@@ -403,6 +406,7 @@ impl<T: ReceiverTransport> Task<T> {
                 s.digest_jobs_offloaded = d.digest_jobs_offloaded;
                 s.peer_lost = self.driver.closed().is_some();
                 s.same_host_pulls = self.driver.transport().pulls_pages();
+                s.open_transfers = self.driver.session().open_transfers();
                 let _ = reply.send(s);
             }
         }

@@ -86,6 +86,9 @@ pub struct SenderConnStats {
     pub pages_total: u32,
     /// Whether the peer is gone.
     pub peer_lost: bool,
+    /// Transfers open on the connection: admitted or announced by a reservation, and not
+    /// yet verified or failed.
+    pub open_transfers: usize,
     /// Digest jobs split across several threads (`NodeConfig::digest_threads`).
     pub digest_jobs_split: u64,
     /// Digest jobs run on the blocking pool beside the connection, split or not
@@ -444,6 +447,7 @@ impl<T: SenderTransport> Task<T> {
                 s.pages_free = pool.free_pages();
                 s.pages_total = pool.capacity_pages();
                 s.peer_lost = self.driver.closed().is_some();
+                s.open_transfers = self.driver.session().open_transfers();
                 let _ = reply.send(s);
             }
         }

@@ -114,3 +114,13 @@ pub fn assert_receiver_account(code: Option<i32>, json: &serde_json::Value, err:
         cases[2]
     );
 }
+
+/// A bench case's own account says every transfer it ran verified, and it ran some: the
+/// counts are numbers (a missing key is not equal to another missing key here).
+pub fn assert_all_verified(case: &serde_json::Value) {
+    let transfers = case["transfers"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no transfer count: {case}"));
+    assert!(transfers > 0, "no transfers ran: {case}");
+    assert_eq!(case["verified"].as_u64(), Some(transfers), "{case}");
+}
