@@ -73,3 +73,7 @@ KVWIRE_PY_TRANSPORT=rdma KVWIRE_PY_IB_DEVICE=rxe0 $pyvenv/bin/python -m pytest -
 echo '== kvwire bench --transport rdma beside ib_write_bw (same VM run, same sizes and bytes)'
 bash scripts/rdma-bench.sh $out"
 python3 scripts/rdma-ratio.py "$out"
+# Two hosts joined by two links (two VMs, rxe0 and rxe1 each): transfers striped over both
+# rails, each carrying its share; one rail beside it and beside ib_write_bw; a rail taken down
+# mid-run (nothing unverified, outcomes reconciled) and brought back.
+bash scripts/rails-test.sh target/rails

@@ -54,7 +54,7 @@ W=$(cat /workdir); mkdir -p /host$W 2>/dev/null
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 work /host$W
 chroot /host /bin/bash -c "cd $W && ip link set lo up &&
   for i in 0 1; do ip link set eth\$i up && ip addr add 10.0.\$i.$host/24 dev eth\$i && rdma link add rxe\$i type rxe netdev eth\$i; done &&
-  export KVWIRE_VM=$vm && bash $W/.vm-cmd-$vm.sh; echo VM_EXIT=\$?"
+  export KVWIRE_VM=$vm && bash $W/.vm-cmd-$vm.sh; rc=\$?; echo \$rc >$W/.vm-exit-$vm; sync; echo VM_EXIT=\$rc"
 poweroff -f
 INIT
 chmod +x "$R/init"
@@ -67,7 +67,8 @@ for vm in a b; do
     printf '%s\n' "$cmd"
   } > "$WORK/.vm-cmd-$vm.sh"
 done
-trap 'rm -f "$WORK/.vm-cmd-a.sh" "$WORK/.vm-cmd-b.sh"' EXIT
+rm -f "$WORK/.vm-exit-a" "$WORK/.vm-exit-b"
+trap 'rm -f "$WORK/.vm-cmd-a.sh" "$WORK/.vm-cmd-b.sh" "$WORK/.vm-exit-a" "$WORK/.vm-exit-b"' EXIT
 
 # Two free TCP ports on host loopback for the two links.
 ports=$(python3 -c 'import socket
@@ -102,7 +103,9 @@ wait $pa $pb
 set -e
 status=0
 for vm in a b; do
-  code=$(sed -n 's/^\[.\] VM_EXIT=\([0-9]*\).*/\1/p' "$CACHE/vm-$vm.log" | tail -n 1)
+  # The status comes back in a file of the shared directory (the serial console, shared by
+  # the command's output and the kernel's, can drop lines).
+  code=$(cat "$WORK/.vm-exit-$vm" 2>/dev/null || true)
   if [ -z "$code" ]; then
     echo "softroce-rails: VM $vm did not report an exit status (boot failure or timeout)" >&2
     code=124

@@ -177,8 +177,9 @@ typedef struct {
   const char *psk_hex;
   // Non-zero: no authentication (any peer with the right layout can connect).
   int insecure_no_auth;
-  // NULL: TCP. Otherwise RDMA on this device ("" for the first one); needs a library
-  // built with the `rdma` feature.
+  // NULL: TCP. Otherwise RDMA on this device ("" for the first one), or on several
+  // comma-separated ("mlx5_0,mlx5_1"), one rail each with at least one queue pair; needs a
+  // library built with the `rdma` feature.
   const char *rdma_device;
   // This node's id as its peers see it; 0: a random one.
   uint64_t node_id;

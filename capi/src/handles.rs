@@ -61,8 +61,9 @@ pub struct kvwire_config_t {
     pub psk_hex: *const c_char,
     /// Non-zero: no authentication (any peer with the right layout can connect).
     pub insecure_no_auth: c_int,
-    /// NULL: TCP. Otherwise RDMA on this device ("" for the first one); needs a library
-    /// built with the `rdma` feature.
+    /// NULL: TCP. Otherwise RDMA on this device ("" for the first one), or on several
+    /// comma-separated ("mlx5_0,mlx5_1"), one rail each with at least one queue pair; needs a
+    /// library built with the `rdma` feature.
     pub rdma_device: *const c_char,
     /// This node's id as its peers see it; 0: a random one.
     pub node_id: u64,

@@ -81,10 +81,19 @@ pub(crate) unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig
                 )
             })?,
         };
+        // One device, or several comma-separated: one rail each, at least one queue pair
+        // per rail.
+        let devices: Vec<String> = dev
+            .split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+            .map(str::to_owned)
+            .collect();
+        let rails = u32::try_from(devices.len()).unwrap_or(u32::MAX);
         config = config.transport(TransportConfig::Rdma {
-            device: (!dev.is_empty()).then(|| dev.to_owned()),
+            devices,
             // 147 to 65535 is refused when the manager starts, naming the value.
-            queue_pairs: u16::try_from(c.rdma_queue_pairs.max(1)).map_err(|_| {
+            queue_pairs: u16::try_from(c.rdma_queue_pairs.max(1).max(rails)).map_err(|_| {
                 let n = c.rdma_queue_pairs;
                 Error::new(
                     ErrorKind::ConfigError,

@@ -527,7 +527,7 @@ fn rdma_settings_are_read_defaulted_and_checked() {
     assert_eq!(
         read.transport,
         TransportConfig::Rdma {
-            device: Some("rxe9".into()),
+            devices: vec!["rxe9".into()],
             queue_pairs: 3,
             busy_poll: true,
             ack_timeout: 18

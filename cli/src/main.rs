@@ -118,7 +118,8 @@ struct BenchArgs {
     /// handshake and then watches the peer's liveness). One loop runs all three.
     #[arg(long, value_enum, default_value = "tcp")]
     transport: TransportArg,
-    /// With --transport rdma: the RDMA device (default: the first one).
+    /// With --transport rdma: the RDMA device (default: the first one), or several
+    /// comma-separated (`rxe0,rxe1`): one rail each, `--queue-pairs` raised to one per rail.
     #[arg(long)]
     device: Option<String>,
     /// With --transport rdma: RC queue pairs per connection (both processes must agree);

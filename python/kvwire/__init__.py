@@ -136,9 +136,10 @@ class KVManager:
     copies each page straight out of the prefill's memory, one copy per byte; docs/SAME_HOST.md),
     ``"off"`` (page bytes on the TCP stream) or ``"require"`` (refuse a peer without it).
 
-    RDMA (``transport="rdma"``; the device is ``KVArgs.ib_device``, the first one if unset):
-    ``ib_queue_pairs`` RC queue pairs per connection (1 to 146, the same on both engines;
-    transfers take them in turn), ``ib_busy_poll`` (poll completion queues in a loop: lower
+    RDMA (``transport="rdma"``; the device is ``KVArgs.ib_device``, the first one if unset, or
+    several comma-separated as Mooncake takes them, ``"mlx5_0,mlx5_1"``: one rail each, transfers
+    spread over them; docs/INTEGRATION.md): ``ib_queue_pairs`` RC queue pairs per connection (1
+    to 146, the same on both engines, raised to one per device; transfers take them in turn), ``ib_busy_poll`` (poll completion queues in a loop: lower
     latency, one core busy per connection), ``ib_ack_timeout`` (the queue pairs' local ACK
     timeout exponent, 1 to 31: 4.096 µs x 2^n before a packet is sent again; 14, about 67 ms,
     by default; 18, about 1.1 s, where queueing on the path can exceed that). A value out of

@@ -206,12 +206,22 @@ impl Engine {
                 Err(e) => return Err(PyValueError::new_err(e.to_string())),
             },
         };
+        let ib_devices: Vec<String> = ib_device
+            .as_deref()
+            .unwrap_or("")
+            .split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+            .map(str::to_owned)
+            .collect();
         let transport = match transport.as_str() {
             "tcp" => TransportConfig::Tcp,
             "rdma" => TransportConfig::Rdma {
-                device: ib_device,
+                // One device, or several comma-separated (one rail each, as Mooncake's
+                // `ib_device`); at least one queue pair per rail.
+                devices: ib_devices.clone(),
                 // 147 to 65535 is refused when the manager starts, naming the value.
-                queue_pairs: u16::try_from(ib_queue_pairs).map_err(|_| {
+                queue_pairs: u16::try_from(ib_queue_pairs.max(ib_devices.len() as u32)).map_err(|_| {
                     let e = Error::new(
                         ErrorKind::ConfigError,
                         format!(

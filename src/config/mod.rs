@@ -350,7 +350,7 @@ mod tests {
         NodeConfig::builder(geometry, 4096)
             .auth(Auth::Off)
             .transport(TransportConfig::Rdma {
-                device: None,
+                devices: Vec::new(),
                 queue_pairs,
                 busy_poll: false,
                 ack_timeout,
@@ -378,6 +378,51 @@ mod tests {
                 }
                 other => panic!("queue_pairs {bad}: {other:?}"),
             }
+        }
+    }
+
+    /// Several devices are several rails: named in one comma-separated string (as Mooncake's
+    /// `ib_device`), each needs a queue pair, and a device named twice is refused.
+    #[test]
+    fn rdma_rails_are_parsed_and_checked_when_built() {
+        let t = TransportConfig::rdma_devices(" rxe0, rxe1 ,", 1);
+        assert_eq!(t, TransportConfig::rdma_rails(&["rxe0", "rxe1"]));
+        assert!(
+            matches!(&t, TransportConfig::Rdma { devices, queue_pairs: 2, .. } if devices.len() == 2)
+        );
+        assert!(matches!(
+            TransportConfig::rdma_devices("rxe0,rxe1", 6),
+            TransportConfig::Rdma { queue_pairs: 6, .. }
+        ));
+        assert_eq!(
+            TransportConfig::rdma_devices("", 1),
+            TransportConfig::rdma(None)
+        );
+        let build = |t: TransportConfig| {
+            let geometry = PoolGeometry {
+                tokens_per_page: 16,
+                buffer_page_bytes: vec![1],
+                pages: 256,
+            };
+            NodeConfig::builder(geometry, 4096)
+                .auth(Auth::Off)
+                .transport(t)
+                .build()
+        };
+        assert!(build(TransportConfig::rdma_rails(&["rxe0", "rxe1"])).is_ok());
+        let mut too_few = TransportConfig::rdma_rails(&["rxe0", "rxe1", "rxe2"]);
+        if let TransportConfig::Rdma { queue_pairs, .. } = &mut too_few {
+            *queue_pairs = 2;
+        }
+        match build(too_few) {
+            Err(ConfigError::Invalid(m)) => {
+                assert!(m.contains("queue_pairs = 2 for 3 devices"), "{m}")
+            }
+            other => panic!("{other:?}"),
+        }
+        match build(TransportConfig::rdma_rails(&["rxe0", "rxe1", "rxe0"])) {
+            Err(ConfigError::Invalid(m)) => assert!(m.contains("rxe0 is named twice"), "{m}"),
+            other => panic!("{other:?}"),
         }
     }
 

@@ -140,10 +140,14 @@ pub enum TransportConfig {
     /// for the frames, memory windows as the fence; a TCP connection carries the handshake
     /// and then watches the peer's liveness.
     Rdma {
-        /// The RDMA device (e.g. `mlx5_0`, `rxe0`); `None` for the first one.
-        device: Option<String>,
+        /// The RDMA devices (e.g. `mlx5_0`, `rxe0`), one per rail; empty for the first
+        /// device. With several, the node registers its memory on each, and a connection's
+        /// queue pairs take the rails in turn (queue pair `i` on device `i % devices.len()`;
+        /// SPEC §9.2, several rails): each transfer moves over one rail, and transfers are
+        /// spread over all of them. Rail `i` of one node must reach rail `i` of its peers.
+        devices: Vec<String>,
         /// RC queue pairs per connection (both ends must agree; transfers take them in turn),
-        /// 1 to [`MAX_QUEUE_PAIRS`].
+        /// 1 to [`MAX_QUEUE_PAIRS`], and at least one per device.
         queue_pairs: u16,
         /// Poll completion queues in a loop instead of sleeping on the completion channel
         /// (lower latency, one core busy per connection).
@@ -172,8 +176,38 @@ impl TransportConfig {
     /// channel.
     pub fn rdma(device: Option<&str>) -> Self {
         Self::Rdma {
-            device: device.map(str::to_owned),
+            devices: device.map(str::to_owned).into_iter().collect(),
             queue_pairs: 1,
+            busy_poll: false,
+            ack_timeout: DEFAULT_ACK_TIMEOUT,
+        }
+    }
+
+    /// RDMA over several devices, one rail each, with one queue pair per rail (raise
+    /// `queue_pairs` for more), waiting on the completion channels.
+    pub fn rdma_rails(devices: &[&str]) -> Self {
+        Self::Rdma {
+            devices: devices.iter().map(|d| (*d).to_owned()).collect(),
+            queue_pairs: devices.len().clamp(1, usize::from(MAX_QUEUE_PAIRS)) as u16,
+            busy_poll: false,
+            ack_timeout: DEFAULT_ACK_TIMEOUT,
+        }
+    }
+
+    /// RDMA devices named in one string, comma-separated (`"mlx5_0,mlx5_1"`, as Mooncake's
+    /// `ib_device` takes them): one rail each, with `queue_pairs` queue pairs per connection
+    /// raised to one per rail. An empty string names the first device.
+    pub fn rdma_devices(devices: &str, queue_pairs: u16) -> Self {
+        let devices: Vec<String> = devices
+            .split(',')
+            .map(str::trim)
+            .filter(|d| !d.is_empty())
+            .map(str::to_owned)
+            .collect();
+        let rails = u16::try_from(devices.len()).unwrap_or(u16::MAX);
+        Self::Rdma {
+            devices,
+            queue_pairs: queue_pairs.max(rails).max(1),
             busy_poll: false,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
         }
@@ -474,9 +508,23 @@ impl NodeConfigBuilder {
         if let TransportConfig::Rdma {
             ack_timeout,
             queue_pairs,
+            ref devices,
             ..
         } = c.transport
         {
+            if usize::from(queue_pairs) < devices.len() {
+                return Err(ConfigError::Invalid(format!(
+                    "queue_pairs = {queue_pairs} for {} devices: every rail needs at least one queue pair",
+                    devices.len()
+                )));
+            }
+            for (i, d) in devices.iter().enumerate() {
+                if devices[..i].contains(d) {
+                    return Err(ConfigError::Invalid(format!(
+                        "the RDMA device {d} is named twice: one rail per device"
+                    )));
+                }
+            }
             if !(1..=MAX_QUEUE_PAIRS).contains(&queue_pairs) {
                 return Err(ConfigError::Invalid(format!(
                     "queue_pairs = {queue_pairs}: 1 to {MAX_QUEUE_PAIRS} RDMA queue pairs per connection (as many as a HELLO's transport parameters can list)"

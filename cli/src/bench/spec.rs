@@ -20,7 +20,7 @@ pub enum BenchTransport {
     Tcp,
     /// RDMA RC queue pairs.
     Rdma {
-        /// The device (default: the first one).
+        /// The device (default: the first one), or several comma-separated (one rail each).
         device: Option<String>,
         /// Queue pairs per connection.
         queue_pairs: u16,
@@ -372,15 +372,14 @@ impl BenchSpec {
                 busy_poll,
                 ack_timeout,
             } => {
-                let mut t = TransportConfig::rdma(device.as_deref());
+                let mut t =
+                    TransportConfig::rdma_devices(device.as_deref().unwrap_or(""), *queue_pairs);
                 if let TransportConfig::Rdma {
-                    queue_pairs: q,
                     busy_poll: b,
                     ack_timeout: a,
                     ..
                 } = &mut t
                 {
-                    *q = (*queue_pairs).max(1);
                     *b = *busy_poll;
                     *a = *ack_timeout;
                 }

@@ -84,6 +84,7 @@ impl End for SenderConn {
         node: &Node,
     ) -> Result<Self, EngineError> {
         let config = node.config();
+        let memories = link.memories();
         let t = link
             .prepared
             .into_sender(
@@ -91,7 +92,7 @@ impl End for SenderConn {
                 link.channel,
                 link.stream,
                 node.pool(),
-                link.registration.memory,
+                memories,
                 config.window,
                 config.handshake_timeout,
             )
@@ -142,6 +143,7 @@ impl End for ReceiverConn {
         node: &Node,
     ) -> Result<Self, EngineError> {
         let config = node.config();
+        let memories = link.memories();
         let t = link
             .prepared
             .into_receiver(
@@ -149,7 +151,7 @@ impl End for ReceiverConn {
                 link.channel,
                 link.stream,
                 node.pool(),
-                link.registration.memory,
+                memories,
                 config.handshake_timeout,
             )
             .await
@@ -175,13 +177,13 @@ pub(crate) async fn open<E: End>(
         }
         #[cfg(feature = "rdma")]
         TransportConfig::Rdma {
-            device,
+            devices,
             queue_pairs,
             busy_poll,
             ack_timeout,
         } => {
             let settings = rdma::Settings {
-                device: device.as_deref(),
+                devices,
                 queue_pairs: *queue_pairs,
                 busy_poll: *busy_poll,
                 ack_timeout: *ack_timeout,

@@ -84,7 +84,7 @@ pub fn decode_params(b: &[u8]) -> Result<Vec<QpParams>, BootstrapError> {
 /// travel in HELLO), connected after it.
 pub struct Prepared {
     lanes: Lanes,
-    dev: Arc<RdmaDevice>,
+    devs: Vec<Arc<RdmaDevice>>,
 }
 
 impl std::fmt::Debug for Prepared {
@@ -95,13 +95,15 @@ impl std::fmt::Debug for Prepared {
     }
 }
 
-/// Before the handshake: `queue_pairs` RC queue pairs (in INIT) on `dev` for the `role` end
-/// of a connection (a sender's sized for `window` pages of `buffers` buffers in flight), and
-/// the HELLO transport parameters that describe them. Their completions go to a completion
-/// channel registered with the current tokio runtime, unless `busy_poll`; they connect with
+/// Before the handshake: `queue_pairs` RC queue pairs (in INIT) for the `role` end of a
+/// connection (a sender's sized for `window` pages of `buffers` buffers in flight), lane `i`
+/// on rail `i % devs.len()` (the node's devices in the order it names them: several devices
+/// are several rails), and the HELLO transport parameters that describe them (each queue
+/// pair with its own device's GID). Their completions go to one completion channel per
+/// device, registered with the current tokio runtime, unless `busy_poll`; they connect with
 /// the local ACK timeout exponent `ack_timeout` (`TransportConfig::Rdma::ack_timeout`).
 pub fn prepare(
-    dev: &Arc<RdmaDevice>,
+    devs: &[Arc<RdmaDevice>],
     role: Role,
     queue_pairs: u16,
     window: u32,
@@ -109,21 +111,27 @@ pub fn prepare(
     busy_poll: bool,
     ack_timeout: u8,
 ) -> Result<(Prepared, Vec<u8>), BootstrapError> {
+    if devs.is_empty() {
+        return Err(RdmaError::NoDevice(" (no device named for the connection)".into()).into());
+    }
     let depth = if role == Role::SENDER {
         sender_queue_depth(window, buffers)
     } else {
         RECEIVER_QUEUE_DEPTH
     };
     let events = if busy_poll {
-        None
+        Vec::new()
     } else {
-        Some(dev.event_channel()?)
+        devs.iter()
+            .map(|d| d.event_channel())
+            .collect::<Result<Vec<_>, _>>()?
     };
-    let links = (0..queue_pairs.max(1))
-        .map(|_| {
-            let mut link = RcLink::new(dev, depth, events.as_ref())?;
+    let links = (0..usize::from(queue_pairs.max(1)))
+        .map(|i| {
+            let rail = i % devs.len();
+            let mut link = RcLink::new(&devs[rail], depth, events.get(rail))?;
             link.set_ack_timeout(ack_timeout)?;
-            Ok::<_, RdmaError>(link)
+            Ok::<_, RdmaError>((link, rail))
         })
         .collect::<Result<Vec<_>, _>>()?;
     let lanes = Lanes::new(links, events);
@@ -131,7 +139,7 @@ pub fn prepare(
     Ok((
         Prepared {
             lanes,
-            dev: dev.clone(),
+            devs: devs.to_vec(),
         },
         params,
     ))
@@ -148,17 +156,18 @@ impl Prepared {
         channel: AuthChannel,
         mut stream: TcpStream,
         timeout: Duration,
-    ) -> Result<(Lanes, Arc<RdmaDevice>), BootstrapError> {
+    ) -> Result<(Lanes, Vec<Arc<RdmaDevice>>), BootstrapError> {
         let peer = decode_params(peer_params)?;
         self.lanes.connect(&peer)?;
         self.lanes.set_auth(channel);
         ready(&mut stream, timeout).await?;
         self.lanes.watch(stream);
-        Ok((self.lanes, self.dev))
+        Ok((self.lanes, self.devs))
     }
 
-    /// Finishes the prefill end, writing out of `pool`, whose memory `reg` registered on
-    /// this device (one registration serves every connection of a node).
+    /// Finishes the prefill end, writing out of `pool`, whose memory `regs` registered on
+    /// each device, in the order of the devices given to [`prepare`] (one registration per
+    /// device serves every connection of a node).
     #[allow(clippy::too_many_arguments)]
     pub async fn into_sender(
         self,
@@ -166,7 +175,7 @@ impl Prepared {
         channel: AuthChannel,
         stream: TcpStream,
         pool: &Arc<PagePool>,
-        reg: Arc<RegisteredMemory>,
+        regs: Vec<Arc<RegisteredMemory>>,
         window: u32,
         timeout: Duration,
     ) -> Result<RdmaSender, BootstrapError> {
@@ -174,24 +183,25 @@ impl Prepared {
         let (lanes, _) = self
             .connect(&est.peer.transport_params, channel, stream, timeout)
             .await?;
-        Ok(RdmaSender::new(lanes, reg, page_bytes, window))
+        Ok(RdmaSender::new(lanes, regs, page_bytes, window))
     }
 
-    /// Finishes the decode end, landing in `pool`, whose memory `reg` registered on this
-    /// device (one registration serves every connection of a node).
+    /// Finishes the decode end, landing in `pool`, whose memory `regs` registered on each
+    /// device, in the order of the devices given to [`prepare`] (one registration per device
+    /// serves every connection of a node).
     pub async fn into_receiver(
         self,
         est: &Established,
         channel: AuthChannel,
         stream: TcpStream,
         pool: &Arc<PagePool>,
-        reg: Arc<RegisteredMemory>,
+        regs: Vec<Arc<RegisteredMemory>>,
         timeout: Duration,
     ) -> Result<RdmaReceiver, BootstrapError> {
-        let (lanes, dev) = self
+        let (lanes, devs) = self
             .connect(&est.peer.transport_params, channel, stream, timeout)
             .await?;
-        Ok(RdmaReceiver::new(lanes, dev, reg, pool.clone()))
+        Ok(RdmaReceiver::new(lanes, devs, regs, pool.clone()))
     }
 }
 
@@ -213,7 +223,7 @@ pub fn in_process(
     let buffers = source.buffers();
     let end = |role| {
         prepare(
-            dev,
+            std::slice::from_ref(dev),
             role,
             queue_pairs,
             window,
@@ -232,11 +242,11 @@ pub fn in_process(
     Ok((
         RdmaSender::new(
             s_lanes,
-            s_reg,
+            vec![s_reg],
             source.geometry().buffer_page_bytes.clone(),
             window,
         ),
-        RdmaReceiver::new(r_lanes, dev.clone(), r_reg, dest.clone()),
+        RdmaReceiver::new(r_lanes, vec![dev.clone()], vec![r_reg], dest.clone()),
     ))
 }
 

@@ -20,6 +20,9 @@ use crate::transport::Closed;
 /// One queue pair of a connection and what travels on it.
 pub(crate) struct Lane {
     pub(crate) link: RcLink,
+    /// The rail (the connection's device, in the order the node names its devices) whose
+    /// queue pair this is.
+    pub(crate) rail: usize,
     outbox: VecDeque<Vec<u8>>,
     sealer: Option<Sealer>,
     opener: Option<Opener>,
@@ -28,9 +31,10 @@ pub(crate) struct Lane {
 }
 
 impl Lane {
-    pub(crate) fn new(link: RcLink) -> Self {
+    pub(crate) fn new(link: RcLink, rail: usize) -> Self {
         Self {
             link,
+            rail,
             outbox: VecDeque::new(),
             sealer: None,
             opener: None,
@@ -88,8 +92,9 @@ impl Lane {
 /// connection kept as the liveness channel.
 pub(crate) struct Lanes {
     pub(crate) lanes: Vec<Lane>,
-    /// The completion channel all lanes report to; `None`: busy polling.
-    events: Option<EventChannel>,
+    /// The completion channels the lanes report to, one per rail (a channel belongs to one
+    /// device); none: busy polling.
+    events: Vec<EventChannel>,
     /// Whether every lane's completion queue has been armed since the last event.
     armed: bool,
     liveness: Option<TcpStream>,
@@ -97,9 +102,13 @@ pub(crate) struct Lanes {
 }
 
 impl Lanes {
-    pub(crate) fn new(links: Vec<RcLink>, events: Option<EventChannel>) -> Self {
+    /// Lanes over `links`, each with its rail; `events`: the rails' completion channels.
+    pub(crate) fn new(links: Vec<(RcLink, usize)>, events: Vec<EventChannel>) -> Self {
         Self {
-            lanes: links.into_iter().map(Lane::new).collect(),
+            lanes: links
+                .into_iter()
+                .map(|(link, rail)| Lane::new(link, rail))
+                .collect(),
             events,
             armed: false,
             liveness: None,
@@ -204,10 +213,10 @@ impl Lanes {
     /// (`Ready`: poll them), having armed them and registered `cx` with the completion
     /// channel. Busy polling wakes the task at once.
     pub(crate) fn poll_wait(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), RdmaError>> {
-        let Some(ch) = &self.events else {
+        if self.events.is_empty() {
             cx.waker().wake_by_ref();
             return Poll::Pending;
-        };
+        }
         if !self.armed {
             for l in &self.lanes {
                 l.link.arm()?;
@@ -216,12 +225,20 @@ impl Lanes {
             // A completion that came before the arm raised no event: poll once more.
             return Poll::Ready(Ok(()));
         }
-        match ch.poll_events(cx) {
-            Poll::Ready(Ok(())) => {
-                self.armed = false;
-                Poll::Ready(Ok(()))
+        // Every rail's channel registers the waker; any event means: poll the lanes.
+        let mut ready = false;
+        for ch in &self.events {
+            match ch.poll_events(cx) {
+                Poll::Ready(Ok(())) => ready = true,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {}
             }
-            other => other,
+        }
+        if ready {
+            self.armed = false;
+            Poll::Ready(Ok(()))
+        } else {
+            Poll::Pending
         }
     }
 

@@ -47,6 +47,8 @@ pub struct RdmaReceiverStats {
 /// A fence in progress: the invalidations not yet completed.
 struct Fencing {
     transfer: TransferRef,
+    /// The rail whose device the windows belong to.
+    rail: usize,
     remaining: usize,
     windows: Vec<MemoryWindow>,
     since: Instant,
@@ -58,16 +60,19 @@ pub struct RdmaReceiver {
     lanes: Lanes,
     lane_of: LaneMap,
     next_lane: usize,
-    dev: Arc<RdmaDevice>,
-    reg: Arc<RegisteredMemory>,
+    /// Each rail's device and the destination memory registered on it, in rail order: a
+    /// lane's windows come from its rail's device and bind its rail's registration.
+    devs: Vec<Arc<RdmaDevice>>,
+    regs: Vec<Arc<RegisteredMemory>>,
     /// The pool over the registered memory: reserved pages are scrubbed through it.
     pool: Arc<PagePool>,
     page_bytes: Vec<u32>,
     kind: AccessKind,
     /// Windows of open scopes, per transfer id.
     bound: BTreeMap<TransferId, Vec<MemoryWindow>>,
-    /// Invalidated windows with keys left, bound again by the next reservations.
-    spare: Vec<MemoryWindow>,
+    /// Invalidated windows with keys left, per rail, bound again by the next reservations on
+    /// that rail.
+    spare: Vec<Vec<MemoryWindow>>,
     fencing: BTreeMap<TransferId, Fencing>,
     /// Invalidation work request → transfer id.
     fence_wrs: BTreeMap<u64, TransferId>,
@@ -90,37 +95,36 @@ impl std::fmt::Debug for RdmaReceiver {
 
 impl RdmaReceiver {
     /// The decode end over connected `lanes` (each made with [`RECEIVER_QUEUE_DEPTH`]),
-    /// landing in `reg` (the destination pool's memory registered on `dev`). Checks for
-    /// memory windows, falling back to the region's rkeys with a loud warning.
+    /// landing in `regs` (the destination pool's memory registered on each rail's device in
+    /// `devs`, in rail order). Checks every device for memory windows, falling back to the
+    /// regions' rkeys with a loud warning where one has none.
     pub(crate) fn new(
         lanes: Lanes,
-        dev: Arc<RdmaDevice>,
-        reg: Arc<RegisteredMemory>,
+        devs: Vec<Arc<RdmaDevice>>,
+        regs: Vec<Arc<RegisteredMemory>>,
         pool: Arc<PagePool>,
     ) -> Self {
         let page_bytes = pool.geometry().buffer_page_bytes.clone();
-        let kind = match dev.alloc_window() {
-            Ok(w) => {
-                drop(w);
-                AccessKind::WINDOWS
-            }
-            Err(e) => {
+        let mut kind = AccessKind::WINDOWS;
+        for dev in &devs {
+            if let Err(e) = dev.alloc_window() {
                 tracing::warn!(device = %dev.name, error = %e,
                     "NO MEMORY WINDOWS: reservations use the region's rkeys; a late write after a fence can still land (the protocol's fence holds, the NIC's does not)");
-                AccessKind::REGION
+                kind = AccessKind::REGION;
             }
-        };
+        }
+        let rails = devs.len();
         Self {
             lanes,
             lane_of: LaneMap::default(),
             next_lane: 0,
-            dev,
-            reg,
+            devs,
+            regs,
             pool,
             page_bytes,
             kind,
             bound: BTreeMap::new(),
-            spare: Vec::new(),
+            spare: (0..rails).map(|_| Vec::new()).collect(),
             fencing: BTreeMap::new(),
             fence_wrs: BTreeMap::new(),
             next_wr: 1,
@@ -199,20 +203,21 @@ impl RdmaReceiver {
     ) -> Result<Vec<u8>, String> {
         let runs = page_runs(pages);
         let b = self.page_bytes.len();
+        let rail = self.lanes.lanes[lane].rail;
         if encoded_len(b, runs.len()) > MAX_ACCESS {
             return Err(format!(
                 "{} runs of pages do not fit one access descriptor",
                 runs.len()
             ));
         }
-        let base = (0..b).map(|i| self.reg.addr(i, 0)).collect();
+        let base = (0..b).map(|i| self.regs[rail].addr(i, 0)).collect();
         if self.kind == AccessKind::REGION {
             let runs = runs
                 .into_iter()
                 .map(|(first, n)| AccessRun {
                     first_page: first,
                     pages: n,
-                    rkeys: (0..b).map(|i| self.reg.rkey(i)).collect(),
+                    rkeys: (0..b).map(|i| self.regs[rail].rkey(i)).collect(),
                 })
                 .collect();
             return AccessDescriptor {
@@ -226,12 +231,12 @@ impl RdmaReceiver {
         let mut ranges = Vec::with_capacity(runs.len() * b);
         for &(first, n) in &runs {
             for (i, &bytes) in self.page_bytes.iter().enumerate() {
-                let w = match self.spare.pop() {
+                let w = match self.spare[rail].pop() {
                     Some(w) => {
                         self.stats.windows_reused += 1;
                         w
                     }
-                    None => self.dev.alloc_window().map_err(|e| e.to_string())?,
+                    None => self.devs[rail].alloc_window().map_err(|e| e.to_string())?,
                 };
                 windows.push(w);
                 ranges.push((
@@ -243,7 +248,7 @@ impl RdmaReceiver {
         }
         self.lanes.lanes[lane]
             .link
-            .bind_windows(windows, &self.reg, &ranges, None)
+            .bind_windows(windows, &self.regs[rail], &ranges, None)
             .map_err(|e| e.to_string())?;
         self.stats.binds += windows.len() as u64;
         let out = runs
@@ -278,7 +283,9 @@ impl RdmaReceiver {
         self.lanes.reset();
         // Deallocating a window invalidates it: no write through it can land any more.
         self.bound.clear();
-        self.spare.clear();
+        for spare in &mut self.spare {
+            spare.clear();
+        }
         self.fence_wrs.clear();
         for (_, f) in std::mem::take(&mut self.fencing) {
             drop(f.windows);
@@ -362,8 +369,9 @@ impl Transport for RdmaReceiver {
                         // Invalidated: bound again (with new keys) by later reservations while
                         // they have keys left, else deallocated.
                         for w in f.windows {
-                            if w.reusable() && self.spare.len() < SPARE_WINDOWS {
-                                self.spare.push(w);
+                            let spare = &mut self.spare[f.rail];
+                            if w.reusable() && spare.len() < SPARE_WINDOWS {
+                                spare.push(w);
                             }
                         }
                     }
@@ -450,6 +458,7 @@ impl ReceiverTransport for RdmaReceiver {
             transfer.transfer_id,
             Fencing {
                 transfer,
+                rail: self.lanes.lanes[lane].rail,
                 remaining: usize::from(posted),
                 windows,
                 since: Instant::now(),

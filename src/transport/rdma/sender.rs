@@ -58,7 +58,9 @@ struct Signaled {
 pub struct RdmaSender {
     lanes: Lanes,
     lane_of: LaneMap,
-    reg: Arc<RegisteredMemory>,
+    /// The source memory registered on each rail's device (a lane writes with its rail's
+    /// local keys).
+    regs: Vec<Arc<RegisteredMemory>>,
     page_bytes: Vec<u32>,
     max_wrs: u32,
     /// Writes not yet posted, per lane, with the group of pages the next signal covers.
@@ -84,10 +86,11 @@ impl std::fmt::Debug for RdmaSender {
 
 impl RdmaSender {
     /// The prefill end over connected `lanes` (each made with [`sender_queue_depth`]`(window,
-    /// buffers)`), writing out of `reg` (the source pool's memory registered on the device).
+    /// buffers)`), writing out of `regs` (the source pool's memory registered on each rail's
+    /// device, in rail order).
     pub(crate) fn new(
         lanes: Lanes,
-        reg: Arc<RegisteredMemory>,
+        regs: Vec<Arc<RegisteredMemory>>,
         page_bytes: Vec<u32>,
         window: u32,
     ) -> Self {
@@ -95,7 +98,7 @@ impl RdmaSender {
         Self {
             lanes,
             lane_of: LaneMap::default(),
-            reg,
+            regs,
             max_wrs: sender_queue_depth(window, page_bytes.len()),
             page_bytes,
             batches: vec![Vec::new(); n],
@@ -280,9 +283,10 @@ impl RdmaSender {
             },
         );
         self.lanes.lanes[lane].wrs_in_flight += 1;
+        let reg = &self.regs[self.lanes.lanes[lane].rail];
         self.lanes.lanes[lane].link.post_writes(&[RdmaWrite {
             wr_id: id,
-            local: (self.reg.lkey(0), self.reg.addr(0, 0), self.page_bytes[0]),
+            local: (reg.lkey(0), reg.addr(0, 0), self.page_bytes[0]),
             remote: (rkey, addr),
             signaled: true,
         }])?;
@@ -416,6 +420,7 @@ impl SenderTransport for RdmaSender {
             return;
         };
         let lane = self.lane_of.get(transfer.transfer_id);
+        let rail = self.lanes.lanes[lane].rail;
         for w in writes {
             // Close the lane's previous transfer group with a signaled write.
             if self.groups[lane].is_some_and(|(t, _)| t != transfer) {
@@ -430,8 +435,8 @@ impl SenderTransport for RdmaSender {
                     Ok((rkey, addr)) => self.batches[lane].push(RdmaWrite {
                         wr_id: 0,
                         local: (
-                            self.reg.lkey(b),
-                            self.reg.addr(b, u64::from(w.src_page) * u64::from(bytes)),
+                            self.regs[rail].lkey(b),
+                            self.regs[rail].addr(b, u64::from(w.src_page) * u64::from(bytes)),
                             bytes,
                         ),
                         remote: (rkey, addr),

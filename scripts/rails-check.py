@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Checks what scripts/rails-test.sh left in OUT (default target/rails) and prints the
+ratios: two rails against one, and each beside ib_write_bw on one rail. Exits non-zero on
+any violation:
+
+* both rails, one rail, and both rails after rail 1 came back: every transfer verified on
+  both sides, every verified byte checked by the decode, and with two rails each device
+  carried at least a quarter of the packets;
+* rail 1 taken down mid-run: nothing unverified delivered (the decode checked the bytes of
+  every transfer it verified), and the two sides' counts reconcile: the decode verified at
+  least what the prefill counted verified and at most that plus the prefill's Unconfirmed
+  (SPEC §7.6); every transfer the prefill ran ended as verified, failed or unconfirmed.
+"""
+import json
+import re
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1] if len(sys.argv) > 1 else "target/rails")
+problems = []
+
+
+def case(name, side):
+    try:
+        return json.loads((out / f"{name}-{side}.json").read_text())["cases"][0]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        problems.append(f"{name} {side}: no report ({e})")
+        return None
+
+
+def total(counts):
+    return sum((counts or {}).values())
+
+
+def all_verified(name):
+    p, d = case(name, "prefill"), case(name, "decode")
+    if p is None or d is None:
+        return None
+    for side, c in (("prefill", p), ("decode", d)):
+        n = c.get("transfers")
+        if not isinstance(n, int) or n <= 0 or c.get("verified") != n:
+            problems.append(f"{name} {side}: {c.get('verified')} of {n} transfers verified")
+    if d.get("bytes_checked") != d.get("verified"):
+        problems.append(f"{name}: the decode checked {d.get('bytes_checked')} of {d.get('verified')}")
+    return p.get("gb_per_s")
+
+
+def counters():
+    """(name, device) -> sent packets, from VM a's counters file."""
+    table = {}
+    for line in (out / "counters-a.txt").read_text().split("\n"):
+        parts = line.split()
+        if len(parts) == 4:
+            table[(parts[0], parts[1])] = int(parts[2])
+    return table
+
+
+def rail_shares(name, table):
+    sent = {d: table[(f"after-{name}", d)] - table[(f"before-{name}", d)] for d in ("rxe0", "rxe1")}
+    all_sent = sum(sent.values())
+    for d, n in sent.items():
+        if all_sent == 0 or n < all_sent / 4:
+            problems.append(f"{name}: {d} sent {n} of {all_sent} packets (less than a quarter)")
+    return sent
+
+
+two = all_verified("two")
+one = all_verified("one")
+back = all_verified("back")
+table = counters()
+shares = {name: rail_shares(name, table) for name in ("two", "back")}
+
+# Rail 1 down mid-run.
+p, d = case("down", "prefill"), case("down", "decode")
+down = {}
+if p is not None and d is not None:
+    verified_p, unconfirmed = p.get("verified", 0), total(p.get("unconfirmed"))
+    failed = total(p.get("failures"))
+    down = {
+        "transfers": p.get("transfers"),
+        "prefill_verified": verified_p,
+        "prefill_failed": p.get("failures"),
+        "prefill_unconfirmed": p.get("unconfirmed"),
+        "decode_verified": d.get("verified"),
+        "decode_bytes_checked": d.get("bytes_checked"),
+    }
+    if not (out / "down-at.txt").exists():
+        problems.append("down: rail 1 was never taken down")
+    if d.get("bytes_checked") != d.get("verified"):
+        problems.append(f"down: the decode checked {d.get('bytes_checked')} of {d.get('verified')} verified")
+    if not verified_p <= d.get("verified", -1) <= verified_p + unconfirmed:
+        problems.append(
+            f"down: the decode verified {d.get('verified')}, the prefill {verified_p} (+{unconfirmed} unconfirmed)"
+        )
+    if verified_p + failed + unconfirmed != p.get("transfers"):
+        problems.append(f"down: {verified_p} + {failed} + {unconfirmed} != {p.get('transfers')} transfers")
+    if failed == 0:
+        problems.append("down: no transfer failed: the link went down after the run")
+
+
+def ib_write_bw(dev):
+    text = (out / f"ib_write_bw-{dev}.txt").read_text()
+    m = re.search(r"^\s*65536\s+\d+\s+[\d.]+\s+([\d.]+)", text, re.M)
+    return float(m.group(1)) / 1000 if m else None  # MB/s -> GB/s
+
+
+ibw = {dev: ib_write_bw(dev) for dev in ("rxe0", "rxe1")}
+summary = {
+    "two_rails_gb_per_s": two,
+    "one_rail_gb_per_s": one,
+    "two_over_one": two / one if two and one else None,
+    "ib_write_bw_gb_per_s": ibw,
+    "one_rail_over_ib_write_bw_rxe0": one / ibw["rxe0"] if one and ibw["rxe0"] else None,
+    "packets_sent_per_rail": shares,
+    "rail_down": down,
+    "after_rail_back_gb_per_s": back,
+}
+print(json.dumps(summary, indent=2))
+for problem in problems:
+    print(f"rails-check: {problem}", file=sys.stderr)
+sys.exit(1 if problems else 0)
