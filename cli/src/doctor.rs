@@ -57,6 +57,32 @@ pub fn render(report: &Report) -> String {
             let _ = writeln!(o, "           gid {port}/{i}: {gid} ({kind})");
         }
     }
+    // The rails a node naming every usable device would run (SPEC §9.2, several rails).
+    let usable: Vec<&str> = report
+        .rdma
+        .iter()
+        .filter(|d| d.usable())
+        .map(|d| d.name.as_str())
+        .collect();
+    match usable.len() {
+        0 => {}
+        1 => {
+            let _ = writeln!(
+                o,
+                "rails:     one ({}): one device with an ACTIVE port",
+                usable[0]
+            );
+        }
+        n => {
+            let _ = writeln!(
+                o,
+                "rails:     {n} ({}): --device {} (Python ib_device=\"{}\") stripes transfers over them; rail i of each node must reach rail i of its peers",
+                usable.join(", "),
+                usable.join(","),
+                usable.join(",")
+            );
+        }
+    }
     match report.memlock {
         Some(None) => {
             let _ = writeln!(o, "memlock:   unlimited");
@@ -163,6 +189,36 @@ mod tests {
             text.contains("ptrace_scope 1") && text.contains("half speed"),
             "{text}"
         );
+    }
+
+    /// Every usable device is a rail; one without an ACTIVE port is left out.
+    #[test]
+    fn lists_the_rails_of_the_usable_devices() {
+        let device = |name: &str, state: &str| kvwire::host::RdmaDevice {
+            name: name.into(),
+            ports: vec![("1".into(), state.into(), "1024".into(), "Ethernet".into())],
+            gids: vec![("1".into(), 1, "::ffff:10.0.0.1".into(), "RoCE v2".into())],
+            memory_windows: None,
+        };
+        let mut report = Report {
+            rdma: vec![
+                device("rxe0", "4: ACTIVE"),
+                device("rxe1", "4: ACTIVE"),
+                device("rxe2", "1: DOWN"),
+            ],
+            rdma_sysfs: true,
+            memlock: None,
+            hugepages: None,
+            thp: None,
+            ptrace_scope: None,
+        };
+        let text = render(&report);
+        assert!(
+            text.contains("rails:     2 (rxe0, rxe1): --device rxe0,rxe1"),
+            "{text}"
+        );
+        report.rdma.truncate(1);
+        assert!(render(&report).contains("rails:     one (rxe0)"));
     }
 
     #[test]
