@@ -9,7 +9,9 @@ any violation:
 * rail 1 taken down mid-run: nothing unverified delivered (the decode checked the bytes of
   every transfer it verified), and the two sides' counts reconcile: the decode verified at
   least what the prefill counted verified and at most that plus the prefill's Unconfirmed
-  (SPEC §7.6); every transfer the prefill ran ended as verified, failed or unconfirmed.
+  (SPEC §7.6); every transfer the prefill ran ended as verified, failed or unconfirmed; and
+  the connection went on over rail 0 (SPEC §9.2, a lane that fails): some transfers failed
+  with the rail, and more than half of the run verified.
 """
 import json
 import re
@@ -48,7 +50,11 @@ def all_verified(name):
 def counters():
     """(name, device) -> sent packets, from VM a's counters file."""
     table = {}
-    for line in (out / "counters-a.txt").read_text().split("\n"):
+    path = out / "counters-a.txt"
+    if not path.exists():
+        problems.append("no packet counters from VM a")
+        return table
+    for line in path.read_text().split("\n"):
         parts = line.split()
         if len(parts) == 4:
             table[(parts[0], parts[1])] = int(parts[2])
@@ -56,6 +62,10 @@ def counters():
 
 
 def rail_shares(name, table):
+    keys = [(f"{when}-{name}", d) for when in ("before", "after") for d in ("rxe0", "rxe1")]
+    if any(k not in table for k in keys):
+        problems.append(f"{name}: packet counters missing (the run did not finish)")
+        return None
     sent = {d: table[(f"after-{name}", d)] - table[(f"before-{name}", d)] for d in ("rxe0", "rxe1")}
     all_sent = sum(sent.values())
     for d, n in sent.items():
@@ -94,12 +104,20 @@ if p is not None and d is not None:
         )
     if verified_p + failed + unconfirmed != p.get("transfers"):
         problems.append(f"down: {verified_p} + {failed} + {unconfirmed} != {p.get('transfers')} transfers")
-    if failed == 0:
+    if failed + unconfirmed == 0:
         problems.append("down: no transfer failed: the link went down after the run")
+    if 2 * verified_p <= (p.get("transfers") or 0):
+        problems.append(
+            f"down: only {verified_p} of {p.get('transfers')} verified: the connection did not go on over rail 0"
+        )
 
 
 def ib_write_bw(dev):
-    text = (out / f"ib_write_bw-{dev}.txt").read_text()
+    path = out / f"ib_write_bw-{dev}.txt"
+    if not path.exists():
+        problems.append(f"no ib_write_bw run on {dev}")
+        return None
+    text = path.read_text()
     m = re.search(r"^\s*65536\s+\d+\s+[\d.]+\s+([\d.]+)", text, re.M)
     return float(m.group(1)) / 1000 if m else None  # MB/s -> GB/s
 

@@ -803,6 +803,105 @@ mod driven {
         assert_invariants(&pair);
     }
 
+    /// SPEC §9.2, several rails: one lane's queue pairs fail mid-run (moved to the error
+    /// state at both ends, as when its rail's port goes down) while the other lane works. Only the
+    /// transfers bound to the failed lane fail (retryably, or Unconfirmed where the COMMIT
+    /// was out), nothing unverified is delivered, the transfers on the other lane verify,
+    /// every page comes back, and the connection goes on: later transfers all take the live
+    /// lane and verify.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_failed_lane_loses_only_its_transfers_and_the_connection_goes_on() {
+        let Some(d) =
+            super::device("a_failed_lane_loses_only_its_transfers_and_the_connection_goes_on")
+        else {
+            return;
+        };
+        let mut cfg = config();
+        cfg.sender.abort_ack_timeout = Duration::from_secs(2);
+        cfg.receiver.abort_ack_timeout = Duration::from_secs(2);
+        let dev = Arc::new(RdmaDevice::open(Some(&d.name)).unwrap());
+        let pools = cfg.pools().unwrap();
+        let mut pair = pair_over(&dev, &cfg, pools, 2);
+        // The receiver takes the lanes in turn: 1 and 3 on lane 0, 2 and 4 on lane 1. Every
+        // reservation reaches the sender (announced: nothing submitted yet) before lane 1
+        // fails; then the sender submits all four.
+        let reserve_long = |pair: &mut RdmaPair, id: u64| {
+            let now = pair.now;
+            let params =
+                kvwire::ReserveParams::new(TransferId(id), 4 * 16, LIMIT).with_page_digests();
+            pair.receiver.reserve(now, params).unwrap();
+        };
+        for id in 1..=4u64 {
+            reserve_long(&mut pair, id);
+        }
+        let announced = |pair: &RdmaPair| {
+            pair.sender_events
+                .iter()
+                .filter(|e| matches!(e, kvwire::proto::sender::SenderEvent::Announced { .. }))
+                .count()
+        };
+        let start = Instant::now();
+        while announced(&pair) < 4 {
+            assert!(start.elapsed() < LIMIT, "{:?}", pair.sender_events);
+            pair.drive_live(Duration::from_millis(20)).await;
+        }
+        // The rail of lane 1 fails under both ends (as a port or link going down does).
+        pair.sender
+            .transport_mut()
+            .inner_mut()
+            .inject_lane_failure(1)
+            .unwrap();
+        pair.receiver
+            .transport_mut()
+            .inner_mut()
+            .inject_lane_failure(1)
+            .unwrap();
+        let start = Instant::now();
+        while pair.sender.transport().inner().live_lanes() > 1
+            || pair.receiver.transport().inner().live_lanes() > 1
+        {
+            assert!(start.elapsed() < LIMIT, "a failed lane went unnoticed");
+            pair.drive_live(Duration::from_millis(20)).await;
+        }
+        for id in 1..=4u64 {
+            send(&mut pair, id, 4 * 16).unwrap();
+        }
+        assert!(pair.drive_live(LIMIT).await, "did not settle");
+        assert!(pair.sender.closed().is_none(), "{:?}", pair.sender.closed());
+        assert_eq!(pair.sender.transport().inner().live_lanes(), 1);
+        for id in [1, 3].map(TransferId) {
+            assert!(
+                pair.sender_verified(id),
+                "transfer {id}: {:?}",
+                pair.sender_failure(id)
+            );
+        }
+        for id in [2, 4].map(TransferId) {
+            let failure = pair.sender_failure(id);
+            assert!(
+                failure.is_some_and(|r| r.is_retryable() || r.is_unconfirmed()),
+                "transfer {id}: {failure:?}"
+            );
+        }
+        assert_invariants(&pair);
+        // Every later reservation takes the live lane, and verifies.
+        for id in 5..=8u64 {
+            reserve_long(&mut pair, id);
+            send(&mut pair, id, 4 * 16).unwrap();
+        }
+        assert!(pair.drive_live(LIMIT).await, "did not settle");
+        for id in (5..=8).map(TransferId) {
+            assert!(
+                pair.sender_verified(id),
+                "transfer {id}: {:?}",
+                pair.sender_failure(id)
+            );
+        }
+        assert!(pair.sender.closed().is_none() && pair.receiver.closed().is_none());
+        assert!(pair.sender.transport().inner().stats().lanes_lost >= 1);
+        assert_invariants(&pair);
+    }
+
     /// SPEC §8.3, frames held unsent are bounded over RDMA too: a queue pair holding
     /// `MAX_UNSENT_FRAMES` (65,536) frames it could not post ends the connection as
     /// unresponsive at once, instead of growing for as long as the not-reading verdict takes.

@@ -149,7 +149,8 @@ pub enum FailureReason {
 impl FailureReason {
     /// Whether the request itself is sound and may be sent again on a working connection:
     /// the transfer failed in the transport (a write failed, the connection or queue pair
-    /// was lost and rebuilt, a deadline passed), or the sender was busy (its engine had not
+    /// was lost and rebuilt, a deadline passed, the peer aborted it with SHUTDOWN because
+    /// its lane failed), or the sender was busy (its engine had not
     /// got to the request while the reservation was parked, or it held too many parked
     /// reservations: REJECT with UNKNOWN_REQUEST or PARKED_LIMIT, SPEC §7.6), not because
     /// of what was sent.
@@ -158,6 +159,9 @@ impl FailureReason {
             Self::Rejected { code, .. } => {
                 *code == ErrorCode::UNKNOWN_REQUEST || *code == ErrorCode::PARKED_LIMIT
             }
+            // The peer gave the transfer up because its lane failed (SPEC §9.2, several
+            // rails) or it is shutting down: the request itself is sound.
+            Self::PeerAbort { code, .. } => *code == ErrorCode::SHUTDOWN,
             _ => matches!(
                 self,
                 Self::WriteFailed | Self::PeerLost | Self::PeerUnresponsive | Self::Timeout { .. }

@@ -357,6 +357,106 @@ fn a_committed_transfer_without_a_verdict_is_unconfirmed_an_uncommitted_one_fail
     assert!(r.is_retryable());
 }
 
+/// SPEC §9.2, several rails: a transfer whose lane failed is abandoned alone, and the peer
+/// told with ABORT(SHUTDOWN): a committed one then ends as the answer says (ABORT_ACK: a
+/// definite, retryable PeerLost; VERIFIED: delivered after all); one still writing sends its
+/// ABORT once its writes are drained; the session goes on; an id not open is left alone.
+#[test]
+fn a_transfer_whose_lane_failed_is_aborted_alone() {
+    use kvwire_proto::sender::SenderEvent;
+    use kvwire_proto::FailureReason;
+    let now = Instant::now();
+    let abort_of = |s: &mut SenderSession| {
+        std::iter::from_fn(|| s.poll_transmit()).find_map(|f| match f {
+            Frame::Abort(a) => Some(a),
+            _ => None,
+        })
+    };
+    // Committed, then the lane fails; the receiver acknowledges the ABORT.
+    let (mut s, t) = sender_with_transfer(now, true);
+    s.handle_transfer_lost(now, TransferId(77));
+    assert!(s.poll_event().is_none(), "an id not open ended something");
+    s.handle_transfer_lost(now, t.transfer_id);
+    let a = abort_of(&mut s).expect("no ABORT for the lost transfer");
+    assert_eq!((a.transfer, a.code), (t, ErrorCode::SHUTDOWN));
+    assert!(s.poll_event().is_none(), "ended before the answer");
+    s.handle_frame(now, Frame::AbortAck(t)).unwrap();
+    let r = failure(&mut s);
+    assert_eq!(r, FailureReason::PeerLost);
+    assert!(r.is_retryable());
+    assert_eq!(s.open_transfers(), 0);
+
+    // Committed, and the receiver had delivered: its VERIFIED answers the ABORT.
+    let (mut s, t) = sender_with_transfer(now, true);
+    s.handle_transfer_lost(now, t.transfer_id);
+    assert!(abort_of(&mut s).is_some());
+    s.handle_frame(now, Frame::Verified(t)).unwrap();
+    assert!(std::iter::from_fn(|| s.poll_event())
+        .any(|e| matches!(e, SenderEvent::Verified(x) if x == t)));
+
+    // Still writing: the ABORT goes out once the writes it posted are reported.
+    let (mut s, t) = sender_with_transfer(now, false);
+    s.handle_transfer_lost(now, t.transfer_id);
+    assert!(abort_of(&mut s).is_none(), "an ABORT before the drain");
+    s.handle_write_outcome(now, t, WriteOutcome::Failed, 2);
+    s.handle_digests(now, t, TransferDigests::default());
+    assert!(abort_of(&mut s).is_some());
+}
+
+/// The receiver's side: a reservation whose lane failed fails PeerLost, fenced before its
+/// pages are released, then tells the sender with ABORT(SHUTDOWN); a second reservation
+/// stays open. A sender's ABORT with that code is retryable.
+#[test]
+fn a_reservation_whose_lane_failed_is_fenced_then_aborted() {
+    use kvwire_proto::receiver::{ReceiverAction, ReceiverEvent};
+    use kvwire_proto::FailureReason;
+    let now = Instant::now();
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER, 1),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0001,
+    );
+    let t1 = r
+        .reserve(now, common::reservation_request(TransferId(1)))
+        .unwrap();
+    let _t2 = r
+        .reserve(now, common::reservation_request(TransferId(2)))
+        .unwrap();
+    drain_actions(|| r.poll_action());
+    std::iter::from_fn(|| r.poll_transmit()).for_each(drop);
+    r.handle_transfer_lost(now, TransferId(1));
+    let actions = drain_actions(|| r.poll_action());
+    assert!(actions.contains(&ReceiverAction::Fence(t1)), "{actions:?}");
+    assert!(
+        !actions.contains(&ReceiverAction::Release(t1)),
+        "released before the fence: {actions:?}"
+    );
+    assert!(r.poll_transmit().is_none(), "an ABORT before the fence");
+    r.handle_fenced(now, t1);
+    assert_eq!(
+        drain_actions(|| r.poll_action()),
+        vec![ReceiverAction::Release(t1)]
+    );
+    match r.poll_transmit() {
+        Some(Frame::Abort(a)) => assert_eq!((a.transfer, a.code), (t1, ErrorCode::SHUTDOWN)),
+        other => panic!("{other:?}"),
+    }
+    r.handle_frame(now, Frame::AbortAck(t1)).unwrap();
+    assert!(matches!(
+        std::iter::from_fn(|| r.poll_event()).last(),
+        Some(ReceiverEvent::Failed {
+            reason: FailureReason::PeerLost,
+            ..
+        })
+    ));
+    assert_eq!(r.open_transfers(), 1);
+    assert!(FailureReason::PeerAbort {
+        code: ErrorCode::SHUTDOWN,
+        completed_pages: 0
+    }
+    .is_retryable());
+}
+
 /// SPEC §7.6: the verdict deadline sends ABORT(TIMEOUT); if neither ABORT_ACK nor VERIFIED
 /// comes back, the outcome is `Unconfirmed`, not `Timeout` (the divergence SPEC §7.4 once
 /// described); an ABORT_ACK makes the failure definite.

@@ -27,6 +27,7 @@ pub(crate) trait Session {
     fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError>;
     fn handle_peer_lost(&mut self, now: Instant);
     fn handle_peer_unresponsive(&mut self, now: Instant);
+    fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId);
     fn poll_timeout(&mut self) -> Option<Instant>;
 }
 
@@ -48,6 +49,9 @@ macro_rules! session {
             }
             fn handle_peer_unresponsive(&mut self, now: Instant) {
                 <$t>::handle_peer_unresponsive(self, now)
+            }
+            fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) {
+                <$t>::handle_transfer_lost(self, now, transfer_id)
             }
             fn poll_timeout(&mut self) -> Option<Instant> {
                 <$t>::poll_timeout(self)
@@ -244,6 +248,14 @@ impl<S: Session, T: Transport> Core<S, T> {
                         self.session.handle_peer_lost(now);
                     }
                 }
+                None
+            }
+            TransportEvent::TransferLost(transfer_id) => {
+                tracing::warn!(
+                    transfer_id = transfer_id.0,
+                    "the lane of the transfer failed; the connection goes on over its other lanes"
+                );
+                self.session.handle_transfer_lost(now, transfer_id);
                 None
             }
             TransportEvent::Landed { .. } => {

@@ -85,6 +85,13 @@ pub enum TransportEvent {
     /// Receiver: the fence of `transfer` completed (after [`ReceiverTransport::fence`]
     /// returned [`Fence::Pending`]).
     Fenced(TransferRef),
+    /// The path of one transfer is gone while the connection goes on: the lane it was bound
+    /// to failed (RDMA, several rails: its queue pair errored; SPEC §9.2). The transport has
+    /// already made sure nothing more can land through that lane (the receiver: its windows
+    /// deallocated, a later fence completes at once) and reported that lane's outstanding
+    /// writes failed (the sender). The session ends the transfer as on peer loss. An id that
+    /// is not open is ignored.
+    TransferLost(TransferId),
     /// The connection is gone: nothing more will be sent or received. Outcomes of writes
     /// still outstanding and fences still pending are reported (failed / done) before this.
     Closed(Closed),

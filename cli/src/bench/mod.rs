@@ -515,6 +515,19 @@ pub async fn run_listen(
                     "case {size}: pages pulled from the prefill's memory (same host)"
                 ));
             }
+            // The prefill ends the connection once every verdict reached it: closing from this
+            // side first could drop the last VERIFIED still on its way (over RDMA a closed
+            // queue pair flushes the SENDs it had posted), and that transfer would count as
+            // Unconfirmed there. Bounded: a prefill that never closes is left after 10 s.
+            let waited = std::time::Instant::now();
+            while waited.elapsed() < std::time::Duration::from_secs(10) {
+                match receiver.stats().await {
+                    Ok(st) if !st.peer_lost => {
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await
+                    }
+                    _ => break,
+                }
+            }
             cases.push(with_baseline(case, raw_run, raw_in_flight));
         }
     }

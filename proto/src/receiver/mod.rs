@@ -458,23 +458,53 @@ impl ReceiverSession {
         self.out.transmit.clear();
         let open = self.transfers.drain_in_order();
         for (_, t) in open {
-            let next = match t.state {
-                State::AwaitingAbortAck(s) => Next::Done(Some(s.outcome)),
-                State::Failing(mut f) => {
-                    f.after = AfterFence::Nothing;
-                    Next::Stay(State::Failing(f))
-                }
-                s => self.out.fail(
-                    &t.spec,
-                    s.pending(),
-                    reason.clone(),
-                    AfterFence::Nothing,
-                    now,
-                ),
-            };
-            self.settle(t.spec, next);
+            self.lose_one(now, t, &reason);
         }
         self.out.transmit.clear();
+    }
+
+    /// One transfer's path to the peer is gone (SPEC §9.2, several rails: the queue pair its
+    /// reservation was bound on failed) while the connection goes on over its other lanes:
+    /// the transfer fails with [`FailureReason::PeerLost`], fenced first where writes could
+    /// still land, then the peer is told with ABORT(SHUTDOWN) (sent on a live lane) and its
+    /// ABORT_ACK awaited as for any abort. A transfer not open here, or already failing, is
+    /// left alone.
+    pub fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) {
+        if self.lost {
+            return;
+        }
+        let Some(t) = self.transfers.remove(&transfer_id) else {
+            return;
+        };
+        let next = match t.state {
+            s @ (State::AwaitingAbortAck(_) | State::Failing(_)) => Next::Stay(s),
+            s => self.out.fail(
+                &t.spec,
+                s.pending(),
+                FailureReason::PeerLost,
+                AfterFence::SendAbort(ErrorCode::SHUTDOWN),
+                now,
+            ),
+        };
+        self.settle(t.spec, next);
+    }
+
+    fn lose_one(&mut self, now: Instant, t: Transfer, reason: &FailureReason) {
+        let next = match t.state {
+            State::AwaitingAbortAck(s) => Next::Done(Some(s.outcome)),
+            State::Failing(mut f) => {
+                f.after = AfterFence::Nothing;
+                Next::Stay(State::Failing(f))
+            }
+            s => self.out.fail(
+                &t.spec,
+                s.pending(),
+                reason.clone(),
+                AfterFence::Nothing,
+                now,
+            ),
+        };
+        self.settle(t.spec, next);
     }
 
     /// The next frame to send.

@@ -372,30 +372,57 @@ impl SenderSession {
         self.lost = true;
         self.parked.clear();
         let open = self.transfers.drain_in_order();
-        for (_, mut t) in open {
-            let state = t.take_state(now);
-            let mut cx = self.ctx(now);
-            let next = match state {
-                State::Writing(w) => cx.drain(&t, w, reason.clone(), AfterDrain::Nothing),
-                State::Draining(mut d) => {
-                    d.after = AfterDrain::Nothing;
-                    Next::Stay(State::Draining(d))
-                }
-                State::AwaitingAbortAck(s) => {
-                    Next::Done(Some(cx.report_failure(&t, s.unanswered())))
-                }
-                State::AwaitingReservation(_) => Next::Done(Some(cx.failed(&t, reason.clone()))),
-                // The COMMIT is out and no verdict came back: the receiver may have delivered.
-                State::AwaitingVerdict(_) => Next::Done(Some(cx.failed(
-                    &t,
-                    FailureReason::Unconfirmed {
-                        cause: Box::new(reason.clone()),
-                    },
-                ))),
-            };
-            self.settle(t, next);
+        for (_, t) in open {
+            self.lose_one(now, t, &reason);
         }
         self.out.transmit.clear();
+    }
+
+    /// One transfer's path to the peer is gone (SPEC §9.2, several rails: the queue pair it
+    /// was bound to failed) while the connection goes on over its other lanes. The transfer
+    /// is abandoned with [`FailureReason::PeerLost`] and the peer told with ABORT(SHUTDOWN)
+    /// (sent on a live lane): once its posted writes are drained, as for any abort; a
+    /// committed one waits for the answer (VERIFIED: delivered after all; ABORT_ACK: a
+    /// definite failure; neither within the abort-ack deadline: `Unconfirmed`). A transfer
+    /// not open here, or already stopping, is left alone.
+    pub fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) {
+        if self.lost {
+            return;
+        }
+        let Some(mut t) = self.transfers.remove(&transfer_id) else {
+            return;
+        };
+        let state = t.take_state(now);
+        let mut cx = self.ctx(now);
+        let after = AfterDrain::SendAbort(ErrorCode::SHUTDOWN);
+        let next = match state {
+            State::Writing(w) => cx.drain(&t, w, FailureReason::PeerLost, after),
+            State::AwaitingVerdict(_) => cx.abandon_committed(&t, FailureReason::PeerLost, after),
+            other => Next::Stay(other),
+        };
+        self.settle(t, next);
+    }
+
+    fn lose_one(&mut self, now: Instant, mut t: Transfer, reason: &FailureReason) {
+        let state = t.take_state(now);
+        let mut cx = self.ctx(now);
+        let next = match state {
+            State::Writing(w) => cx.drain(&t, w, reason.clone(), AfterDrain::Nothing),
+            State::Draining(mut d) => {
+                d.after = AfterDrain::Nothing;
+                Next::Stay(State::Draining(d))
+            }
+            State::AwaitingAbortAck(s) => Next::Done(Some(cx.report_failure(&t, s.unanswered()))),
+            State::AwaitingReservation(_) => Next::Done(Some(cx.failed(&t, reason.clone()))),
+            // The COMMIT is out and no verdict came back: the receiver may have delivered.
+            State::AwaitingVerdict(_) => Next::Done(Some(cx.failed(
+                &t,
+                FailureReason::Unconfirmed {
+                    cause: Box::new(reason.clone()),
+                },
+            ))),
+        };
+        self.settle(t, next);
     }
 
     /// The next frame to send.

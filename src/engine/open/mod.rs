@@ -98,6 +98,8 @@ impl End for SenderConn {
             )
             .await
             .map_err(rdma::error)?;
+        let mut t = t;
+        t.set_lane_timeout(config.liveness.timeout / 2);
         SenderConn::run(est, node, t)
     }
 }
@@ -156,6 +158,8 @@ impl End for ReceiverConn {
             )
             .await
             .map_err(rdma::error)?;
+        let mut t = t;
+        t.set_lane_timeout(config.liveness.timeout / 2);
         ReceiverConn::run(est, node.pool().clone(), t, config)
     }
 }

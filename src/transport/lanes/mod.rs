@@ -70,6 +70,19 @@ impl LaneMap {
         self.lanes.get(&transfer_id).map_or(0, |&(lane, _)| lane)
     }
 
+    /// The transfers remembered on `lane`, in id order (some may have ended).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn on_lane(&self, lane: usize) -> Vec<TransferId> {
+        let mut ids: Vec<TransferId> = self
+            .lanes
+            .iter()
+            .filter(|(_, &(l, _))| l == lane)
+            .map(|(id, _)| *id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// The lane of a frame: its transfer's, or lane 0 for a frame of no live transfer.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn of(&self, f: &Frame) -> usize {

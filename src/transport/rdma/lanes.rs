@@ -23,11 +23,16 @@ pub(crate) struct Lane {
     /// The rail (the connection's device, in the order the node names its devices) whose
     /// queue pair this is.
     pub(crate) rail: usize,
-    outbox: VecDeque<Vec<u8>>,
+    /// Frames waiting for a send slot, sealed only as they are posted (so a dead lane's
+    /// frames can move to another lane and be sealed by it).
+    outbox: VecDeque<Frame>,
     sealer: Option<Sealer>,
     opener: Option<Opener>,
     /// Send-queue work requests posted and not yet retired by a completion.
     pub(crate) wrs_in_flight: u32,
+    /// The queue pair failed and was reset: nothing is posted on this lane any more for the
+    /// rest of the connection (SPEC §9.2, several rails).
+    pub(crate) dead: bool,
 }
 
 impl Lane {
@@ -39,19 +44,13 @@ impl Lane {
             sealer: None,
             opener: None,
             wrs_in_flight: 0,
+            dead: false,
         }
     }
 
-    /// Seals (authenticates, when the connection is) and queues a frame for a SEND.
+    /// Queues a frame for a SEND on this lane (sealed when it is posted).
     pub(crate) fn queue(&mut self, frame: &Frame) {
-        let r = match &mut self.sealer {
-            Some(s) => s.seal_to_vec(frame),
-            None => frame.to_bytes(),
-        };
-        match r {
-            Ok(b) => self.outbox.push_back(b),
-            Err(e) => tracing::error!(error = %e, "frame could not be encoded; dropped"),
-        }
+        self.outbox.push_back(frame.clone());
     }
 
     /// Opens (checks the tag of, when authenticated) and decodes a received SEND; on failure,
@@ -73,15 +72,20 @@ impl Lane {
         self.outbox.len()
     }
 
-    /// Posts queued frames while send slots are free.
+    /// Seals (authenticates, when the connection is) and posts queued frames while send
+    /// slots are free.
     pub(crate) fn flush(&mut self) -> Result<(), RdmaError> {
-        while let Some(f) = self.outbox.front() {
-            match self.link.post_frame(f) {
-                Ok(()) => {
-                    self.outbox.pop_front();
-                }
-                Err(RdmaError::SendSlotsBusy) => break,
-                Err(e) => return Err(e),
+        while self.link.send_slot_free() {
+            let Some(f) = self.outbox.pop_front() else {
+                break;
+            };
+            let sealed = match &mut self.sealer {
+                Some(s) => s.seal_to_vec(&f),
+                None => f.to_bytes(),
+            };
+            match sealed {
+                Ok(b) => self.link.post_frame(&b)?,
+                Err(e) => tracing::error!(error = %e, "frame could not be encoded; dropped"),
             }
         }
         Ok(())
@@ -99,6 +103,9 @@ pub(crate) struct Lanes {
     armed: bool,
     liveness: Option<TcpStream>,
     scratch: Vec<RdmaEvent>,
+    /// Lanes whose queue pair failed in the last pass, with why: the end decides whether
+    /// the connection goes on without them ([`Lanes::take_failed`]).
+    failed: Vec<(usize, String)>,
 }
 
 impl Lanes {
@@ -113,6 +120,47 @@ impl Lanes {
             armed: false,
             liveness: None,
             scratch: Vec::new(),
+            failed: Vec::new(),
+        }
+    }
+
+    /// Lanes whose queue pair failed since the last call, with why (at most once each).
+    pub(crate) fn take_failed(&mut self) -> Vec<(usize, String)> {
+        let mut failed = std::mem::take(&mut self.failed);
+        failed.sort_by_key(|(i, _)| *i);
+        failed.dedup_by_key(|(i, _)| *i);
+        failed.retain(|(i, _)| !self.lanes[*i].dead);
+        failed
+    }
+
+    /// Lanes still alive.
+    pub(crate) fn live(&self) -> usize {
+        self.lanes.iter().filter(|l| !l.dead).count()
+    }
+
+    /// Where a frame meant for `lane` goes: that lane, or the lowest live one if it is dead
+    /// (SPEC §9.2, several rails). `lane` when none is alive (the connection is ending).
+    pub(crate) fn route(&self, lane: usize) -> usize {
+        if !self.lanes[lane].dead {
+            return lane;
+        }
+        self.lanes.iter().position(|l| !l.dead).unwrap_or(lane)
+    }
+
+    /// Lane `i` failed and the connection goes on without it: its queue pair is reset (none
+    /// of its work requests touches memory after this, and nothing more arrives through it),
+    /// it is marked dead, and its unsent frames move to the lowest live lane.
+    pub(crate) fn lose(&mut self, i: usize) {
+        if let Err(e) = self.lanes[i].link.recover() {
+            tracing::error!(error = %e, lane = i, "queue pair reset failed");
+        }
+        let lane = &mut self.lanes[i];
+        lane.dead = true;
+        lane.wrs_in_flight = 0;
+        let frames: Vec<Frame> = lane.outbox.drain(..).collect();
+        let to = self.route(i);
+        if to != i {
+            self.lanes[to].outbox.extend(frames);
         }
     }
 
@@ -176,14 +224,61 @@ impl Lanes {
     pub(crate) fn sends_stalled_since(&self) -> Option<std::time::Instant> {
         self.lanes
             .iter()
+            .filter(|l| !l.dead)
             .filter_map(|l| l.link.sends_stalled_since())
             .min()
     }
 
+    /// A live lane whose SENDs have made no progress for `after` while another live lane's
+    /// did since (or has nothing outstanding): the peer reads, but not through that queue
+    /// pair, so the lane has failed (SPEC §9.2, a lane that fails). `None` with one live lane
+    /// (the connection-wide rule of §8.3 judges it).
+    pub(crate) fn stalled_lane(
+        &self,
+        now: std::time::Instant,
+        after: std::time::Duration,
+    ) -> Option<usize> {
+        if self.live() < 2 {
+            return None;
+        }
+        self.lanes.iter().enumerate().find_map(|(i, l)| {
+            let since = l.link.sends_stalled_since().filter(|_| !l.dead)?;
+            if now.saturating_duration_since(since) < after {
+                return None;
+            }
+            let others_move = self.lanes.iter().enumerate().any(|(j, m)| {
+                j != i && !m.dead && m.link.sends_stalled_since().is_none_or(|t| t > since)
+            });
+            others_move.then_some(i)
+        })
+    }
+
+    /// When [`Lanes::stalled_lane`] may next find a lane, with two lanes or more alive.
+    pub(crate) fn next_stall_check(
+        &self,
+        after: std::time::Duration,
+    ) -> Option<std::time::Instant> {
+        if self.live() < 2 {
+            return None;
+        }
+        self.lanes
+            .iter()
+            .filter(|l| !l.dead)
+            .filter_map(|l| l.link.sends_stalled_since())
+            .min()
+            .map(|t| t + after)
+    }
+
     /// Posts every lane's queued frames.
     pub(crate) fn flush_frames(&mut self) -> Result<(), RdmaError> {
-        for l in &mut self.lanes {
-            l.flush()?;
+        for (i, l) in self.lanes.iter_mut().enumerate() {
+            if l.dead {
+                continue;
+            }
+            if let Err(e) = l.flush() {
+                self.failed
+                    .push((i, format!("posting a SEND on lane {i}: {e}")));
+            }
         }
         Ok(())
     }
@@ -196,6 +291,9 @@ impl Lanes {
     ) -> Result<bool, RdmaError> {
         let mut any = false;
         for i in 0..self.lanes.len() {
+            if self.lanes[i].dead {
+                continue;
+            }
             self.scratch.clear();
             self.lanes[i].link.poll(&mut self.scratch)?;
             any |= !self.scratch.is_empty();
@@ -274,10 +372,12 @@ pub(crate) enum LaneEvent {
 }
 
 impl Lanes {
-    /// One pass over the lanes: posts queued frames, takes every completion (`on(lane, i,
-    /// event)` for each; an event that breaks the link returns why), watches the bootstrap
-    /// connection, and waits on the completion channel when nothing happened. `Ready(Ok)`:
-    /// something happened (poll again); `Ready(Err(why))`: the connection must end;
+    /// One pass over the live lanes: posts queued frames, takes every completion (`on(lane,
+    /// i, event)` for each; an event that breaks something returns why: a queue pair's
+    /// failure, [`Closed::LinkFailed`], is recorded as its lane's for [`Lanes::take_failed`],
+    /// anything else ends the connection), watches the bootstrap connection, and waits on the
+    /// completion channels when nothing happened. `Ready(Ok)`: something happened (poll
+    /// again, and take the failed lanes); `Ready(Err(why))`: the connection must end;
     /// `Pending`: nothing, the waker registered.
     pub(crate) fn poll_pass(
         &mut self,
@@ -288,6 +388,7 @@ impl Lanes {
             return Poll::Ready(Err(Closed::LinkFailed(e.to_string())));
         }
         let mut broken: Option<Closed> = None;
+        let mut failed = Vec::new();
         let polled = self.poll_completions(|lane, i, e| {
             let why = match e {
                 RdmaEvent::Frame(bytes) => match lane.open(&bytes) {
@@ -297,6 +398,9 @@ impl Lanes {
                 RdmaEvent::SendFailed(status) => Some(Closed::LinkFailed(format!(
                     "a SEND on lane {i} failed with status {status}"
                 ))),
+                RdmaEvent::RecvFailed(status) => Some(Closed::LinkFailed(format!(
+                    "a receive on lane {i} completed with status {status}: the queue pair is in error"
+                ))),
                 RdmaEvent::WriteDone { wr_id, ok } => {
                     on(lane, i, LaneEvent::WriteDone { wr_id, ok })
                 }
@@ -304,10 +408,17 @@ impl Lanes {
                     on(lane, i, LaneEvent::LocalDone { wr_id, ok })
                 }
             };
-            if let Some(why) = why {
-                broken.get_or_insert(why);
+            match why {
+                // A queue pair's failure is the lane's: the end decides whether the
+                // connection goes on without it (Lanes::take_failed).
+                Some(Closed::LinkFailed(m)) => failed.push((i, m)),
+                Some(why) => {
+                    broken.get_or_insert(why);
+                }
+                None => {}
             }
         });
+        self.failed.extend(failed);
         let polled = match polled {
             Ok(p) => p,
             Err(e) => return Poll::Ready(Err(Closed::LinkFailed(e.to_string()))),
@@ -315,7 +426,7 @@ impl Lanes {
         if let Some(why) = broken.or_else(|| self.poll_peer_gone(cx)) {
             return Poll::Ready(Err(why));
         }
-        if polled {
+        if polled || !self.failed.is_empty() {
             return Poll::Ready(Ok(()));
         }
         match self.poll_wait(cx) {

@@ -119,8 +119,11 @@ pub enum RdmaEvent {
     },
     /// A control frame arrived.
     Frame(Vec<u8>),
-    /// A SEND completed in error (the connection is broken).
+    /// A SEND completed in error (the queue pair is broken).
     SendFailed(u32),
+    /// A posted receive completed in error: the queue pair is in the error state (its
+    /// receives are flushed); it is not posted again.
+    RecvFailed(u32),
     /// A memory-window bind or invalidation completed (ok or in error).
     LocalDone {
         /// Its id.
@@ -253,6 +256,16 @@ impl RcLink {
     /// signaled SEND out within that many heartbeat intervals.
     pub fn sends_stalled_since(&self) -> Option<Instant> {
         self.sends_stalled_since
+    }
+
+    /// Test-only fault: moves the queue pair to the error state, as a failed link or port
+    /// does: its outstanding work requests and posted receives complete in error (flushed)
+    /// and the peer's packets are no longer acknowledged.
+    #[doc(hidden)]
+    pub fn force_error(&mut self) -> Result<(), RdmaError> {
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Error);
+        self.qp.modify(&attr).map_err(verbs("ibv_modify_qp(ERR)"))
     }
 
     /// Test-only fault: the receives this queue pair takes are not posted again, as when the
@@ -394,6 +407,12 @@ impl RcLink {
         Ok(())
     }
 
+    /// Whether a SEND can be posted now ([`RcLink::post_frame`] would not find every send
+    /// slot busy).
+    pub fn send_slot_free(&self) -> bool {
+        self.sends_in_flight < SEND_SLOTS
+    }
+
     /// Sends a control frame (a SEND on this queue pair, after everything posted before it).
     /// Only every `SIGNAL_SENDS`th SEND asks for a completion (it retires the slots of the
     /// ones before it); a SEND that fails completes in error whether signaled or not.
@@ -410,7 +429,12 @@ impl RcLink {
         self.slots[off..off + frame.len()].copy_from_slice(frame);
         let addr = self.slots.as_ptr() as u64 + off as u64;
         let retires = self.unsignaled_sends + 1;
-        let signaled = retires >= SIGNAL_SENDS || self.unsignaled + 1 >= self.signal_at;
+        // The first SEND with no signaled one outstanding asks for a completion too: a lane
+        // with SENDs in flight always has one whose completion shows progress (or its lack:
+        // RcLink::sends_stalled_since).
+        let signaled = retires >= SIGNAL_SENDS
+            || self.unsignaled + 1 >= self.signal_at
+            || self.signaled_sends_out == 0;
         let (wr_id, flags) = if signaled {
             (
                 TAG_SEND | ((retires as u64) << SEND_COUNT_SHIFT) | slot as u64,
@@ -634,8 +658,12 @@ impl RcLink {
                         out.push(RdmaEvent::Frame(
                             self.slots[off..off + len.min(SLOT)].to_vec(),
                         ));
+                        repost.push(slot);
+                    } else {
+                        // Flushed: the queue pair is in error, and a receive posted again
+                        // would only be flushed again.
+                        out.push(RdmaEvent::RecvFailed(wc.status()));
                     }
-                    repost.push(slot);
                 } else if id & TAG_LOCAL != 0 {
                     moved |= ok;
                     out.push(RdmaEvent::LocalDone {

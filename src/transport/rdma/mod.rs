@@ -50,6 +50,10 @@
 //! which holds the protection domain, which holds the device context; an `RcLink` holds its
 //! queue pair and completion queue. Dropping in any order is safe.
 
+/// How long a lane's SENDs may make no progress while another lane's do before it is taken
+/// as failed, unless the engine sets it (half of the default 2 s liveness timeout).
+pub const DEFAULT_LANE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Bytes one queue pair takes in a HELLO's RDMA transport parameters (SPEC §9.2: qpn, psn,
 /// gid, mtu).
 pub const QP_PARAMS_LEN: usize = 28;

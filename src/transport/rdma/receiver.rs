@@ -42,11 +42,15 @@ pub struct RdmaReceiverStats {
     /// Pages overwritten with a reservation's unpredictable pattern before their access
     /// descriptor was published (the coverage scrub).
     pub pages_scrubbed: u64,
+    /// Lanes lost while the connection went on over the others (SPEC §9.2, several rails).
+    pub lanes_lost: u64,
 }
 
 /// A fence in progress: the invalidations not yet completed.
 struct Fencing {
     transfer: TransferRef,
+    /// The lane whose queue pair posted the invalidations.
+    lane: usize,
     /// The rail whose device the windows belong to.
     rail: usize,
     remaining: usize,
@@ -79,6 +83,9 @@ pub struct RdmaReceiver {
     next_wr: u64,
     events: VecDeque<TransportEvent>,
     closed: bool,
+    /// How long a lane's SENDs may make no progress while another lane's do before the lane
+    /// is taken as failed ([`Lanes::stalled_lane`]; half the liveness timeout).
+    lane_timeout: std::time::Duration,
     stats: RdmaReceiverStats,
 }
 
@@ -130,6 +137,7 @@ impl RdmaReceiver {
             next_wr: 1,
             events: VecDeque::new(),
             closed: false,
+            lane_timeout: super::DEFAULT_LANE_TIMEOUT,
             stats: RdmaReceiverStats::default(),
         }
     }
@@ -143,6 +151,18 @@ impl RdmaReceiver {
         for l in &mut self.lanes.lanes {
             l.link.stop_reposting_receives();
         }
+    }
+
+    /// Test-only fault: lane `lane`'s queue pair goes to the error state, as when its
+    /// rail's link or port fails (SPEC §9.2, several rails).
+    #[doc(hidden)]
+    pub fn inject_lane_failure(&mut self, lane: usize) -> Result<(), super::RdmaError> {
+        self.lanes.lanes[lane].link.force_error()
+    }
+
+    /// Lanes still alive (their queue pair has not failed).
+    pub fn live_lanes(&self) -> usize {
+        self.lanes.live()
     }
 
     /// Receives posted on every lane and not yet taken by a SEND of the peer.
@@ -164,6 +184,13 @@ impl RdmaReceiver {
     /// of this connection holds, as the device reports it (`ibv_query_qp`), in lane order.
     pub fn ack_timeouts(&self) -> Result<Vec<u8>, super::RdmaError> {
         self.lanes.ack_timeouts()
+    }
+
+    /// How long a lane's SENDs may make no progress while another lane's do before the
+    /// lane is taken as failed (SPEC §9.2, a lane that fails); the engine sets half its
+    /// liveness timeout, so a lane is given up before the peer would be.
+    pub fn set_lane_timeout(&mut self, timeout: std::time::Duration) {
+        self.lane_timeout = timeout;
     }
 
     /// Counters.
@@ -269,6 +296,48 @@ impl RdmaReceiver {
         .map_err(|e| e.to_string())
     }
 
+    /// Lane `i`'s queue pair failed. With other lanes alive the connection goes on without
+    /// it (SPEC §9.2, several rails): its queue pair is reset (nothing more lands through
+    /// it), the windows of the reservations bound on it are deallocated (their fences complete
+    /// at once), fences in progress on it complete, its unsent frames move to a live lane,
+    /// and its transfers are reported lost. The last live lane's failure is the connection's.
+    fn lose_lane(&mut self, i: usize, why: String) {
+        if self.closed || self.lanes.lanes[i].dead {
+            return;
+        }
+        if self.lanes.live() <= 1 {
+            self.fail(Closed::LinkFailed(why));
+            return;
+        }
+        tracing::warn!(lane = i, rail = self.lanes.lanes[i].rail, why = %why,
+            "a queue pair failed; the connection goes on over its other lanes");
+        self.stats.lanes_lost += 1;
+        self.lanes.lose(i);
+        let ids = self.lane_of.on_lane(i);
+        for id in &ids {
+            if let Some(windows) = self.bound.get_mut(id) {
+                // Deallocating a window invalidates it: the scope's fence is then immediate.
+                windows.clear();
+            }
+        }
+        let fencing: Vec<TransferId> = self
+            .fencing
+            .iter()
+            .filter(|(_, f)| f.lane == i)
+            .map(|(id, _)| *id)
+            .collect();
+        self.fence_wrs.retain(|_, tid| !fencing.contains(tid));
+        for id in fencing {
+            if let Some(f) = self.fencing.remove(&id) {
+                drop(f.windows);
+                self.events.push_back(TransportEvent::Fenced(f.transfer));
+            }
+        }
+        for id in ids {
+            self.events.push_back(TransportEvent::TransferLost(id));
+        }
+    }
+
     /// A queue pair failed (or the peer is gone): every lane is reset (no remote access
     /// through them after this) and every window deallocated (the fence of every open
     /// reservation); fences in progress complete, then the end of the connection.
@@ -300,7 +369,7 @@ impl Transport for RdmaReceiver {
         if self.closed {
             return;
         }
-        let lane = self.lane_of.of(frame);
+        let lane = self.lanes.route(self.lane_of.of(frame));
         self.lanes.lanes[lane].queue(frame);
         if self.lanes.lanes[lane].unsent() >= crate::transport::MAX_UNSENT_FRAMES {
             let now = Instant::now();
@@ -329,6 +398,14 @@ impl Transport for RdmaReceiver {
         }
     }
 
+    fn poll_timeout(&self) -> Option<Instant> {
+        if self.closed {
+            None
+        } else {
+            self.lanes.next_stall_check(self.lane_timeout)
+        }
+    }
+
     fn poll_event(&mut self, cx: &mut Context<'_>, now: Instant) -> Poll<TransportEvent> {
         loop {
             if let Some(e) = self.events.pop_front() {
@@ -336,6 +413,14 @@ impl Transport for RdmaReceiver {
             }
             if self.closed {
                 return Poll::Pending;
+            }
+            if let Some(i) = self.lanes.stalled_lane(Instant::now(), self.lane_timeout) {
+                let why = format!(
+                    "the SENDs of lane {i} made no progress for {:?} while another lane's did",
+                    self.lane_timeout
+                );
+                self.lose_lane(i, why);
+                continue;
             }
             let mut fenced: Vec<TransferId> = Vec::new();
             let mut frames: Vec<Frame> = Vec::new();
@@ -379,6 +464,15 @@ impl Transport for RdmaReceiver {
             }
             self.events
                 .extend(frames.into_iter().map(TransportEvent::Frame));
+            let failed = self.lanes.take_failed();
+            if failed.len() < self.lanes.live() {
+                for (i, why) in failed {
+                    self.lose_lane(i, why);
+                }
+            } else if let Some((_, why)) = failed.into_iter().next() {
+                // Every live lane failed: the connection's end.
+                self.fail(Closed::LinkFailed(why));
+            }
             match pass {
                 Poll::Ready(Ok(())) => {}
                 Poll::Ready(Err(why)) => self.fail(why),
@@ -406,7 +500,13 @@ impl ReceiverTransport for RdmaReceiver {
         // landed digest cannot match a COMMIT computed over anything the sender had, not
         // even over the page's stale contents.
         self.scrub(pages).map_err(ScopeError)?;
-        let lane = self.next_lane % self.lanes.lanes.len();
+        // The next live lane in turn (a dead lane takes no reservation).
+        let n = self.lanes.lanes.len();
+        let lane = (0..n)
+            .map(|k| (self.next_lane + k) % n)
+            .find(|&l| !self.lanes.lanes[l].dead)
+            .ok_or_else(|| ScopeError("every lane is down".into()))?;
+        self.next_lane = lane;
         let mut windows = Vec::new();
         // On failure the windows bound so far are dropped: deallocating invalidates them, and
         // no peer ever saw their rkeys.
@@ -458,6 +558,7 @@ impl ReceiverTransport for RdmaReceiver {
             transfer.transfer_id,
             Fencing {
                 transfer,
+                lane,
                 rail: self.lanes.lanes[lane].rail,
                 remaining: usize::from(posted),
                 windows,

@@ -41,6 +41,8 @@ pub struct RdmaSenderStats {
     pub writes_refused: u64,
     /// Times the link broke.
     pub link_failures: u64,
+    /// Lanes lost while the connection went on over the others (SPEC §9.2, several rails).
+    pub lanes_lost: u64,
 }
 
 /// A transfer's access descriptor as received (compared by pointer) and as decoded (`Err`
@@ -52,6 +54,8 @@ struct Signaled {
     transfer: TransferRef,
     pages: u32,
     wrs: u32,
+    /// The lane it was posted on.
+    lane: usize,
 }
 
 /// The prefill end of an RDMA connection: one or more RC queue pairs (lanes).
@@ -71,6 +75,9 @@ pub struct RdmaSender {
     descriptors: VecDeque<CachedDescriptor>,
     events: VecDeque<TransportEvent>,
     closed: bool,
+    /// How long a lane's SENDs may make no progress while another lane's do before the lane
+    /// is taken as failed ([`Lanes::stalled_lane`]; half the liveness timeout).
+    lane_timeout: std::time::Duration,
     stats: RdmaSenderStats,
 }
 
@@ -108,6 +115,7 @@ impl RdmaSender {
             descriptors: VecDeque::new(),
             events: VecDeque::new(),
             closed: false,
+            lane_timeout: super::DEFAULT_LANE_TIMEOUT,
             stats: RdmaSenderStats::default(),
         }
     }
@@ -121,6 +129,13 @@ impl RdmaSender {
     /// Control frames queued on every lane and not yet posted (waiting for a send slot).
     pub fn frames_unsent(&self) -> usize {
         self.lanes.lanes.iter().map(|l| l.unsent()).sum()
+    }
+
+    /// How long a lane's SENDs may make no progress while another lane's do before the
+    /// lane is taken as failed (SPEC §9.2, a lane that fails); the engine sets half its
+    /// liveness timeout, so a lane is given up before the peer would be.
+    pub fn set_lane_timeout(&mut self, timeout: std::time::Duration) {
+        self.lane_timeout = timeout;
     }
 
     /// Counters.
@@ -204,6 +219,7 @@ impl RdmaSender {
                 transfer,
                 pages,
                 wrs: unsignaled_before + 1,
+                lane,
             },
         );
     }
@@ -216,7 +232,13 @@ impl RdmaSender {
                 continue;
             }
             let batch = std::mem::take(&mut self.batches[lane]);
-            self.lanes.lanes[lane].link.post_writes(&batch)?;
+            if let Err(e) = self.lanes.lanes[lane].link.post_writes(&batch) {
+                // The lane's failure, not necessarily the connection's: its writes are
+                // failed with it (Self::lose_lane).
+                self.batches[lane] = batch;
+                self.lose_lane(lane, format!("posting WRITEs on lane {lane}: {e}"));
+                continue;
+            }
             self.stats.doorbells += 1;
             self.stats.writes_posted += batch.len() as u64;
             self.lanes.lanes[lane].wrs_in_flight += batch.len() as u32;
@@ -224,6 +246,44 @@ impl RdmaSender {
             self.batches[lane].clear();
         }
         Ok(())
+    }
+
+    /// Lane `i`'s queue pair failed. With other lanes alive the connection goes on without
+    /// it (SPEC §9.2, several rails): its queue pair is reset (none of its writes reads the
+    /// source pages after this), its unsent frames move to a live lane, the transfers bound
+    /// to it are reported lost, then its outstanding writes failed. The last live lane's
+    /// failure is the connection's ([`Self::fail`]).
+    fn lose_lane(&mut self, i: usize, why: String) {
+        if self.closed || self.lanes.lanes[i].dead {
+            return;
+        }
+        if self.lanes.live() <= 1 {
+            self.fail(Closed::LinkFailed(why));
+            return;
+        }
+        tracing::warn!(lane = i, rail = self.lanes.lanes[i].rail, why = %why,
+            "a queue pair failed; the connection goes on over its other lanes");
+        self.stats.lanes_lost += 1;
+        self.lanes.lose(i);
+        // Lost first, so each transfer ends as on peer loss (no ABORT for the failed writes).
+        for id in self.lane_of.on_lane(i) {
+            self.events.push_back(TransportEvent::TransferLost(id));
+        }
+        let posted: Vec<u64> = self
+            .inflight
+            .iter()
+            .filter(|(_, s)| s.lane == i)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in posted {
+            if let Some(s) = self.inflight.remove(&id) {
+                self.done(s.transfer, s.pages, false);
+            }
+        }
+        self.batches[i].clear();
+        if let Some((t, pages)) = self.groups[i].take() {
+            self.done(t, pages, false);
+        }
     }
 
     /// A queue pair failed (or the peer is gone): every lane is reset first, so none of their
@@ -249,6 +309,18 @@ impl RdmaSender {
             }
         }
         self.events.push_back(TransportEvent::Closed(why));
+    }
+
+    /// Test-only fault: lane `lane`'s queue pair goes to the error state, as when its
+    /// rail's link or port fails (SPEC §9.2, several rails).
+    #[doc(hidden)]
+    pub fn inject_lane_failure(&mut self, lane: usize) -> Result<(), RdmaError> {
+        self.lanes.lanes[lane].link.force_error()
+    }
+
+    /// Lanes still alive (their queue pair has not failed).
+    pub fn live_lanes(&self) -> usize {
+        self.lanes.live()
     }
 
     /// Test-only fault: posts one more write of source page 0 into the first destination
@@ -280,6 +352,7 @@ impl RdmaSender {
                 transfer,
                 pages: 0,
                 wrs: 1,
+                lane,
             },
         );
         self.lanes.lanes[lane].wrs_in_flight += 1;
@@ -299,7 +372,7 @@ impl Transport for RdmaSender {
         if self.closed {
             return;
         }
-        let lane = self.lane_of.of(frame);
+        let lane = self.lanes.route(self.lane_of.of(frame));
         self.lanes.lanes[lane].queue(frame);
         if self.lanes.lanes[lane].unsent() >= crate::transport::MAX_UNSENT_FRAMES {
             let now = Instant::now();
@@ -328,6 +401,14 @@ impl Transport for RdmaSender {
         }
     }
 
+    fn poll_timeout(&self) -> Option<Instant> {
+        if self.closed {
+            None
+        } else {
+            self.lanes.next_stall_check(self.lane_timeout)
+        }
+    }
+
     fn poll_event(&mut self, cx: &mut Context<'_>, _now: Instant) -> Poll<TransportEvent> {
         loop {
             if let Some(e) = self.events.pop_front() {
@@ -335,6 +416,14 @@ impl Transport for RdmaSender {
             }
             if self.closed {
                 return Poll::Pending;
+            }
+            if let Some(i) = self.lanes.stalled_lane(Instant::now(), self.lane_timeout) {
+                let why = format!(
+                    "the SENDs of lane {i} made no progress for {:?} while another lane's did",
+                    self.lane_timeout
+                );
+                self.lose_lane(i, why);
+                continue;
             }
             // Writes first, then frames, so a COMMIT queued with them follows them.
             if let Err(e) = self.post_batches() {
@@ -365,11 +454,28 @@ impl Transport for RdmaSender {
                 }
                 LaneEvent::LocalDone { .. } => None,
             });
+            // A failed lane's transfers are reported lost before its writes' outcomes (so
+            // each ends as on peer loss); completions before the frames that came with them
+            // (a VERIFIED after the writes it covers).
+            let failed = self.lanes.take_failed();
+            let survives = failed.len() < self.lanes.live();
+            let mut last_why = None;
+            for (i, why) in failed {
+                if survives {
+                    self.lose_lane(i, why);
+                } else {
+                    last_why.get_or_insert(why);
+                }
+            }
             for (t, pages, ok) in completed {
                 self.done(t, pages, ok);
             }
             self.events
                 .extend(frames.into_iter().map(TransportEvent::Frame));
+            if let Some(why) = last_why {
+                // Every live lane failed: the connection's end, after the outcomes.
+                self.fail(Closed::LinkFailed(why));
+            }
             match pass {
                 Poll::Ready(Ok(())) => {}
                 Poll::Ready(Err(why)) => self.fail(why),
@@ -420,6 +526,11 @@ impl SenderTransport for RdmaSender {
             return;
         };
         let lane = self.lane_of.get(transfer.transfer_id);
+        if self.lanes.lanes[lane].dead {
+            // Its lane failed: the transfer is being ended as lost (TransferLost).
+            self.done(transfer, writes.len() as u32, false);
+            return;
+        }
         let rail = self.lanes.lanes[lane].rail;
         for w in writes {
             // Close the lane's previous transfer group with a signaled write.
