@@ -437,7 +437,7 @@ mod driven {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use super::common::{assert_invariants, reserve, send, transfer};
+    use super::common::{assert_invariants, reserve, send, transfer, try_send};
     use kvwire::memory::{PageLease, PagePool};
     use kvwire::proto::liveness::LivenessConfig;
     use kvwire::proto::wire::ErrorCode;
@@ -863,9 +863,19 @@ mod driven {
             assert!(start.elapsed() < LIMIT, "a failed lane went unnoticed");
             pair.drive_live(Duration::from_millis(20)).await;
         }
+        // A reservation on the failed lane may already have been aborted by the receiver
+        // (ABORT SHUTDOWN on the live lane): then its submit is refused at once (SPEC §12
+        // Q9), an outcome as good as a failure.
+        let mut refused = Vec::new();
         for id in 1..=4u64 {
-            send(&mut pair, id, 4 * 16).unwrap();
+            if try_send(&mut pair, id, 4 * 16).unwrap().is_err() {
+                refused.push(TransferId(id));
+            }
         }
+        assert!(
+            refused.iter().all(|id| [2, 4].contains(&id.0)),
+            "a transfer on the live lane was refused: {refused:?}"
+        );
         assert!(pair.drive_live(LIMIT).await, "did not settle");
         assert!(pair.sender.closed().is_none(), "{:?}", pair.sender.closed());
         assert_eq!(pair.sender.transport().inner().live_lanes(), 1);
@@ -879,9 +889,11 @@ mod driven {
         for id in [2, 4].map(TransferId) {
             let failure = pair.sender_failure(id);
             assert!(
-                failure.is_some_and(|r| r.is_retryable() || r.is_unconfirmed()),
+                refused.contains(&id)
+                    || failure.is_some_and(|r| r.is_retryable() || r.is_unconfirmed()),
                 "transfer {id}: {failure:?}"
             );
+            assert!(!pair.sender_verified(id) && !pair.verified.contains(&id));
         }
         assert_invariants(&pair);
         // Every later reservation takes the live lane, and verifies.

@@ -81,31 +81,24 @@ pub(crate) unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig
                 )
             })?,
         };
+        // 147 to 65535 is refused when the manager starts, naming the value.
+        let queue_pairs = u16::try_from(c.rdma_queue_pairs.max(1)).map_err(|_| {
+            let n = c.rdma_queue_pairs;
+            Error::new(
+                ErrorKind::ConfigError,
+                format!(
+                    "rdma_queue_pairs = {n}: 1 to {} per connection",
+                    kvwire::config::MAX_QUEUE_PAIRS
+                ),
+            )
+        })?;
         // One device, or several comma-separated: one rail each, at least one queue pair
         // per rail.
-        let devices: Vec<String> = dev
-            .split(',')
-            .map(str::trim)
-            .filter(|d| !d.is_empty())
-            .map(str::to_owned)
-            .collect();
-        let rails = u32::try_from(devices.len()).unwrap_or(u32::MAX);
-        config = config.transport(TransportConfig::Rdma {
-            devices,
-            // 147 to 65535 is refused when the manager starts, naming the value.
-            queue_pairs: u16::try_from(c.rdma_queue_pairs.max(1).max(rails)).map_err(|_| {
-                let n = c.rdma_queue_pairs;
-                Error::new(
-                    ErrorKind::ConfigError,
-                    format!(
-                        "rdma_queue_pairs = {n}: 1 to {} per connection",
-                        kvwire::config::MAX_QUEUE_PAIRS
-                    ),
-                )
-            })?,
-            busy_poll: c.rdma_busy_poll != 0,
-            ack_timeout,
-        });
+        config = config.transport(
+            TransportConfig::rdma_devices(dev, queue_pairs)
+                .busy_poll(c.rdma_busy_poll != 0)
+                .ack_timeout(ack_timeout),
+        );
     }
     config.node_id = c.node_id;
     config.worker_threads = (c.worker_threads as usize).max(1);

@@ -206,22 +206,11 @@ impl Engine {
                 Err(e) => return Err(PyValueError::new_err(e.to_string())),
             },
         };
-        let ib_devices: Vec<String> = ib_device
-            .as_deref()
-            .unwrap_or("")
-            .split(',')
-            .map(str::trim)
-            .filter(|d| !d.is_empty())
-            .map(str::to_owned)
-            .collect();
         let transport = match transport.as_str() {
             "tcp" => TransportConfig::Tcp,
-            "rdma" => TransportConfig::Rdma {
-                // One device, or several comma-separated (one rail each, as Mooncake's
-                // `ib_device`); at least one queue pair per rail.
-                devices: ib_devices.clone(),
+            "rdma" => {
                 // 147 to 65535 is refused when the manager starts, naming the value.
-                queue_pairs: u16::try_from(ib_queue_pairs.max(ib_devices.len() as u32)).map_err(|_| {
+                let queue_pairs = u16::try_from(ib_queue_pairs).map_err(|_| {
                     let e = Error::new(
                         ErrorKind::ConfigError,
                         format!(
@@ -230,17 +219,21 @@ impl Engine {
                         ),
                     );
                     to_py(py, &e)
-                })?,
-                busy_poll: ib_busy_poll,
+                })?;
                 // 32 to 255 is refused when the manager starts, naming the value.
-                ack_timeout: u8::try_from(ib_ack_timeout).map_err(|_| {
+                let ack_timeout = u8::try_from(ib_ack_timeout).map_err(|_| {
                     let e = Error::new(
                         ErrorKind::ConfigError,
                         format!("ib_ack_timeout = {ib_ack_timeout}: the exponent is 1 to 31"),
                     );
                     to_py(py, &e)
-                })?,
-            },
+                })?;
+                // One device, or several comma-separated (one rail each, as Mooncake's
+                // `ib_device`); at least one queue pair per rail.
+                TransportConfig::rdma_devices(ib_device.as_deref().unwrap_or(""), queue_pairs)
+                    .busy_poll(ib_busy_poll)
+                    .ack_timeout(ack_timeout)
+            }
             other => {
                 return Err(PyValueError::new_err(format!(
                     "unknown transport {other:?} (tcp or rdma)"

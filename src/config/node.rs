@@ -213,6 +213,25 @@ impl TransportConfig {
         }
     }
 
+    /// RDMA only: poll the completion queues in a loop (`TransportConfig::Rdma::busy_poll`);
+    /// TCP is returned as it is.
+    pub fn busy_poll(mut self, on: bool) -> Self {
+        if let Self::Rdma { busy_poll, .. } = &mut self {
+            *busy_poll = on;
+        }
+        self
+    }
+
+    /// RDMA only: the queue pairs' local ACK timeout exponent
+    /// (`TransportConfig::Rdma::ack_timeout`, checked when the config is built); TCP is
+    /// returned as it is.
+    pub fn ack_timeout(mut self, exponent: u8) -> Self {
+        if let Self::Rdma { ack_timeout, .. } = &mut self {
+            *ack_timeout = exponent;
+        }
+        self
+    }
+
     /// Transfers of at least this many bytes are digested on the blocking pool when
     /// [`NodeConfig::digest_offload_bytes`] is `None`.
     ///

@@ -371,20 +371,9 @@ impl BenchSpec {
                 queue_pairs,
                 busy_poll,
                 ack_timeout,
-            } => {
-                let mut t =
-                    TransportConfig::rdma_devices(device.as_deref().unwrap_or(""), *queue_pairs);
-                if let TransportConfig::Rdma {
-                    busy_poll: b,
-                    ack_timeout: a,
-                    ..
-                } = &mut t
-                {
-                    *b = *busy_poll;
-                    *a = *ack_timeout;
-                }
-                t
-            }
+            } => TransportConfig::rdma_devices(device.as_deref().unwrap_or(""), *queue_pairs)
+                .busy_poll(*busy_poll)
+                .ack_timeout(*ack_timeout),
         };
         c
     }

@@ -230,18 +230,18 @@ impl Lanes {
     }
 
     /// A live lane whose SENDs have made no progress for `after` while another live lane's
-    /// did since (or has nothing outstanding): the peer reads, but not through that queue
-    /// pair, so the lane has failed (SPEC §9.2, a lane that fails). `None` with one live lane
-    /// (the connection-wide rule of §8.3 judges it).
+    /// did since (or has nothing outstanding), with why: the peer reads, but not through that
+    /// queue pair, so the lane has failed (SPEC §9.2, a lane that fails). `None` with one live
+    /// lane (the connection-wide rule of §8.3 judges it).
     pub(crate) fn stalled_lane(
         &self,
         now: std::time::Instant,
         after: std::time::Duration,
-    ) -> Option<usize> {
+    ) -> Option<(usize, String)> {
         if self.live() < 2 {
             return None;
         }
-        self.lanes.iter().enumerate().find_map(|(i, l)| {
+        let i = self.lanes.iter().enumerate().find_map(|(i, l)| {
             let since = l.link.sends_stalled_since().filter(|_| !l.dead)?;
             if now.saturating_duration_since(since) < after {
                 return None;
@@ -250,6 +250,38 @@ impl Lanes {
                 j != i && !m.dead && m.link.sends_stalled_since().is_none_or(|t| t > since)
             });
             others_move.then_some(i)
+        })?;
+        Some((
+            i,
+            format!(
+                "the SENDs of lane {i} made no progress for {after:?} while another lane's did"
+            ),
+        ))
+    }
+
+    /// Queues `frame` on `lane` (or on the lowest live lane if that one is dead). At the
+    /// bound of frames held unsent for the peer (SPEC §8.3,
+    /// [`MAX_UNSENT_FRAMES`](crate::transport::MAX_UNSENT_FRAMES)), why the connection must
+    /// close: the peer takes none of the frames it asks for.
+    pub(crate) fn queue(&mut self, lane: usize, frame: &Frame) -> Option<Closed> {
+        let lane = self.route(lane);
+        self.lanes[lane].queue(frame);
+        let unsent = self.lanes[lane].unsent();
+        if unsent < crate::transport::MAX_UNSENT_FRAMES {
+            return None;
+        }
+        let blocked_for = self
+            .sends_stalled_since()
+            .map_or(std::time::Duration::ZERO, |t| {
+                std::time::Instant::now().saturating_duration_since(t)
+            });
+        tracing::warn!(
+            lane,
+            frames = unsent,
+            "the peer takes none of the frames it asks for; closing the connection"
+        );
+        Some(Closed::Unresponsive {
+            silent_for: blocked_for,
         })
     }
 
@@ -269,8 +301,9 @@ impl Lanes {
             .map(|t| t + after)
     }
 
-    /// Posts every lane's queued frames.
-    pub(crate) fn flush_frames(&mut self) -> Result<(), RdmaError> {
+    /// Posts every live lane's queued frames; a lane that cannot post is recorded as failed
+    /// ([`Lanes::take_failed`]).
+    pub(crate) fn flush_frames(&mut self) {
         for (i, l) in self.lanes.iter_mut().enumerate() {
             if l.dead {
                 continue;
@@ -280,7 +313,6 @@ impl Lanes {
                     .push((i, format!("posting a SEND on lane {i}: {e}")));
             }
         }
-        Ok(())
     }
 
     /// Takes the completions of every lane, `f(lane, event)` for each. Returns whether there
@@ -384,9 +416,7 @@ impl Lanes {
         cx: &mut Context<'_>,
         mut on: impl FnMut(&mut Lane, usize, LaneEvent) -> Option<Closed>,
     ) -> Poll<Result<(), Closed>> {
-        if let Err(e) = self.flush_frames() {
-            return Poll::Ready(Err(Closed::LinkFailed(e.to_string())));
-        }
+        self.flush_frames();
         let mut broken: Option<Closed> = None;
         let mut failed = Vec::new();
         let polled = self.poll_completions(|lane, i, e| {

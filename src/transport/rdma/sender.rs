@@ -372,24 +372,9 @@ impl Transport for RdmaSender {
         if self.closed {
             return;
         }
-        let lane = self.lanes.route(self.lane_of.of(frame));
-        self.lanes.lanes[lane].queue(frame);
-        if self.lanes.lanes[lane].unsent() >= crate::transport::MAX_UNSENT_FRAMES {
-            let now = Instant::now();
-            let blocked_for = self
-                .lanes
-                .sends_stalled_since()
-                .map_or(std::time::Duration::ZERO, |t| {
-                    now.saturating_duration_since(t)
-                });
-            tracing::warn!(
-                lane,
-                frames = self.lanes.lanes[lane].unsent(),
-                "the peer takes none of the frames it asks for; closing the connection"
-            );
-            self.fail(Closed::Unresponsive {
-                silent_for: blocked_for,
-            });
+        let lane = self.lane_of.of(frame);
+        if let Some(why) = self.lanes.queue(lane, frame) {
+            self.fail(why);
         }
     }
 
@@ -417,11 +402,7 @@ impl Transport for RdmaSender {
             if self.closed {
                 return Poll::Pending;
             }
-            if let Some(i) = self.lanes.stalled_lane(Instant::now(), self.lane_timeout) {
-                let why = format!(
-                    "the SENDs of lane {i} made no progress for {:?} while another lane's did",
-                    self.lane_timeout
-                );
+            if let Some((i, why)) = self.lanes.stalled_lane(Instant::now(), self.lane_timeout) {
                 self.lose_lane(i, why);
                 continue;
             }
