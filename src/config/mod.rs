@@ -420,6 +420,13 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // Zero is not raised to one per rail: it is refused (the Python and C fronts pass it on).
+        for devices in ["", "rxe0,rxe1"] {
+            match build(TransportConfig::rdma_devices(devices, 0)) {
+                Err(ConfigError::Invalid(m)) => assert!(m.contains("queue_pairs = 0"), "{m}"),
+                other => panic!("{devices}: {other:?}"),
+            }
+        }
         match build(TransportConfig::rdma_rails(&["rxe0", "rxe1", "rxe0"])) {
             Err(ConfigError::Invalid(m)) => assert!(m.contains("rxe0 is named twice"), "{m}"),
             other => panic!("{other:?}"),

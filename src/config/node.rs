@@ -196,7 +196,8 @@ impl TransportConfig {
 
     /// RDMA devices named in one string, comma-separated (`"mlx5_0,mlx5_1"`, as Mooncake's
     /// `ib_device` takes them): one rail each, with `queue_pairs` queue pairs per connection
-    /// raised to one per rail. An empty string names the first device.
+    /// raised to one per rail. An empty string names the first device. Zero queue pairs is
+    /// kept, so the build refuses it rather than a typo turning into a working config.
     pub fn rdma_devices(devices: &str, queue_pairs: u16) -> Self {
         let devices: Vec<String> = devices
             .split(',')
@@ -207,7 +208,11 @@ impl TransportConfig {
         let rails = u16::try_from(devices.len()).unwrap_or(u16::MAX);
         Self::Rdma {
             devices,
-            queue_pairs: queue_pairs.max(rails).max(1),
+            queue_pairs: if queue_pairs == 0 {
+                0
+            } else {
+                queue_pairs.max(rails)
+            },
             busy_poll: false,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
         }
