@@ -19,7 +19,9 @@ use kvwire::proto::wire::FrameType;
 use kvwire::proto::{FailureReason, Wait};
 use kvwire::testkit::{Fault, FaultRule, Pair, PairConfig, Side, Step};
 use kvwire::transport::same_host::Puller;
-use kvwire::transport::tcp::{TcpReceiver, TcpReceiverLanes, TcpSender, TcpSenderLanes};
+use kvwire::transport::tcp::{
+    PullThreads, TcpReceiver, TcpReceiverLanes, TcpSender, TcpSenderLanes,
+};
 use kvwire::transport::{LaneSet, ReceiverTransport, SenderTransport};
 
 const ID: u64 = 77;
@@ -214,12 +216,13 @@ fn run(flow: Flow, fault: Option<Fault>) -> (Pair, End, End) {
 /// Both ends of a TCP connection on the loopback address, unauthenticated (the matrix's
 /// faults are injected above the transport).
 async fn tcp_pair() -> Pair<TcpSender, TcpReceiver> {
-    tcp_pair_pulling(false).await
+    tcp_pair_pulling(false, 0).await
 }
 
 /// [`tcp_pair`], with same-host pulls when `pulls` (SPEC §9.3): the receiver copies every
-/// page out of the sender's pool, in this process, instead of reading its bytes.
-async fn tcp_pair_pulling(pulls: bool) -> Pair<TcpSender, TcpReceiver> {
+/// page out of the sender's pool, in this process, instead of reading its bytes; on
+/// `threads` pull threads when more than one.
+async fn tcp_pair_pulling(pulls: bool, threads: usize) -> Pair<TcpSender, TcpReceiver> {
     let cfg = config();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -235,6 +238,9 @@ async fn tcp_pair_pulling(pulls: bool) -> Pair<TcpSender, TcpReceiver> {
     if pulls {
         s = s.with_pulls();
         r = r.with_pulls(Puller::new(std::process::id()));
+        if threads > 1 {
+            r = r.with_pull_threads(PullThreads::start(threads).unwrap());
+        }
     }
     Pair::with_transports(&cfg, std::time::Instant::now(), (s_pool, s), (r_pool, r)).unwrap()
 }
@@ -271,7 +277,22 @@ async fn run_tcp(flow: Flow, fault: Option<Fault>) -> Result<(End, End), String>
 
 /// One cell over TCP with same-host pulls.
 async fn run_tcp_pulls(flow: Flow, fault: Option<Fault>) -> Result<(End, End), String> {
-    run_live(tcp_pair_pulling(true).await, flow, fault).await
+    run_live(tcp_pair_pulling(true, 0).await, flow, fault).await
+}
+
+/// One cell with same-host pulls copied on two pull threads. The baseline of the clean flow
+/// must have copied its pages there (or the cell would prove nothing about them).
+async fn run_tcp_pull_threads(flow: Flow, fault: Option<Fault>) -> Result<(End, End), String> {
+    let clean = matches!(flow, Flow::Clean) && fault.is_none();
+    let mut pair = tcp_pair_pulling(true, 2).await;
+    let ends = run_live_on(&mut pair, flow, fault).await?;
+    let stats = pair.receiver.transport().inner().stats();
+    if clean && (stats.pulled_on_threads == 0 || stats.pulled_on_threads != stats.pulled) {
+        return Err(format!(
+            "the pages were not copied on the pull threads: {stats:?}"
+        ));
+    }
+    Ok(ends)
 }
 
 /// One cell over two TCP streams.
@@ -285,22 +306,31 @@ async fn run_live<S: SenderTransport, R: ReceiverTransport>(
     flow: Flow,
     fault: Option<Fault>,
 ) -> Result<(End, End), String> {
+    run_live_on(&mut pair, flow, fault).await
+}
+
+/// [`run_live`] on a pair the caller keeps.
+async fn run_live_on<S: SenderTransport, R: ReceiverTransport>(
+    pair: &mut Pair<S, R>,
+    flow: Flow,
+    fault: Option<Fault>,
+) -> Result<(End, End), String> {
     if let Some(f) = &fault {
         pair.fault(FaultRule::on(TransferId(ID), f.clone()));
     }
     pair.now = std::time::Instant::now();
-    flow.setup(&mut pair);
+    flow.setup(pair);
     if !pair.drive_live(Duration::from_secs(60)).await {
         return Err("did not settle within 60 s".into());
     }
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| assert_invariants(&pair))).map_err(
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| assert_invariants(pair))).map_err(
         |e| {
             e.downcast_ref::<String>()
                 .cloned()
                 .unwrap_or_else(|| "invariant broken".into())
         },
     )?;
-    Ok(ends(&pair))
+    Ok(ends(pair))
 }
 
 fn ends<S: SenderTransport, R: ReceiverTransport>(pair: &Pair<S, R>) -> (End, End) {
@@ -387,11 +417,20 @@ async fn fault_matrix_over_same_host_pulls() {
     live_matrix(Live::Pulls).await;
 }
 
+/// The same matrix with the pulls copied on two pull threads (`NodeConfig::pull_threads`):
+/// frames held behind the copies before them, fences waiting for copies in flight; every
+/// cell ends as with page bytes on the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_matrix_over_same_host_pulls_on_threads() {
+    live_matrix(Live::PullThreads).await;
+}
+
 /// How a live matrix's cells connect.
 #[derive(Clone, Copy)]
 enum Live {
     Tcp,
     Pulls,
+    PullThreads,
     TwoStreams,
 }
 
@@ -413,6 +452,7 @@ async fn live_matrix(live: Live) {
             let outcome = match live {
                 Live::TwoStreams => run_tcp_lanes(flow, fault).await,
                 Live::Pulls => run_tcp_pulls(flow, fault).await,
+                Live::PullThreads => run_tcp_pull_threads(flow, fault).await,
                 Live::Tcp => run_tcp(flow, fault).await,
             };
             let line = match outcome {

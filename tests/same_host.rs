@@ -74,6 +74,26 @@ async fn on_one_host_the_decode_pulls_every_page_and_verifies_it() {
     assert_eq!(checked, BYTES);
 }
 
+/// Pulls copied on pull threads (`NodeConfig::pull_threads`): over one stream and over three
+/// sharing the connection's threads, every page verified and every byte checked; with one
+/// thread (on the connection's task) too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pulls_on_pull_threads_verify_every_page() {
+    for (threads, streams) in [(2, 1), (3, 3), (1, 1)] {
+        let mut decode = config(SameHost::Require, streams);
+        decode.pull_threads = threads;
+        let (pulled, checked) = run(config(SameHost::Require, streams), decode).await;
+        assert!(pulled, "{threads} threads, {streams} streams");
+        assert_eq!(checked, BYTES, "{threads} threads, {streams} streams");
+    }
+    let pages = vec![160 * 1024, 200 * 1024];
+    let mut decode = config_with_pages(SameHost::Auto, pages.clone());
+    decode.pull_threads = 2;
+    let (pulled, checked) = run(config_with_pages(SameHost::Auto, pages), decode).await;
+    assert!(pulled);
+    assert_eq!(checked, 8 * 7 * (160 + 200) * 1024);
+}
+
 /// Pages of more than 256 KiB are pulled slot by slot (each digested right after its copy),
 /// smaller ones in one call: both verify every byte.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -205,6 +205,10 @@ struct BenchArgs {
     /// stream) or `require`.
     #[arg(long, default_value = "auto", value_parser = parse_same_host)]
     same_host: kvwire::SameHost,
+    /// Threads that copy one connection's same-host pulls (`NodeConfig::pull_threads`): 1 on
+    /// the connection's task, 0 half the process's cores (at most 8).
+    #[arg(long, default_value_t = 0)]
+    pull_threads: usize,
     /// Start every KV buffer the run allocates (kvwire's and the raw baselines') this many
     /// bytes past a 4 KiB boundary (0 to 4095; 0, on one, is how kvwire allocates): to
     /// measure memory placed as an engine's allocator places it (glibc's large blocks start
@@ -434,6 +438,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
         digest_threads: a.digest_threads,
         tcp_streams: a.tcp_streams,
         same_host: a.same_host,
+        pull_threads: a.pull_threads,
         digest_at_landing: !a.digest_after_fence,
         digest_while_sending: !a.digest_before_send,
         buffer_offset: usize::from(a.buffer_offset),

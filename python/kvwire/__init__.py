@@ -135,6 +135,8 @@ class KVManager:
     ``same_host``: ``"auto"`` (the default: when both engines run on one host, the decode
     copies each page straight out of the prefill's memory, one copy per byte; docs/SAME_HOST.md),
     ``"off"`` (page bytes on the TCP stream) or ``"require"`` (refuse a peer without it).
+    ``pull_threads``: threads that copy one connection's pulls (1: on the connection's own
+    task; 0, the default: half the process's cores, at most 8).
 
     RDMA (``transport="rdma"``; the device is ``KVArgs.ib_device``, the first one if unset, or
     several comma-separated as Mooncake takes them, ``"mlx5_0,mlx5_1"``: one rail each, transfers
@@ -169,6 +171,7 @@ class KVManager:
         worker_threads: int = 2,
         tcp_streams: int = 1,
         same_host: str = "auto",
+        pull_threads: int = 0,
         ib_queue_pairs: int = 1,
         ib_busy_poll: bool = False,
         ib_ack_timeout: int = 14,
@@ -208,6 +211,7 @@ class KVManager:
             worker_threads=worker_threads,
             tcp_streams=tcp_streams,
             same_host=same_host,
+            pull_threads=pull_threads,
             ib_queue_pairs=ib_queue_pairs,
             ib_busy_poll=ib_busy_poll,
             ib_ack_timeout=ib_ack_timeout,

@@ -39,6 +39,7 @@ class Engine:
         worker_threads: int = 2,
         tcp_streams: int = 1,
         same_host: str = "auto",
+        pull_threads: int = 0,
         keepalive: Any = None,
     ) -> None: ...
     @property

@@ -134,7 +134,7 @@ impl Engine {
     /// writes of its length for as long as this engine and everything made from it live, the
     /// buffers do not overlap, and the engine writes no page kvwire holds.
     #[new]
-    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, ib_queue_pairs=1, ib_busy_poll=false, ib_ack_timeout=14, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, parked_reservation_s=30.0, worker_threads=2, tcp_streams=1, same_host="auto".to_string(), keepalive=None))]
+    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, ib_queue_pairs=1, ib_busy_poll=false, ib_ack_timeout=14, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, parked_reservation_s=30.0, worker_threads=2, tcp_streams=1, same_host="auto".to_string(), pull_threads=0, keepalive=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -164,6 +164,7 @@ impl Engine {
         worker_threads: usize,
         tcp_streams: u16,
         same_host: String,
+        pull_threads: usize,
         keepalive: Option<PyObject>,
     ) -> PyResult<Self> {
         let n = kv_data_ptrs.len();
@@ -251,6 +252,7 @@ impl Engine {
         config.worker_threads = worker_threads;
         config.tcp_streams = tcp_streams;
         config.same_host = same_host.parse().map_err(PyValueError::new_err)?;
+        config.pull_threads = pull_threads;
         // SGLang's contract: once `poll` said Success the engine owns the pages again.
         config.release_verified = true;
         // A decode node's reservation usually arrives before the prefill's scheduler calls

@@ -89,6 +89,9 @@ pub struct NodeSection {
     pub digests: Option<Vec<String>>,
     /// Same-host pulls over TCP: "auto" (the default), "off" or "require" (SPEC §9.3).
     pub same_host: Option<String>,
+    /// Threads that copy one connection's same-host pulls (`NodeConfig::pull_threads`; 0:
+    /// half the cores, at most 8).
+    pub pull_threads: Option<usize>,
 }
 
 /// `[pool]`.
@@ -251,6 +254,9 @@ impl ConfigFile {
         }
         if let Some(m) = &self.node.same_host {
             c.same_host = m.parse().map_err(FileError::Invalid)?;
+        }
+        if let Some(n) = self.node.pull_threads {
+            c.pull_threads = n;
         }
         c.scrub = match self.pool.scrub.as_deref() {
             None | Some("none") => Scrub::None,

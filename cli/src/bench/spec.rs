@@ -103,6 +103,8 @@ pub struct BenchSpec {
     /// `NodeConfig::same_host` of both nodes (same-host pulls over TCP, SPEC §9.3).
     #[serde(serialize_with = "serialize_same_host")]
     pub same_host: kvwire::SameHost,
+    /// `NodeConfig::pull_threads` of both nodes (threads copying one connection's pulls).
+    pub pull_threads: usize,
     /// Receivers digest pages as they land (TCP, loopback); false: after the fence.
     pub digest_at_landing: bool,
     /// Senders digest pages as they hand them to the transport; false: before the first
@@ -170,6 +172,7 @@ impl Default for BenchSpec {
             digest_threads: 1,
             tcp_streams: 1,
             same_host: kvwire::SameHost::Auto,
+            pull_threads: 0,
             digest_at_landing: true,
             digest_while_sending: true,
             buffer_offset: 0,
@@ -360,6 +363,7 @@ impl BenchSpec {
         c.digest_threads = self.digest_threads;
         c.tcp_streams = self.tcp_streams;
         c.same_host = self.same_host;
+        c.pull_threads = self.pull_threads;
         c.digest_at_landing = self.digest_at_landing;
         c.digest_while_sending = self.digest_while_sending;
         c.liveness = self.liveness;

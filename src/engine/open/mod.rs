@@ -116,14 +116,16 @@ impl End for ReceiverConn {
         let (pool, config) = (node.pool(), node.config());
         let n = lanes.len() as u16;
         let puller = tcp::puller(settled, &lanes, config.same_host)?;
+        let threads = puller.and_then(|_| tcp::pull_threads(config));
         let lanes: Vec<TcpReceiver> = lanes
             .into_iter()
             .zip(0u16..)
             .map(|((s, sealer, opener), i)| {
                 let t = TcpReceiver::new(s, sealer, opener, pool.clone()).with_lane(i, n);
-                match puller {
-                    Some(p) => t.with_pulls(p),
-                    None => t,
+                match (puller, &threads) {
+                    (Some(p), Some(threads)) => t.with_pulls(p).with_pull_threads(threads.clone()),
+                    (Some(p), None) => t.with_pulls(p),
+                    (None, _) => t,
                 }
             })
             .collect();

@@ -37,11 +37,13 @@
 //! device's copy engines instead (`transport/staging.rs`; docs/GPU.md): a record is landed when
 //! its copy into the page completed, and a fence waits for the copies into its pages.
 
+mod pulls;
 mod reader;
 mod receiver;
 mod records;
 mod sender;
 
+pub use pulls::PullThreads;
 pub use reader::{ReadTarget, StreamReader, StreamStats};
 pub use receiver::TcpReceiver;
 pub use records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};

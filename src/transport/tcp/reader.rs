@@ -4,13 +4,14 @@
 use kvwire_proto::auth::{AuthChannel, OpenError, Opener};
 use kvwire_proto::wire::{DecodeError, HEADER_LEN, MAGIC, TRAILER_LEN};
 
+use super::pulls::PullOutcome;
 use super::records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};
 use super::PULL_MAGIC;
 use crate::checksum::Kind;
 use crate::memory::{PagePool, ScopeTable};
-use crate::transport::same_host::Puller;
+use crate::transport::same_host::{PullError, Puller};
 use crate::transport::staging::Staging;
-use crate::transport::LandingDigests;
+use crate::transport::{LandingDigests, TransportEvent};
 use kvwire_proto::wire::DigestAlgorithm;
 
 #[derive(Debug)]
@@ -204,6 +205,10 @@ pub struct StreamStats {
     pub pulled: u64,
     /// Pull records under an open scope whose copy failed (the page is not covered).
     pub pulls_failed: u64,
+    /// Of `pulled`, those copied on the connection's pull threads
+    /// ([`TcpReceiver::with_pull_threads`](super::TcpReceiver::with_pull_threads)) rather
+    /// than on the stream's task.
+    pub pulled_on_threads: u64,
 }
 
 /// The receiving side of a stream, as an incremental, cancel-safe parser.
@@ -241,6 +246,9 @@ pub struct StreamReader {
     pub(crate) puller: Option<Puller>,
     /// The source addresses of the pull record being handled (no allocation per record).
     pull_sources: Vec<u64>,
+    /// Pull records that pass their checks are yielded as [`Record::Pull`] for pull threads
+    /// to copy, instead of copied here.
+    pub(crate) pulls_elsewhere: bool,
     /// Device memory: payloads go to staging buffers, then to the device.
     pub(crate) staging: Option<Staging>,
     /// Counters.
@@ -269,6 +277,7 @@ impl StreamReader {
             opener: AuthChannel::off().split().1,
             puller: None,
             pull_sources: Vec::new(),
+            pulls_elsewhere: false,
             staging: None,
             stats: StreamStats::default(),
         }
@@ -626,13 +635,15 @@ impl StreamReader {
     /// digested right after its copy when the scope asks for digests at landing. The copy runs
     /// here, on the stream's own task, after the scope check and before anything else of the
     /// connection: a fence (which closes the scope on this task) lets no pull start after it.
+    /// With pull threads ([`StreamReader::pulls_elsewhere`]) the record passes its checks
+    /// here and comes back as [`Record::Pull`] for the stream's owner to hand to a thread.
     fn pull(
         &mut self,
         header: DataHeader,
         pool: &PagePool,
         scopes: &ScopeTable,
     ) -> Result<Record, StreamError> {
-        let landing_digest = match self.data_state(header, scopes)? {
+        let landing = match self.data_state(header, scopes)? {
             ReadState::Land { .. } => scopes.get(header.key).and_then(|s| s.landing_digest()),
             _ => {
                 self.stats.writes_refused += 1;
@@ -644,57 +655,31 @@ impl StreamReader {
         if let Some(d) = self.digesting.take() {
             self.spare_digests = d.finish(0).1;
         }
-        let (Some(puller), Some(mut row)) = (self.puller, pool.raw_row_mut(header.dst_page)) else {
-            tracing::warn!(
-                page = header.dst_page,
-                "destination page busy: pull record dropped"
-            );
+        let Some(puller) = self.puller else {
             self.stats.writes_refused += 1;
             return Ok(Record::Refused(header));
         };
-        let slots = row.buffers_mut();
-        let kind = landing_digest.and_then(|alg| crate::checksum::Kind::new(alg).ok());
-        let mut taken = std::mem::take(&mut self.spare_digests);
-        taken.clear();
-        // A page of up to DIGEST_PIECE bytes in one call, its slots digested after it (still
-        // in cache); a larger one slot by slot, each digested right after its copy.
-        let pulled = if self.record_len <= DIGEST_PIECE {
-            puller.pull_slots(slots, &self.pull_sources).map(|()| {
-                if let Some(kind) = kind {
-                    taken.extend(slots.iter().map(|slot| kind.page_digest(slot)));
-                }
-            })
-        } else {
-            slots
-                .iter_mut()
-                .zip(&self.pull_sources)
-                .try_for_each(|(slot, &src)| {
-                    puller.pull(slot, src)?;
-                    if let Some(kind) = kind {
-                        taken.push(kind.page_digest(slot));
-                    }
-                    Ok(())
-                })
-        };
-        let digests = match (landing_digest, kind) {
-            (Some(algorithm), Some(_)) => Some(LandingDigests {
-                algorithm,
-                per_buffer: taken.as_slice().into(),
-            }),
-            _ => None,
-        };
-        self.spare_digests = taken;
-        if let Err(e) = pulled {
-            tracing::warn!(error = %e, transfer = header.transfer.transfer_id.0, ordinal = header.ordinal, "pull failed: the page is not covered");
-            self.stats.pulls_failed += 1;
-            self.stats.writes_refused += 1;
-            return Ok(Record::Refused(header));
+        if self.pulls_elsewhere {
+            return Ok(Record::Pull {
+                header,
+                sources: self.pull_sources.clone(),
+                landing,
+            });
         }
-        self.stats.writes_landed += 1;
-        self.stats.pulled += 1;
-        self.stats.bytes_landed += u64::from(header.len);
-        self.stats.digested_at_landing += u64::from(digests.is_some());
-        Ok(Record::Landed(header, digests))
+        let mut taken = std::mem::take(&mut self.spare_digests);
+        let outcome = PullOutcome::run(
+            puller,
+            pool,
+            header,
+            &self.pull_sources,
+            landing,
+            &mut taken,
+        );
+        self.spare_digests = taken;
+        Ok(match outcome.report(header, &mut self.stats) {
+            Some(TransportEvent::Landed { digests, .. }) => Record::Landed(header, digests),
+            _ => Record::Refused(header),
+        })
     }
 
     /// What a data record's header leads to: landing, staging, or discarding its payload;
@@ -747,6 +732,34 @@ impl StreamReader {
             }
         })
     }
+}
+
+/// Copies each of a page's `slots` from `sources` in the prefill's memory (SPEC §9.3), and
+/// pushes each slot's digest onto `digests` under `kind`: a page of up to [`DIGEST_PIECE`]
+/// bytes in one call, its slots digested after it (still in cache); a larger one slot by
+/// slot, each digested right after its copy.
+pub(crate) fn pull_row(
+    puller: Puller,
+    slots: &mut [&mut [u8]],
+    sources: &[u64],
+    kind: Option<Kind>,
+    digests: &mut Vec<u64>,
+) -> Result<(), PullError> {
+    let len: usize = slots.iter().map(|s| s.len()).sum();
+    if len <= DIGEST_PIECE {
+        puller.pull_slots(slots, sources)?;
+        if let Some(kind) = kind {
+            digests.extend(slots.iter().map(|slot| kind.page_digest(slot)));
+        }
+        return Ok(());
+    }
+    slots.iter_mut().zip(sources).try_for_each(|(slot, &src)| {
+        puller.pull(slot, src)?;
+        if let Some(kind) = kind {
+            digests.push(kind.page_digest(slot));
+        }
+        Ok(())
+    })
 }
 
 #[cfg(test)]

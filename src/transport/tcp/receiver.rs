@@ -15,6 +15,7 @@ use tokio::net::TcpStream;
 
 use kvwire_proto::wire::TransferRef;
 
+use super::pulls::{PullQueue, PullThreads};
 use super::reader::{StreamReader, StreamStats};
 use super::records::{DataHeader, Record, StreamError};
 use crate::memory::{PagePool, ScopeTable};
@@ -49,6 +50,8 @@ pub struct TcpReceiver {
     blocked_since: Option<Instant>,
     /// When bytes last arrived ([`Transport::last_read`]).
     last_read: Option<Instant>,
+    /// Same-host pulls on pull threads: the copies in flight and what waits behind them.
+    pulls: Option<PullQueue>,
 }
 
 impl TcpReceiver {
@@ -82,6 +85,7 @@ impl TcpReceiver {
             clock: Instant::now(),
             blocked_since: None,
             last_read: None,
+            pulls: None,
         };
         if let Some(e) = failed {
             receiver.shut(Closed::LinkFailed(format!("device staging: {e}")));
@@ -102,6 +106,18 @@ impl TcpReceiver {
     pub fn with_pulls(mut self, puller: crate::transport::same_host::Puller) -> Self {
         if self.reader.staging.is_none() {
             self.reader.puller = Some(puller);
+        }
+        self
+    }
+
+    /// Same-host pulls copied on `threads` (the connection's pull threads, shared by its
+    /// streams) instead of on this stream's task (`crate::NodeConfig::pull_threads`): the
+    /// task parses records, checks scopes and reports in stream order (see `pulls.rs`).
+    /// Only after [`TcpReceiver::with_pulls`]; ignored otherwise.
+    pub fn with_pull_threads(mut self, threads: Arc<PullThreads>) -> Self {
+        if let Some(puller) = self.reader.puller {
+            self.reader.pulls_elsewhere = true;
+            self.pulls = Some(PullQueue::new(threads, puller, self.pool.clone()));
         }
         self
     }
@@ -182,6 +198,11 @@ impl TcpReceiver {
                 st.release(slot);
             }
         }
+        // Likewise the pulls on pull threads; what was read before the close is reported
+        // before it, in order, as on the inline path.
+        if let Some(p) = self.pulls.as_mut() {
+            p.finish(&mut self.events, &mut self.reader.stats);
+        }
         self.report_fences();
         self.events.push_back(TransportEvent::Closed(why));
     }
@@ -238,6 +259,15 @@ impl TcpReceiver {
     /// What a completed record means for the driver: an event, or nothing (a refused
     /// record; a staged one, whose copy into its page starts now).
     fn on_record(&mut self, record: Record) -> Option<TransportEvent> {
+        let event = self.record_event(record)?;
+        match self.pulls.as_mut() {
+            Some(p) => p.hold(event),
+            None => Some(event),
+        }
+    }
+
+    /// The event a record makes, before it is held behind copies still running.
+    fn record_event(&mut self, record: Record) -> Option<TransportEvent> {
         match record {
             Record::Frame(f) => Some(TransportEvent::Frame(f)),
             Record::Landed(h, digests) => Some(TransportEvent::Landed {
@@ -246,6 +276,20 @@ impl TcpReceiver {
                 page: h.dst_page,
                 digests,
             }),
+            Record::Pull {
+                header,
+                sources,
+                landing,
+            } => {
+                match self.pulls.as_mut() {
+                    Some(p) => p.submit(header, sources, landing),
+                    None => tracing::error!(
+                        page = header.dst_page,
+                        "pull record for pull threads on a stream without them: dropped"
+                    ),
+                }
+                None
+            }
             Record::Staged(h, slot) => {
                 let st = self.reader.staging.as_mut()?;
                 if st.in_flight() > 0 {
@@ -289,6 +333,17 @@ impl TcpReceiver {
                     return Some(e);
                 }
             }
+            if let Some(p) = self.pulls.as_mut() {
+                p.poll(Some(cx.waker()), &mut self.events, &mut self.reader.stats);
+                if let Some(e) = self.events.pop_front() {
+                    return Some(e);
+                }
+                if p.full() && !self.closed {
+                    // Every pull thread has its share: the stream waits (woken when a copy
+                    // returned).
+                    return None;
+                }
+            }
             if self.closed {
                 return None;
             }
@@ -304,6 +359,11 @@ impl TcpReceiver {
                     self.stream_failed(e);
                     return None;
                 }
+            }
+            // Everything parsed: the copies queued go to the pull threads before the stream
+            // is read again (or waits).
+            if let Some(p) = self.pulls.as_mut() {
+                p.flush();
             }
             if self.reader.staging.is_some() && self.reader.waits_for_staging() {
                 // Every staging buffer is being copied: the socket waits (woken when a
@@ -448,6 +508,9 @@ impl TableScoped for TcpReceiver {
     /// Device memory: the fence of a transfer with copies into its pages still running
     /// completes once they did (SPEC §9.1, device memory).
     fn fence_pending(&mut self, transfer: TransferRef) -> bool {
+        if let Some(p) = self.pulls.as_mut() {
+            return p.fence_pending(transfer);
+        }
         let waits = self
             .copying
             .iter()

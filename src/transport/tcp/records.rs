@@ -128,4 +128,14 @@ pub enum Record {
     /// Device memory: a data record whose bytes are all in staging buffer `slot`, its scope
     /// still open; it lands once they are copied into the page.
     Staged(DataHeader, usize),
+    /// Same-host pulls on pull threads: a pull record under its open scope, at the page
+    /// reserved for it, whose copy from `sources` (digested under `landing`) is still to run.
+    Pull {
+        /// The record.
+        header: DataHeader,
+        /// Each buffer's slot's address in the prefill's memory.
+        sources: Vec<u64>,
+        /// The digests to take as it lands, when its scope asks for them.
+        landing: Option<kvwire_proto::wire::DigestAlgorithm>,
+    },
 }

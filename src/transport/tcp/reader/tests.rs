@@ -277,6 +277,7 @@ fn records_land_alike_however_the_stream_splits_into_reads() {
                     }
                     Record::Refused(_) => "refused",
                     Record::Staged(..) => "staged",
+                    Record::Pull { .. } => "pull",
                 })
                 .collect();
             assert_eq!(
