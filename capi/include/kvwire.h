@@ -145,6 +145,16 @@
 // The decode side: reserves pages and verifies what lands.
 #define KVWIRE_ROLE_DECODE 2
 
+// Same-host pulls (`kvwire_config_t::same_host`, docs/SAME_HOST.md): when both engines run
+// on one host, the decode copies each page out of the prefill's memory (the default).
+#define KVWIRE_SAME_HOST_AUTO 0
+
+// Same-host pulls off: page bytes always travel on the TCP stream.
+#define KVWIRE_SAME_HOST_OFF 1
+
+// Same-host pulls required: a connection without them is refused.
+#define KVWIRE_SAME_HOST_REQUIRE 2
+
 // A manager: one engine's registered KV memory, its background runtime and connections.
 typedef struct kvwire_manager_t kvwire_manager_t;
 
@@ -207,6 +217,13 @@ typedef struct {
   // fails). Default 14 (about 67 ms); 0 reads as the default; 18 (about 1.1 s) where
   // queueing on the path can exceed that. Out of range: KVWIRE_ERR_CONFIG.
   uint32_t rdma_ack_timeout;
+  // TCP: same-host pulls, KVWIRE_SAME_HOST_AUTO (the default), _OFF or _REQUIRE (anything
+  // else: KVWIRE_ERR_CONFIG). This field and the one after it follow `rdma_ack_timeout`:
+  // a program built against an older header keeps their defaults.
+  int same_host;
+  // Same-host pulls: threads that copy one connection's pages; 1 on the connection's
+  // own task; 0 (the default) half the cores, at most 8.
+  uint32_t pull_threads;
 } kvwire_config_t;
 
 // One of the engine's KV buffers: base pointer, length in bytes, bytes per page (SGLang's

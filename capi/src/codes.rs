@@ -92,3 +92,11 @@ pub const KVWIRE_ADDR_MAX: usize = 64;
 pub const KVWIRE_ROLE_PREFILL: c_int = 1;
 /// The decode side: reserves pages and verifies what lands.
 pub const KVWIRE_ROLE_DECODE: c_int = 2;
+
+/// Same-host pulls (`kvwire_config_t::same_host`, docs/SAME_HOST.md): when both engines run
+/// on one host, the decode copies each page out of the prefill's memory (the default).
+pub const KVWIRE_SAME_HOST_AUTO: c_int = 0;
+/// Same-host pulls off: page bytes always travel on the TCP stream.
+pub const KVWIRE_SAME_HOST_OFF: c_int = 1;
+/// Same-host pulls required: a connection without them is refused.
+pub const KVWIRE_SAME_HOST_REQUIRE: c_int = 2;

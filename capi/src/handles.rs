@@ -91,6 +91,13 @@ pub struct kvwire_config_t {
     /// fails). Default 14 (about 67 ms); 0 reads as the default; 18 (about 1.1 s) where
     /// queueing on the path can exceed that. Out of range: KVWIRE_ERR_CONFIG.
     pub rdma_ack_timeout: u32,
+    /// TCP: same-host pulls, KVWIRE_SAME_HOST_AUTO (the default), _OFF or _REQUIRE (anything
+    /// else: KVWIRE_ERR_CONFIG). This field and the one after it follow `rdma_ack_timeout`:
+    /// a program built against an older header keeps their defaults.
+    pub same_host: c_int,
+    /// Same-host pulls: threads that copy one connection's pages; 1 on the connection's
+    /// own task; 0 (the default) half the cores, at most 8.
+    pub pull_threads: u32,
 }
 
 /// The smallest `size` a kvwire_config_t may declare: every field up to `tcp_streams`,
@@ -118,6 +125,8 @@ impl kvwire_config_t {
             rdma_queue_pairs: 1,
             rdma_busy_poll: 0,
             rdma_ack_timeout: kvwire::config::DEFAULT_ACK_TIMEOUT.into(),
+            same_host: crate::codes::KVWIRE_SAME_HOST_AUTO,
+            pull_threads: 0,
         }
     }
 }

@@ -110,6 +110,17 @@ pub(crate) unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig
     }
     // Out of range (above 64) is refused when the manager starts, naming the value.
     config.tcp_streams = u16::try_from(c.tcp_streams.max(1)).unwrap_or(u16::MAX);
+    config.same_host = match c.same_host {
+        crate::codes::KVWIRE_SAME_HOST_AUTO => kvwire::SameHost::Auto,
+        crate::codes::KVWIRE_SAME_HOST_OFF => kvwire::SameHost::Off,
+        crate::codes::KVWIRE_SAME_HOST_REQUIRE => kvwire::SameHost::Require,
+        other => {
+            return Err(invalid(format!(
+                "same_host = {other}: KVWIRE_SAME_HOST_AUTO, _OFF or _REQUIRE"
+            )))
+        }
+    };
+    config.pull_threads = c.pull_threads as usize;
     Ok(config)
 }
 

@@ -593,3 +593,43 @@ fn rdma_settings_are_read_defaulted_and_checked() {
         refused(&config, format!("ack_timeout = {bad}"));
     }
 }
+
+/// The same-host fields: read into the manager's config, kept at their defaults for a
+/// program built before them (its struct ends at `rdma_ack_timeout`), and a same_host value
+/// that names no mode refused naming it.
+#[test]
+fn same_host_settings_are_read_defaulted_and_checked() {
+    let mut c = kvwire_config_t::defaults();
+    c.role = KVWIRE_ROLE_DECODE;
+    c.insecure_no_auth = 1;
+    assert_eq!((c.same_host, c.pull_threads), (KVWIRE_SAME_HOST_AUTO, 0));
+    c.same_host = KVWIRE_SAME_HOST_REQUIRE;
+    c.pull_threads = 3;
+    // SAFETY: a complete config whose strings are NUL-terminated or null.
+    let read = unsafe { crate::manager::manager_config(&c) }.unwrap();
+    assert_eq!(
+        (read.same_host, read.pull_threads),
+        (kvwire::SameHost::Require, 3)
+    );
+    c.same_host = KVWIRE_SAME_HOST_OFF;
+    // SAFETY: as above.
+    let read = unsafe { crate::manager::manager_config(&c) }.unwrap();
+    assert_eq!(read.same_host, kvwire::SameHost::Off);
+
+    // An older program's struct: the fields beyond its size keep their defaults.
+    let mut old = c;
+    old.size = std::mem::offset_of!(kvwire_config_t, same_host);
+    old.same_host = 77;
+    old.pull_threads = 9;
+    // SAFETY: valid for reads of its whole size.
+    let copied = unsafe { crate::manager::read_config(&old) }.unwrap();
+    assert_eq!(
+        (copied.same_host, copied.pull_threads),
+        (KVWIRE_SAME_HOST_AUTO, 0)
+    );
+
+    c.same_host = 7;
+    // SAFETY: as above.
+    let e = unsafe { crate::manager::manager_config(&c) }.unwrap_err();
+    assert!(format!("{e}").contains("same_host = 7"), "{e}");
+}

@@ -74,12 +74,13 @@ def test_chunked_transfer_every_byte_at_the_chosen_pages(prefill, psk):
 
 def test_over_three_lanes_every_byte_lands(psk):
     """Both managers with three lanes of the run's transport (SPEC §3.11.1): tcp_streams=3
-    over TCP (§9.1), ib_queue_pairs=3 over RDMA (§9.2, the decode end busy-polling its
-    completion queues, the prefill end sleeping on its completion channel): six requests
-    spread over the connection's lanes, every byte at its pages, nothing held afterwards."""
+    over TCP (§9.1; the decode requiring same-host pulls, copied on two pull threads, §9.3),
+    ib_queue_pairs=3 over RDMA (§9.2, the decode end busy-polling its completion queues, the
+    prefill end sleeping on its completion channel): six requests spread over the
+    connection's lanes, every byte at its pages, nothing held afterwards."""
     if common.TRANSPORT == "tcp":
         prefill = Peer("prefill", "--psk", psk.hex(), "--tcp-streams", "3")
-        lanes = dict(tcp_streams=3)
+        lanes = dict(tcp_streams=3, same_host="require", pull_threads=2)
     else:
         prefill = Peer("prefill", "--psk", psk.hex(), "--ib-queue-pairs", "3")
         lanes = dict(ib_queue_pairs=3, ib_busy_poll=True)

@@ -50,6 +50,9 @@ pub struct ManagerConfig {
     pub tcp_streams: u16,
     /// Same-host pulls over TCP (`NodeConfig::same_host`, SPEC §9.3; default auto).
     pub same_host: crate::config::SameHost,
+    /// Threads that copy one connection's same-host pulls (`NodeConfig::pull_threads`;
+    /// default 0: half the cores, at most 8).
+    pub pull_threads: usize,
 }
 
 impl ManagerConfig {
@@ -73,6 +76,7 @@ impl ManagerConfig {
             release_verified: false,
             tcp_streams: 1,
             same_host: crate::config::SameHost::Auto,
+            pull_threads: 0,
         }
     }
 

@@ -305,7 +305,8 @@ impl Manager {
             .auth(config.auth.clone())
             .transport(config.transport.clone())
             .tcp_streams(config.tcp_streams)
-            .same_host(config.same_host);
+            .same_host(config.same_host)
+            .pull_threads(config.pull_threads);
         if config.allow_undersized_pool {
             builder = builder.allow_undersized_pool();
         }
