@@ -11,7 +11,8 @@ any violation:
   least what the prefill counted verified and at most that plus the prefill's Unconfirmed
   (SPEC §7.6); every transfer the prefill ran ended as verified, failed or unconfirmed; and
   the connection went on over rail 0 (SPEC §9.2, a lane that fails): some transfers failed
-  with the rail, and more than half of the run verified.
+  with the rail, and more than half of the run verified; the prefill's connection reports
+  one failed lane (`failed_lanes`), and no other run reports any.
 """
 import json
 import re
@@ -42,6 +43,8 @@ def all_verified(name):
         n = c.get("transfers")
         if not isinstance(n, int) or n <= 0 or c.get("verified") != n:
             problems.append(f"{name} {side}: {c.get('verified')} of {n} transfers verified")
+        if c.get("failed_lanes") != 0:
+            problems.append(f"{name} {side}: failed_lanes = {c.get('failed_lanes')}, expected 0")
     if d.get("bytes_checked") != d.get("verified"):
         problems.append(f"{name}: the decode checked {d.get('bytes_checked')} of {d.get('verified')}")
     return p.get("gb_per_s")
@@ -93,7 +96,12 @@ if p is not None and d is not None:
         "prefill_unconfirmed": p.get("unconfirmed"),
         "decode_verified": d.get("verified"),
         "decode_bytes_checked": d.get("bytes_checked"),
+        "failed_lanes": {"prefill": p.get("failed_lanes"), "decode": d.get("failed_lanes")},
     }
+    # The prefill's lane on rail 1 failed and the connection reported it (its stats,
+    # SenderConnStats::failed_lanes); the decode's may or may not have seen its own fail.
+    if p.get("failed_lanes") != 1 or d.get("failed_lanes") not in (0, 1):
+        problems.append(f"down: failed_lanes {down['failed_lanes']}, expected 1 at the prefill")
     if not (out / "down-at.txt").exists():
         problems.append("down: rail 1 was never taken down")
     if d.get("bytes_checked") != d.get("verified"):

@@ -879,6 +879,11 @@ mod driven {
         assert!(pair.drive_live(LIMIT).await, "did not settle");
         assert!(pair.sender.closed().is_none(), "{:?}", pair.sender.closed());
         assert_eq!(pair.sender.transport().inner().live_lanes(), 1);
+        // What the connection's stats report (SenderConnStats/ReceiverConnStats::failed_lanes),
+        // through the fault injector as through the engine.
+        use kvwire::transport::Transport;
+        assert_eq!(pair.sender.transport().failed_lanes(), 1);
+        assert_eq!(pair.receiver.transport().failed_lanes(), 1);
         for id in [1, 3].map(TransferId) {
             assert!(
                 pair.sender_verified(id),

@@ -77,6 +77,9 @@ pub struct ReceiverConnStats {
     /// Transfers open on the connection: reserved and not yet delivered or failed, and those
     /// this end aborted whose ABORT_ACK has not come back (SPEC §7.3).
     pub open_transfers: usize,
+    /// Lanes that failed while the connection went on (RDMA over several rails, SPEC §9.2);
+    /// reconnect to use their rails again.
+    pub failed_lanes: usize,
 }
 
 /// KV pages of a verified transfer, read in place. Only a transfer whose digests, computed
@@ -407,6 +410,7 @@ impl<T: ReceiverTransport> Task<T> {
                 s.peer_lost = self.driver.closed().is_some();
                 s.same_host_pulls = self.driver.transport().pulls_pages();
                 s.open_transfers = self.driver.session().open_transfers();
+                s.failed_lanes = self.driver.transport().failed_lanes();
                 let _ = reply.send(s);
             }
         }

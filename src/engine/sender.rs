@@ -89,6 +89,9 @@ pub struct SenderConnStats {
     /// Transfers open on the connection: admitted or announced by a reservation, and not
     /// yet verified or failed.
     pub open_transfers: usize,
+    /// Lanes that failed while the connection went on (RDMA over several rails, SPEC §9.2);
+    /// reconnect to use their rails again.
+    pub failed_lanes: usize,
     /// Digest jobs split across several threads (`NodeConfig::digest_threads`).
     pub digest_jobs_split: u64,
     /// Digest jobs run on the blocking pool beside the connection, split or not
@@ -448,6 +451,7 @@ impl<T: SenderTransport> Task<T> {
                 s.pages_total = pool.capacity_pages();
                 s.peer_lost = self.driver.closed().is_some();
                 s.open_transfers = self.driver.session().open_transfers();
+                s.failed_lanes = self.driver.transport().failed_lanes();
                 let _ = reply.send(s);
             }
         }

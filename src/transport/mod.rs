@@ -254,6 +254,15 @@ pub trait Transport: Send {
     fn last_read(&self) -> Option<Instant> {
         None
     }
+
+    /// Lanes of this connection that failed while it went on (RDMA over several rails: a
+    /// queue pair whose rail failed, SPEC §9.2 "A lane that fails"); its transfers were
+    /// lost, later ones use the lanes left. A failed lane is not rebuilt within the
+    /// connection: an engine that wants the rail back opens a new connection. Transports
+    /// whose lanes cannot fail alone report 0.
+    fn failed_lanes(&self) -> usize {
+        0
+    }
 }
 
 /// Frames one end holds unsent for its peer, at most, on one TCP stream or one RDMA queue

@@ -125,6 +125,7 @@ impl Tally {
             tcp_stream_gb_per_s: None,
             ratio_to_tcp_stream: None,
             same_host_pulls: None,
+            failed_lanes: None,
             memcpy_gb_per_s: None,
             ratio_to_memcpy: None,
         }
@@ -762,6 +763,7 @@ async fn with_pool_state(mut case: CaseResult, receiver: &ReceiverConn) -> CaseR
             case.pages_free_after = Some(s.pages_free);
             case.pages_total = Some(s.pages_total);
             case.same_host_pulls = Some(s.same_host_pulls);
+            case.failed_lanes = Some(s.failed_lanes);
             if s.pages_free == s.pages_total {
                 break;
             }
@@ -777,7 +779,11 @@ async fn run_sender_side(spec: &BenchSpec, page: u32, sender: &SenderConn) -> Ca
         .await
         .ok();
     let (s, tokens) = (sender.clone(), spec.tokens());
-    run_side(spec, page, move |id| send_one(&s, tokens, id)).await
+    let mut case = run_side(spec, page, move |id| send_one(&s, tokens, id)).await;
+    if let Ok(s) = sender.stats().await {
+        case.failed_lanes = Some(s.failed_lanes);
+    }
+    case
 }
 
 #[cfg(test)]

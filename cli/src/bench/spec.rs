@@ -252,6 +252,10 @@ pub struct CaseResult {
     /// Receiving side: whether the decode copied the pages out of the prefill's memory
     /// (same-host pulls, SPEC §9.3) rather than receiving them on the stream.
     pub same_host_pulls: Option<bool>,
+    /// Lanes of the connection that failed during the case and did not end it (RDMA over
+    /// several rails, SPEC §9.2): either side.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failed_lanes: Option<usize>,
     /// A single-threaded memcpy of the same bytes, page index by page index, between two
     /// buffers of the run's placement, in the same run (the prefill side, TCP only), 10^9
     /// bytes/s: what one copy per byte costs on this host.

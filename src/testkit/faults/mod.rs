@@ -470,6 +470,10 @@ impl<T: SenderTransport> Transport for FaultySender<T> {
     fn last_read(&self) -> Option<Instant> {
         self.0.inner.last_read()
     }
+
+    fn failed_lanes(&self) -> usize {
+        self.0.inner.failed_lanes()
+    }
 }
 
 impl<T: SenderTransport> SenderTransport for FaultySender<T> {

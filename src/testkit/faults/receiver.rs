@@ -95,6 +95,10 @@ impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
     fn last_read(&self) -> Option<Instant> {
         self.0.inner.last_read()
     }
+
+    fn failed_lanes(&self) -> usize {
+        self.0.inner.failed_lanes()
+    }
 }
 
 impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {

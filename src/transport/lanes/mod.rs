@@ -365,6 +365,10 @@ impl<T: Transport> Transport for LaneSet<T> {
     fn last_read(&self) -> Option<Instant> {
         self.lanes.iter().filter_map(Transport::last_read).max()
     }
+
+    fn failed_lanes(&self) -> usize {
+        self.lanes.iter().map(Transport::failed_lanes).sum()
+    }
 }
 
 impl<T: SenderTransport> SenderTransport for LaneSet<T> {

@@ -383,6 +383,10 @@ impl Transport for RdmaReceiver {
         }
     }
 
+    fn failed_lanes(&self) -> usize {
+        self.lanes.lanes.len() - self.lanes.live()
+    }
+
     fn poll_timeout(&self) -> Option<Instant> {
         if self.closed {
             None

@@ -386,6 +386,10 @@ impl Transport for RdmaSender {
         }
     }
 
+    fn failed_lanes(&self) -> usize {
+        self.lanes.lanes.len() - self.lanes.live()
+    }
+
     fn poll_timeout(&self) -> Option<Instant> {
         if self.closed {
             None
