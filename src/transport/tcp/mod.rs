@@ -44,9 +44,9 @@ mod records;
 mod sender;
 
 pub use pulls::PullThreads;
-pub use reader::{ReadTarget, StreamReader, StreamStats};
+pub use reader::{ReadTarget, StreamReader};
 pub use receiver::TcpReceiver;
-pub use records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};
+pub use records::{DataHeader, Record, StreamError, StreamStats, DATA_HEADER_LEN, DATA_MAGIC};
 pub use sender::TcpSender;
 
 use crate::transport::same_host::HostIdentity;

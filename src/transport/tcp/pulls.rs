@@ -28,11 +28,45 @@ use std::task::Waker;
 
 use kvwire_proto::wire::{DigestAlgorithm, TransferRef};
 
-use super::reader::{pull_row, StreamStats};
-use super::records::DataHeader;
+use super::records::{DataHeader, StreamStats};
+use crate::checksum::Kind;
 use crate::memory::PagePool;
 use crate::transport::same_host::{PullError, Puller};
 use crate::transport::{LandingDigests, TransportEvent};
+
+/// While a record's page is digested as it lands, each read into the page asks for at most
+/// this many bytes, so that a buffer's slot is still in the core's cache when the read that
+/// completes it returns and the slot is digested (a read of several MiB would have pushed its
+/// first bytes out before they are digested).
+pub(super) const DIGEST_PIECE: usize = 256 * 1024;
+
+/// Copies each of a page's `slots` from `sources` in the prefill's memory (SPEC §9.3), and
+/// pushes each slot's digest onto `digests` under `kind`: a page of up to [`DIGEST_PIECE`]
+/// bytes in one call, its slots digested after it (still in cache); a larger one slot by
+/// slot, each digested right after its copy.
+pub(crate) fn pull_row(
+    puller: Puller,
+    slots: &mut [&mut [u8]],
+    sources: &[u64],
+    kind: Option<Kind>,
+    digests: &mut Vec<u64>,
+) -> Result<(), PullError> {
+    let len: usize = slots.iter().map(|s| s.len()).sum();
+    if len <= DIGEST_PIECE {
+        puller.pull_slots(slots, sources)?;
+        if let Some(kind) = kind {
+            digests.extend(slots.iter().map(|slot| kind.page_digest(slot)));
+        }
+        return Ok(());
+    }
+    slots.iter_mut().zip(sources).try_for_each(|(slot, &src)| {
+        puller.pull(slot, src)?;
+        if let Some(kind) = kind {
+            digests.push(kind.page_digest(slot));
+        }
+        Ok(())
+    })
+}
 
 /// What became of one pull.
 #[derive(Debug)]

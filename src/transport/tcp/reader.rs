@@ -4,12 +4,12 @@
 use kvwire_proto::auth::{AuthChannel, OpenError, Opener};
 use kvwire_proto::wire::{DecodeError, HEADER_LEN, MAGIC, TRAILER_LEN};
 
-use super::pulls::PullOutcome;
-use super::records::{DataHeader, Record, StreamError, DATA_HEADER_LEN, DATA_MAGIC};
+use super::pulls::{PullOutcome, DIGEST_PIECE};
+use super::records::{DataHeader, Record, StreamError, StreamStats, DATA_HEADER_LEN, DATA_MAGIC};
 use super::PULL_MAGIC;
 use crate::checksum::Kind;
 use crate::memory::{PagePool, ScopeTable};
-use crate::transport::same_host::{PullError, Puller};
+use crate::transport::same_host::Puller;
 use crate::transport::staging::Staging;
 use crate::transport::{LandingDigests, TransportEvent};
 use kvwire_proto::wire::DigestAlgorithm;
@@ -56,11 +56,6 @@ const AHEAD: usize = 64 * 1024;
 const SMALL_RECORD: usize = 16 * 1024;
 /// Bytes read ahead behind the payload of a large data record.
 const LARGE_AHEAD: usize = 4 * 1024;
-/// While a record's page is digested as it lands, each read into the page asks for at most
-/// this many bytes, so that a buffer's slot is still in the core's cache when the read that
-/// completes it returns and the slot is digested (a read of several MiB would have pushed its
-/// first bytes out before they are digested).
-const DIGEST_PIECE: usize = 256 * 1024;
 
 /// The page digests of the record landing now, taken as its bytes land (SPEC §6, digests
 /// at landing): each buffer's slot digested whole, in one pass, read back from the page right
@@ -179,36 +174,6 @@ impl ReadTarget<'_> {
         }
         out
     }
-}
-
-/// Counters of the receiving side of a stream.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamStats {
-    /// Data records landed.
-    pub writes_landed: u64,
-    /// Data records refused.
-    pub writes_refused: u64,
-    /// Payload bytes landed in pages.
-    pub bytes_landed: u64,
-    /// Control frames received.
-    pub frames: u64,
-    /// Reads made (system calls that returned bytes).
-    pub reads: u64,
-    /// Payload bytes that arrived in the read-ahead buffer and were copied into their pages
-    /// (the rest landed by reads straight into the pages).
-    pub bytes_copied: u64,
-    /// Data records landed whose page digests the stream took as their bytes landed (SPEC
-    /// §6, digests at landing).
-    pub digested_at_landing: u64,
-    /// Pull records whose pages were copied out of the prefill's memory (SPEC §9.3); they
-    /// count among `writes_landed` and their bytes among `bytes_landed`.
-    pub pulled: u64,
-    /// Pull records under an open scope whose copy failed (the page is not covered).
-    pub pulls_failed: u64,
-    /// Of `pulled`, those copied on the connection's pull threads
-    /// ([`TcpReceiver::with_pull_threads`](super::TcpReceiver::with_pull_threads)) rather
-    /// than on the stream's task.
-    pub pulled_on_threads: u64,
 }
 
 /// The receiving side of a stream, as an incremental, cancel-safe parser.
@@ -732,34 +697,6 @@ impl StreamReader {
             }
         })
     }
-}
-
-/// Copies each of a page's `slots` from `sources` in the prefill's memory (SPEC §9.3), and
-/// pushes each slot's digest onto `digests` under `kind`: a page of up to [`DIGEST_PIECE`]
-/// bytes in one call, its slots digested after it (still in cache); a larger one slot by
-/// slot, each digested right after its copy.
-pub(crate) fn pull_row(
-    puller: Puller,
-    slots: &mut [&mut [u8]],
-    sources: &[u64],
-    kind: Option<Kind>,
-    digests: &mut Vec<u64>,
-) -> Result<(), PullError> {
-    let len: usize = slots.iter().map(|s| s.len()).sum();
-    if len <= DIGEST_PIECE {
-        puller.pull_slots(slots, sources)?;
-        if let Some(kind) = kind {
-            digests.extend(slots.iter().map(|slot| kind.page_digest(slot)));
-        }
-        return Ok(());
-    }
-    slots.iter_mut().zip(sources).try_for_each(|(slot, &src)| {
-        puller.pull(slot, src)?;
-        if let Some(kind) = kind {
-            digests.push(kind.page_digest(slot));
-        }
-        Ok(())
-    })
 }
 
 #[cfg(test)]

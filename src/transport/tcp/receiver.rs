@@ -16,8 +16,8 @@ use tokio::net::TcpStream;
 use kvwire_proto::wire::TransferRef;
 
 use super::pulls::{PullQueue, PullThreads};
-use super::reader::{StreamReader, StreamStats};
-use super::records::{DataHeader, Record, StreamError};
+use super::reader::StreamReader;
+use super::records::{DataHeader, Record, StreamError, StreamStats};
 use crate::memory::{PagePool, ScopeTable};
 use crate::transport::staging::{Staging, StagingStats, STAGING_BUFFERS};
 use crate::transport::{Closed, Gone, TableScoped, Transport, TransportEvent};

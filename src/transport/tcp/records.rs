@@ -139,3 +139,33 @@ pub enum Record {
         landing: Option<kvwire_proto::wire::DigestAlgorithm>,
     },
 }
+
+/// Counters of the receiving side of a stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Data records landed.
+    pub writes_landed: u64,
+    /// Data records refused.
+    pub writes_refused: u64,
+    /// Payload bytes landed in pages.
+    pub bytes_landed: u64,
+    /// Control frames received.
+    pub frames: u64,
+    /// Reads made (system calls that returned bytes).
+    pub reads: u64,
+    /// Payload bytes that arrived in the read-ahead buffer and were copied into their pages
+    /// (the rest landed by reads straight into the pages).
+    pub bytes_copied: u64,
+    /// Data records landed whose page digests the stream took as their bytes landed (SPEC
+    /// §6, digests at landing).
+    pub digested_at_landing: u64,
+    /// Pull records whose pages were copied out of the prefill's memory (SPEC §9.3); they
+    /// count among `writes_landed` and their bytes among `bytes_landed`.
+    pub pulled: u64,
+    /// Pull records under an open scope whose copy failed (the page is not covered).
+    pub pulls_failed: u64,
+    /// Of `pulled`, those copied on the connection's pull threads
+    /// ([`TcpReceiver::with_pull_threads`](super::TcpReceiver::with_pull_threads)) rather
+    /// than on the stream's task.
+    pub pulled_on_threads: u64,
+}
