@@ -221,8 +221,8 @@ typedef struct {
   // else: KVWIRE_ERR_CONFIG). This field and the one after it follow `rdma_ack_timeout`:
   // a program built against an older header keeps their defaults.
   int same_host;
-  // Same-host pulls: threads that copy one connection's pages; 1 on the connection's
-  // own task; 0 (the default) half the cores, at most 8.
+  // Same-host pulls: threads that copy pages, shared by the manager's connections; 1
+  // on each connection's own task; 0 (the default) half the cores, at most 8.
   uint32_t pull_threads;
 } kvwire_config_t;
 

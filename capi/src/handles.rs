@@ -95,8 +95,8 @@ pub struct kvwire_config_t {
     /// else: KVWIRE_ERR_CONFIG). This field and the one after it follow `rdma_ack_timeout`:
     /// a program built against an older header keeps their defaults.
     pub same_host: c_int,
-    /// Same-host pulls: threads that copy one connection's pages; 1 on the connection's
-    /// own task; 0 (the default) half the cores, at most 8.
+    /// Same-host pulls: threads that copy pages, shared by the manager's connections; 1
+    /// on each connection's own task; 0 (the default) half the cores, at most 8.
     pub pull_threads: u32,
 }
 

@@ -205,7 +205,7 @@ struct BenchArgs {
     /// stream) or `require`.
     #[arg(long, default_value = "auto", value_parser = parse_same_host)]
     same_host: kvwire::SameHost,
-    /// Threads that copy one connection's same-host pulls (`NodeConfig::pull_threads`): 1 on
+    /// Threads that copy the node's same-host pulls (`NodeConfig::pull_threads`): 1 on
     /// the connection's task, 0 half the process's cores (at most 8).
     #[arg(long, default_value_t = 0)]
     pull_threads: usize,

@@ -135,8 +135,8 @@ class KVManager:
     ``same_host``: ``"auto"`` (the default: when both engines run on one host, the decode
     copies each page straight out of the prefill's memory, one copy per byte; docs/SAME_HOST.md),
     ``"off"`` (page bytes on the TCP stream) or ``"require"`` (refuse a peer without it).
-    ``pull_threads``: threads that copy one connection's pulls (1: on the connection's own
-    task; 0, the default: half the process's cores, at most 8).
+    ``pull_threads``: threads that copy the engine's pulls, shared by its connections (1: on
+    each connection's own task; 0, the default: half the process's cores, at most 8).
 
     RDMA (``transport="rdma"``; the device is ``KVArgs.ib_device``, the first one if unset, or
     several comma-separated as Mooncake takes them, ``"mlx5_0,mlx5_1"``: one rail each, transfers

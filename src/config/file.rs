@@ -89,7 +89,7 @@ pub struct NodeSection {
     pub digests: Option<Vec<String>>,
     /// Same-host pulls over TCP: "auto" (the default), "off" or "require" (SPEC §9.3).
     pub same_host: Option<String>,
-    /// Threads that copy one connection's same-host pulls (`NodeConfig::pull_threads`; 0:
+    /// Threads that copy the node's same-host pulls (`NodeConfig::pull_threads`; 0:
     /// half the cores, at most 8).
     pub pull_threads: Option<usize>,
 }

@@ -95,10 +95,11 @@ pub struct NodeConfig {
     /// both run on one host (SPEC §9.3, same-host pulls; docs/SAME_HOST.md). Default
     /// [`SameHost::Auto`].
     pub same_host: SameHost,
-    /// Same-host pulls: threads that copy (and digest) one connection's pages out of the
-    /// prefill's memory. `1`: on the connection's own task, one core for all its pulls; `n`:
-    /// `n` threads per connection, while the task parses records, checks scopes and reports
-    /// in stream order (a fence waits for the copies of its transfer in flight); `0` (the
+    /// Same-host pulls: threads that copy (and digest) pages out of the prefill's memory.
+    /// `1`: on each connection's own task, one core for all its pulls; `n`: `n` threads of
+    /// the node, started when a first connection pulls and shared by all, while each
+    /// connection's task parses records, checks scopes and reports in stream order (a fence
+    /// waits for the copies of its transfer in flight); `0` (the
     /// default): half the cores this process may run on (the prefill runs on the same host),
     /// at most 8, so one thread (the task) on a 2-core host, where measured threads lost as
     /// often as they won (docs/SAME_HOST.md).
@@ -489,7 +490,7 @@ impl NodeConfigBuilder {
         self
     }
 
-    /// Threads that copy one connection's same-host pulls ([`NodeConfig::pull_threads`]).
+    /// Threads that copy same-host pulls ([`NodeConfig::pull_threads`]).
     pub fn pull_threads(mut self, threads: usize) -> Self {
         self.config.pull_threads = threads;
         self

@@ -50,6 +50,10 @@ struct Inner {
     joins: super::streams::Joins,
     /// Which decode peer named each request not opened yet (its sender connections report).
     rooms: Arc<Rooms>,
+    /// The threads that copy same-host pulls (`NodeConfig::pull_threads`), started when the
+    /// first connection pulls and shared by all (`None` inside: one thread asked for, or
+    /// the OS refused one).
+    pull_threads: std::sync::OnceLock<Option<Arc<crate::transport::tcp::PullThreads>>>,
     #[cfg(feature = "rdma")]
     rdma: std::sync::Mutex<Vec<rdma::Registration>>,
 }
@@ -82,6 +86,7 @@ impl Node {
                 pool: Arc::new(pool),
                 joins: Default::default(),
                 rooms: Arc::default(),
+                pull_threads: std::sync::OnceLock::new(),
                 #[cfg(feature = "rdma")]
                 rdma: std::sync::Mutex::new(Vec::new()),
             }),
@@ -110,6 +115,18 @@ impl Node {
     /// size): what a prefill checks a request against before it reaches a transfer.
     pub fn admission_policy(&self) -> kvwire_proto::admission::AdmissionPolicy {
         crate::sender::admission_policy(self.pool(), &self.config().engine)
+    }
+
+    /// The node's pull threads (`NodeConfig::pull_threads`), started on first use and
+    /// shared by every connection that pulls: `None` where pulls run on each connection's
+    /// task.
+    pub(crate) fn pull_threads(&self) -> Option<Arc<crate::transport::tcp::PullThreads>> {
+        self.inner
+            .pull_threads
+            .get_or_init(|| {
+                crate::transport::tcp::PullThreads::configured(self.inner.config.pull_threads)
+            })
+            .clone()
     }
 
     /// Where the extra TCP streams of the node's connections wait to be claimed.

@@ -50,7 +50,7 @@ pub struct ManagerConfig {
     pub tcp_streams: u16,
     /// Same-host pulls over TCP (`NodeConfig::same_host`, SPEC §9.3; default auto).
     pub same_host: crate::config::SameHost,
-    /// Threads that copy one connection's same-host pulls (`NodeConfig::pull_threads`;
+    /// Threads that copy same-host pulls (`NodeConfig::pull_threads`;
     /// default 0: half the cores, at most 8).
     pub pull_threads: usize,
 }

@@ -116,7 +116,7 @@ impl End for ReceiverConn {
         let (pool, config) = (node.pool(), node.config());
         let n = lanes.len() as u16;
         let puller = tcp::puller(settled, &lanes, config.same_host)?;
-        let threads = puller.and_then(|_| tcp::pull_threads(config));
+        let threads = puller.and_then(|_| node.pull_threads());
         let lanes: Vec<TcpReceiver> = lanes
             .into_iter()
             .zip(0u16..)

@@ -237,31 +237,3 @@ pub(super) fn puller(
         }
     }
 }
-
-/// Pull threads per connection by default (`NodeConfig::pull_threads` = 0): half the cores
-/// this process may run on, since the prefill it pulls from runs on the same host; at most 8.
-pub(crate) fn default_pull_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 8))
-}
-
-/// The pull threads of one connection whose decode pulls (`NodeConfig::pull_threads`):
-/// `None` where its pulls run on the connection's task (one thread asked for, or the OS
-/// refused a thread: then with one log line).
-pub(super) fn pull_threads(
-    config: &crate::NodeConfig,
-) -> Option<std::sync::Arc<crate::transport::tcp::PullThreads>> {
-    let threads = match config.pull_threads {
-        0 => default_pull_threads(),
-        n => n,
-    };
-    if threads <= 1 {
-        return None;
-    }
-    match crate::transport::tcp::PullThreads::start(threads) {
-        Ok(t) => Some(t),
-        Err(e) => {
-            tracing::warn!(error = %e, threads, "pull threads not started; pulls run on the connection's task");
-            None
-        }
-    }
-}

@@ -4,7 +4,8 @@
 //! landed, both on one core: one connection's pulls on its own task run at the speed of that
 //! core. With [`NodeConfig::pull_threads`](crate::NodeConfig::pull_threads) above one, the
 //! stream's task still parses every record and checks every pull record's scope, and then
-//! hands the copy (and its digests) to one of the connection's **pull threads**.
+//! hands the copy (and its digests) to one of the node's **pull threads** (shared by its
+//! connections).
 //!
 //! What the stream's task keeps, so the rules of the inline path hold:
 //!
@@ -215,9 +216,9 @@ impl Job {
     }
 }
 
-/// The pull threads of one connection, shared by its streams
-/// ([`TcpReceiver::with_pull_threads`](super::TcpReceiver::with_pull_threads)). The threads
-/// end once every stream dropped its handle (and its jobs are done).
+/// Pull threads, shared by the streams they copy for (kvwire: one set per node, shared by
+/// its connections; [`TcpReceiver::with_pull_threads`](super::TcpReceiver::with_pull_threads)).
+/// The threads end once every holder dropped its handle (and its jobs are done).
 #[derive(Debug)]
 pub struct PullThreads {
     jobs: Mutex<mpsc::Sender<Job>>,
@@ -225,6 +226,27 @@ pub struct PullThreads {
 }
 
 impl PullThreads {
+    /// The threads `NodeConfig::pull_threads` asks for: `0` half the cores this process may
+    /// run on (the prefill it pulls from runs on the same host), at most 8. `None` where
+    /// that is one (pulls then run on each connection's task) or the OS refused a thread
+    /// (with one log line).
+    pub fn configured(threads: usize) -> Option<Arc<Self>> {
+        let threads = match threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 8)),
+            n => n,
+        };
+        if threads <= 1 {
+            return None;
+        }
+        match Self::start(threads) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(error = %e, threads, "pull threads not started; pulls run on each connection's task");
+                None
+            }
+        }
+    }
+
     /// `threads` threads (at least one), named `kvwire-pull`.
     ///
     /// # Errors

@@ -110,8 +110,8 @@ impl TcpReceiver {
         self
     }
 
-    /// Same-host pulls copied on `threads` (the connection's pull threads, shared by its
-    /// streams) instead of on this stream's task (`crate::NodeConfig::pull_threads`): the
+    /// Same-host pulls copied on `threads` (the node's pull threads, shared by its
+    /// connections and their streams) instead of on this stream's task (`crate::NodeConfig::pull_threads`): the
     /// task parses records, checks scopes and reports in stream order (see `pulls.rs`).
     /// Only after [`TcpReceiver::with_pulls`]; ignored otherwise.
     pub fn with_pull_threads(mut self, threads: Arc<PullThreads>) -> Self {

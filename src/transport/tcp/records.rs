@@ -164,7 +164,7 @@ pub struct StreamStats {
     pub pulled: u64,
     /// Pull records under an open scope whose copy failed (the page is not covered).
     pub pulls_failed: u64,
-    /// Of `pulled`, those copied on the connection's pull threads
+    /// Of `pulled`, those copied on pull threads
     /// ([`TcpReceiver::with_pull_threads`](super::TcpReceiver::with_pull_threads)) rather
     /// than on the stream's task.
     pub pulled_on_threads: u64,
