@@ -111,9 +111,9 @@ impl TcpReceiver {
     }
 
     /// Same-host pulls copied on `threads` (the node's pull threads, shared by its
-    /// connections and their streams) instead of on this stream's task (`crate::NodeConfig::pull_threads`): the
-    /// task parses records, checks scopes and reports in stream order (see `pulls.rs`).
-    /// Only after [`TcpReceiver::with_pulls`]; ignored otherwise.
+    /// connections and their streams; `crate::NodeConfig::pull_threads`) instead of on this
+    /// stream's task: the task parses records, checks scopes and reports in stream order
+    /// (see `pulls.rs`). Only after [`TcpReceiver::with_pulls`]; ignored otherwise.
     pub fn with_pull_threads(mut self, threads: Arc<PullThreads>) -> Self {
         if let Some(puller) = self.reader.puller {
             self.reader.pulls_elsewhere = true;
