@@ -537,6 +537,16 @@ mod tests {
     use crate::memory::{AccessKey, PoolGeometry, Scrub};
     use kvwire_proto::wire::{Frame, TransferId};
 
+    /// Eight pages of one 8-byte buffer.
+    fn pool() -> Arc<PagePool> {
+        let geometry = PoolGeometry {
+            tokens_per_page: 1,
+            buffer_page_bytes: vec![8],
+            pages: 8,
+        };
+        Arc::new(PagePool::new(geometry, Scrub::None).unwrap())
+    }
+
     fn header(transfer: u64, ordinal: u32, page: u32) -> DataHeader {
         DataHeader {
             transfer: TransferRef {
@@ -556,17 +566,7 @@ mod tests {
     /// are the source's and were copied on a pull thread.
     #[test]
     fn frames_and_fences_wait_for_the_copies_before_them() {
-        let pool = Arc::new(
-            PagePool::new(
-                PoolGeometry {
-                    tokens_per_page: 1,
-                    buffer_page_bytes: vec![8],
-                    pages: 8,
-                },
-                Scrub::None,
-            )
-            .unwrap(),
-        );
+        let pool = pool();
         let sources = [b"pulled-a".to_vec(), b"pulled-b".to_vec()];
         let puller = Puller::new(std::process::id());
         let mut q = PullQueue::new(PullThreads::start(2).unwrap(), puller, pool.clone());
@@ -618,27 +618,26 @@ mod tests {
     /// covered), in its place, and the stream goes on.
     #[test]
     fn a_failed_copy_covers_nothing() {
-        let pool = Arc::new(
-            PagePool::new(
-                PoolGeometry {
-                    tokens_per_page: 1,
-                    buffer_page_bytes: vec![8],
-                    pages: 8,
-                },
-                Scrub::None,
-            )
-            .unwrap(),
-        );
+        let pool = pool();
+        let source = b"pulled-c".to_vec();
         let puller = Puller::new(std::process::id());
-        let mut q = PullQueue::new(PullThreads::start(1).unwrap(), puller, pool);
+        let mut q = PullQueue::new(PullThreads::start(1).unwrap(), puller, pool.clone());
+        // An address this process does not map, then a page someone else holds.
         q.submit(header(7, 0, 3), vec![8], None);
+        q.submit(header(7, 1, 4), vec![source.as_ptr() as u64], None);
         assert!(q.hold(TransportEvent::Frame(Frame::Ping(1))).is_none());
+        let held = pool.raw_row_mut(4).unwrap();
         let (mut events, mut stats) = (VecDeque::new(), StreamStats::default());
         q.finish(&mut events, &mut stats);
+        drop(held);
         assert!(matches!(
             events.iter().collect::<Vec<_>>().as_slice(),
             [TransportEvent::Frame(Frame::Ping(1))]
         ));
-        assert_eq!((stats.pulls_failed, stats.pulled), (1, 0));
+        assert_eq!(
+            (stats.pulls_failed, stats.writes_refused, stats.pulled),
+            (1, 2, 0)
+        );
+        assert_ne!(pool.raw_page(4, 0).unwrap().to_vec(), source);
     }
 }
