@@ -92,6 +92,17 @@ impl Lane {
     }
 }
 
+/// What [`Lanes::lose_one`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LaneLoss {
+    /// The lane was lost before: nothing to do.
+    AlreadyDead,
+    /// It is the last live lane: its failure ends the connection.
+    Last,
+    /// It is lost; the connection goes on over the others.
+    Lost,
+}
+
 /// The queue pairs of one connection, how the driver waits for them, and the bootstrap
 /// connection kept as the liveness channel.
 pub(crate) struct Lanes {
@@ -147,10 +158,27 @@ impl Lanes {
         self.lanes.iter().position(|l| !l.dead).unwrap_or(lane)
     }
 
+    /// Lane `i`'s queue pair failed (`why`): [`LaneLoss::AlreadyDead`] if it was lost
+    /// before, [`LaneLoss::Last`] if no other lane lives (the connection's failure, left to
+    /// the caller), else it is lost ([`Lanes::lose`], with one log line) and the connection
+    /// goes on over the others (SPEC §9.2, a lane that fails).
+    pub(crate) fn lose_one(&mut self, i: usize, why: &str) -> LaneLoss {
+        if self.lanes[i].dead {
+            return LaneLoss::AlreadyDead;
+        }
+        if self.live() <= 1 {
+            return LaneLoss::Last;
+        }
+        tracing::warn!(lane = i, rail = self.lanes[i].rail, why = %why,
+            "a queue pair failed; the connection goes on over its other lanes");
+        self.lose(i);
+        LaneLoss::Lost
+    }
+
     /// Lane `i` failed and the connection goes on without it: its queue pair is reset (none
     /// of its work requests touches memory after this, and nothing more arrives through it),
     /// it is marked dead, and its unsent frames move to the lowest live lane.
-    pub(crate) fn lose(&mut self, i: usize) {
+    fn lose(&mut self, i: usize) {
         if let Err(e) = self.lanes[i].link.recover() {
             tracing::error!(error = %e, lane = i, "queue pair reset failed");
         }

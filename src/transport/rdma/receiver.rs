@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvwire_proto::wire::{Frame, TransferRef, MAX_ACCESS};
 
 use super::descriptor::{encoded_len, page_runs, AccessDescriptor, AccessKind, AccessRun};
-use super::lanes::{LaneEvent, Lanes};
+use super::lanes::{LaneEvent, LaneLoss, Lanes};
 use super::verbs::{MemoryWindow, RdmaDevice, RegisteredMemory};
 use crate::memory::PagePool;
 use crate::transport::lanes::LaneMap;
@@ -42,8 +42,6 @@ pub struct RdmaReceiverStats {
     /// Pages overwritten with a reservation's unpredictable pattern before their access
     /// descriptor was published (the coverage scrub).
     pub pages_scrubbed: u64,
-    /// Lanes lost while the connection went on over the others (SPEC §9.2, several rails).
-    pub lanes_lost: u64,
 }
 
 /// A fence in progress: the invalidations not yet completed.
@@ -302,17 +300,14 @@ impl RdmaReceiver {
     /// at once), fences in progress on it complete, its unsent frames move to a live lane,
     /// and its transfers are reported lost. The last live lane's failure is the connection's.
     fn lose_lane(&mut self, i: usize, why: String) {
-        if self.closed || self.lanes.lanes[i].dead {
+        if self.closed {
             return;
         }
-        if self.lanes.live() <= 1 {
-            self.fail(Closed::LinkFailed(why));
-            return;
+        match self.lanes.lose_one(i, &why) {
+            LaneLoss::AlreadyDead => return,
+            LaneLoss::Last => return self.fail(Closed::LinkFailed(why)),
+            LaneLoss::Lost => {}
         }
-        tracing::warn!(lane = i, rail = self.lanes.lanes[i].rail, why = %why,
-            "a queue pair failed; the connection goes on over its other lanes");
-        self.stats.lanes_lost += 1;
-        self.lanes.lose(i);
         let ids = self.lane_of.on_lane(i);
         for id in &ids {
             if let Some(windows) = self.bound.get_mut(id) {

@@ -10,7 +10,7 @@ use kvwire_proto::sender::PageWrite;
 use kvwire_proto::wire::{Frame, TransferRef};
 
 use super::descriptor::AccessDescriptor;
-use super::lanes::{LaneEvent, Lanes};
+use super::lanes::{LaneEvent, LaneLoss, Lanes};
 use super::link::RdmaWrite;
 use super::verbs::{RdmaError, RegisteredMemory};
 use crate::transport::lanes::LaneMap;
@@ -41,8 +41,6 @@ pub struct RdmaSenderStats {
     pub writes_refused: u64,
     /// Times the link broke.
     pub link_failures: u64,
-    /// Lanes lost while the connection went on over the others (SPEC §9.2, several rails).
-    pub lanes_lost: u64,
 }
 
 /// A transfer's access descriptor as received (compared by pointer) and as decoded (`Err`
@@ -254,17 +252,14 @@ impl RdmaSender {
     /// to it are reported lost, then its outstanding writes failed. The last live lane's
     /// failure is the connection's ([`Self::fail`]).
     fn lose_lane(&mut self, i: usize, why: String) {
-        if self.closed || self.lanes.lanes[i].dead {
+        if self.closed {
             return;
         }
-        if self.lanes.live() <= 1 {
-            self.fail(Closed::LinkFailed(why));
-            return;
+        match self.lanes.lose_one(i, &why) {
+            LaneLoss::AlreadyDead => return,
+            LaneLoss::Last => return self.fail(Closed::LinkFailed(why)),
+            LaneLoss::Lost => {}
         }
-        tracing::warn!(lane = i, rail = self.lanes.lanes[i].rail, why = %why,
-            "a queue pair failed; the connection goes on over its other lanes");
-        self.stats.lanes_lost += 1;
-        self.lanes.lose(i);
         // Lost first, so each transfer ends as on peer loss (no ABORT for the failed writes).
         for id in self.lane_of.on_lane(i) {
             self.events.push_back(TransportEvent::TransferLost(id));

@@ -182,9 +182,13 @@ struct ReturnState {
 }
 
 impl Returns {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReturnState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn put(&self, outcomes: Vec<(u64, PullOutcome)>) {
         let waker = {
-            let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut s = self.lock();
             s.done.push(outcomes);
             s.waker.take()
         };
@@ -287,6 +291,14 @@ enum Held {
     },
     /// An event read behind a pull still copying.
     Event(TransportEvent),
+}
+
+/// Whether a copy into one of `transfer`'s pages is held (running, or done and not yet
+/// reported).
+fn holds_copy_of(held: &VecDeque<Held>, transfer: TransferRef) -> bool {
+    held.iter().any(|h| {
+        matches!(h, Held::Pull { header, .. } if header.transfer.transfer_id == transfer.transfer_id)
+    })
 }
 
 /// One stream's pulls in flight and what waits behind them.
@@ -408,20 +420,14 @@ impl PullQueue {
     /// and then the fences no copy holds back any more.
     pub(crate) fn poll(
         &mut self,
-        waker: Option<&Waker>,
+        waker: &Waker,
         events: &mut VecDeque<TransportEvent>,
         stats: &mut StreamStats,
     ) {
         let done = {
-            let mut s = self
-                .returns
-                .state
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            if let Some(w) = waker {
-                if !s.waker.as_ref().is_some_and(|old| old.will_wake(w)) {
-                    s.waker = Some(w.clone());
-                }
+            let mut s = self.returns.lock();
+            if !s.waker.as_ref().is_some_and(|old| old.will_wake(waker)) {
+                s.waker = Some(waker.clone());
             }
             std::mem::take(&mut s.done)
         };
@@ -467,9 +473,7 @@ impl PullQueue {
         }
         let held = &self.held;
         self.fences.retain(|t| {
-            let waits = held.iter().any(|h| {
-                matches!(h, Held::Pull { header, .. } if header.transfer.transfer_id == t.transfer_id)
-            });
+            let waits = holds_copy_of(held, *t);
             if !waits {
                 events.push_back(TransportEvent::Fenced(*t));
             }
@@ -480,9 +484,7 @@ impl PullQueue {
     /// The fence of `transfer`: `true` (reported later as [`TransportEvent::Fenced`]) while a
     /// copy into one of its pages runs or waits to be reported.
     pub(crate) fn fence_pending(&mut self, transfer: TransferRef) -> bool {
-        let waits = self.held.iter().any(
-            |h| matches!(h, Held::Pull { header, .. } if header.transfer.transfer_id == transfer.transfer_id),
-        );
+        let waits = holds_copy_of(&self.held, transfer);
         if waits {
             self.fences.push(transfer);
         }
@@ -505,11 +507,7 @@ impl PullQueue {
         self.flush();
         while self.in_flight > 0 {
             let done = {
-                let mut s = self
-                    .returns
-                    .state
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner);
+                let mut s = self.returns.lock();
                 while s.done.is_empty() {
                     s = self
                         .returns

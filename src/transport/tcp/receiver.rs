@@ -334,7 +334,7 @@ impl TcpReceiver {
                 }
             }
             if let Some(p) = self.pulls.as_mut() {
-                p.poll(Some(cx.waker()), &mut self.events, &mut self.reader.stats);
+                p.poll(cx.waker(), &mut self.events, &mut self.reader.stats);
                 if let Some(e) = self.events.pop_front() {
                     return Some(e);
                 }
