@@ -1,11 +1,14 @@
 //! The conformance kit (`kvwire::testkit::conformance`, `kvwire conform`) against kvwire's own
 //! listener, with authentication and without: every check passes (the unsealed frame check
-//! is skipped, with its reason, where the listener authenticates).
+//! is skipped, with its reason, where the listener authenticates), and the connection of the
+//! PING flood, which the kit sends far faster than `PING_FLOOD_LIMIT` a second, was closed by
+//! the decode as a flood (SPEC §8.3), a typed reason its engine can read.
 
 use std::time::Duration;
 
 use kvwire::testkit::conformance::{self, Options, Verdict};
-use kvwire::{Auth, Listener, ListenerConfig, Node, NodeConfig};
+use kvwire::transport::Closed;
+use kvwire::{Auth, Listener, ListenerConfig, Node, NodeConfig, ReceiverConn};
 
 async fn check_against_a_listener(auth: Auth) {
     let mut config = NodeConfig::example();
@@ -17,10 +20,10 @@ async fn check_against_a_listener(auth: Auth) {
         .unwrap();
     let addr = listener.local_addr();
     // The connections the kit completes are accepted and held, as a decode engine would.
+    let (conns, mut accepted) = tokio::sync::mpsc::unbounded_channel::<ReceiverConn>();
     let held = tokio::spawn(async move {
-        let mut held = Vec::new();
         while let Some(c) = listener.accept().await {
-            held.push(c);
+            let _ = conns.send(c);
         }
     });
     let options = Options {
@@ -29,6 +32,10 @@ async fn check_against_a_listener(auth: Auth) {
     };
     let checked = conformance::run(addr, &config, options).await;
     held.abort();
+    let mut reasons = Vec::new();
+    while let Ok(c) = accepted.try_recv() {
+        reasons.push(c.closed_reason());
+    }
     let shown: Vec<String> = checked
         .iter()
         .map(|c| format!("{} ({}): {:?}", c.name, c.spec, c.verdict))
@@ -43,6 +50,17 @@ async fn check_against_a_listener(auth: Auth) {
             other => panic!("{}: {other:?}\n{shown}", c.name),
         }
     }
+    // Closed by the decode while the kit still read (not only when the kit hung up).
+    let flood = checked.iter().find(|c| c.name.starts_with("a PING flood")).unwrap();
+    assert!(
+        matches!(&flood.verdict, Verdict::Pass(seen) if seen.contains(", then closed")),
+        "{flood:?}"
+    );
+    let floods = reasons
+        .iter()
+        .filter(|r| matches!(r, Some(Closed::PingFlood { pings, .. }) if *pings > kvwire::proto::liveness::PING_FLOOD_LIMIT))
+        .count();
+    assert_eq!(floods, 1, "one connection closed as a PING flood: {reasons:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

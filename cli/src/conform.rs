@@ -54,7 +54,17 @@ pub fn main(
             _ => return Err("give --connect ADDR or --self-test".to_string()),
         };
         println!("kvwire conform: checking the decode listening at {addr}");
+        let before = resident_kib("VmRSS");
         let checked = conformance::run(addr, &node_config, options).await;
+        if let (true, Some(before), Some(peak)) = (held.is_some(), before, resident_kib("VmHWM")) {
+            // The decode runs in this process: what the checks (the PING flood among them)
+            // made it hold at most, the kit's own buffers included.
+            println!(
+                "kvwire conform: resident {:.1} MB before the checks, peak {:.1} MB (kit and decode together)",
+                before as f64 / 1024.0,
+                peak as f64 / 1024.0
+            );
+        }
         if let Some(h) = held {
             h.abort();
         }
@@ -85,6 +95,15 @@ pub fn main(
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// A `/proc/self/status` size in KiB (`VmRSS`, `VmHWM`), where there is one.
+fn resident_kib(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 /// The kit's waits from the command's flags.

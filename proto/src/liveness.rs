@@ -21,7 +21,9 @@
 //! stopped reading fills the socket), and a block as long as the timeout makes the peer
 //! unresponsive too ([`LivenessEvent::NotReading`]). PINGs are answered at most
 //! [`PONGS_PER_INTERVAL`] per interval, so a peer sending them faster cannot make this node
-//! queue PONGs without bound ([`LivenessEvent::PingFlood`], reported once).
+//! queue PONGs without bound ([`LivenessEvent::PingsUnanswered`], reported once), and a peer
+//! that sends more than [`PING_FLOOD_LIMIT`] within a second breaks the rule that bounds its
+//! rate and is closed ([`LivenessEvent::PingFlood`]).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -32,6 +34,19 @@ use crate::wire::Frame;
 /// them faster has the rest left unanswered (its liveness needs none of them: any frame of
 /// this node's counts as heard).
 pub const PONGS_PER_INTERVAL: u32 = 16;
+
+/// PINGs from the peer within [`PING_FLOOD_WINDOW`] beyond which this node closes the
+/// connection (SPEC.md §8.3): a node sends at most one PING per `interval`, and `interval` is
+/// at least [`MIN_INTERVAL`], so a peer within the rules sends at most 1,000 a second; this
+/// allows ten seconds of those arriving at once (queued behind a stall of either side).
+pub const PING_FLOOD_LIMIT: u32 = 10_000;
+
+/// The window [`PING_FLOOD_LIMIT`] is counted over: one second from the first PING after the
+/// previous window ended.
+pub const PING_FLOOD_WINDOW: Duration = Duration::from_secs(1);
+
+/// The shortest heartbeat interval (SPEC.md §8.3); [`Liveness::new`] raises a shorter one.
+pub const MIN_INTERVAL: Duration = Duration::from_millis(1);
 
 /// How often to send a heartbeat and how long a silent peer is tolerated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,8 +85,18 @@ pub enum LivenessEvent {
         blocked_for: Duration,
     },
     /// The peer sent more PINGs in one interval than this node answers
-    /// ([`PONGS_PER_INTERVAL`]); the rest go unanswered. Reported once per connection.
-    PingFlood,
+    /// ([`PONGS_PER_INTERVAL`]); the rest go unanswered. Reported once per connection; the
+    /// connection goes on.
+    PingsUnanswered,
+    /// The peer sent more than [`PING_FLOOD_LIMIT`] PINGs within `within` (one
+    /// [`PING_FLOOD_WINDOW`] at most): a flood no peer within the rules sends. The driver
+    /// closes the connection (SPEC.md §8.3). Reported once; nothing more goes out.
+    PingFlood {
+        /// PINGs counted in the window when it was declared.
+        pings: u32,
+        /// From the window's first PING to the one that crossed the limit.
+        within: Duration,
+    },
 }
 
 /// Counters.
@@ -81,11 +106,12 @@ pub struct LivenessStats {
     pub pings_sent: u64,
     /// PONGs received that answered one of our PINGs.
     pub pongs_received: u64,
-    /// PINGs received (each answered).
+    /// PINGs received (answered or not).
     pub pings_received: u64,
     /// Times the silence count was restarted because this node itself had not run.
     pub local_stalls: u64,
-    /// PINGs received and left unanswered (beyond [`PONGS_PER_INTERVAL`] per interval).
+    /// PINGs received and left unanswered (beyond [`PONGS_PER_INTERVAL`] per interval, or
+    /// the one that crossed [`PING_FLOOD_LIMIT`]).
     pub pings_unanswered: u64,
 }
 
@@ -107,7 +133,9 @@ pub struct Liveness {
     /// PINGs that may still be answered before `pong_refill`.
     pong_budget: u32,
     pong_refill: Instant,
-    flood_reported: bool,
+    unanswered_reported: bool,
+    /// The current flood window: its first PING and the PINGs in it.
+    flood_window: Option<(Instant, u32)>,
     transmit: VecDeque<Frame>,
     events: VecDeque<LivenessEvent>,
     stats: LivenessStats,
@@ -116,7 +144,7 @@ pub struct Liveness {
 impl Liveness {
     /// Heartbeats for a connection established at `now` (the peer counts as heard then).
     pub fn new(now: Instant, mut config: LivenessConfig) -> Self {
-        config.interval = config.interval.max(Duration::from_millis(1));
+        config.interval = config.interval.max(MIN_INTERVAL);
         config.timeout = config.timeout.max(config.interval * 2);
         Self {
             config,
@@ -130,7 +158,8 @@ impl Liveness {
             write_count_from: now,
             pong_budget: PONGS_PER_INTERVAL,
             pong_refill: now + config.interval,
-            flood_reported: false,
+            unanswered_reported: false,
+            flood_window: None,
             transmit: VecDeque::new(),
             events: VecDeque::new(),
             stats: LivenessStats::default(),
@@ -153,16 +182,27 @@ impl Liveness {
                     self.pong_budget = PONGS_PER_INTERVAL;
                     self.pong_refill = now + self.config.interval;
                 }
+                let (first, pings) = match self.flood_window {
+                    Some((first, n)) if now < first + PING_FLOOD_WINDOW => (first, n + 1),
+                    _ => (now, 1),
+                };
+                self.flood_window = Some((first, pings));
                 if self.unresponsive {
                     // Nothing more goes out.
+                } else if pings > PING_FLOOD_LIMIT {
+                    self.stats.pings_unanswered += 1;
+                    self.declare(LivenessEvent::PingFlood {
+                        pings,
+                        within: now.saturating_duration_since(first),
+                    });
                 } else if self.pong_budget > 0 {
                     self.pong_budget -= 1;
                     self.transmit.push_back(Frame::Pong(token));
                 } else {
                     self.stats.pings_unanswered += 1;
-                    if !self.flood_reported {
-                        self.flood_reported = true;
-                        self.events.push_back(LivenessEvent::PingFlood);
+                    if !self.unanswered_reported {
+                        self.unanswered_reported = true;
+                        self.events.push_back(LivenessEvent::PingsUnanswered);
                     }
                 }
                 true
@@ -238,6 +278,8 @@ impl Liveness {
             self.stats.local_stalls += 1;
             self.last_heard = now;
             self.write_count_from = now;
+            // PINGs that queued up while this node did not run are not a flood.
+            self.flood_window = None;
         }
         let silent_for = now.saturating_duration_since(self.last_heard);
         if silent_for >= self.config.timeout {
@@ -269,7 +311,8 @@ impl Liveness {
         self.events.pop_front()
     }
 
-    /// Whether the peer has been declared unresponsive.
+    /// Whether the peer has been declared unresponsive (or flooding, [`LivenessEvent::PingFlood`]):
+    /// nothing more goes out.
     pub fn is_unresponsive(&self) -> bool {
         self.unresponsive
     }
@@ -448,28 +491,96 @@ mod tests {
         assert_eq!(now, late + Duration::from_millis(500));
     }
 
+    /// `n` PINGs at `now`; the PONGs they got.
+    fn pings(l: &mut Liveness, now: Instant, n: u64) -> usize {
+        for i in 0..n {
+            assert!(l.handle_frame(now, &Frame::Ping(i)));
+        }
+        std::iter::from_fn(|| l.poll_transmit())
+            .filter(|f| matches!(f, Frame::Pong(_)))
+            .count()
+    }
+
     #[test]
     fn a_ping_flood_gets_a_bounded_number_of_pongs() {
         let t0 = Instant::now();
         let mut l = Liveness::new(t0, cfg());
-        // 100,000 PINGs within one interval, then 100,000 more within the next.
-        let mut pongs = 0;
-        for half in 0..2u64 {
-            let now = t0 + Duration::from_millis(100 * half + 50);
-            for i in 0..100_000u64 {
-                assert!(l.handle_frame(now, &Frame::Ping(i)));
-            }
-            pongs += std::iter::from_fn(|| l.poll_transmit())
-                .filter(|f| matches!(f, Frame::Pong(_)))
-                .count();
-        }
+        // Half the flood limit within one interval, then the other half within the next:
+        // both in one flood window, so at the limit and not beyond it.
+        let half = u64::from(PING_FLOOD_LIMIT / 2);
+        let pongs = pings(&mut l, t0 + Duration::from_millis(50), half)
+            + pings(&mut l, t0 + Duration::from_millis(150), half);
         assert_eq!(pongs, 2 * PONGS_PER_INTERVAL as usize);
-        assert_eq!(l.stats().pings_received, 200_000);
+        assert_eq!(l.stats().pings_received, 2 * half);
         assert_eq!(
             l.stats().pings_unanswered,
-            200_000 - 2 * PONGS_PER_INTERVAL as u64
+            2 * half - 2 * PONGS_PER_INTERVAL as u64
         );
-        assert_eq!(l.poll_event(), Some(LivenessEvent::PingFlood));
-        assert_eq!(l.poll_event(), None, "reported once");
+        assert_eq!(l.poll_event(), Some(LivenessEvent::PingsUnanswered));
+        assert_eq!(l.poll_event(), None, "reported once, and no flood at the limit");
+        assert!(!l.is_unresponsive());
+    }
+
+    #[test]
+    fn pings_beyond_the_flood_limit_within_a_second_close_the_connection() {
+        let t0 = Instant::now();
+        let mut l = Liveness::new(t0, cfg());
+        let limit = u64::from(PING_FLOOD_LIMIT);
+        // The limit in one window, then one more 900 ms after the window's first PING.
+        assert_eq!(
+            pings(&mut l, t0 + Duration::from_millis(100), limit),
+            PONGS_PER_INTERVAL as usize
+        );
+        assert_eq!(l.poll_event(), Some(LivenessEvent::PingsUnanswered));
+        assert!(l.handle_frame(t0 + Duration::from_millis(1000), &Frame::Ping(0)));
+        assert_eq!(
+            l.poll_event(),
+            Some(LivenessEvent::PingFlood {
+                pings: PING_FLOOD_LIMIT + 1,
+                within: Duration::from_millis(900)
+            })
+        );
+        assert!(l.is_unresponsive());
+        assert_eq!(l.poll_timeout(), None, "nothing more to do");
+        assert_eq!(pings(&mut l, t0 + Duration::from_millis(1001), 10), 0);
+        assert_eq!(l.poll_event(), None, "declared once");
+    }
+
+    #[test]
+    fn the_flood_window_restarts_each_second_and_after_a_stall_of_this_node() {
+        let t0 = Instant::now();
+        // A timeout longer than the second between the bursts, which are all that is heard.
+        let config = LivenessConfig {
+            timeout: Duration::from_secs(5),
+            ..cfg()
+        };
+        let mut l = Liveness::new(t0, config);
+        let most = u64::from(PING_FLOOD_LIMIT) - 1;
+        // This node's timer fires when asked, up to `until`.
+        let run_until = |l: &mut Liveness, until: Instant| {
+            while let Some(due) = l.poll_timeout().filter(|&due| due <= until) {
+                l.handle_timeout(due);
+                while l.poll_transmit().is_some() {}
+            }
+        };
+        // Just under the limit in each of three windows a second apart.
+        for s in 0..3u64 {
+            let now = t0 + Duration::from_millis(1000 * s + 10);
+            run_until(&mut l, now);
+            pings(&mut l, now, most);
+        }
+        // Just under it again; then this node stalls (its timer fires late), and PINGs
+        // queued behind the stall arrive at once: a new window, not a flood.
+        let before = t0 + Duration::from_millis(3010);
+        run_until(&mut l, before);
+        pings(&mut l, before, most);
+        assert_eq!(l.stats().local_stalls, 0);
+        let late = l.poll_timeout().unwrap() + Duration::from_millis(300);
+        l.handle_timeout(late);
+        assert_eq!(l.stats().local_stalls, 1);
+        pings(&mut l, late, most);
+        assert!(!l.is_unresponsive());
+        let events: Vec<_> = std::iter::from_fn(|| l.poll_event()).collect();
+        assert_eq!(events, vec![LivenessEvent::PingsUnanswered]);
     }
 }

@@ -80,6 +80,9 @@ pub(crate) struct Core<S, T> {
     /// The peer was declared unresponsive after this much silence; the connection is
     /// closing and its end is reported as [`Closed::Unresponsive`].
     unresponsive: Option<std::time::Duration>,
+    /// The peer flooded PINGs (SPEC §8.3): the connection is closing and its end is
+    /// reported as [`Closed::PingFlood`].
+    flooded: Option<Closed>,
     /// The peer's HELLO_REJECT after HELLO_ACK (SPEC §4.2): the connection is closing and
     /// its end is reported as [`Closed::RefusedByPeer`].
     refused_by_peer: Option<kvwire_proto::wire::HelloReject>,
@@ -95,6 +98,7 @@ impl<S: Session, T: Transport> Core<S, T> {
             closed: None,
             liveness: None,
             unresponsive: None,
+            flooded: None,
             refused_by_peer: None,
         }
     }
@@ -135,6 +139,14 @@ impl<S: Session, T: Transport> Core<S, T> {
         }
         l.handle_write_blocked(self.transport.write_blocked_since());
         l.handle_timeout(now);
+        self.handle_liveness_events(now);
+    }
+
+    /// The heartbeat's verdicts: an unresponsive peer or a PING flood closes the connection.
+    fn handle_liveness_events(&mut self, now: Instant) {
+        let Some(l) = self.liveness.as_mut() else {
+            return;
+        };
         while let Some(event) = l.poll_event() {
             let silent_for = match event {
                 LivenessEvent::Unresponsive { silent_for } => {
@@ -151,11 +163,23 @@ impl<S: Session, T: Transport> Core<S, T> {
                     );
                     blocked_for
                 }
-                LivenessEvent::PingFlood => {
+                LivenessEvent::PingsUnanswered => {
                     tracing::warn!(
                         "the peer sends PINGs faster than this node answers ({} per interval); the rest go unanswered",
                         kvwire_proto::liveness::PONGS_PER_INTERVAL
                     );
+                    continue;
+                }
+                LivenessEvent::PingFlood { pings, within } => {
+                    let why = Closed::PingFlood { pings, within };
+                    tracing::warn!("{why}; closing the connection");
+                    if self.closed.is_none() && self.unresponsive.is_none() && self.flooded.is_none() {
+                        self.flooded = Some(why);
+                        // As for an unresponsive peer: the session first, so that its
+                        // transfers fail as on peer loss, not for the writes the close fails.
+                        self.session.handle_peer_lost(now);
+                        self.transport.close(now);
+                    }
                     continue;
                 }
                 _ => continue,
@@ -213,6 +237,8 @@ impl<S: Session, T: Transport> Core<S, T> {
             TransportEvent::Frame(frame) => {
                 if let Some(l) = self.liveness.as_mut() {
                     if l.handle_frame(now, &frame) {
+                        // A PING may have been one too many (SPEC §8.3's flood).
+                        self.handle_liveness_events(now);
                         return None;
                     }
                 }
@@ -239,6 +265,9 @@ impl<S: Session, T: Transport> Core<S, T> {
                     if let Some(silent_for) = unresponsive {
                         self.closed = Some(Closed::Unresponsive { silent_for });
                         self.session.handle_peer_unresponsive(now);
+                    } else if let Some(flood) = self.flooded.take() {
+                        self.closed = Some(flood);
+                        self.session.handle_peer_lost(now);
                     } else {
                         // A HELLO_REJECT after HELLO_ACK: report the peer's refusal (SPEC §4.2).
                         self.closed = Some(match self.refused_by_peer.take() {

@@ -473,17 +473,37 @@ fn poll_inputs<D: crate::driver::Driver>(
 /// Hands finished transfers over; first, if the connection ended, says so to the handles
 /// (`is_closed`), so that no transfer reported failed by it can see it still up: a transfer
 /// about to pick a connection never picks one whose peer is already gone.
-fn report<T: ConnectionTask>(task: &mut T, ended: &AtomicBool) {
-    if crate::driver::Driver::closed(task.driver()).is_some() {
-        ended.store(true, Ordering::Release);
+fn report<T: ConnectionTask>(task: &mut T, ended: &Ended) {
+    if let Some(why) = crate::driver::Driver::closed(task.driver()) {
+        ended.why.get_or_init(|| why.clone());
+        ended.flag.store(true, Ordering::Release);
     }
     task.report();
+}
+
+/// Whether a connection ended, and why, as its task saw it; shared with the engine handles.
+#[derive(Debug, Default)]
+pub(crate) struct Ended {
+    flag: AtomicBool,
+    why: std::sync::OnceLock<crate::transport::Closed>,
+}
+
+impl Ended {
+    /// Whether the connection ended (its peer lost, it closed, or its task finished).
+    pub(crate) fn is_set(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+
+    /// Why the connection ended, once it has.
+    pub(crate) fn why(&self) -> Option<crate::transport::Closed> {
+        self.why.get().cloned()
+    }
 }
 
 pub(crate) async fn run_task<T: ConnectionTask>(
     mut task: T,
     mut commands: tokio::sync::mpsc::UnboundedReceiver<T::Command>,
-    ended: Arc<AtomicBool>,
+    ended: Arc<Ended>,
 ) {
     use crate::driver::Driver;
     use std::time::Instant;
@@ -524,7 +544,7 @@ pub(crate) async fn run_task<T: ConnectionTask>(
         // nothing more can happen on this connection (its pool lives on in the verified
         // handles the engine still holds).
         if !engine_open && task.driver().open_transfers() == 0 {
-            ended.store(true, Ordering::Release);
+            ended.flag.store(true, Ordering::Release);
             return;
         }
         let wake = task

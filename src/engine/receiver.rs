@@ -3,7 +3,7 @@
 //! connection's transport.
 
 use kvwire_proto::wire::{TransferId, TransferIdMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -173,7 +173,7 @@ impl Drop for Verified {
 pub struct ReceiverConn {
     cmd: mpsc::UnboundedSender<Cmd>,
     /// Set by the connection's task once the connection ended (its peer lost, or closed).
-    ended: Arc<AtomicBool>,
+    ended: Arc<super::Ended>,
     peer: Hello,
 }
 
@@ -211,7 +211,7 @@ impl ReceiverConn {
             stats: ReceiverConnStats::default(),
             log: super::FailureLog::new("receiver", est.peer.node_id),
         };
-        let ended = Arc::new(AtomicBool::new(false));
+        let ended = Arc::new(super::Ended::default());
         tokio::spawn(super::run_task(task, cmd_rx, ended.clone()));
         Ok(Self {
             cmd,
@@ -228,7 +228,14 @@ impl ReceiverConn {
     /// Whether the connection ended (its peer lost, it closed, or its task is gone): no new
     /// transfer can go over it. Does not wait (unlike the `peer_lost` of its stats).
     pub fn is_closed(&self) -> bool {
-        self.ended.load(Ordering::Acquire) || self.cmd.is_closed()
+        self.ended.is_set() || self.cmd.is_closed()
+    }
+
+    /// Why the connection ended, once its task saw it end: the peer gone, a frame that failed
+    /// authentication, the peer unresponsive or flooding PINGs (SPEC §8.3), closed by this
+    /// side. `None` while it is up (and after a close by dropping every handle).
+    pub fn closed_reason(&self) -> Option<crate::transport::Closed> {
+        self.ended.why()
     }
 
     /// Reserves pages for a transfer and waits for its verified KV, or the typed reason it

@@ -2,7 +2,6 @@
 //! which runs the sender driver over the connection's transport.
 
 use kvwire_proto::wire::{TransferId, TransferIdMap};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -107,7 +106,7 @@ pub struct SenderConnStats {
 pub struct SenderConn {
     cmd: mpsc::UnboundedSender<Cmd>,
     /// Set by the connection's task once the connection ended (its peer lost, or closed).
-    ended: Arc<AtomicBool>,
+    ended: Arc<super::Ended>,
     peer: Hello,
     admission: AdmissionPolicy,
 }
@@ -146,7 +145,7 @@ impl SenderConn {
             log: super::FailureLog::new("sender", est.peer.node_id),
             rooms: node.rooms().clone(),
         };
-        let ended = Arc::new(AtomicBool::new(false));
+        let ended = Arc::new(super::Ended::default());
         tokio::spawn(super::run_task(task, cmd_rx, ended.clone()));
         Ok(Self {
             cmd,
@@ -164,7 +163,14 @@ impl SenderConn {
     /// Whether the connection ended (its peer lost, it closed, or its task is gone): no new
     /// transfer can go over it. Does not wait (unlike the `peer_lost` of its stats).
     pub fn is_closed(&self) -> bool {
-        self.ended.load(Ordering::Acquire) || self.cmd.is_closed()
+        self.ended.is_set() || self.cmd.is_closed()
+    }
+
+    /// Why the connection ended, once its task saw it end: the peer gone, a frame that failed
+    /// authentication, the peer unresponsive or flooding PINGs (SPEC §8.3), closed by this
+    /// side. `None` while it is up (and after a close by dropping every handle).
+    pub fn closed_reason(&self) -> Option<crate::transport::Closed> {
+        self.ended.why()
     }
 
     /// Admits a request, or rejects it with its typed error, at once, in the caller's thread

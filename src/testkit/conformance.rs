@@ -2,7 +2,8 @@
 //! listening decode (`kvwire bench --listen`, or a third party's) and checks, one fresh
 //! connection per check, the rules a listener must follow whatever its peer sends: what it
 //! refuses in the handshake and with which code, what ends a connection, the heartbeat and
-//! its bound under a PING flood, and that it still serves a correct peer afterwards. Run it
+//! its bound under a PING flood (more than `PING_FLOOD_LIMIT` a second, which a target MAY
+//! close), and that it still serves a correct peer afterwards. Run it
 //! with `kvwire conform --connect ADDR` (the CLI's `conform` feature) or call [`run`].
 //!
 //! The kit's node configuration must describe the same layout, fingerprint and key as the
@@ -151,7 +152,7 @@ pub async fn run(addr: SocketAddr, config: &NodeConfig, options: Options) -> Vec
         kit.after_handshake(Bad::Magic)
     );
     check!(
-        "a PING flood gets at most 16 PONGs per interval",
+        "a PING flood gets at most 16 PONGs per interval (and may be closed)",
         "§8.3",
         kit.ping_flood()
     );
@@ -399,18 +400,20 @@ impl Kit {
                     sent += 1;
                     match sealer.seal_to_vec(&Frame::Ping(sent)) {
                         Ok(b) => batch.extend_from_slice(&b),
-                        Err(_) => return (sent, false),
+                        Err(_) => return (sent, false, wr),
                     }
                 }
                 match tokio::time::timeout(flood, wr.write_all(&batch)).await {
                     Ok(Ok(())) => {}
                     // Closed by the target, or it stopped reading: either is allowed.
-                    _ => return (sent, true),
+                    _ => return (sent, true, wr),
                 }
             }
-            (sent, false)
+            (sent, false, wr)
         });
-        let (sent, cut) = sending.await.map_err(|e| e.to_string())?;
+        // The write half is kept open while the answers are read: dropping it would end the
+        // stream, and a target closing then would not show that it closed the flood.
+        let (sent, cut, _wr) = sending.await.map_err(|e| e.to_string())?;
         let elapsed = flood + self.options.interval;
         // What the target answered, read only now.
         let mut got = Vec::new();
@@ -439,7 +442,11 @@ impl Kit {
             } else {
                 ""
             },
-            if closed { ", then closed" } else { "" }
+            if closed {
+                ", then closed"
+            } else {
+                ", still open"
+            }
         );
         Ok(if pongs <= bound {
             Verdict::Pass(format!("{seen} (bound {bound})"))

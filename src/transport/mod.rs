@@ -161,6 +161,15 @@ pub enum Closed {
         /// How long the peer had been silent.
         silent_for: std::time::Duration,
     },
+    /// This side closed it because the peer sent more PINGs within a second than any peer
+    /// within the rules does (SPEC §8.3, [`kvwire_proto::liveness::PING_FLOOD_LIMIT`]): a
+    /// flood. Every transfer on it fails as on peer loss.
+    PingFlood {
+        /// PINGs counted in the window when it was declared.
+        pings: u32,
+        /// From the window's first PING to the one that crossed the limit.
+        within: std::time::Duration,
+    },
 }
 
 impl std::fmt::Display for Closed {
@@ -180,6 +189,12 @@ impl std::fmt::Display for Closed {
                 f,
                 "peer unresponsive: nothing received for {} ms",
                 silent_for.as_millis()
+            ),
+            Self::PingFlood { pings, within } => write!(
+                f,
+                "PING flood: the peer sent {pings} PINGs within {} ms (more than {} a second)",
+                within.as_millis(),
+                kvwire_proto::liveness::PING_FLOOD_LIMIT
             ),
         }
     }
