@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kvwire::testkit::conformance::{self, Options, Verdict};
 use kvwire::transport::Closed;
-use kvwire::{Auth, Listener, ListenerConfig, Node, NodeConfig, ReceiverConn};
+use kvwire::{Auth, Listener, ListenerConfig, Node, NodeConfig, ReceiverConn, SenderConn};
 
 async fn check_against_a_listener(auth: Auth) {
     let mut config = NodeConfig::example();
@@ -51,7 +51,10 @@ async fn check_against_a_listener(auth: Auth) {
         }
     }
     // Closed by the decode while the kit still read (not only when the kit hung up).
-    let flood = checked.iter().find(|c| c.name.starts_with("a PING flood")).unwrap();
+    let flood = checked
+        .iter()
+        .find(|c| c.name.starts_with("a PING flood"))
+        .unwrap();
     assert!(
         matches!(&flood.verdict, Verdict::Pass(seen) if seen.contains(", then closed")),
         "{flood:?}"
@@ -60,7 +63,10 @@ async fn check_against_a_listener(auth: Auth) {
         .iter()
         .filter(|r| matches!(r, Some(Closed::PingFlood { pings, .. }) if *pings > kvwire::proto::liveness::PING_FLOOD_LIMIT))
         .count();
-    assert_eq!(floods, 1, "one connection closed as a PING flood: {reasons:?}");
+    assert_eq!(
+        floods, 1,
+        "one connection closed as a PING flood: {reasons:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,4 +77,82 @@ async fn kvwires_listener_passes_the_conformance_kit_with_authentication() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kvwires_listener_passes_the_conformance_kit_without_authentication() {
     check_against_a_listener(Auth::Off).await;
+}
+
+/// The prefill half of the kit (`conformance::run_prefill`) against kvwire's prefill, which
+/// connects again whenever a check ended its connection: every check passes (those that
+/// write unsealed frames are skipped, with their reason, where it authenticates), and its
+/// connection of the PING flood ended as `Closed::PingFlood`.
+async fn check_a_prefill(auth: Auth) {
+    let mut config = NodeConfig::example();
+    config.auth = auth;
+    config.handshake_timeout = Duration::from_secs(1);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let prefill = Node::new(config.clone()).unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = done.clone();
+    let connecting = tokio::spawn(async move {
+        let mut reasons = Vec::new();
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            match SenderConn::connect(addr, &prefill).await {
+                Ok(c) => {
+                    while !c.is_closed() && !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    reasons.push(c.closed_reason());
+                }
+                // Refused, or the kit said nothing: connect again.
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        reasons
+    });
+    let options = Options {
+        wait: Duration::from_secs(5),
+        ..Options::default()
+    };
+    let checked = conformance::run_prefill(&listener, &config, options).await;
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let reasons = connecting.await.unwrap();
+    let shown: Vec<String> = checked
+        .iter()
+        .map(|c| format!("{} ({}): {:?}", c.name, c.spec, c.verdict))
+        .collect();
+    let shown = shown.join("\n");
+    println!("{shown}");
+    assert_eq!(checked.len(), 13, "{shown}");
+    for c in &checked {
+        match &c.verdict {
+            Verdict::Pass(_) => {}
+            Verdict::Skip(why) if config.auth.is_on() && why.contains("authenticates") => {}
+            other => panic!("{}: {other:?}\n{shown}", c.name),
+        }
+    }
+    let flood = checked
+        .iter()
+        .find(|c| c.name.starts_with("a PING flood"))
+        .unwrap();
+    assert!(
+        matches!(&flood.verdict, Verdict::Pass(seen) if seen.contains(", then closed")),
+        "{flood:?}"
+    );
+    let floods = reasons
+        .iter()
+        .filter(|r| matches!(r, Some(Closed::PingFlood { .. })))
+        .count();
+    assert_eq!(
+        floods, 1,
+        "one connection closed as a PING flood: {reasons:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvwires_prefill_passes_the_conformance_kit_with_authentication() {
+    check_a_prefill(Auth::ephemeral()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvwires_prefill_passes_the_conformance_kit_without_authentication() {
+    check_a_prefill(Auth::Off).await;
 }

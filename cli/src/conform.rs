@@ -1,24 +1,32 @@
 //! `kvwire conform` (feature `conform`): the conformance kit
 //! ([`kvwire::testkit::conformance`]) as a command: a scripted prefill against a listening
-//! decode, one line per check, non-zero exit on any failure.
+//! decode (`--connect`), a scripted decode for connecting prefills (`--listen`), or both
+//! against kvwire in this process (`--self-test`); one line per check, non-zero exit on any
+//! failure.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvwire::config::file::ConfigFile;
-use kvwire::testkit::conformance::{self, Options, Verdict};
-use kvwire::{Listener, ListenerConfig, Node};
+use kvwire::testkit::conformance::{self, Checked, Options, Verdict};
+use kvwire::{Listener, ListenerConfig, Node, NodeConfig, SenderConn};
 
-/// Runs the kit against `connect`, or, with `self_test`, against a kvwire decode listening in
-/// this process with the same configuration.
-pub fn main(
-    connect: Option<SocketAddr>,
-    config: &Path,
-    self_test: bool,
-    options: Options,
-) -> ExitCode {
+/// What the command checks.
+pub enum Target {
+    /// The decode listening there.
+    Decode(SocketAddr),
+    /// The prefills that connect here.
+    Prefill(SocketAddr),
+    /// kvwire's own decode and prefill, in this process.
+    SelfTest,
+}
+
+/// Runs the kit as `target` says.
+pub fn main(target: Target, config: &Path, options: Options) -> ExitCode {
     let node_config = match ConfigFile::load(config).and_then(|c| c.node_config()) {
         Ok(c) => c,
         Err(e) => {
@@ -34,41 +42,38 @@ pub fn main(
         }
     };
     let checked = rt.block_on(async {
-        let (addr, held) = match (connect, self_test) {
-            (Some(addr), false) => (addr, None),
-            (None, true) => {
-                let node = Node::new(node_config.clone()).map_err(|e| e.to_string())?;
-                let mut listener =
-                    Listener::receivers("127.0.0.1:0", &node, ListenerConfig::default())
-                        .await
-                        .map_err(|e| e.to_string())?;
-                let addr = listener.local_addr();
-                let held = tokio::spawn(async move {
-                    let mut held = Vec::new();
-                    while let Some(c) = listener.accept().await {
-                        held.push(c);
-                    }
-                });
-                (addr, Some(held))
+        let mut checked = Vec::new();
+        match target {
+            Target::Decode(addr) => {
+                println!("kvwire conform: checking the decode listening at {addr}");
+                checked.extend(conformance::run(addr, &node_config, options).await);
             }
-            _ => return Err("give --connect ADDR or --self-test".to_string()),
-        };
-        println!("kvwire conform: checking the decode listening at {addr}");
-        let before = resident_kib("VmRSS");
-        let checked = conformance::run(addr, &node_config, options).await;
-        if let (true, Some(before), Some(peak)) = (held.is_some(), before, resident_kib("VmHWM")) {
-            // The decode runs in this process: what the checks (the PING flood among them)
-            // made it hold at most, the kit's own buffers included.
-            println!(
-                "kvwire conform: resident {:.1} MB before the checks, peak {:.1} MB (kit and decode together)",
-                before as f64 / 1024.0,
-                peak as f64 / 1024.0
-            );
+            Target::Prefill(addr) => {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| format!("listen on {addr}: {e}"))?;
+                println!(
+                    "kvwire conform: checking the prefill that connects to {} (it must connect again after each check)",
+                    listener.local_addr().map_err(|e| e.to_string())?
+                );
+                checked.extend(conformance::run_prefill(&listener, &node_config, options).await);
+            }
+            Target::SelfTest => {
+                let before = resident_kib("VmRSS");
+                checked.extend(self_test_decode(&node_config, options).await?);
+                checked.extend(self_test_prefill(&node_config, options).await?);
+                if let (Some(before), Some(peak)) = (before, resident_kib("VmHWM")) {
+                    // kvwire's decode and prefill run in this process: what the checks (the
+                    // PING floods among them) made it hold at most, the kit's buffers included.
+                    println!(
+                        "kvwire conform: resident {:.1} MB before the checks, peak {:.1} MB (kit, decode and prefill together)",
+                        before as f64 / 1024.0,
+                        peak as f64 / 1024.0
+                    );
+                }
+            }
         }
-        if let Some(h) = held {
-            h.abort();
-        }
-        Ok(checked)
+        Ok::<_, String>(checked)
     });
     let checked = match checked {
         Ok(c) => c,
@@ -95,6 +100,54 @@ pub fn main(
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// The decode checks against a kvwire decode listening in this process.
+async fn self_test_decode(config: &NodeConfig, options: Options) -> Result<Vec<Checked>, String> {
+    let node = Node::new(config.clone()).map_err(|e| e.to_string())?;
+    let mut listener = Listener::receivers("127.0.0.1:0", &node, ListenerConfig::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr();
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Some(c) = listener.accept().await {
+            held.push(c);
+        }
+    });
+    println!("kvwire conform: checking kvwire's decode listening at {addr}");
+    let checked = conformance::run(addr, config, options).await;
+    held.abort();
+    Ok(checked)
+}
+
+/// The prefill checks against a kvwire prefill in this process that connects again whenever
+/// a check ended its connection.
+async fn self_test_prefill(config: &NodeConfig, options: Options) -> Result<Vec<Checked>, String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let node = Node::new(config.clone()).map_err(|e| e.to_string())?;
+    let done = Arc::new(AtomicBool::new(false));
+    let stop = done.clone();
+    let connecting = tokio::spawn(async move {
+        while !stop.load(Ordering::SeqCst) {
+            match SenderConn::connect(addr, &node).await {
+                Ok(c) => {
+                    while !c.is_closed() && !stop.load(Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    });
+    println!("kvwire conform: checking kvwire's prefill connecting to {addr}");
+    let checked = conformance::run_prefill(&listener, config, options).await;
+    done.store(true, Ordering::SeqCst);
+    let _ = connecting.await;
+    Ok(checked)
 }
 
 /// A `/proc/self/status` size in KiB (`VmRSS`, `VmHWM`), where there is one.

@@ -49,18 +49,23 @@ enum Command {
     /// Prints a fresh random pre-shared key (hex) for `--psk-file`, `[auth] psk_file`,
     /// KVWIRE_PSK_FILE or KVWIRE_PSK.
     GenPsk,
-    /// The conformance kit: a scripted prefill against a listening decode (any
-    /// implementation's), one fresh connection per check; exits non-zero if one fails.
+    /// The conformance kit: a scripted prefill against a listening decode (`--connect`) or a
+    /// scripted decode for a connecting prefill (`--listen`), any implementation's, one
+    /// connection per check; exits non-zero if one fails.
     #[cfg(feature = "conform")]
     Conform {
         /// The decode's listening address.
-        #[arg(long)]
+        #[arg(long, conflicts_with_all = ["listen", "self_test"])]
         connect: Option<std::net::SocketAddr>,
+        /// Listen here for the prefill's connections (run it with its connect address set
+        /// here, again each time a check closes it, until the kit is done).
+        #[arg(long, conflicts_with = "self_test")]
+        listen: Option<std::net::SocketAddr>,
         /// The kit's node configuration (TOML, as `check-config` reads): the target's layout,
         /// fingerprint and key.
         #[arg(long)]
         config: PathBuf,
-        /// Check a kvwire decode listening in this process, with the same configuration.
+        /// Check kvwire's decode and prefill in this process, with the same configuration.
         #[arg(long)]
         self_test: bool,
         /// Seconds to wait for an answer or a close (longer than the target's handshake and
@@ -281,16 +286,25 @@ fn main() -> ExitCode {
         #[cfg(feature = "conform")]
         Command::Conform {
             connect,
+            listen,
             config,
             self_test,
             wait_s,
             interval_ms,
-        } => conform::main(
-            connect,
-            &config,
-            self_test,
-            conform::options(wait_s, interval_ms),
-        ),
+        } => {
+            let target = match (connect, listen, self_test) {
+                (Some(a), None, false) => conform::Target::Decode(a),
+                (None, Some(a), false) => conform::Target::Prefill(a),
+                (None, None, true) => conform::Target::SelfTest,
+                _ => {
+                    eprintln!(
+                        "kvwire conform: give one of --connect ADDR, --listen ADDR, --self-test"
+                    );
+                    return ExitCode::from(2);
+                }
+            };
+            conform::main(target, &config, conform::options(wait_s, interval_ms))
+        }
         Command::GenPsk => match kvwire::config::auth::generate_hex() {
             Ok(k) => {
                 println!("{k}");

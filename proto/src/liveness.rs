@@ -517,7 +517,11 @@ mod tests {
             2 * half - 2 * PONGS_PER_INTERVAL as u64
         );
         assert_eq!(l.poll_event(), Some(LivenessEvent::PingsUnanswered));
-        assert_eq!(l.poll_event(), None, "reported once, and no flood at the limit");
+        assert_eq!(
+            l.poll_event(),
+            None,
+            "reported once, and no flood at the limit"
+        );
         assert!(!l.is_unresponsive());
     }
 

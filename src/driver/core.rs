@@ -173,7 +173,10 @@ impl<S: Session, T: Transport> Core<S, T> {
                 LivenessEvent::PingFlood { pings, within } => {
                     let why = Closed::PingFlood { pings, within };
                     tracing::warn!("{why}; closing the connection");
-                    if self.closed.is_none() && self.unresponsive.is_none() && self.flooded.is_none() {
+                    if self.closed.is_none()
+                        && self.unresponsive.is_none()
+                        && self.flooded.is_none()
+                    {
                         self.flooded = Some(why);
                         // As for an unresponsive peer: the session first, so that its
                         // transfers fail as on peer loss, not for the writes the close fails.

@@ -8,8 +8,8 @@
 //!   aborts just before a protocol step.
 //! * [`Pair`] runs the production drivers of both roles over such transports: over loopback
 //!   with simulated time (deterministic), over TCP or RDMA in real time.
-//! * [`conformance`] plays a scripted prefill against any implementation's listening decode
-//!   (`kvwire conform`).
+//! * [`conformance`] plays a scripted prefill against any implementation's listening decode,
+//!   and a scripted decode for its connecting prefill (`kvwire conform`).
 
 pub mod conformance;
 mod faults;

@@ -4,7 +4,9 @@
 //! refuses in the handshake and with which code, what ends a connection, the heartbeat and
 //! its bound under a PING flood (more than `PING_FLOOD_LIMIT` a second, which a target MAY
 //! close), and that it still serves a correct peer afterwards. Run it
-//! with `kvwire conform --connect ADDR` (the CLI's `conform` feature) or call [`run`].
+//! with `kvwire conform --connect ADDR` (the CLI's `conform` feature) or call [`run`]. Its
+//! other half, [`run_prefill`] (`kvwire conform --listen ADDR`), plays a scripted decode for
+//! an implementation's prefill.
 //!
 //! The kit's node configuration must describe the same layout, fingerprint and key as the
 //! target's (the kit is a real prefill for its correct handshakes). Each check reports
@@ -16,7 +18,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use kvwire_proto::auth::Sealer;
+use kvwire_proto::auth::{AuthChannel, Sealer};
 use kvwire_proto::handshake::HandshakeError;
 use kvwire_proto::wire::{ErrorCode, Frame, Hello, Role, MAGIC};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -25,6 +27,9 @@ use tokio::net::TcpStream;
 use crate::config::NodeConfig;
 use crate::engine::{handshake_hello, EngineError};
 use crate::transport::tcp::{DataHeader, TcpParams};
+
+mod prefill;
+pub use prefill::run_prefill;
 
 /// How a check ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -193,21 +198,6 @@ impl Kit {
             .map_err(|e| format!("connect to {}: {e}", self.addr))
     }
 
-    /// Reads until the target closes the connection or `wait` passes: the bytes, and whether
-    /// it closed (end of stream or a reset).
-    async fn until_closed(&self, s: &mut TcpStream, wait: Duration) -> (Vec<u8>, bool) {
-        let deadline = tokio::time::Instant::now() + wait;
-        let mut got = Vec::new();
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
-                Err(_) => return (got, false),
-                Ok(Ok(0)) | Ok(Err(_)) => return (got, true),
-                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
-            }
-        }
-    }
-
     /// A correct handshake with `hello` as the kit's.
     async fn handshake(
         &self,
@@ -232,7 +222,7 @@ impl Kit {
         s.write_all(b"GET / HTTP/1.0\r\n\r\n")
             .await
             .map_err(|e| e.to_string())?;
-        Ok(match self.until_closed(&mut s, self.options.wait).await {
+        Ok(match until_closed(&mut s, self.options.wait).await {
             (b, true) if b.is_empty() => Verdict::Pass("closed, nothing sent".into()),
             (b, true) => Verdict::Fail(format!("closed after sending {} bytes", b.len())),
             (_, false) => Verdict::Fail(format!(
@@ -252,7 +242,7 @@ impl Kit {
         bytes[n..].copy_from_slice(&crc.to_le_bytes());
         let mut s = self.connect().await?;
         s.write_all(&bytes).await.map_err(|e| e.to_string())?;
-        let (got, _) = self.until_closed(&mut s, self.options.wait).await;
+        let (got, _) = until_closed(&mut s, self.options.wait).await;
         Ok(match first_frame(&got) {
             Some(Frame::HelloReject(r)) if r.code == ErrorCode::VERSION_MISMATCH => {
                 Verdict::Pass(format!("HELLO_REJECT({}): {}", r.code, r.detail))
@@ -276,7 +266,7 @@ impl Kit {
     async fn silent(&self) -> Step {
         let mut s = self.connect().await?;
         let start = Instant::now();
-        Ok(match self.until_closed(&mut s, self.options.wait).await {
+        Ok(match until_closed(&mut s, self.options.wait).await {
             (got, true) => {
                 let said = match first_frame(&got) {
                     Some(Frame::HelloReject(r)) => format!(", HELLO_REJECT({})", r.code),
@@ -371,7 +361,7 @@ impl Kit {
         };
         s.write_all(&bytes).await.map_err(|e| e.to_string())?;
         // The target may send PINGs first; what counts is that it closes.
-        Ok(match self.until_closed(&mut s, self.options.wait).await {
+        Ok(match until_closed(&mut s, self.options.wait).await {
             (_, true) => Verdict::Pass("closed".into()),
             (_, false) => Verdict::Fail(format!(
                 "still open after {} s",
@@ -385,74 +375,7 @@ impl Kit {
             .handshake(self.hello())
             .await
             .map_err(|e| e.to_string())?;
-        let (sealer, mut opener) = channel.split();
-        let (mut rd, mut wr) = s.into_split();
-        let flood = self.options.flood;
-        // Sends PINGs as fast as the socket takes them for `flood`, reading nothing.
-        let sending = tokio::spawn(async move {
-            let mut sealer: Sealer = sealer;
-            let start = Instant::now();
-            let mut sent = 0u64;
-            let mut batch = Vec::with_capacity(64 * 1024);
-            while start.elapsed() < flood {
-                batch.clear();
-                for _ in 0..1000 {
-                    sent += 1;
-                    match sealer.seal_to_vec(&Frame::Ping(sent)) {
-                        Ok(b) => batch.extend_from_slice(&b),
-                        Err(_) => return (sent, false, wr),
-                    }
-                }
-                match tokio::time::timeout(flood, wr.write_all(&batch)).await {
-                    Ok(Ok(())) => {}
-                    // Closed by the target, or it stopped reading: either is allowed.
-                    _ => return (sent, true, wr),
-                }
-            }
-            (sent, false, wr)
-        });
-        // The write half is kept open while the answers are read: dropping it would end the
-        // stream, and a target closing then would not show that it closed the flood.
-        let (sent, cut, _wr) = sending.await.map_err(|e| e.to_string())?;
-        let elapsed = flood + self.options.interval;
-        // What the target answered, read only now.
-        let mut got = Vec::new();
-        let mut chunk = vec![0u8; 64 * 1024];
-        let deadline = tokio::time::Instant::now() + self.options.interval * 4;
-        let closed = loop {
-            match tokio::time::timeout_at(deadline, rd.read(&mut chunk)).await {
-                Err(_) => break false,
-                Ok(Ok(0)) | Ok(Err(_)) => break true,
-                Ok(Ok(n)) => got.extend_from_slice(&chunk[..n]),
-            }
-        };
-        let mut pongs = 0u64;
-        let mut at = 0;
-        while let Ok((frame, used)) = opener.open(&got[at..]) {
-            at += used;
-            pongs += u64::from(matches!(frame, Frame::Pong(_)));
-        }
-        let intervals =
-            (elapsed.as_secs_f64() / self.options.interval.as_secs_f64()).ceil() as u64 + 4;
-        let bound = 16 * intervals;
-        let seen = format!(
-            "{sent} PINGs sent{}, {pongs} PONGs back{}",
-            if cut {
-                " (the target stopped taking them)"
-            } else {
-                ""
-            },
-            if closed {
-                ", then closed"
-            } else {
-                ", still open"
-            }
-        );
-        Ok(if pongs <= bound {
-            Verdict::Pass(format!("{seen} (bound {bound})"))
-        } else {
-            Verdict::Fail(format!("{seen}: more than {bound}"))
-        })
+        ping_flood(s, channel, self.options).await
     }
 
     async fn correct(&self) -> Step {
@@ -460,6 +383,94 @@ impl Kit {
             Ok(_) => Verdict::Pass("HELLO_ACK".into()),
             Err(e) => Verdict::Fail(e.to_string()),
         })
+    }
+}
+
+/// Floods PINGs on an established connection for `options.flood`, reading nothing, then
+/// reads what the target answered: at most 16 PONGs per interval (SPEC §8.3), and whether it
+/// closed the connection (a target MAY close a flood).
+async fn ping_flood(s: TcpStream, channel: AuthChannel, options: Options) -> Step {
+    let (sealer, mut opener) = channel.split();
+    let (mut rd, mut wr) = s.into_split();
+    let flood = options.flood;
+    // Sends PINGs as fast as the socket takes them for `flood`, reading nothing.
+    let sending = tokio::spawn(async move {
+        let mut sealer: Sealer = sealer;
+        let start = Instant::now();
+        let mut sent = 0u64;
+        let mut batch = Vec::with_capacity(64 * 1024);
+        while start.elapsed() < flood {
+            batch.clear();
+            for _ in 0..1000 {
+                sent += 1;
+                match sealer.seal_to_vec(&Frame::Ping(sent)) {
+                    Ok(b) => batch.extend_from_slice(&b),
+                    Err(_) => return (sent, false, wr),
+                }
+            }
+            match tokio::time::timeout(flood, wr.write_all(&batch)).await {
+                Ok(Ok(())) => {}
+                // Closed by the target, or it stopped reading: either is allowed.
+                _ => return (sent, true, wr),
+            }
+        }
+        (sent, false, wr)
+    });
+    // The write half is kept open while the answers are read: dropping it would end the
+    // stream, and a target closing then would not show that it closed the flood.
+    let (sent, cut, _wr) = sending.await.map_err(|e| e.to_string())?;
+    let elapsed = flood + options.interval;
+    // What the target answered, read only now.
+    let mut got = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let deadline = tokio::time::Instant::now() + options.interval * 4;
+    let closed = loop {
+        match tokio::time::timeout_at(deadline, rd.read(&mut chunk)).await {
+            Err(_) => break false,
+            Ok(Ok(0)) | Ok(Err(_)) => break true,
+            Ok(Ok(n)) => got.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let mut pongs = 0u64;
+    let mut at = 0;
+    while let Ok((frame, used)) = opener.open(&got[at..]) {
+        at += used;
+        pongs += u64::from(matches!(frame, Frame::Pong(_)));
+    }
+    let intervals = (elapsed.as_secs_f64() / options.interval.as_secs_f64()).ceil() as u64 + 4;
+    let bound = 16 * intervals;
+    let seen = format!(
+        "{sent} PINGs sent{}, {pongs} PONGs back{}",
+        if cut {
+            " (the target stopped taking them)"
+        } else {
+            ""
+        },
+        if closed {
+            ", then closed"
+        } else {
+            ", still open"
+        }
+    );
+    Ok(if pongs <= bound {
+        Verdict::Pass(format!("{seen} (bound {bound})"))
+    } else {
+        Verdict::Fail(format!("{seen}: more than {bound}"))
+    })
+}
+
+/// Reads until the target closes the connection or `wait` passes: the bytes, and whether
+/// it closed (end of stream or a reset).
+async fn until_closed(s: &mut TcpStream, wait: Duration) -> (Vec<u8>, bool) {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Err(_) => return (got, false),
+            Ok(Ok(0)) | Ok(Err(_)) => return (got, true),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+        }
     }
 }
 

@@ -1,0 +1,607 @@
+//! The kit's other half: a scripted decode that any implementation's prefill connects to
+//! (`kvwire conform --listen ADDR`, then the prefill's `--connect ADDR`, run again each time
+//! it is closed). Each check takes one connection: how the prefill's HELLO reads, what it
+//! does with a refusal, a HELLO_ACK it must refuse and a server that never answers, and after
+//! a correct handshake the rules a sender follows whatever its peer sends: heartbeats, an
+//! ABORT for a transfer it does not know, reservations it has no request for (parked, then
+//! refused; their number bounded), a frame only a sender sends, a PING flood; and last, that
+//! it still connects. The prefill must keep connecting until the kit is done, and its
+//! handshake timeout must be shorter than the kit's `wait`.
+
+use std::time::{Duration, Instant};
+
+use kvwire_proto::auth::{OpenError, Opener, Sealer};
+use kvwire_proto::handshake::HandshakeError;
+use kvwire_proto::wire::{
+    Abort, DecodeError, DigestAlgorithm, ErrorCode, Frame, Hello, HelloReject, Reject, Reserve,
+    Role, TransferId, TransferRef, MAGIC,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::{first_frame, ping_flood, until_closed, Checked, Options, Step, Verdict};
+use crate::config::NodeConfig;
+use crate::engine::{handshake_hello, EngineError};
+use crate::transport::tcp::TcpParams;
+
+/// Transfer ids the kit names in its frames: far from any a workload picks, so that the
+/// prefill has no request for them.
+const KIT_IDS: u64 = 0x6b76_636f_6e66_0000;
+
+/// Reservations the kit sends for requests the prefill does not have, to find its bound on
+/// parked reservations (SPEC §5.1: a sender MUST bound them; kvwire's default is 256).
+const RESERVATIONS_TO_PARK: u64 = 5_000;
+
+/// Runs every check against the prefills that connect to `listener`, as a decode configured
+/// by `config` (same layout, fingerprint and key as the prefill's), one accepted connection
+/// per check, in order; the last is a correct handshake after all the others.
+pub async fn run_prefill(
+    listener: &TcpListener,
+    config: &NodeConfig,
+    options: Options,
+) -> Vec<Checked> {
+    let kit = Kit {
+        listener,
+        config: config.clone(),
+        options,
+    };
+    let mut out = Vec::new();
+    macro_rules! check {
+        ($name:expr, $spec:expr, $f:expr) => {
+            out.push(Checked {
+                name: $name,
+                spec: $spec,
+                verdict: $f.await.unwrap_or_else(Verdict::Fail),
+            });
+        };
+    }
+    check!(
+        "its HELLO is a sender's of the same layout and a handshake completes",
+        "§3.5.1, §4.2, §4.3",
+        kit.handshakes()
+    );
+    check!(
+        "a HELLO_REJECT ends its attempt: it closes",
+        "§4.2",
+        kit.takes_a_refusal()
+    );
+    check!(
+        "a HELLO_ACK of another layout is refused with LAYOUT_MISMATCH",
+        "§4.2, §4.3 #2-4",
+        kit.refuses_the_ack(ErrorCode::LAYOUT_MISMATCH, |h| {
+            if let Some(b) = h.layout.buffer_page_bytes.first_mut() {
+                *b = b.wrapping_mul(2).max(1);
+            }
+        })
+    );
+    check!(
+        "a HELLO_ACK of a sender is refused with ROLE_MISMATCH",
+        "§4.2, §4.3 #1",
+        kit.refuses_the_ack(ErrorCode::ROLE_MISMATCH, |h| h.role = Role::SENDER)
+    );
+    check!(
+        "a server that never answers is given up at the handshake timeout",
+        "§4.6",
+        kit.silent_server()
+    );
+    check!(
+        "a PING is answered with a PONG of its token",
+        "§8.3",
+        kit.answers_a_ping()
+    );
+    check!(
+        "an ABORT for a transfer it does not know is answered with ABORT_ACK of that ref",
+        "§7.3",
+        kit.acks_an_unknown_abort()
+    );
+    check!(
+        "a RESERVE for a request it does not have is parked, then refused UNKNOWN_REQUEST",
+        "§5.1",
+        kit.refuses_an_unknown_reservation()
+    );
+    check!(
+        "its parked reservations are bounded: REJECT(PARKED_LIMIT) beyond them",
+        "§5.1",
+        kit.bounds_parked_reservations()
+    );
+    check!(
+        "a REJECT (a frame only a sender sends) ends the connection",
+        "§7.3",
+        kit.closes_on_a_senders_frame()
+    );
+    check!(
+        "an unknown frame type ends the connection",
+        "§3.10, §7.2",
+        kit.closes_on_an_unknown_frame_type()
+    );
+    check!(
+        "a PING flood gets at most 16 PONGs per interval (and may be closed)",
+        "§8.3",
+        kit.ping_flood()
+    );
+    check!(
+        "it still connects and completes a handshake",
+        "§4, §7.5",
+        kit.handshakes()
+    );
+    out
+}
+
+struct Kit<'a> {
+    listener: &'a TcpListener,
+    config: NodeConfig,
+    options: Options,
+}
+
+/// An established connection with the prefill: frames sealed and opened as the handshake
+/// set up, its PINGs answered while the kit waits for something else.
+struct Conn {
+    s: TcpStream,
+    sealer: Sealer,
+    opener: Opener,
+    buf: Vec<u8>,
+    digest: DigestAlgorithm,
+}
+
+/// What [`Conn::next`] found.
+enum Next {
+    Frame(Frame),
+    Closed,
+    TimedOut,
+}
+
+impl Conn {
+    async fn send(&mut self, frame: &Frame) -> Result<(), String> {
+        let bytes = self.sealer.seal_to_vec(frame).map_err(|e| e.to_string())?;
+        self.s
+            .write_all(&bytes)
+            .await
+            .map_err(|e| format!("write: {e}"))
+    }
+
+    /// The next frame other than PING (answered) and PONG, the connection's end, or
+    /// `deadline`. A frame that fails to open ends the check.
+    async fn next(&mut self, deadline: tokio::time::Instant) -> Result<Next, String> {
+        let mut chunk = vec![0u8; 64 * 1024];
+        loop {
+            match self.opener.open(&self.buf) {
+                Ok((frame, used)) => {
+                    self.buf.drain(..used);
+                    match frame {
+                        Frame::Ping(token) => self.send(&Frame::Pong(token)).await?,
+                        Frame::Pong(_) => {}
+                        other => return Ok(Next::Frame(other)),
+                    }
+                    continue;
+                }
+                Err(OpenError::Decode(DecodeError::Incomplete { .. })) => {}
+                Err(e) => return Err(format!("a frame from the prefill did not open: {e}")),
+            }
+            match tokio::time::timeout_at(deadline, self.s.read(&mut chunk)).await {
+                Err(_) => return Ok(Next::TimedOut),
+                Ok(Ok(0)) | Ok(Err(_)) => return Ok(Next::Closed),
+                Ok(Ok(n)) => self.buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    /// Waits for a frame `want` accepts, answering PINGs; what came instead otherwise.
+    async fn expect(
+        &mut self,
+        wait: Duration,
+        mut want: impl FnMut(&Frame) -> bool,
+    ) -> Result<Result<Frame, String>, String> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut other = Vec::new();
+        loop {
+            match self.next(deadline).await? {
+                Next::Frame(f) if want(&f) => return Ok(Ok(f)),
+                Next::Frame(f) => other.push(frame_name(&f)),
+                Next::Closed => return Ok(Err(format!("closed (after {other:?})"))),
+                Next::TimedOut => {
+                    return Ok(Err(format!(
+                        "nothing within {} ms (frames seen: {other:?})",
+                        wait.as_millis()
+                    )))
+                }
+            }
+        }
+    }
+}
+
+impl Kit<'_> {
+    /// The kit's HELLO_ACK body: a receiver of the kit's layout, TCP over one stream.
+    fn hello(&self) -> Hello {
+        let mut h = self.config.hello(Role::RECEIVER);
+        h.transport_params = TcpParams::one_stream(self.config.pool.pages).encode();
+        h
+    }
+
+    /// The prefill's next connection.
+    async fn accept(&self) -> Result<TcpStream, String> {
+        match tokio::time::timeout(self.options.wait, self.listener.accept()).await {
+            Ok(Ok((s, _))) => Ok(s),
+            Ok(Err(e)) => Err(format!("accept: {e}")),
+            Err(_) => Err(format!(
+                "no connection from the prefill within {} s (it must connect again after each check)",
+                self.options.wait.as_secs()
+            )),
+        }
+    }
+
+    /// A correct handshake with the prefill's next connection.
+    async fn established(&self) -> Result<Conn, String> {
+        let s = self.accept().await?;
+        let (s, est, channel) = handshake_hello(
+            s,
+            &self.config,
+            false,
+            self.hello(),
+            None,
+            self.options.wait,
+            &mut |_| {},
+        )
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+        let digest = *est
+            .digests
+            .first()
+            .ok_or("the handshake settled on no digest algorithm")?;
+        let (sealer, opener) = channel.split();
+        Ok(Conn {
+            s,
+            sealer,
+            opener,
+            buf: Vec::new(),
+            digest,
+        })
+    }
+
+    /// The prefill's next connection and its first bytes (its HELLO, sealed where the kit's
+    /// configuration authenticates).
+    async fn first_bytes(&self) -> Result<(TcpStream, Vec<u8>), String> {
+        let mut s = self.accept().await?;
+        let mut buf = vec![0u8; 64 * 1024];
+        match tokio::time::timeout(self.options.wait, s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => Ok((s, buf[..n].to_vec())),
+            Ok(_) => Err("closed before its HELLO".into()),
+            Err(_) => Err(format!("no HELLO within {} s", self.options.wait.as_secs())),
+        }
+    }
+
+    async fn handshakes(&self) -> Step {
+        let conn = self.established().await?;
+        Ok(Verdict::Pass(format!(
+            "HELLO accepted (digest {:?}{})",
+            conn.digest,
+            if self.config.auth.is_on() {
+                ", authenticated"
+            } else {
+                ""
+            }
+        )))
+    }
+
+    async fn takes_a_refusal(&self) -> Step {
+        let (mut s, _) = self.first_bytes().await?;
+        let reject = Frame::HelloReject(HelloReject {
+            code: ErrorCode::FINGERPRINT_MISMATCH,
+            detail: "the conformance kit refuses this connection".into(),
+        });
+        s.write_all(&reject.to_bytes().map_err(|e| e.to_string())?)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(match until_closed(&mut s, self.options.wait).await {
+            (b, true) if b.is_empty() => Verdict::Pass("closed, nothing more sent".into()),
+            (b, true) => Verdict::Pass(format!("closed ({} more bytes sent first)", b.len())),
+            (_, false) => Verdict::Fail(format!(
+                "still open {} s after HELLO_REJECT",
+                self.options.wait.as_secs()
+            )),
+        })
+    }
+
+    async fn refuses_the_ack(&self, want: ErrorCode, change: impl FnOnce(&mut Hello)) -> Step {
+        if self.config.auth.is_on() {
+            return Ok(Verdict::Skip(
+                "the prefill authenticates: a HELLO_ACK the kit writes itself would fail authentication first"
+                    .into(),
+            ));
+        }
+        let (mut s, first) = self.first_bytes().await?;
+        match first_frame(&first) {
+            Some(Frame::Hello(_)) => {}
+            other => return Ok(Verdict::Fail(format!("its first frame: {other:?}"))),
+        }
+        let mut ack = self.hello();
+        change(&mut ack);
+        s.write_all(&Frame::HelloAck(ack).to_bytes().map_err(|e| e.to_string())?)
+            .await
+            .map_err(|e| e.to_string())?;
+        let (got, closed) = until_closed(&mut s, self.options.wait).await;
+        Ok(match first_frame(&got) {
+            Some(Frame::HelloReject(r)) if r.code == want => Verdict::Pass(format!(
+                "HELLO_REJECT({}): {}{}",
+                r.code,
+                r.detail,
+                if closed { ", closed" } else { "" }
+            )),
+            other => Verdict::Fail(format!(
+                "wanted HELLO_REJECT({want}), got {other:?}{}",
+                if closed { ", closed" } else { "" }
+            )),
+        })
+    }
+
+    async fn silent_server(&self) -> Step {
+        let (mut s, _) = self.first_bytes().await?;
+        let start = Instant::now();
+        Ok(match until_closed(&mut s, self.options.wait).await {
+            (got, true) => Verdict::Pass(format!(
+                "closed after {:.1} s{}",
+                start.elapsed().as_secs_f64(),
+                match first_frame(&got) {
+                    Some(Frame::HelloReject(r)) => format!(", HELLO_REJECT({})", r.code),
+                    _ => String::new(),
+                }
+            )),
+            (_, false) => Verdict::Fail(format!(
+                "still waiting after {} s",
+                self.options.wait.as_secs()
+            )),
+        })
+    }
+
+    async fn answers_a_ping(&self) -> Step {
+        let mut conn = self.established().await?;
+        let token = 0x6b76_7069_6e67_0001;
+        conn.send(&Frame::Ping(token)).await?;
+        let deadline = tokio::time::Instant::now() + self.options.wait;
+        let mut buf_pings = 0;
+        // `next` answers the prefill's PINGs and drops PONGs: read raw here instead.
+        let mut chunk = vec![0u8; 16 * 1024];
+        loop {
+            while let Ok((frame, used)) = conn.opener.open(&conn.buf) {
+                conn.buf.drain(..used);
+                match frame {
+                    Frame::Pong(t) if t == token => {
+                        return Ok(Verdict::Pass(format!(
+                            "PONG {token:#x} ({buf_pings} PINGs of its own meanwhile)"
+                        )))
+                    }
+                    Frame::Ping(t) => {
+                        buf_pings += 1;
+                        conn.send(&Frame::Pong(t)).await?;
+                    }
+                    _ => {}
+                }
+            }
+            match tokio::time::timeout_at(deadline, conn.s.read(&mut chunk)).await {
+                Err(_) => return Ok(Verdict::Fail("no PONG".into())),
+                Ok(Ok(0)) | Ok(Err(_)) => return Ok(Verdict::Fail("closed".into())),
+                Ok(Ok(n)) => conn.buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    async fn acks_an_unknown_abort(&self) -> Step {
+        let mut conn = self.established().await?;
+        let named = TransferRef {
+            transfer_id: TransferId(KIT_IDS + 1),
+            nonce: 0x1234,
+        };
+        conn.send(&Frame::Abort(Abort {
+            transfer: named,
+            code: ErrorCode::CANCELLED,
+            completed_pages: 0,
+            detail: "the conformance kit".into(),
+        }))
+        .await?;
+        Ok(
+            match conn
+                .expect(self.options.wait, |f| matches!(f, Frame::AbortAck(_)))
+                .await?
+            {
+                Ok(Frame::AbortAck(r)) if r == named => Verdict::Pass("ABORT_ACK, same ref".into()),
+                Ok(other) => Verdict::Fail(format!("ABORT_ACK of another ref: {other:?}")),
+                Err(e) => Verdict::Fail(e),
+            },
+        )
+    }
+
+    fn reserve(&self, conn: &Conn, id: u64, deadline_ms: u32) -> Frame {
+        Frame::Reserve(Reserve {
+            transfer_id: TransferId(id),
+            nonce: id ^ 0x5a5a,
+            tokens: self.config.pool.tokens_per_page,
+            digest: conn.digest,
+            page_digests: false,
+            deadline_ms,
+            pages: vec![0],
+            access: vec![0; 4],
+        })
+    }
+
+    async fn refuses_an_unknown_reservation(&self) -> Step {
+        let mut conn = self.established().await?;
+        let deadline_ms = 500;
+        let reserve = self.reserve(&conn, KIT_IDS + 2, deadline_ms);
+        let Frame::Reserve(ref r) = reserve else {
+            unreachable!()
+        };
+        let named = TransferRef {
+            transfer_id: r.transfer_id,
+            nonce: r.nonce,
+        };
+        let sent = Instant::now();
+        conn.send(&reserve).await?;
+        // Parked until 1 s after its deadline (SPEC §5.1), then refused.
+        let wait = Duration::from_millis(u64::from(deadline_ms) + 1000) + self.options.wait;
+        Ok(
+            match conn.expect(wait, |f| matches!(f, Frame::Reject(_))).await? {
+                Ok(Frame::Reject(j))
+                    if j.transfer == named && j.code == ErrorCode::UNKNOWN_REQUEST =>
+                {
+                    Verdict::Pass(format!(
+                        "REJECT(UNKNOWN_REQUEST) {:.1} s after the RESERVE",
+                        sent.elapsed().as_secs_f64()
+                    ))
+                }
+                Ok(other) => {
+                    Verdict::Fail(format!("wanted REJECT(UNKNOWN_REQUEST), got {other:?}"))
+                }
+                Err(e) => Verdict::Fail(e),
+            },
+        )
+    }
+
+    async fn bounds_parked_reservations(&self) -> Step {
+        let mut conn = self.established().await?;
+        // Long deadlines: none expires while the kit counts.
+        let mut frames = Vec::new();
+        for i in 0..RESERVATIONS_TO_PARK {
+            let f = self.reserve(&conn, KIT_IDS + 0x1_0000 + i, 60_000);
+            frames.extend(conn.sealer.seal_to_vec(&f).map_err(|e| e.to_string())?);
+        }
+        // Written by a task while this one reads, so that the prefill's refusals cannot
+        // back up against a kit that is still writing.
+        let (rd, mut wr) = conn.s.into_split();
+        let writing = tokio::spawn(async move {
+            let r = wr.write_all(&frames).await;
+            (r, wr)
+        });
+        let mut conn_rd = ReadHalfConn {
+            rd,
+            opener: conn.opener,
+            buf: conn.buf,
+        };
+        let deadline = tokio::time::Instant::now() + self.options.wait;
+        let mut other = 0u64;
+        let verdict = loop {
+            match conn_rd.next(deadline).await? {
+                Some(Frame::Reject(j)) if j.code == ErrorCode::PARKED_LIMIT => {
+                    break Verdict::Pass(format!(
+                        "REJECT(PARKED_LIMIT) after {} RESERVEs it had no request for",
+                        (j.transfer.transfer_id.0 - KIT_IDS - 0x1_0000) + 1
+                    ));
+                }
+                Some(_) => other += 1,
+                None => {
+                    break Verdict::Fail(format!(
+                        "{RESERVATIONS_TO_PARK} RESERVEs it had no request for and no REJECT(PARKED_LIMIT) ({other} other frames)"
+                    ))
+                }
+            }
+        };
+        drop(conn_rd);
+        let _ = tokio::time::timeout(self.options.wait, writing).await;
+        Ok(verdict)
+    }
+
+    async fn closes_on_a_senders_frame(&self) -> Step {
+        let mut conn = self.established().await?;
+        conn.send(&Frame::Reject(Reject {
+            transfer: TransferRef {
+                transfer_id: TransferId(KIT_IDS + 3),
+                nonce: 1,
+            },
+            code: ErrorCode::CANCELLED,
+            detail: "a decode never sends this".into(),
+        }))
+        .await?;
+        Ok(match until_closed(&mut conn.s, self.options.wait).await {
+            (_, true) => Verdict::Pass("closed".into()),
+            (_, false) => Verdict::Fail(format!(
+                "still open after {} s",
+                self.options.wait.as_secs()
+            )),
+        })
+    }
+
+    async fn closes_on_an_unknown_frame_type(&self) -> Step {
+        if self.config.auth.is_on() {
+            return Ok(Verdict::Skip(
+                "the prefill authenticates: an unsealed frame would fail authentication first"
+                    .into(),
+            ));
+        }
+        let mut conn = self.established().await?;
+        let mut b = Vec::new();
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&kvwire_proto::wire::VERSION.to_le_bytes());
+        b.extend_from_slice(&0x7a7au16.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        conn.s.write_all(&b).await.map_err(|e| e.to_string())?;
+        Ok(match until_closed(&mut conn.s, self.options.wait).await {
+            (_, true) => Verdict::Pass("closed".into()),
+            (_, false) => Verdict::Fail(format!(
+                "still open after {} s",
+                self.options.wait.as_secs()
+            )),
+        })
+    }
+
+    async fn ping_flood(&self) -> Step {
+        let s = self.accept().await?;
+        let (s, _, channel) = handshake_hello(
+            s,
+            &self.config,
+            false,
+            self.hello(),
+            None,
+            self.options.wait,
+            &mut |_| {},
+        )
+        .await
+        .map_err(|e: EngineError| match e {
+            EngineError::Handshake(HandshakeError::RefusedByPeer(r)) => {
+                format!("refused: {}: {}", r.code, r.detail)
+            }
+            e => format!("handshake: {e}"),
+        })?;
+        ping_flood(s, channel, self.options).await
+    }
+}
+
+/// The read half of a [`Conn`] whose write half a task holds: frames as they open (PINGs
+/// left unanswered: the prefill hears the kit's RESERVEs meanwhile).
+struct ReadHalfConn {
+    rd: tokio::net::tcp::OwnedReadHalf,
+    opener: Opener,
+    buf: Vec<u8>,
+}
+
+impl ReadHalfConn {
+    /// The next frame other than PING and PONG; `None` at the connection's end or `deadline`.
+    async fn next(&mut self, deadline: tokio::time::Instant) -> Result<Option<Frame>, String> {
+        let mut chunk = vec![0u8; 64 * 1024];
+        loop {
+            match self.opener.open(&self.buf) {
+                Ok((frame, used)) => {
+                    self.buf.drain(..used);
+                    if !matches!(frame, Frame::Ping(_) | Frame::Pong(_)) {
+                        return Ok(Some(frame));
+                    }
+                    continue;
+                }
+                Err(OpenError::Decode(DecodeError::Incomplete { .. })) => {}
+                Err(e) => return Err(format!("a frame from the prefill did not open: {e}")),
+            }
+            match tokio::time::timeout_at(deadline, self.rd.read(&mut chunk)).await {
+                Err(_) | Ok(Ok(0)) | Ok(Err(_)) => return Ok(None),
+                Ok(Ok(n)) => self.buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+}
+
+/// A frame's type, for what a check saw instead.
+fn frame_name(f: &Frame) -> String {
+    let s = format!("{f:?}");
+    s.split(['(', ' ', '{'])
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
