@@ -12,7 +12,11 @@ any violation:
   (SPEC §7.6); every transfer the prefill ran ended as verified, failed or unconfirmed; and
   the connection went on over rail 0 (SPEC §9.2, a lane that fails): some transfers failed
   with the rail, and more than half of the run verified; the prefill's connection reports
-  one failed lane (`failed_lanes`), and no other run reports any.
+  one failed lane (`failed_lanes`);
+* rail 1 still down when a new connection opens over both rails: rail 1's lane is left out at
+  both ends (SPEC §9.2, a rail down when the connection opens; each side reports one failed
+  lane), every transfer verifies and is checked, and rail 1 carried none of its packets;
+* no other run reports a failed lane.
 """
 import json
 import re
@@ -35,7 +39,7 @@ def total(counts):
     return sum((counts or {}).values())
 
 
-def all_verified(name):
+def all_verified(name, failed_lanes=0):
     p, d = case(name, "prefill"), case(name, "decode")
     if p is None or d is None:
         return None
@@ -43,8 +47,8 @@ def all_verified(name):
         n = c.get("transfers")
         if not isinstance(n, int) or n <= 0 or c.get("verified") != n:
             problems.append(f"{name} {side}: {c.get('verified')} of {n} transfers verified")
-        if c.get("failed_lanes") != 0:
-            problems.append(f"{name} {side}: failed_lanes = {c.get('failed_lanes')}, expected 0")
+        if c.get("failed_lanes") != failed_lanes:
+            problems.append(f"{name} {side}: failed_lanes = {c.get('failed_lanes')}, expected {failed_lanes}")
     if d.get("bytes_checked") != d.get("verified"):
         problems.append(f"{name}: the decode checked {d.get('bytes_checked')} of {d.get('verified')}")
     return p.get("gb_per_s")
@@ -80,8 +84,20 @@ def rail_shares(name, table):
 two = all_verified("two")
 one = all_verified("one")
 back = all_verified("back")
+startdown = all_verified("startdown", failed_lanes=1)
 table = counters()
 shares = {name: rail_shares(name, table) for name in ("two", "back")}
+# Rail 1 down before the connection: rail 0 carried the run, rail 1 nothing.
+keys = [(f"{when}-startdown", d) for when in ("before", "after") for d in ("rxe0", "rxe1")]
+if any(k not in table for k in keys):
+    problems.append("startdown: packet counters missing (the run did not finish)")
+    startdown_sent = None
+else:
+    startdown_sent = {
+        d: table[("after-startdown", d)] - table[("before-startdown", d)] for d in ("rxe0", "rxe1")
+    }
+    if startdown_sent["rxe1"] != 0 or startdown_sent["rxe0"] == 0:
+        problems.append(f"startdown: packets sent per rail {startdown_sent}, expected rail 0 only")
 
 # Rail 1 down mid-run.
 p, d = case("down", "prefill"), case("down", "decode")
@@ -139,6 +155,8 @@ summary = {
     "one_rail_over_ib_write_bw_rxe0": one / ibw["rxe0"] if one and ibw["rxe0"] else None,
     "packets_sent_per_rail": shares,
     "rail_down": down,
+    "rail_down_at_connect_gb_per_s": startdown,
+    "rail_down_at_connect_packets_sent": startdown_sent,
     "after_rail_back_gb_per_s": back,
 }
 print(json.dumps(summary, indent=2))

@@ -10,7 +10,10 @@
 #   4. both rails, rail 1's link taken down in VM a mid-run: the transfers on rail 1 fail
 #      (retryably, or Unconfirmed), the connection goes on over rail 0 and verifies the rest,
 #      and nothing unverified is delivered (the decode checked every byte it verified);
-#   5. rail 1 back up: a new connection over both rails verifies every transfer again.
+#   5. rail 1 still down in VM a, a new connection over both rails: rail 1's lane is left out
+#      at both ends from the start (SPEC §9.2, a rail down when the connection opens) and
+#      every transfer verifies over rail 0;
+#   6. rail 1 back up: a new connection over both rails verifies every transfer again.
 #
 # Writes OUT (default target/rails); scripts/rails-check.py judges the reports, prints the
 # ratios (OUT/summary.json) and fails on any violation. Needs target/release/kvwire built
@@ -61,6 +64,7 @@ done
 mib=$((KVWIRE_RAILS_MIB * 4))
 serve down rxe0,rxe1
 mib=$KVWIRE_RAILS_MIB
+serve startdown rxe0,rxe1
 serve back rxe0,rxe1
 echo b-done >"$out/b-done"
 '
@@ -88,9 +92,10 @@ counters before-down
 connect down rxe0,rxe1
 wait
 counters after-down
+mib=$KVWIRE_RAILS_MIB
+counters before-startdown; connect startdown rxe0,rxe1; counters after-startdown
 ip link set eth1 up
 sleep 2
-mib=$KVWIRE_RAILS_MIB
 counters before-back; connect back rxe0,rxe1; counters after-back
 wait_for "$out/b-done" b-done
 '

@@ -23,7 +23,7 @@ use super::lanes::Lanes;
 use super::link::{QpParams, RcLink};
 use super::receiver::{RdmaReceiver, RECEIVER_QUEUE_DEPTH};
 use super::sender::{sender_queue_depth, RdmaSender};
-use super::verbs::{RdmaDevice, RdmaError, RegisteredMemory};
+use super::verbs::{PortPath, RdmaDevice, RdmaError, RegisteredMemory};
 use super::QP_PARAMS_LEN;
 use crate::memory::PagePool;
 
@@ -126,15 +126,39 @@ pub fn prepare(
             .map(|d| d.event_channel())
             .collect::<Result<Vec<_>, _>>()?
     };
-    let links = (0..usize::from(queue_pairs.max(1)))
+    // Each rail as a connection opened now sees it: a rail whose port is down gets lanes
+    // that are left out of this connection (SPEC §9.2, "A rail down when the connection
+    // opens"), if another rail carries at least one lane.
+    let lanes_n = usize::from(queue_pairs.max(1));
+    let mut paths: Vec<Result<PortPath, RdmaError>> = devs.iter().map(|d| d.port_path()).collect();
+    if (0..lanes_n).all(|i| paths[i % devs.len()].is_err()) {
+        // No lane would be left: the first rail's reason.
+        if let Err(e) = paths.swap_remove(0) {
+            return Err(e.into());
+        }
+    }
+    let links = (0..lanes_n)
         .map(|i| {
             let rail = i % devs.len();
-            let mut link = RcLink::new(&devs[rail], depth, events.get(rail))?;
+            let path = paths[rail]
+                .as_ref()
+                .copied()
+                .unwrap_or_else(|_| PortPath::down());
+            let mut link = RcLink::on_path(&devs[rail], &path, depth, events.get(rail))?;
             link.set_ack_timeout(ack_timeout)?;
             Ok::<_, RdmaError>((link, rail))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let lanes = Lanes::new(links, events);
+    let mut lanes = Lanes::new(links, events);
+    for i in 0..lanes_n {
+        let rail = i % devs.len();
+        if let Err(e) = &paths[rail] {
+            lanes.leave_out(
+                i,
+                &format!("rail {rail} ({}) is down here: {e}", devs[rail].name),
+            );
+        }
+    }
     let params = encode_params(&lanes.params());
     Ok((
         Prepared {
@@ -298,6 +322,13 @@ mod tests {
         let two = encode_params(&[p, QpParams { qpn: 18, ..p }]);
         assert_eq!(&two[..4], &[1, 0, 56, 0]);
         assert_eq!(decode_params(&two).unwrap().len(), 2);
+        // A lane whose rail is down (SPEC §9.2): 28 zero bytes, decoded as down; a real
+        // record is never taken for one.
+        let down = encode_params(&[p, QpParams::DOWN]);
+        assert_eq!(&down[4 + 28..], &[0u8; 28]);
+        let back = decode_params(&down).unwrap();
+        assert_eq!(back, vec![p, QpParams::DOWN]);
+        assert!(!back[0].is_down() && back[1].is_down());
         assert!(
             decode_params(&[1, 0, 0, 0]).is_err(),
             "no queue pair at all"

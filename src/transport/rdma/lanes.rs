@@ -192,6 +192,18 @@ impl Lanes {
         }
     }
 
+    /// Lane `i` takes no part in this connection from its start (its rail is down at this
+    /// end, or at the peer's): it is dead before anything was posted on it, its queue pair
+    /// never connected, and its record says so to the peer ([`QpParams::DOWN`]).
+    pub(crate) fn leave_out(&mut self, i: usize, why: &str) {
+        if self.lanes[i].dead {
+            return;
+        }
+        tracing::warn!(lane = i, rail = self.lanes[i].rail, why = %why,
+            "a lane is left out of the connection: its rail is down");
+        self.lanes[i].dead = true;
+    }
+
     /// Keeps the bootstrap connection: its end is the peer's end.
     pub(crate) fn watch(&mut self, stream: TcpStream) {
         self.liveness = Some(stream);
@@ -212,12 +224,23 @@ impl Lanes {
         self.lanes.iter().map(|l| l.link.ack_timeout()).collect()
     }
 
-    /// This side's queue pair parameters, lane 0 first.
+    /// This side's queue pair parameters, lane 0 first ([`QpParams::DOWN`] for a lane left
+    /// out, [`Lanes::leave_out`]).
     pub(crate) fn params(&self) -> Vec<QpParams> {
-        self.lanes.iter().map(|l| l.link.params()).collect()
+        self.lanes
+            .iter()
+            .map(|l| {
+                if l.dead {
+                    QpParams::DOWN
+                } else {
+                    l.link.params()
+                }
+            })
+            .collect()
     }
 
-    /// Connects lane `i` to the peer's lane `i` (the counts must match).
+    /// Connects lane `i` to the peer's lane `i` (the counts must match); a lane left out at
+    /// either end stays unconnected and dead, and at least one lane must be left.
     pub(crate) fn connect(&mut self, peer: &[QpParams]) -> Result<(), RdmaError> {
         if peer.len() != self.lanes.len() {
             return Err(RdmaError::Lanes {
@@ -225,7 +248,17 @@ impl Lanes {
                 peer: peer.len(),
             });
         }
-        for (l, p) in self.lanes.iter_mut().zip(peer) {
+        for (i, p) in peer.iter().enumerate() {
+            if p.is_down() {
+                self.leave_out(i, "the peer's rail for it is down");
+            }
+        }
+        if self.live() == 0 {
+            return Err(RdmaError::NoLiveLane {
+                lanes: self.lanes.len(),
+            });
+        }
+        for (l, p) in self.lanes.iter_mut().zip(peer).filter(|(l, _)| !l.dead) {
             l.link.connect(p)?;
         }
         Ok(())

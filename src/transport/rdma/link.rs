@@ -17,7 +17,7 @@ use sideway::ibverbs::AccessFlags;
 
 use super::events::EventChannel;
 use super::verbs::{
-    verbs, MemoryWindow, RdmaDevice, RdmaError, RegisteredMemory, SEND_SLOTS, SLOT,
+    verbs, MemoryWindow, PortPath, RdmaDevice, RdmaError, RegisteredMemory, SEND_SLOTS, SLOT,
 };
 
 /// The path MTU for a local and a peer MTU in bytes: the smaller; `None` if the peer's is
@@ -49,6 +49,21 @@ pub struct QpParams {
 }
 
 impl QpParams {
+    /// The record of a lane whose rail is down at this end when the connection opens: QPN 0
+    /// (no RC queue pair has that number) and nothing else; the peer leaves its lane
+    /// unconnected too (SPEC §9.2, "A rail down when the connection opens").
+    pub const DOWN: Self = Self {
+        qpn: 0,
+        psn: 0,
+        gid: [0; 16],
+        mtu: 0,
+    };
+
+    /// Whether this is a down lane's record ([`QpParams::DOWN`]: QPN 0).
+    pub fn is_down(&self) -> bool {
+        self.qpn == 0
+    }
+
     /// Encoded form.
     pub fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(28);
@@ -167,10 +182,24 @@ pub struct RcLink {
 }
 
 impl RcLink {
-    /// A queue pair in INIT with its receives posted. With `events`, its completion queue
-    /// reports to that channel (see [`RcLink::arm`]); without, it can only be busy-polled.
+    /// A queue pair in INIT with its receives posted, addressed by the device's port as it
+    /// is now ([`RdmaDevice::port_path`]: an error if the port is down). With `events`, its
+    /// completion queue reports to that channel (see [`RcLink::arm`]); without, it can only
+    /// be busy-polled.
     pub fn new(
         dev: &RdmaDevice,
+        max_send: u32,
+        events: Option<&EventChannel>,
+    ) -> Result<Self, RdmaError> {
+        let path = dev.port_path()?;
+        Self::on_path(dev, &path, max_send, events)
+    }
+
+    /// [`RcLink::new`] addressed by `path` ([`PortPath::down`] for a lane whose rail is down,
+    /// which is never connected).
+    pub(super) fn on_path(
+        dev: &RdmaDevice,
+        path: &PortPath,
         max_send: u32,
         events: Option<&EventChannel>,
     ) -> Result<Self, RdmaError> {
@@ -231,9 +260,9 @@ impl RcLink {
             unsignaled: 0,
             signal_at: (max_send / 2).max(1),
             psn,
-            gid: dev.gid,
-            gid_index: dev.gid_index,
-            mtu: dev.mtu,
+            gid: path.gid,
+            gid_index: path.gid_index,
+            mtu: path.mtu,
             ack_timeout: super::DEFAULT_ACK_TIMEOUT,
             signaled_sends_out: 0,
             sends_stalled_since: None,

@@ -103,6 +103,13 @@ pub enum RdmaError {
         /// Queue pairs the peer listed.
         peer: usize,
     },
+    /// Every lane of the connection was left out: each one's rail is down at one end or the
+    /// other (SPEC §9.2, "A rail down when the connection opens").
+    #[error("none of the connection's {lanes} lanes has its rail up at both ends")]
+    NoLiveLane {
+        /// The connection's lanes.
+        lanes: usize,
+    },
     /// Every send slot holds a frame whose SEND has not completed yet; retry after polling.
     #[error("all {SEND_SLOTS} send slots are in flight")]
     SendSlotsBusy,
@@ -115,12 +122,29 @@ pub(super) fn verbs<E: std::fmt::Display>(call: &'static str) -> impl Fn(E) -> R
     }
 }
 
-/// An opened RDMA device: context, protection domain, port 1, and the RoCE v2 GID used.
+/// An opened RDMA device: context and protection domain. Which GID and MTU port 1 offers,
+/// and whether it is up, is asked per connection ([`RdmaDevice::port_path`]): a rail whose
+/// link is down when a node starts, or goes down and comes back, keeps its device and its
+/// memory registration.
 pub struct RdmaDevice {
     pub(super) ctx: Arc<DeviceContext>,
     pub(super) pd: Arc<ProtectionDomain>,
     /// Device name.
     pub name: String,
+}
+
+impl std::fmt::Debug for RdmaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaDevice")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a queue pair on a device's port 1 is addressed by now: the RoCE v2 GID and the
+/// port's active MTU ([`RdmaDevice::port_path`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PortPath {
     /// The GID index used (an IPv4-mapped RoCE v2 GID).
     pub gid_index: u8,
     /// Port 1's active MTU in bytes.
@@ -128,18 +152,21 @@ pub struct RdmaDevice {
     pub(super) gid: Gid,
 }
 
-impl std::fmt::Debug for RdmaDevice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RdmaDevice")
-            .field("name", &self.name)
-            .field("gid_index", &self.gid_index)
-            .finish_non_exhaustive()
+impl PortPath {
+    /// The placeholder of a lane whose rail is down: it is never connected, and its queue
+    /// pair record says so (SPEC §9.2, "A rail down when the connection opens").
+    pub(super) fn down() -> Self {
+        Self {
+            gid_index: 0,
+            mtu: 0,
+            gid: Gid { raw: [0; 16] },
+        }
     }
 }
 
 impl RdmaDevice {
-    /// Opens `name`, or the first device, choosing the first IPv4-mapped RoCE v2 GID of
-    /// port 1 (what RoCE v2 over IPv4 addresses a peer with).
+    /// Opens `name`, or the first device: its context and a protection domain. Its port
+    /// need not be up ([`RdmaDevice::port_path`] says, per connection).
     pub fn open(name: Option<&str>) -> Result<Self, RdmaError> {
         let list = DeviceList::new().map_err(|e| RdmaError::NoDevice(format!(" ({e})")))?;
         let dev = list
@@ -148,14 +175,29 @@ impl RdmaDevice {
             .ok_or_else(|| {
                 RdmaError::NoDevice(name.map(|n| format!(" named {n}")).unwrap_or_default())
             })?;
-        let dev_name = dev.name().to_string();
+        let name = dev.name().to_string();
         let ctx = dev.open().map_err(verbs("ibv_open_device"))?;
+        let pd = ctx.alloc_pd().map_err(verbs("ibv_alloc_pd"))?;
+        Ok(Self { ctx, pd, name })
+    }
+
+    /// Port 1 as a connection opened now would use it: the first IPv4-mapped RoCE v2 GID
+    /// (what RoCE v2 over IPv4 addresses a peer with) and the active MTU; `PortDown` when
+    /// the port is not active, `NoUsableGid` when it has no such GID.
+    pub fn port_path(&self) -> Result<PortPath, RdmaError> {
+        let port = self.ctx.query_port(1).map_err(verbs("ibv_query_port"))?;
+        if port.port_state() != sideway::ibverbs::device_context::PortState::Active {
+            return Err(RdmaError::PortDown {
+                device: self.name.clone(),
+                state: format!("{:?}", port.port_state()),
+            });
+        }
         // Index 1 is where rdma_rxe and most RoCE NICs put the IPv4-mapped RoCE v2 GID; check it.
         let doctor = crate::host::inspect();
         let gid_index = doctor
             .rdma
             .iter()
-            .find(|d| d.name == dev_name)
+            .find(|d| d.name == self.name)
             .and_then(|d| {
                 d.gids
                     .iter()
@@ -166,25 +208,14 @@ impl RdmaDevice {
                     })
                     .map(|(_, i, _, _)| *i as u8)
             })
-            .ok_or_else(|| RdmaError::NoUsableGid(dev_name.clone()))?;
-        let gid = ctx
+            .ok_or_else(|| RdmaError::NoUsableGid(self.name.clone()))?;
+        let gid = self
+            .ctx
             .query_gid(1, gid_index.into())
             .map_err(verbs("ibv_query_gid"))?;
-        let port = ctx.query_port(1).map_err(verbs("ibv_query_port"))?;
-        if port.port_state() != sideway::ibverbs::device_context::PortState::Active {
-            return Err(RdmaError::PortDown {
-                device: dev_name,
-                state: format!("{:?}", port.port_state()),
-            });
-        }
-        let mtu = mtu_bytes(port.active_mtu());
-        let pd = ctx.alloc_pd().map_err(verbs("ibv_alloc_pd"))?;
-        Ok(Self {
-            ctx,
-            pd,
-            name: dev_name,
+        Ok(PortPath {
             gid_index,
-            mtu,
+            mtu: mtu_bytes(port.active_mtu()),
             gid,
         })
     }
