@@ -56,6 +56,10 @@ pub struct Metrics {
     pub pages_free: Family<Connection, Gauge>,
     /// Quarantined pages per connection pool.
     pub pages_quarantined: Family<Connection, Gauge>,
+    /// Lanes of a connection that failed while it went on (RDMA over several rails, SPEC
+    /// §9.2: a rail down or its queue pair in error), per connection of either role; 0 while
+    /// every lane lives. A connection above 0 runs on fewer rails until it is replaced.
+    pub failed_lanes: Family<Connection, Gauge>,
     /// Handshakes run by listeners, by outcome.
     pub handshakes: Family<Handshake, Counter>,
 }
@@ -72,6 +76,7 @@ impl Metrics {
             fences: Counter::default(),
             pages_free: Family::default(),
             pages_quarantined: Family::default(),
+            failed_lanes: Family::default(),
             handshakes: Family::default(),
             registry: Registry::default(),
         };
@@ -88,6 +93,7 @@ impl Metrics {
             "fences", "Fences carried out by receivers", fences;
             "pages_free", "Free pages per connection pool", pages_free;
             "pages_quarantined", "Quarantined pages per connection pool", pages_quarantined;
+            "failed_lanes", "Lanes failed while the connection went on (RDMA rails), per connection", failed_lanes;
             "handshakes", "Handshakes run by listeners, by outcome", handshakes;
         }
         Arc::new(Self { registry, ..m })

@@ -262,6 +262,15 @@ async fn metrics_count_transfers_and_are_served_as_prometheus_text() {
     ] {
         assert!(body.contains(want), "missing {want}: {body}");
     }
+    // Each connection, the sender's and the receiver's, publishes its failed lanes (none
+    // over TCP), under a connection label of its own.
+    let lanes: Vec<&str> = body
+        .lines()
+        .filter(|l| l.starts_with("kvwire_failed_lanes{connection="))
+        .collect();
+    assert_eq!(lanes.len(), 2, "{body}");
+    assert!(lanes.iter().all(|l| l.ends_with(" 0")), "{lanes:?}");
+    assert_ne!(lanes[0].split(' ').next(), lanes[1].split(' ').next());
 }
 
 /// The decode engine registers its own KV memory; verified pages land in it, in place.

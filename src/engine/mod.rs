@@ -481,6 +481,14 @@ fn report<T: ConnectionTask>(task: &mut T, ended: &Ended) {
     task.report();
 }
 
+/// A per-process connection number for metric labels, unique across both roles.
+pub(crate) fn next_connection_label() -> crate::metrics::Connection {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    crate::metrics::Connection {
+        connection: NEXT.fetch_add(1, Ordering::Relaxed).to_string(),
+    }
+}
+
 /// Whether a connection ended, and why, as its task saw it; shared with the engine handles.
 #[derive(Debug, Default)]
 pub(crate) struct Ended {

@@ -3,7 +3,6 @@
 //! connection's transport.
 
 use kvwire_proto::wire::{TransferId, TransferIdMap};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -203,7 +202,10 @@ impl ReceiverConn {
         let (cmd, cmd_rx) = mpsc::unbounded_channel();
         let task = Task {
             driver,
-            metrics: config.metrics.clone().map(|m| (m, next_connection_label())),
+            metrics: config
+                .metrics
+                .clone()
+                .map(|m| (m, super::next_connection_label())),
             fences_reported: 0,
             peer: est.peer.node_id,
             spans: TransferIdMap::default(),
@@ -277,14 +279,6 @@ impl ReceiverConn {
             .send(Cmd::Stats { reply })
             .map_err(|_| TransferError::ConnectionClosed)?;
         rx.await.map_err(|_| TransferError::ConnectionClosed)
-    }
-}
-
-/// A per-process connection number for metric labels.
-fn next_connection_label() -> Connection {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    Connection {
-        connection: NEXT.fetch_add(1, Ordering::Relaxed).to_string(),
     }
 }
 
@@ -435,6 +429,9 @@ impl<T: ReceiverTransport> Task<T> {
         m.pages_quarantined
             .get_or_create(conn)
             .set(i64::from(pool.quarantined_pages()));
+        m.failed_lanes
+            .get_or_create(conn)
+            .set(self.driver.transport().failed_lanes() as i64);
         let fences = self.driver.stats().fences;
         m.fences.inc_by(fences - self.fences_reported);
         self.fences_reported = fences;

@@ -139,6 +139,11 @@ impl SenderConn {
             driver,
             spans: TransferIdMap::default(),
             metrics: config.metrics.clone(),
+            label: config
+                .metrics
+                .as_ref()
+                .map(|_| super::next_connection_label()),
+            failed_lanes_published: None,
             peer: est.peer.node_id,
             waiting: TransferIdMap::default(),
             stats: SenderConnStats::default(),
@@ -322,6 +327,10 @@ struct Task<T> {
     /// A tracing span per open transfer, entered whenever the task handles it.
     spans: TransferIdMap<tracing::Span>,
     metrics: Option<Arc<Metrics>>,
+    /// The connection's label in the per-connection gauges, when metrics are on.
+    label: Option<crate::metrics::Connection>,
+    /// The failed lanes last published (the gauge is set when they change).
+    failed_lanes_published: Option<usize>,
     peer: u64,
     waiting: TransferIdMap<oneshot::Sender<Result<(), TransferError>>>,
     stats: SenderConnStats,
@@ -465,6 +474,18 @@ impl<T: SenderTransport> Task<T> {
 }
 
 impl<T: SenderTransport> Task<T> {
+    /// Publishes the connection's failed lanes when they changed (metrics on).
+    fn publish(&mut self) {
+        let (Some(m), Some(label)) = (&self.metrics, &self.label) else {
+            return;
+        };
+        let failed = self.driver.transport().failed_lanes();
+        if self.failed_lanes_published != Some(failed) {
+            self.failed_lanes_published = Some(failed);
+            m.failed_lanes.get_or_create(label).set(failed as i64);
+        }
+    }
+
     /// Starts one transfer, or answers why it cannot start.
     fn start(&mut self, now: Instant, admitted: Admitted, source: Source, reply: Reply) {
         if self.driver.closed().is_some() {
@@ -508,6 +529,7 @@ impl<T: SenderTransport> ConnectionTask for Task<T> {
 
     fn report(&mut self) {
         self.hand_over();
+        self.publish();
         let open = crate::driver::Driver::open_transfers(&self.driver);
         self.log.summarize(self.driver.closed(), open);
     }
