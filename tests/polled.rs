@@ -472,3 +472,98 @@ fn a_chunk_refused_because_the_transfer_ended_does_not_mask_its_outcome() {
     assert!(prefill.node().pool().held_pages().is_empty());
     assert!(decode.node().pool().held_pages().is_empty());
 }
+
+/// Renewing a dialled connection (`Manager::renew`; the manager does it by itself to one
+/// that runs with failed lanes, RDMA rails lost or left out): the transfer open on it
+/// finishes there, a transfer made meanwhile waits for its successor instead of taking the
+/// draining connection, the address is dialled again once the old connection has nothing
+/// open, and the waiting transfer verifies over the new one; every byte is compared.
+#[test]
+fn renewing_a_dialled_connection_drains_it_and_later_transfers_take_its_successor() {
+    let auth = Auth::ephemeral();
+    let (dc, pc) = (Cache::new([0xAA, 0xBB]), Cache::new([0, 0]));
+    let decode = manager(Role::Decode, &dc, 1024, &auth);
+    let prefill = manager(Role::Prefill, &pc, 1024, &auth);
+    let addr = prefill.listen("127.0.0.1:0").unwrap().to_string();
+    let fill = |room: u64, src: &[u32]| {
+        for (o, &p) in src.iter().enumerate() {
+            for b in 0..2 {
+                pc.page(b, p).copy_from_slice(&kv(room, o, b));
+            }
+        }
+    };
+    let landed = |room: u64, dst: &[u32]| {
+        for (o, &p) in dst.iter().enumerate() {
+            for b in 0..2 {
+                assert!(dc.page(b, p) == &kv(room, o, b)[..], "room {room} page {p}");
+            }
+        }
+    };
+    // Transfer 1, open on the first connection.
+    let (dst1, src1) = (vec![4, 5], [10u32, 11]);
+    fill(1, &src1);
+    let rx1 = decode.receiver_at(TransferId(1), &addr).unwrap();
+    rx1.init(dst1.clone(), 32, WAIT).unwrap();
+    let tx1 = prefill.sender(TransferId(1), None).unwrap();
+    tx1.init(2, 32).unwrap();
+    assert_eq!(opened(&tx1), KvPoll::WaitingForInput);
+    assert_eq!(prefill.handshake_stats().established, 1);
+    assert!(decode.renew(&addr));
+    assert!(!decode.renew("127.0.0.1:1"), "nothing was dialled there");
+    // Transfer 2, made while the first connection drains.
+    let (dst2, src2) = (vec![20, 21], [30u32, 31]);
+    fill(2, &src2);
+    let rx2 = decode.receiver_at(TransferId(2), &addr).unwrap();
+    rx2.init(dst2.clone(), 32, WAIT).unwrap();
+    let tx2 = prefill.sender(TransferId(2), None).unwrap();
+    tx2.init(2, 32).unwrap();
+    // Transfer 3 names the peer by node id instead of the address: it waits as well.
+    let (dst3, src3) = (vec![40], [50u32]);
+    fill(3, &src3);
+    let rx3 = decode
+        .receiver(TransferId(3), Some(prefill.node_id()))
+        .unwrap();
+    rx3.init(dst3.clone(), 16, WAIT).unwrap();
+    let tx3 = prefill.sender(TransferId(3), None).unwrap();
+    tx3.init(1, 16).unwrap();
+    // While transfer 1 keeps the draining connection open, transfers 2 and 3 do not take
+    // it (over it, the prefill would see their reservations within milliseconds).
+    let until = std::time::Instant::now() + Duration::from_secs(1);
+    while std::time::Instant::now() < until {
+        for (tx, n) in [(&tx2, 2), (&tx3, 3)] {
+            assert_eq!(
+                tx.poll(),
+                KvPoll::Bootstrapping,
+                "transfer {n} went over the draining connection"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(prefill.handshake_stats().established, 1);
+    // Transfer 1 finishes on the old connection.
+    tx1.send(&src1, None).unwrap();
+    assert_eq!(rx1.wait(WAIT), KvPoll::Success, "{:?}", rx1.failure());
+    assert_eq!(tx1.wait(WAIT), KvPoll::Success, "{:?}", tx1.failure());
+    landed(1, &dst1);
+    rx1.release().unwrap();
+    tx1.clear().unwrap();
+    // Then the address is dialled again, and transfer 2 goes over the new connection.
+    assert_eq!(opened(&tx2), KvPoll::WaitingForInput, "{:?}", tx2.failure());
+    assert_eq!(prefill.handshake_stats().established, 2);
+    tx2.send(&src2, None).unwrap();
+    assert_eq!(rx2.wait(WAIT), KvPoll::Success, "{:?}", rx2.failure());
+    assert_eq!(tx2.wait(WAIT), KvPoll::Success, "{:?}", tx2.failure());
+    landed(2, &dst2);
+    rx2.release().unwrap();
+    tx2.clear().unwrap();
+    assert_eq!(opened(&tx3), KvPoll::WaitingForInput, "{:?}", tx3.failure());
+    tx3.send(&src3, None).unwrap();
+    assert_eq!(rx3.wait(WAIT), KvPoll::Success, "{:?}", rx3.failure());
+    assert_eq!(tx3.wait(WAIT), KvPoll::Success, "{:?}", tx3.failure());
+    landed(3, &dst3);
+    rx3.release().unwrap();
+    tx3.clear().unwrap();
+    assert_eq!(decode.peers(), vec![prefill.node_id()]);
+    assert!(prefill.node().pool().held_pages().is_empty());
+    assert!(decode.node().pool().held_pages().is_empty());
+}

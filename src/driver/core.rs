@@ -458,6 +458,9 @@ macro_rules! impl_driver {
             fn open_transfers(&self) -> usize {
                 self.core.session.open_transfers()
             }
+            fn failed_lanes(&self) -> usize {
+                self.core.transport.failed_lanes()
+            }
             fn closed(&self) -> Option<&Closed> {
                 $driver::closed(self)
             }

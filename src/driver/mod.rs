@@ -44,6 +44,9 @@ pub trait Driver {
     fn close(&mut self, now: Instant);
     /// Transfers still open.
     fn open_transfers(&self) -> usize;
+    /// Lanes that failed while the connection went on
+    /// ([`crate::transport::Transport::failed_lanes`]).
+    fn failed_lanes(&self) -> usize;
     /// Why the connection closed, once it has.
     fn closed(&self) -> Option<&Closed>;
 }

@@ -474,10 +474,17 @@ fn poll_inputs<D: crate::driver::Driver>(
 /// (`is_closed`), so that no transfer reported failed by it can see it still up: a transfer
 /// about to pick a connection never picks one whose peer is already gone.
 fn report<T: ConnectionTask>(task: &mut T, ended: &Ended) {
-    if let Some(why) = crate::driver::Driver::closed(task.driver()) {
+    use crate::driver::Driver;
+    if let Some(why) = Driver::closed(task.driver()) {
         ended.why.get_or_init(|| why.clone());
         ended.flag.store(true, Ordering::Release);
     }
+    ended
+        .failed_lanes
+        .store(Driver::failed_lanes(task.driver()), Ordering::Relaxed);
+    ended
+        .open
+        .store(Driver::open_transfers(task.driver()), Ordering::Relaxed);
     task.report();
 }
 
@@ -494,6 +501,9 @@ pub(crate) fn next_connection_label() -> crate::metrics::Connection {
 pub(crate) struct Ended {
     flag: AtomicBool,
     why: std::sync::OnceLock<crate::transport::Closed>,
+    /// The connection's failed lanes and open transfers as its task last reported them.
+    failed_lanes: std::sync::atomic::AtomicUsize,
+    open: std::sync::atomic::AtomicUsize,
 }
 
 impl Ended {
@@ -505,6 +515,16 @@ impl Ended {
     /// Why the connection ended, once it has.
     pub(crate) fn why(&self) -> Option<crate::transport::Closed> {
         self.why.get().cloned()
+    }
+
+    /// The connection's failed lanes, as its task last reported.
+    pub(crate) fn failed_lanes(&self) -> usize {
+        self.failed_lanes.load(Ordering::Relaxed)
+    }
+
+    /// The connection's open transfers, as its task last reported.
+    pub(crate) fn open_transfers(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
     }
 }
 

@@ -240,6 +240,18 @@ impl ReceiverConn {
         self.ended.why()
     }
 
+    /// The connection's failed lanes as its task last reported them (RDMA rails lost or
+    /// left out while it goes on, SPEC §9.2; 0 over TCP): without waiting, unlike its stats.
+    pub fn failed_lanes(&self) -> usize {
+        self.ended.failed_lanes()
+    }
+
+    /// The transfers open on the connection as its task last reported them: without
+    /// waiting, unlike its stats.
+    pub fn open_transfers(&self) -> usize {
+        self.ended.open_transfers()
+    }
+
     /// Reserves pages for a transfer and waits for its verified KV, or the typed reason it
     /// failed.
     pub fn reserve(

@@ -178,6 +178,18 @@ impl SenderConn {
         self.ended.why()
     }
 
+    /// The connection's failed lanes as its task last reported them (RDMA rails lost or
+    /// left out while it goes on, SPEC §9.2; 0 over TCP): without waiting, unlike its stats.
+    pub fn failed_lanes(&self) -> usize {
+        self.ended.failed_lanes()
+    }
+
+    /// The transfers open on the connection as its task last reported them: without
+    /// waiting, unlike its stats.
+    pub fn open_transfers(&self) -> usize {
+        self.ended.open_transfers()
+    }
+
     /// Admits a request, or rejects it with its typed error, at once, in the caller's thread
     /// (no round trip to the connection). A rejected request is retired: the receiver's
     /// reservation for it is answered with REJECT carrying that error.

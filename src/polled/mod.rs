@@ -342,7 +342,7 @@ impl Manager {
             .build()
             .map_err(|e| Error::new(ErrorKind::ConfigError, format!("runtime: {e}")))?;
         let peers: Arc<Peers> = Arc::default();
-        runtime.spawn(peers.clone().prune());
+        runtime.spawn(peers.clone().prune(node.clone(), config.role));
         Ok(Self {
             inner: Arc::new(Inner {
                 node,
@@ -506,6 +506,17 @@ impl Manager {
             let outcome = peers::dial(a.clone(), node, role).await;
             peers.dialled(a, outcome);
         });
+    }
+
+    /// Renews the connection dialled at `addr`: no new transfer takes it from now on (those
+    /// made meanwhile wait for its successor), its open transfers finish on it, and then
+    /// `addr` is dialled again. The manager does this by itself to a connection that has
+    /// run with failed lanes (RDMA rails lost or left out, SPEC §9.2) for a while, so that a
+    /// rail back up is taken again (waits of 5 s, doubling to 5 min while the new connection
+    /// still has failed lanes); call it to do it now. Whether a connection dialled there was
+    /// up.
+    pub fn renew(&self, addr: &str) -> bool {
+        self.inner.peers.renew(addr)
     }
 
     /// Whether a connection dialled at `addr` is up now.
