@@ -374,9 +374,12 @@ fn a_transfer_whose_lane_failed_is_aborted_alone() {
     };
     // Committed, then the lane fails; the receiver acknowledges the ABORT.
     let (mut s, t) = sender_with_transfer(now, true);
-    s.handle_transfer_lost(now, TransferId(77));
+    assert!(
+        !s.handle_transfer_lost(now, TransferId(77)),
+        "not open here"
+    );
     assert!(s.poll_event().is_none(), "an id not open ended something");
-    s.handle_transfer_lost(now, t.transfer_id);
+    assert!(s.handle_transfer_lost(now, t.transfer_id));
     let a = abort_of(&mut s).expect("no ABORT for the lost transfer");
     assert_eq!((a.transfer, a.code), (t, ErrorCode::SHUTDOWN));
     assert!(s.poll_event().is_none(), "ended before the answer");
@@ -385,6 +388,8 @@ fn a_transfer_whose_lane_failed_is_aborted_alone() {
     assert_eq!(r, FailureReason::PeerLost);
     assert!(r.is_retryable());
     assert_eq!(s.open_transfers(), 0);
+    // Ended: a later loss of the lane that carried it names it again, and changes nothing.
+    assert!(!s.handle_transfer_lost(now, t.transfer_id));
 
     // Committed, and the receiver had delivered: its VERIFIED answers the ABORT.
     let (mut s, t) = sender_with_transfer(now, true);
@@ -424,7 +429,8 @@ fn a_reservation_whose_lane_failed_is_fenced_then_aborted() {
         .unwrap();
     drain_actions(|| r.poll_action());
     std::iter::from_fn(|| r.poll_transmit()).for_each(drop);
-    r.handle_transfer_lost(now, TransferId(1));
+    assert!(r.handle_transfer_lost(now, TransferId(1)));
+    assert!(!r.handle_transfer_lost(now, TransferId(9)), "not open here");
     let actions = drain_actions(|| r.poll_action());
     assert!(actions.contains(&ReceiverAction::Fence(t1)), "{actions:?}");
     assert!(

@@ -27,7 +27,8 @@ pub(crate) trait Session {
     fn handle_frame(&mut self, now: Instant, frame: Frame) -> Result<(), FrameError>;
     fn handle_peer_lost(&mut self, now: Instant);
     fn handle_peer_unresponsive(&mut self, now: Instant);
-    fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId);
+    /// Whether the transfer was open.
+    fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) -> bool;
     fn poll_timeout(&mut self) -> Option<Instant>;
 }
 
@@ -50,7 +51,7 @@ macro_rules! session {
             fn handle_peer_unresponsive(&mut self, now: Instant) {
                 <$t>::handle_peer_unresponsive(self, now)
             }
-            fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) {
+            fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) -> bool {
                 <$t>::handle_transfer_lost(self, now, transfer_id)
             }
             fn poll_timeout(&mut self) -> Option<Instant> {
@@ -283,11 +284,13 @@ impl<S: Session, T: Transport> Core<S, T> {
                 None
             }
             TransportEvent::TransferLost(transfer_id) => {
-                tracing::warn!(
-                    transfer_id = transfer_id.0,
-                    "the lane of the transfer failed; the connection goes on over its other lanes"
-                );
-                self.session.handle_transfer_lost(now, transfer_id);
+                // A lane's failure names every transfer it carried: only an open one fails.
+                if self.session.handle_transfer_lost(now, transfer_id) {
+                    tracing::warn!(
+                        transfer_id = transfer_id.0,
+                        "the lane of the transfer failed; the connection goes on over its other lanes"
+                    );
+                }
                 None
             }
             TransportEvent::Landed { .. } => {

@@ -468,13 +468,14 @@ impl ReceiverSession {
     /// the transfer fails with [`FailureReason::PeerLost`], fenced first where writes could
     /// still land, then the peer is told with ABORT(SHUTDOWN) (sent on a live lane) and its
     /// ABORT_ACK awaited as for any abort. A transfer not open here, or already failing, is
-    /// left alone.
-    pub fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) {
+    /// left alone. Whether the transfer was open here (a lane's failure names every transfer
+    /// it carried, ended ones too).
+    pub fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) -> bool {
         if self.lost {
-            return;
+            return false;
         }
         let Some(t) = self.transfers.remove(&transfer_id) else {
-            return;
+            return false;
         };
         let next = match t.state {
             s @ (State::AwaitingAbortAck(_) | State::Failing(_)) => Next::Stay(s),
@@ -487,6 +488,7 @@ impl ReceiverSession {
             ),
         };
         self.settle(t.spec, next);
+        true
     }
 
     fn lose_one(&mut self, now: Instant, t: Transfer, reason: &FailureReason) {

@@ -384,13 +384,14 @@ impl SenderSession {
     /// (sent on a live lane): once its posted writes are drained, as for any abort; a
     /// committed one waits for the answer (VERIFIED: delivered after all; ABORT_ACK: a
     /// definite failure; neither within the abort-ack deadline: `Unconfirmed`). A transfer
-    /// not open here, or already stopping, is left alone.
-    pub fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) {
+    /// not open here, or already stopping, is left alone. Whether the transfer was open here
+    /// (a lane's failure names every transfer it carried, ended ones too).
+    pub fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) -> bool {
         if self.lost {
-            return;
+            return false;
         }
         let Some(mut t) = self.transfers.remove(&transfer_id) else {
-            return;
+            return false;
         };
         let state = t.take_state(now);
         let mut cx = self.ctx(now);
@@ -401,6 +402,7 @@ impl SenderSession {
             other => Next::Stay(other),
         };
         self.settle(t, next);
+        true
     }
 
     fn lose_one(&mut self, now: Instant, mut t: Transfer, reason: &FailureReason) {
