@@ -16,7 +16,12 @@ any violation:
 * rail 1 still down when a new connection opens over both rails: rail 1's lane is left out at
   both ends (SPEC §9.2, a rail down when the connection opens; each side reports one failed
   lane), every transfer verifies and is checked, and rail 1 carried none of its packets;
-* no other run reports a failed lane.
+* no other run reports a failed lane;
+* the poll-style manager's run (examples/rails_renewal.rs), rail 1 down in VM a for 12 s: no
+  verified byte differs, all but a few requests verify (those on the rail when it went down
+  may fail), the prefill accepted at least three connections (the first, a renewal while the
+  rail was down, one after it came back), and VM a's rxe1 sent packets again after it came
+  back (the renewed connection took the rail again).
 """
 import json
 import re
@@ -136,6 +141,37 @@ if p is not None and d is not None:
         )
 
 
+# The poll-style manager's renewal run.
+renew = {}
+try:
+    rp = json.loads((out / "renew-prefill.json").read_text())
+    rd = json.loads((out / "renew-decode.json").read_text())
+except (OSError, ValueError) as e:
+    problems.append(f"renew: no report ({e})")
+    rp = rd = None
+if rp is not None and rd is not None:
+    renew = {"prefill": rp, "decode": rd}
+    n = rd.get("transfers") or 0
+    if rd.get("corrupt") != 0:
+        problems.append(f"renew: {rd.get('corrupt')} verified pages differ")
+    if rd.get("verified", 0) + 8 < n or rd.get("verified", 0) == 0:
+        problems.append(f"renew: the decode verified {rd.get('verified')} of {n}")
+    if (rp.get("connections") or 0) < 3:
+        problems.append(f"renew: the prefill accepted {rp.get('connections')} connections, expected at least 3 (renewals)")
+    if not (out / "renew-up-at.txt").exists():
+        problems.append("renew: rail 1 was never brought back")
+    up, end = ("renew-up", "rxe1"), ("after-renew", "rxe1")
+    if up in table and end in table:
+        renew["rxe1_sent_after_the_rail_came_back"] = table[end] - table[up]
+        if table[end] - table[up] < 1000:
+            problems.append(f"renew: rxe1 sent {table[end] - table[up]} packets after the rail came back: not taken again")
+    else:
+        problems.append("renew: packet counters missing")
+    renew["renewals_logged"] = sum(
+        1 for line in (out / "renew-decode.log").read_text().splitlines() if "renewing it" in line
+    ) if (out / "renew-decode.log").exists() else None
+
+
 def ib_write_bw(dev):
     path = out / f"ib_write_bw-{dev}.txt"
     if not path.exists():
@@ -158,6 +194,7 @@ summary = {
     "rail_down_at_connect_gb_per_s": startdown,
     "rail_down_at_connect_packets_sent": startdown_sent,
     "after_rail_back_gb_per_s": back,
+    "renewal": renew,
 }
 print(json.dumps(summary, indent=2))
 for problem in problems:

@@ -13,7 +13,12 @@
 #   5. rail 1 still down in VM a, a new connection over both rails: rail 1's lane is left out
 #      at both ends from the start (SPEC §9.2, a rail down when the connection opens) and
 #      every transfer verifies over rail 0;
-#   6. rail 1 back up: a new connection over both rails verifies every transfer again.
+#   6. rail 1 back up: a new connection over both rails verifies every transfer again;
+#   7. the poll-style manager (examples/rails_renewal.rs: the decode in VM b dials the prefill
+#      in VM a and runs requests one after another, every byte compared): rail 1 goes down in
+#      VM a and comes back 12 s later; the decode's manager renews the connection that lost
+#      the lane (drained, dialled again: rail 1 left out while it is down), and a renewal
+#      after the rail came back takes it again (VM a's rxe1 carries packets again).
 #
 # Writes OUT (default target/rails); scripts/rails-check.py judges the reports, prints the
 # ratios (OUT/summary.json) and fails on any violation. Needs target/release/kvwire built
@@ -25,14 +30,18 @@ rm -rf "$out" && mkdir -p "$out"
 bin=target/release/kvwire
 [ -x "$bin" ] || { echo "rails-test: build $bin with --features rdma first" >&2; exit 1; }
 mib=${KVWIRE_RAILS_MIB:-64}
+renew_n=${KVWIRE_RAILS_RENEW:-600}
+[ -x target/release/examples/rails_renewal ] ||
+  { echo "rails-test: build target/release/examples/rails_renewal with --features rdma first" >&2; exit 1; }
 KVWIRE_PSK=$("$bin" gen-psk)
-export KVWIRE_PSK KVWIRE_RAILS_OUT="$out" KVWIRE_RAILS_MIB="$mib"
+export KVWIRE_PSK KVWIRE_RAILS_OUT="$out" KVWIRE_RAILS_MIB="$mib" KVWIRE_RAILS_RENEW="$renew_n"
 
 # Shared by both VMs: the bench arguments, and how VM a waits for VM b's listener.
 common='
 set -euo pipefail
 out=$KVWIRE_RAILS_OUT
 mib=$KVWIRE_RAILS_MIB
+renew_n=$KVWIRE_RAILS_RENEW
 bin=target/release/kvwire
 bench_args() { # DEVICES
   echo --transport rdma --device "$1" --page-sizes 64K --pages 8 --bytes "${mib}M" \
@@ -66,6 +75,12 @@ serve down rxe0,rxe1
 mib=$KVWIRE_RAILS_MIB
 serve startdown rxe0,rxe1
 serve back rxe0,rxe1
+# 7: the decode of the renewal run dials the prefill in VM a.
+wait_for "$out/renew-prefill.log" listening
+echo started >"$out/renew-started"
+target/release/examples/rails_renewal decode --addr 10.0.0.1:7600 --devices rxe0,rxe1 \
+  --transfers "$renew_n" --pace-ms 30 >"$out/renew-decode.json" 2>"$out/renew-decode.log" ||
+  echo "exit $?" >"$out/renew-decode.exit"
 echo b-done >"$out/b-done"
 '
 
@@ -97,6 +112,18 @@ counters before-startdown; connect startdown rxe0,rxe1; counters after-startdown
 ip link set eth1 up
 sleep 2
 counters before-back; connect back rxe0,rxe1; counters after-back
+# 7: the prefill of the renewal run; rail 1 down 4 s into it, back 12 s later.
+target/release/examples/rails_renewal prefill --addr 10.0.0.1:7600 --devices rxe0,rxe1 \
+  --transfers "$renew_n" >"$out/renew-prefill.json" 2>"$out/renew-prefill.log" &
+renew=$!
+wait_for "$out/renew-started" started
+sleep 4
+ip link set eth1 down; echo "rail 1 down $(date +%s.%N)" >"$out/renew-down-at.txt"
+sleep 12
+ip link set eth1 up; echo "rail 1 up $(date +%s.%N)" >"$out/renew-up-at.txt"
+counters renew-up
+wait "$renew" || echo "exit $?" >"$out/renew-prefill.exit"
+counters after-renew
 wait_for "$out/b-done" b-done
 '
 

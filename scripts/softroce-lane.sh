@@ -24,8 +24,9 @@ cargo build --quiet --features rdma --bin kvwire --example quickstart --example 
 cargo build --quiet -p kvwire-capi --features rdma
 cc -std=c11 -Wall -Wextra -Werror -Icapi/include capi/examples/transfer.c -Ltarget/debug \
   -lkvwire_capi -Wl,-rpath,"$PWD/target/debug" -o target/capi-transfer
-# The RDMA bench is measured with the optimized binary.
-cargo build --quiet --release --features rdma --bin kvwire
+# The RDMA bench is measured with the optimized binary; the rails test runs it and the
+# poll-style manager's renewal example.
+cargo build --quiet --release --features rdma --bin kvwire --example rails_renewal
 # The Python wheel with the RDMA transport: .ci/run builds it (scripts/python-tests.sh with
 # KVWIRE_PY_FEATURES=etcd,rdma) and tests it over TCP first; build it here when run alone.
 pyvenv=target/python-venv
