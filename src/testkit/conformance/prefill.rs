@@ -308,10 +308,20 @@ impl Kit<'_> {
                     .into(),
             ));
         }
-        let (mut s, first) = self.first_bytes().await?;
-        match first_frame(&first) {
-            Some(Frame::Hello(_)) => {}
-            other => return Ok(Verdict::Fail(format!("its first frame: {other:?}"))),
+        let (mut s, mut first) = self.first_bytes().await?;
+        // The whole HELLO, however the network split it.
+        let deadline = tokio::time::Instant::now() + self.options.wait;
+        let mut chunk = vec![0u8; 64 * 1024];
+        loop {
+            match Frame::decode(&first) {
+                Ok((Frame::Hello(_), _)) => break,
+                Err(DecodeError::Incomplete { .. }) => {}
+                other => return Ok(Verdict::Fail(format!("its first frame: {other:?}"))),
+            }
+            match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => first.extend_from_slice(&chunk[..n]),
+                _ => return Ok(Verdict::Fail("no whole HELLO".into())),
+            }
         }
         let mut ack = self.hello();
         change(&mut ack);
