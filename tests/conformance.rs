@@ -6,9 +6,46 @@
 
 use std::time::Duration;
 
-use kvwire::testkit::conformance::{self, Options, Verdict};
+use kvwire::testkit::conformance::{self, Checked, Options, Verdict};
 use kvwire::transport::Closed;
 use kvwire::{Auth, Listener, ListenerConfig, Node, NodeConfig, ReceiverConn, SenderConn};
+
+/// Every one of the 13 checks passed (those that write unsealed frames may be skipped, with
+/// their reason, where the target authenticates); the target closed the flood's connection
+/// while the kit still read (not only when the kit hung up), and exactly one of the
+/// target's connections ended as a PING flood (`reasons`: how each ended).
+fn judge(checked: &[Checked], authenticated: bool, reasons: &[Option<Closed>]) {
+    let shown: Vec<String> = checked
+        .iter()
+        .map(|c| format!("{} ({}): {:?}", c.name, c.spec, c.verdict))
+        .collect();
+    let shown = shown.join("\n");
+    println!("{shown}");
+    assert_eq!(checked.len(), 13, "{shown}");
+    for c in checked {
+        match &c.verdict {
+            Verdict::Pass(_) => {}
+            Verdict::Skip(why) if authenticated && why.contains("authenticates") => {}
+            other => panic!("{}: {other:?}\n{shown}", c.name),
+        }
+    }
+    let flood = checked
+        .iter()
+        .find(|c| c.name.starts_with("a PING flood"))
+        .unwrap();
+    assert!(
+        matches!(&flood.verdict, Verdict::Pass(seen) if seen.contains(", then closed")),
+        "{flood:?}"
+    );
+    let floods = reasons
+        .iter()
+        .filter(|r| matches!(r, Some(Closed::PingFlood { pings, .. }) if *pings > kvwire::proto::liveness::PING_FLOOD_LIMIT))
+        .count();
+    assert_eq!(
+        floods, 1,
+        "one connection closed as a PING flood: {reasons:?}"
+    );
+}
 
 async fn check_against_a_listener(auth: Auth) {
     let mut config = NodeConfig::example();
@@ -36,37 +73,7 @@ async fn check_against_a_listener(auth: Auth) {
     while let Ok(c) = accepted.try_recv() {
         reasons.push(c.closed_reason());
     }
-    let shown: Vec<String> = checked
-        .iter()
-        .map(|c| format!("{} ({}): {:?}", c.name, c.spec, c.verdict))
-        .collect();
-    let shown = shown.join("\n");
-    println!("{shown}");
-    assert_eq!(checked.len(), 13, "{shown}");
-    for c in &checked {
-        match &c.verdict {
-            Verdict::Pass(_) => {}
-            Verdict::Skip(why) if config.auth.is_on() && why.contains("authenticates") => {}
-            other => panic!("{}: {other:?}\n{shown}", c.name),
-        }
-    }
-    // Closed by the decode while the kit still read (not only when the kit hung up).
-    let flood = checked
-        .iter()
-        .find(|c| c.name.starts_with("a PING flood"))
-        .unwrap();
-    assert!(
-        matches!(&flood.verdict, Verdict::Pass(seen) if seen.contains(", then closed")),
-        "{flood:?}"
-    );
-    let floods = reasons
-        .iter()
-        .filter(|r| matches!(r, Some(Closed::PingFlood { pings, .. }) if *pings > kvwire::proto::liveness::PING_FLOOD_LIMIT))
-        .count();
-    assert_eq!(
-        floods, 1,
-        "one connection closed as a PING flood: {reasons:?}"
-    );
+    judge(&checked, config.auth.is_on(), &reasons);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -115,36 +122,7 @@ async fn check_a_prefill(auth: Auth) {
     let checked = conformance::run_prefill(&listener, &config, options).await;
     done.store(true, std::sync::atomic::Ordering::SeqCst);
     let reasons = connecting.await.unwrap();
-    let shown: Vec<String> = checked
-        .iter()
-        .map(|c| format!("{} ({}): {:?}", c.name, c.spec, c.verdict))
-        .collect();
-    let shown = shown.join("\n");
-    println!("{shown}");
-    assert_eq!(checked.len(), 13, "{shown}");
-    for c in &checked {
-        match &c.verdict {
-            Verdict::Pass(_) => {}
-            Verdict::Skip(why) if config.auth.is_on() && why.contains("authenticates") => {}
-            other => panic!("{}: {other:?}\n{shown}", c.name),
-        }
-    }
-    let flood = checked
-        .iter()
-        .find(|c| c.name.starts_with("a PING flood"))
-        .unwrap();
-    assert!(
-        matches!(&flood.verdict, Verdict::Pass(seen) if seen.contains(", then closed")),
-        "{flood:?}"
-    );
-    let floods = reasons
-        .iter()
-        .filter(|r| matches!(r, Some(Closed::PingFlood { .. })))
-        .count();
-    assert_eq!(
-        floods, 1,
-        "one connection closed as a PING flood: {reasons:?}"
-    );
+    judge(&checked, config.auth.is_on(), &reasons);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

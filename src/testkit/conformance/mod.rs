@@ -85,86 +85,117 @@ pub async fn run(addr: SocketAddr, config: &NodeConfig, options: Options) -> Vec
         options,
     };
     let mut out = Vec::new();
-    macro_rules! check {
-        ($name:expr, $spec:expr, $f:expr) => {
-            out.push(Checked {
-                name: $name,
-                spec: $spec,
-                verdict: $f.await.unwrap_or_else(Verdict::Fail),
-            });
-        };
-    }
-    check!(
-        "bytes that are not kvwire are closed without a reply",
-        "§4.2, §7.2",
-        kit.not_kvwire()
+    out.push(
+        checked(
+            "bytes that are not kvwire are closed without a reply",
+            "§4.2, §7.2",
+            kit.not_kvwire(),
+        )
+        .await,
     );
-    check!(
-        "another protocol version is refused with VERSION_MISMATCH",
-        "§4.5",
-        kit.other_version()
+    out.push(
+        checked(
+            "another protocol version is refused with VERSION_MISMATCH",
+            "§4.5",
+            kit.other_version(),
+        )
+        .await,
     );
-    check!(
-        "a peer of the same role is refused with ROLE_MISMATCH",
-        "§4.3 #1",
-        kit.refused(ErrorCode::ROLE_MISMATCH, |h| h.role = Role::RECEIVER)
+    out.push(
+        checked(
+            "a peer of the same role is refused with ROLE_MISMATCH",
+            "§4.3 #1",
+            kit.refused(ErrorCode::ROLE_MISMATCH, |h| h.role = Role::RECEIVER),
+        )
+        .await,
     );
-    check!(
-        "another layout is refused with LAYOUT_MISMATCH",
-        "§4.3 #2-4",
-        kit.refused(ErrorCode::LAYOUT_MISMATCH, |h| {
-            if let Some(b) = h.layout.buffer_page_bytes.first_mut() {
-                *b = b.wrapping_mul(2).max(1);
-            }
-        })
+    out.push(
+        checked(
+            "another layout is refused with LAYOUT_MISMATCH",
+            "§4.3 #2-4",
+            kit.refused(ErrorCode::LAYOUT_MISMATCH, |h| {
+                if let Some(b) = h.layout.buffer_page_bytes.first_mut() {
+                    *b = b.wrapping_mul(2).max(1);
+                }
+            }),
+        )
+        .await,
     );
-    check!(
-        "another fingerprint is refused with FINGERPRINT_MISMATCH",
-        "§4.3 #5",
-        kit.refused(ErrorCode::FINGERPRINT_MISMATCH, |h| {
-            h.layout.fingerprint = b"kvwire-conformance/another-model".to_vec()
-        })
+    out.push(
+        checked(
+            "another fingerprint is refused with FINGERPRINT_MISMATCH",
+            "§4.3 #5",
+            kit.refused(ErrorCode::FINGERPRINT_MISMATCH, |h| {
+                h.layout.fingerprint = b"kvwire-conformance/another-model".to_vec()
+            }),
+        )
+        .await,
     );
-    check!(
-        "malformed TCP transport parameters are refused with TRANSPORT_MISMATCH",
-        "§4.3 #7, §9.1",
-        kit.refused(ErrorCode::TRANSPORT_MISMATCH, |h| h.transport_params =
-            vec![2, 0, 4, 0])
+    out.push(
+        checked(
+            "malformed TCP transport parameters are refused with TRANSPORT_MISMATCH",
+            "§4.3 #7, §9.1",
+            kit.refused(ErrorCode::TRANSPORT_MISMATCH, |h| {
+                h.transport_params = vec![2, 0, 4, 0]
+            }),
+        )
+        .await,
     );
-    check!(
-        "a peer that says nothing is closed at the handshake timeout",
-        "§4.6",
-        kit.silent()
+    out.push(
+        checked(
+            "a peer that says nothing is closed at the handshake timeout",
+            "§4.6",
+            kit.silent(),
+        )
+        .await,
     );
-    check!(
-        "a correct HELLO is accepted and heartbeats follow",
-        "§4.2, §8.3",
-        kit.heartbeats()
+    out.push(
+        checked(
+            "a correct HELLO is accepted and heartbeats follow",
+            "§4.2, §8.3",
+            kit.heartbeats(),
+        )
+        .await,
     );
-    check!(
-        "an unknown frame type ends the connection",
-        "§3.10, §7.2",
-        kit.after_handshake(Bad::FrameType)
+    out.push(
+        checked(
+            "an unknown frame type ends the connection",
+            "§3.10, §7.2",
+            kit.after_handshake(Bad::FrameType),
+        )
+        .await,
     );
-    check!(
-        "a data record of the wrong length ends the connection",
-        "§9.1",
-        kit.after_handshake(Bad::DataLength)
+    out.push(
+        checked(
+            "a data record of the wrong length ends the connection",
+            "§9.1",
+            kit.after_handshake(Bad::DataLength),
+        )
+        .await,
     );
-    check!(
-        "an unknown record magic ends the connection",
-        "§9.1",
-        kit.after_handshake(Bad::Magic)
+    out.push(
+        checked(
+            "an unknown record magic ends the connection",
+            "§9.1",
+            kit.after_handshake(Bad::Magic),
+        )
+        .await,
     );
-    check!(
-        "a PING flood gets at most 16 PONGs per interval (and may be closed)",
-        "§8.3",
-        kit.ping_flood()
+    out.push(
+        checked(
+            "a PING flood gets at most 16 PONGs per interval (and may be closed)",
+            "§8.3",
+            kit.ping_flood(),
+        )
+        .await,
     );
-    check!(
-        "the listener still serves a correct peer",
-        "§4, §7.5",
-        kit.correct()
+    out.push(
+        checked(
+            "the listener still serves a correct peer",
+            "§4, §7.5",
+            kit.correct(),
+        )
+        .await,
     );
     out
 }
@@ -461,7 +492,10 @@ async fn ping_flood(s: TcpStream, channel: AuthChannel, options: Options) -> Ste
 
 /// Reads until the target closes the connection or `wait` passes: the bytes, and whether
 /// it closed (end of stream or a reset).
-async fn until_closed(s: &mut TcpStream, wait: Duration) -> (Vec<u8>, bool) {
+async fn until_closed(
+    s: &mut (impl tokio::io::AsyncRead + Unpin),
+    wait: Duration,
+) -> (Vec<u8>, bool) {
     let deadline = tokio::time::Instant::now() + wait;
     let mut got = Vec::new();
     let mut buf = vec![0u8; 64 * 1024];
@@ -471,6 +505,19 @@ async fn until_closed(s: &mut TcpStream, wait: Duration) -> (Vec<u8>, bool) {
             Ok(Ok(0)) | Ok(Err(_)) => return (got, true),
             Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
         }
+    }
+}
+
+/// One check: its outcome, a step that could not run counted as its failure.
+async fn checked(
+    name: &'static str,
+    spec: &'static str,
+    step: impl std::future::Future<Output = Step>,
+) -> Checked {
+    Checked {
+        name,
+        spec,
+        verdict: step.await.unwrap_or_else(Verdict::Fail),
     }
 }
 

@@ -17,9 +17,10 @@ use kvwire_proto::wire::{
     Role, TransferId, TransferRef, MAGIC,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{first_frame, ping_flood, until_closed, Checked, Options, Step, Verdict};
+use super::{checked, first_frame, ping_flood, until_closed, Checked, Options, Step, Verdict};
 use crate::config::NodeConfig;
 use crate::engine::{handshake_hello, EngineError};
 use crate::transport::tcp::TcpParams;
@@ -46,83 +47,113 @@ pub async fn run_prefill(
         options,
     };
     let mut out = Vec::new();
-    macro_rules! check {
-        ($name:expr, $spec:expr, $f:expr) => {
-            out.push(Checked {
-                name: $name,
-                spec: $spec,
-                verdict: $f.await.unwrap_or_else(Verdict::Fail),
-            });
-        };
-    }
-    check!(
-        "its HELLO is a sender's of the same layout and a handshake completes",
-        "§3.5.1, §4.2, §4.3",
-        kit.handshakes()
+    out.push(
+        checked(
+            "its HELLO is a sender's of the same layout and a handshake completes",
+            "§3.5.1, §4.2, §4.3",
+            kit.handshakes(),
+        )
+        .await,
     );
-    check!(
-        "a HELLO_REJECT ends its attempt: it closes",
-        "§4.2",
-        kit.takes_a_refusal()
+    out.push(
+        checked(
+            "a HELLO_REJECT ends its attempt: it closes",
+            "§4.2",
+            kit.takes_a_refusal(),
+        )
+        .await,
     );
-    check!(
-        "a HELLO_ACK of another layout is refused with LAYOUT_MISMATCH",
-        "§4.2, §4.3 #2-4",
-        kit.refuses_the_ack(ErrorCode::LAYOUT_MISMATCH, |h| {
-            if let Some(b) = h.layout.buffer_page_bytes.first_mut() {
-                *b = b.wrapping_mul(2).max(1);
-            }
-        })
+    out.push(
+        checked(
+            "a HELLO_ACK of another layout is refused with LAYOUT_MISMATCH",
+            "§4.2, §4.3 #2-4",
+            kit.refuses_the_ack(ErrorCode::LAYOUT_MISMATCH, |h| {
+                if let Some(b) = h.layout.buffer_page_bytes.first_mut() {
+                    *b = b.wrapping_mul(2).max(1);
+                }
+            }),
+        )
+        .await,
     );
-    check!(
-        "a HELLO_ACK of a sender is refused with ROLE_MISMATCH",
-        "§4.2, §4.3 #1",
-        kit.refuses_the_ack(ErrorCode::ROLE_MISMATCH, |h| h.role = Role::SENDER)
+    out.push(
+        checked(
+            "a HELLO_ACK of a sender is refused with ROLE_MISMATCH",
+            "§4.2, §4.3 #1",
+            kit.refuses_the_ack(ErrorCode::ROLE_MISMATCH, |h| h.role = Role::SENDER),
+        )
+        .await,
     );
-    check!(
-        "a server that never answers is given up at the handshake timeout",
-        "§4.6",
-        kit.silent_server()
+    out.push(
+        checked(
+            "a server that never answers is given up at the handshake timeout",
+            "§4.6",
+            kit.silent_server(),
+        )
+        .await,
     );
-    check!(
-        "a PING is answered with a PONG of its token",
-        "§8.3",
-        kit.answers_a_ping()
+    out.push(
+        checked(
+            "a PING is answered with a PONG of its token",
+            "§8.3",
+            kit.answers_a_ping(),
+        )
+        .await,
     );
-    check!(
-        "an ABORT for a transfer it does not know is answered with ABORT_ACK of that ref",
-        "§7.3",
-        kit.acks_an_unknown_abort()
+    out.push(
+        checked(
+            "an ABORT for a transfer it does not know is answered with ABORT_ACK of that ref",
+            "§7.3",
+            kit.acks_an_unknown_abort(),
+        )
+        .await,
     );
-    check!(
-        "a RESERVE for a request it does not have is parked, then refused UNKNOWN_REQUEST",
-        "§5.1",
-        kit.refuses_an_unknown_reservation()
+    out.push(
+        checked(
+            "a RESERVE for a request it does not have is parked, then refused UNKNOWN_REQUEST",
+            "§5.1",
+            kit.refuses_an_unknown_reservation(),
+        )
+        .await,
     );
-    check!(
-        "its parked reservations are bounded: REJECT(PARKED_LIMIT) beyond them",
-        "§5.1",
-        kit.bounds_parked_reservations()
+    out.push(
+        checked(
+            "its parked reservations are bounded: REJECT(PARKED_LIMIT) beyond them",
+            "§5.1",
+            kit.bounds_parked_reservations(),
+        )
+        .await,
     );
-    check!(
-        "a REJECT (a frame only a sender sends) ends the connection",
-        "§7.3",
-        kit.closes_on_a_senders_frame()
+    out.push(
+        checked(
+            "a REJECT (a frame only a sender sends) ends the connection",
+            "§7.3",
+            kit.closes_on_a_senders_frame(),
+        )
+        .await,
     );
-    check!(
-        "an unknown frame type ends the connection",
-        "§3.10, §7.2",
-        kit.closes_on_an_unknown_frame_type()
+    out.push(
+        checked(
+            "an unknown frame type ends the connection",
+            "§3.10, §7.2",
+            kit.closes_on_an_unknown_frame_type(),
+        )
+        .await,
     );
-    check!(
-        "a PING flood gets at most 16 PONGs per interval (and may be closed)",
-        "§8.3",
-        kit.ping_flood()
+    out.push(
+        checked(
+            "a PING flood gets at most 16 PONGs per interval (and may be closed)",
+            "§8.3",
+            kit.ping_flood(),
+        )
+        .await,
     );
-    check!(
-        "it still connects and completes a handshake",
-        "§4, §7.5",
-        kit.handshakes()
+    out.push(
+        checked(
+            "it still connects and completes a handshake",
+            "§4, §7.5",
+            kit.handshakes(),
+        )
+        .await,
     );
     out
 }
@@ -133,54 +164,69 @@ struct Kit<'a> {
     options: Options,
 }
 
-/// An established connection with the prefill: frames sealed and opened as the handshake
-/// set up, its PINGs answered while the kit waits for something else.
-struct Conn {
-    s: TcpStream,
-    sealer: Sealer,
+/// Frames as they arrive on a connection's read side, opened as the handshake set up.
+struct FrameReader {
+    rd: OwnedReadHalf,
     opener: Opener,
     buf: Vec<u8>,
-    digest: DigestAlgorithm,
 }
 
-/// What [`Conn::next`] found.
+/// What [`FrameReader::read_frame`] found.
 enum Next {
     Frame(Frame),
     Closed,
     TimedOut,
 }
 
+impl FrameReader {
+    /// The next frame (PING and PONG included), the connection's end, or `deadline`. A
+    /// frame that fails to open ends the check.
+    async fn read_frame(&mut self, deadline: tokio::time::Instant) -> Result<Next, String> {
+        let mut chunk = vec![0u8; 64 * 1024];
+        loop {
+            match self.opener.open(&self.buf) {
+                Ok((frame, used)) => {
+                    self.buf.drain(..used);
+                    return Ok(Next::Frame(frame));
+                }
+                Err(OpenError::Decode(DecodeError::Incomplete { .. })) => {}
+                Err(e) => return Err(format!("a frame from the prefill did not open: {e}")),
+            }
+            match tokio::time::timeout_at(deadline, self.rd.read(&mut chunk)).await {
+                Err(_) => return Ok(Next::TimedOut),
+                Ok(Ok(0)) | Ok(Err(_)) => return Ok(Next::Closed),
+                Ok(Ok(n)) => self.buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+}
+
+/// An established connection with the prefill: frames sealed and opened as the handshake
+/// set up, its PINGs answered while the kit waits for something else.
+struct Conn {
+    reader: FrameReader,
+    wr: OwnedWriteHalf,
+    sealer: Sealer,
+    digest: DigestAlgorithm,
+}
+
 impl Conn {
     async fn send(&mut self, frame: &Frame) -> Result<(), String> {
         let bytes = self.sealer.seal_to_vec(frame).map_err(|e| e.to_string())?;
-        self.s
+        self.wr
             .write_all(&bytes)
             .await
             .map_err(|e| format!("write: {e}"))
     }
 
     /// The next frame other than PING (answered) and PONG, the connection's end, or
-    /// `deadline`. A frame that fails to open ends the check.
+    /// `deadline`.
     async fn next(&mut self, deadline: tokio::time::Instant) -> Result<Next, String> {
-        let mut chunk = vec![0u8; 64 * 1024];
         loop {
-            match self.opener.open(&self.buf) {
-                Ok((frame, used)) => {
-                    self.buf.drain(..used);
-                    match frame {
-                        Frame::Ping(token) => self.send(&Frame::Pong(token)).await?,
-                        Frame::Pong(_) => {}
-                        other => return Ok(Next::Frame(other)),
-                    }
-                    continue;
-                }
-                Err(OpenError::Decode(DecodeError::Incomplete { .. })) => {}
-                Err(e) => return Err(format!("a frame from the prefill did not open: {e}")),
-            }
-            match tokio::time::timeout_at(deadline, self.s.read(&mut chunk)).await {
-                Err(_) => return Ok(Next::TimedOut),
-                Ok(Ok(0)) | Ok(Err(_)) => return Ok(Next::Closed),
-                Ok(Ok(n)) => self.buf.extend_from_slice(&chunk[..n]),
+            match self.reader.read_frame(deadline).await? {
+                Next::Frame(Frame::Ping(token)) => self.send(&Frame::Pong(token)).await?,
+                Next::Frame(Frame::Pong(_)) => {}
+                other => return Ok(other),
             }
         }
     }
@@ -248,11 +294,15 @@ impl Kit<'_> {
             .first()
             .ok_or("the handshake settled on no digest algorithm")?;
         let (sealer, opener) = channel.split();
+        let (rd, wr) = s.into_split();
         Ok(Conn {
-            s,
+            reader: FrameReader {
+                rd,
+                opener,
+                buf: Vec::new(),
+            },
+            wr,
             sealer,
-            opener,
-            buf: Vec::new(),
             digest,
         })
     }
@@ -367,29 +417,22 @@ impl Kit<'_> {
         let token = 0x6b76_7069_6e67_0001;
         conn.send(&Frame::Ping(token)).await?;
         let deadline = tokio::time::Instant::now() + self.options.wait;
-        let mut buf_pings = 0;
-        // `next` answers the prefill's PINGs and drops PONGs: read raw here instead.
-        let mut chunk = vec![0u8; 16 * 1024];
+        let mut its_pings = 0;
+        // Read here, not by `next`, which drops PONGs.
         loop {
-            while let Ok((frame, used)) = conn.opener.open(&conn.buf) {
-                conn.buf.drain(..used);
-                match frame {
-                    Frame::Pong(t) if t == token => {
-                        return Ok(Verdict::Pass(format!(
-                            "PONG {token:#x} ({buf_pings} PINGs of its own meanwhile)"
-                        )))
-                    }
-                    Frame::Ping(t) => {
-                        buf_pings += 1;
-                        conn.send(&Frame::Pong(t)).await?;
-                    }
-                    _ => {}
+            match conn.reader.read_frame(deadline).await? {
+                Next::Frame(Frame::Pong(t)) if t == token => {
+                    return Ok(Verdict::Pass(format!(
+                        "PONG {token:#x} ({its_pings} PINGs of its own meanwhile)"
+                    )))
                 }
-            }
-            match tokio::time::timeout_at(deadline, conn.s.read(&mut chunk)).await {
-                Err(_) => return Ok(Verdict::Fail("no PONG".into())),
-                Ok(Ok(0)) | Ok(Err(_)) => return Ok(Verdict::Fail("closed".into())),
-                Ok(Ok(n)) => conn.buf.extend_from_slice(&chunk[..n]),
+                Next::Frame(Frame::Ping(t)) => {
+                    its_pings += 1;
+                    conn.send(&Frame::Pong(t)).await?;
+                }
+                Next::Frame(_) => {}
+                Next::TimedOut => return Ok(Verdict::Fail("no PONG".into())),
+                Next::Closed => return Ok(Verdict::Fail("closed".into())),
             }
         }
     }
@@ -475,35 +518,34 @@ impl Kit<'_> {
         }
         // Written by a task while this one reads, so that the prefill's refusals cannot
         // back up against a kit that is still writing.
-        let (rd, mut wr) = conn.s.into_split();
+        let Conn {
+            mut reader, mut wr, ..
+        } = conn;
         let writing = tokio::spawn(async move {
             let r = wr.write_all(&frames).await;
             (r, wr)
         });
-        let mut conn_rd = ReadHalfConn {
-            rd,
-            opener: conn.opener,
-            buf: conn.buf,
-        };
         let deadline = tokio::time::Instant::now() + self.options.wait;
         let mut other = 0u64;
         let verdict = loop {
-            match conn_rd.next(deadline).await? {
-                Some(Frame::Reject(j)) if j.code == ErrorCode::PARKED_LIMIT => {
+            match reader.read_frame(deadline).await? {
+                Next::Frame(Frame::Reject(j)) if j.code == ErrorCode::PARKED_LIMIT => {
                     break Verdict::Pass(format!(
                         "REJECT(PARKED_LIMIT) after {} RESERVEs it had no request for",
                         (j.transfer.transfer_id.0 - KIT_IDS - 0x1_0000) + 1
                     ));
                 }
-                Some(_) => other += 1,
-                None => {
+                // Its PINGs go unanswered here: the RESERVEs keep it hearing the kit.
+                Next::Frame(Frame::Ping(_) | Frame::Pong(_)) => {}
+                Next::Frame(_) => other += 1,
+                Next::Closed | Next::TimedOut => {
                     break Verdict::Fail(format!(
                         "{RESERVATIONS_TO_PARK} RESERVEs it had no request for and no REJECT(PARKED_LIMIT) ({other} other frames)"
                     ))
                 }
             }
         };
-        drop(conn_rd);
+        drop(reader);
         let _ = tokio::time::timeout(self.options.wait, writing).await;
         Ok(verdict)
     }
@@ -519,13 +561,15 @@ impl Kit<'_> {
             detail: "a decode never sends this".into(),
         }))
         .await?;
-        Ok(match until_closed(&mut conn.s, self.options.wait).await {
-            (_, true) => Verdict::Pass("closed".into()),
-            (_, false) => Verdict::Fail(format!(
-                "still open after {} s",
-                self.options.wait.as_secs()
-            )),
-        })
+        Ok(
+            match until_closed(&mut conn.reader.rd, self.options.wait).await {
+                (_, true) => Verdict::Pass("closed".into()),
+                (_, false) => Verdict::Fail(format!(
+                    "still open after {} s",
+                    self.options.wait.as_secs()
+                )),
+            },
+        )
     }
 
     async fn closes_on_an_unknown_frame_type(&self) -> Step {
@@ -543,14 +587,16 @@ impl Kit<'_> {
         b.extend_from_slice(&0u32.to_le_bytes());
         let crc = crc32fast::hash(&b);
         b.extend_from_slice(&crc.to_le_bytes());
-        conn.s.write_all(&b).await.map_err(|e| e.to_string())?;
-        Ok(match until_closed(&mut conn.s, self.options.wait).await {
-            (_, true) => Verdict::Pass("closed".into()),
-            (_, false) => Verdict::Fail(format!(
-                "still open after {} s",
-                self.options.wait.as_secs()
-            )),
-        })
+        conn.wr.write_all(&b).await.map_err(|e| e.to_string())?;
+        Ok(
+            match until_closed(&mut conn.reader.rd, self.options.wait).await {
+                (_, true) => Verdict::Pass("closed".into()),
+                (_, false) => Verdict::Fail(format!(
+                    "still open after {} s",
+                    self.options.wait.as_secs()
+                )),
+            },
+        )
     }
 
     async fn ping_flood(&self) -> Step {
@@ -572,38 +618,6 @@ impl Kit<'_> {
             e => format!("handshake: {e}"),
         })?;
         ping_flood(s, channel, self.options).await
-    }
-}
-
-/// The read half of a [`Conn`] whose write half a task holds: frames as they open (PINGs
-/// left unanswered: the prefill hears the kit's RESERVEs meanwhile).
-struct ReadHalfConn {
-    rd: tokio::net::tcp::OwnedReadHalf,
-    opener: Opener,
-    buf: Vec<u8>,
-}
-
-impl ReadHalfConn {
-    /// The next frame other than PING and PONG; `None` at the connection's end or `deadline`.
-    async fn next(&mut self, deadline: tokio::time::Instant) -> Result<Option<Frame>, String> {
-        let mut chunk = vec![0u8; 64 * 1024];
-        loop {
-            match self.opener.open(&self.buf) {
-                Ok((frame, used)) => {
-                    self.buf.drain(..used);
-                    if !matches!(frame, Frame::Ping(_) | Frame::Pong(_)) {
-                        return Ok(Some(frame));
-                    }
-                    continue;
-                }
-                Err(OpenError::Decode(DecodeError::Incomplete { .. })) => {}
-                Err(e) => return Err(format!("a frame from the prefill did not open: {e}")),
-            }
-            match tokio::time::timeout_at(deadline, self.rd.read(&mut chunk)).await {
-                Err(_) | Ok(Ok(0)) | Ok(Err(_)) => return Ok(None),
-                Ok(Ok(n)) => self.buf.extend_from_slice(&chunk[..n]),
-            }
-        }
     }
 }
 
