@@ -113,11 +113,7 @@ pub async fn run(addr: SocketAddr, config: &NodeConfig, options: Options) -> Vec
         checked(
             "another layout is refused with LAYOUT_MISMATCH",
             "§4.3 #2-4",
-            kit.refused(ErrorCode::LAYOUT_MISMATCH, |h| {
-                if let Some(b) = h.layout.buffer_page_bytes.first_mut() {
-                    *b = b.wrapping_mul(2).max(1);
-                }
-            }),
+            kit.refused(ErrorCode::LAYOUT_MISMATCH, other_layout),
         )
         .await,
     );
@@ -363,17 +359,7 @@ impl Kit {
             .await
             .map_err(|e| e.to_string())?;
         let bytes = match bad {
-            Bad::FrameType => {
-                let mut b = Vec::new();
-                b.extend_from_slice(&MAGIC);
-                b.extend_from_slice(&kvwire_proto::wire::VERSION.to_le_bytes());
-                // A frame type no version of the protocol defines (SPEC §3.6).
-                b.extend_from_slice(&0x7a7au16.to_le_bytes());
-                b.extend_from_slice(&0u32.to_le_bytes());
-                let crc = crc32fast::hash(&b);
-                b.extend_from_slice(&crc.to_le_bytes());
-                b
-            }
+            Bad::FrameType => unknown_frame_type(),
             Bad::DataLength => {
                 let len = self.config.pool.bytes_per_page_index() as u32;
                 let header = DataHeader {
@@ -392,13 +378,7 @@ impl Kit {
         };
         s.write_all(&bytes).await.map_err(|e| e.to_string())?;
         // The target may send PINGs first; what counts is that it closes.
-        Ok(match until_closed(&mut s, self.options.wait).await {
-            (_, true) => Verdict::Pass("closed".into()),
-            (_, false) => Verdict::Fail(format!(
-                "still open after {} s",
-                self.options.wait.as_secs()
-            )),
-        })
+        Ok(must_close(&mut s, self.options.wait).await)
     }
 
     async fn ping_flood(&self) -> Step {
@@ -505,6 +485,33 @@ async fn until_closed(
             Ok(Ok(0)) | Ok(Err(_)) => return (got, true),
             Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
         }
+    }
+}
+
+/// Whether the target closes the connection within `wait` (whatever it sends first).
+async fn must_close(s: &mut (impl tokio::io::AsyncRead + Unpin), wait: Duration) -> Verdict {
+    match until_closed(s, wait).await {
+        (_, true) => Verdict::Pass("closed".into()),
+        (_, false) => Verdict::Fail(format!("still open after {} s", wait.as_secs())),
+    }
+}
+
+/// A frame of a type no version of the protocol defines (SPEC §3.6), unsealed.
+fn unknown_frame_type() -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(&MAGIC);
+    b.extend_from_slice(&kvwire_proto::wire::VERSION.to_le_bytes());
+    b.extend_from_slice(&0x7a7au16.to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes());
+    let crc = crc32fast::hash(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
+    b
+}
+
+/// The kit's hello with another layout: buffer 0's page bytes doubled.
+fn other_layout(h: &mut Hello) {
+    if let Some(b) = h.layout.buffer_page_bytes.first_mut() {
+        *b = b.wrapping_mul(2).max(1);
     }
 }
 

@@ -14,13 +14,16 @@ use kvwire_proto::auth::{OpenError, Opener, Sealer};
 use kvwire_proto::handshake::HandshakeError;
 use kvwire_proto::wire::{
     Abort, DecodeError, DigestAlgorithm, ErrorCode, Frame, Hello, HelloReject, Reject, Reserve,
-    Role, TransferId, TransferRef, MAGIC,
+    Role, TransferId, TransferRef,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{checked, first_frame, ping_flood, until_closed, Checked, Options, Step, Verdict};
+use super::{
+    checked, first_frame, must_close, other_layout, ping_flood, unknown_frame_type, until_closed,
+    Checked, Options, Step, Verdict,
+};
 use crate::config::NodeConfig;
 use crate::engine::{handshake_hello, EngineError};
 use crate::transport::tcp::TcpParams;
@@ -67,11 +70,7 @@ pub async fn run_prefill(
         checked(
             "a HELLO_ACK of another layout is refused with LAYOUT_MISMATCH",
             "§4.2, §4.3 #2-4",
-            kit.refuses_the_ack(ErrorCode::LAYOUT_MISMATCH, |h| {
-                if let Some(b) = h.layout.buffer_page_bytes.first_mut() {
-                    *b = b.wrapping_mul(2).max(1);
-                }
-            }),
+            kit.refuses_the_ack(ErrorCode::LAYOUT_MISMATCH, other_layout),
         )
         .await,
     );
@@ -561,15 +560,7 @@ impl Kit<'_> {
             detail: "a decode never sends this".into(),
         }))
         .await?;
-        Ok(
-            match until_closed(&mut conn.reader.rd, self.options.wait).await {
-                (_, true) => Verdict::Pass("closed".into()),
-                (_, false) => Verdict::Fail(format!(
-                    "still open after {} s",
-                    self.options.wait.as_secs()
-                )),
-            },
-        )
+        Ok(must_close(&mut conn.reader.rd, self.options.wait).await)
     }
 
     async fn closes_on_an_unknown_frame_type(&self) -> Step {
@@ -580,23 +571,11 @@ impl Kit<'_> {
             ));
         }
         let mut conn = self.established().await?;
-        let mut b = Vec::new();
-        b.extend_from_slice(&MAGIC);
-        b.extend_from_slice(&kvwire_proto::wire::VERSION.to_le_bytes());
-        b.extend_from_slice(&0x7a7au16.to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes());
-        let crc = crc32fast::hash(&b);
-        b.extend_from_slice(&crc.to_le_bytes());
-        conn.wr.write_all(&b).await.map_err(|e| e.to_string())?;
-        Ok(
-            match until_closed(&mut conn.reader.rd, self.options.wait).await {
-                (_, true) => Verdict::Pass("closed".into()),
-                (_, false) => Verdict::Fail(format!(
-                    "still open after {} s",
-                    self.options.wait.as_secs()
-                )),
-            },
-        )
+        conn.wr
+            .write_all(&unknown_frame_type())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(must_close(&mut conn.reader.rd, self.options.wait).await)
     }
 
     async fn ping_flood(&self) -> Step {
