@@ -25,7 +25,7 @@ use super::{
     Checked, Options, Step, Verdict,
 };
 use crate::config::NodeConfig;
-use crate::engine::{handshake_hello, EngineError};
+use crate::engine::{handshake_hello, EngineError, Handshaken};
 use crate::transport::tcp::TcpParams;
 
 /// Transfer ids the kit names in its frames: far from any a workload picks, so that the
@@ -274,10 +274,10 @@ impl Kit<'_> {
         }
     }
 
-    /// A correct handshake with the prefill's next connection.
-    async fn established(&self) -> Result<Conn, String> {
+    /// A correct handshake, as a decode, with the prefill's next connection.
+    async fn handshake(&self) -> Result<Handshaken, String> {
         let s = self.accept().await?;
-        let (s, est, channel) = handshake_hello(
+        handshake_hello(
             s,
             &self.config,
             false,
@@ -287,7 +287,17 @@ impl Kit<'_> {
             &mut |_| {},
         )
         .await
-        .map_err(|e| format!("handshake: {e}"))?;
+        .map_err(|e| match e {
+            EngineError::Handshake(HandshakeError::RefusedByPeer(r)) => {
+                format!("refused: {}: {}", r.code, r.detail)
+            }
+            e => format!("handshake: {e}"),
+        })
+    }
+
+    /// A correct handshake with the prefill's next connection, ready for frames.
+    async fn established(&self) -> Result<Conn, String> {
+        let (s, est, channel) = self.handshake().await?;
         let digest = *est
             .digests
             .first()
@@ -579,23 +589,7 @@ impl Kit<'_> {
     }
 
     async fn ping_flood(&self) -> Step {
-        let s = self.accept().await?;
-        let (s, _, channel) = handshake_hello(
-            s,
-            &self.config,
-            false,
-            self.hello(),
-            None,
-            self.options.wait,
-            &mut |_| {},
-        )
-        .await
-        .map_err(|e: EngineError| match e {
-            EngineError::Handshake(HandshakeError::RefusedByPeer(r)) => {
-                format!("refused: {}: {}", r.code, r.detail)
-            }
-            e => format!("handshake: {e}"),
-        })?;
+        let (s, _, channel) = self.handshake().await?;
         ping_flood(s, channel, self.options).await
     }
 }
