@@ -19,9 +19,10 @@ any violation:
 * no other run reports a failed lane;
 * the poll-style manager's run (examples/rails_renewal.rs), rail 1 down in VM a for 12 s: no
   verified byte differs, all but a few requests verify (those on the rail when it went down
-  may fail), the prefill accepted at least three connections (the first, a renewal while the
-  rail was down, one after it came back), and VM a's rxe1 sent packets again after it came
-  back (the renewed connection took the rail again).
+  may fail), the decode renewed the connection at least once (the prefill accepted a second
+  one; a renewal while the rail was still down, with it left out, comes when the decode saw
+  the lane fail early enough), and VM a's rxe1 sent packets again after it came back (a
+  renewed connection took the rail again).
 """
 import json
 import re
@@ -156,8 +157,11 @@ if rp is not None and rd is not None:
         problems.append(f"renew: {rd.get('corrupt')} verified pages differ")
     if rd.get("verified", 0) + 8 < n or rd.get("verified", 0) == 0:
         problems.append(f"renew: the decode verified {rd.get('verified')} of {n}")
-    if (rp.get("connections") or 0) < 3:
-        problems.append(f"renew: the prefill accepted {rp.get('connections')} connections, expected at least 3 (renewals)")
+    # At least one renewal: a second connection, and the decode's log line. Whether one also
+    # came while the rail was still down (then with it left out) depends on when the decode
+    # saw the lane fail (SoftRoCE: up to half the liveness timeout), so it is not required.
+    if (rp.get("connections") or 0) < 2:
+        problems.append(f"renew: the prefill accepted {rp.get('connections')} connection(s): never renewed")
     if not (out / "renew-up-at.txt").exists():
         problems.append("renew: rail 1 was never brought back")
     up, end = ("renew-up", "rxe1"), ("after-renew", "rxe1")
@@ -169,7 +173,9 @@ if rp is not None and rd is not None:
         problems.append("renew: packet counters missing")
     renew["renewals_logged"] = sum(
         1 for line in (out / "renew-decode.log").read_text().splitlines() if "renewing it" in line
-    ) if (out / "renew-decode.log").exists() else None
+    ) if (out / "renew-decode.log").exists() else 0
+    if renew["renewals_logged"] < 1:
+        problems.append("renew: the decode logged no renewal")
 
 
 def ib_write_bw(dev):

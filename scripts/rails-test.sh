@@ -17,8 +17,9 @@
 #   7. the poll-style manager (examples/rails_renewal.rs: the decode in VM b dials the prefill
 #      in VM a and runs requests one after another, every byte compared): rail 1 goes down in
 #      VM a and comes back 12 s later; the decode's manager renews the connection that lost
-#      the lane (drained, dialled again: rail 1 left out while it is down), and a renewal
-#      after the rail came back takes it again (VM a's rxe1 carries packets again).
+#      the lane (drained, dialled again; rail 1 left out if it is still down, then renewed
+#      again), and a connection renewed after the rail came back takes it again (VM a's rxe1
+#      carries packets again).
 #
 # Writes OUT (default target/rails); scripts/rails-check.py judges the reports, prints the
 # ratios (OUT/summary.json) and fails on any violation. Needs target/release/kvwire built
