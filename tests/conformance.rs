@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kvwire::testkit::conformance::{self, Checked, Options, Verdict};
 use kvwire::transport::Closed;
-use kvwire::{Auth, Listener, ListenerConfig, Node, NodeConfig, ReceiverConn, SenderConn};
+use kvwire::{Auth, Listener, ListenerConfig, Node, NodeConfig, ReceiverConn};
 
 /// Every one of the 13 checks passed (those that write unsealed frames may be skipped, with
 /// their reason, where the target authenticates); the target closed the flood's connection
@@ -98,23 +98,11 @@ async fn check_a_prefill(auth: Auth) {
     let addr = listener.local_addr().unwrap();
     let prefill = Node::new(config.clone()).unwrap();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let stop = done.clone();
-    let connecting = tokio::spawn(async move {
-        let mut reasons = Vec::new();
-        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-            match SenderConn::connect(addr, &prefill).await {
-                Ok(c) => {
-                    while !c.is_closed() && !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                    reasons.push(c.closed_reason());
-                }
-                // Refused, or the kit said nothing: connect again.
-                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-            }
-        }
-        reasons
-    });
+    let connecting = tokio::spawn(conformance::reconnecting_prefill(
+        addr,
+        prefill,
+        done.clone(),
+    ));
     let options = Options {
         wait: Duration::from_secs(5),
         ..Options::default()

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use kvwire::config::file::ConfigFile;
 use kvwire::testkit::conformance::{self, Checked, Options, Verdict};
-use kvwire::{Listener, ListenerConfig, Node, NodeConfig, SenderConn};
+use kvwire::{Listener, ListenerConfig, Node, NodeConfig};
 
 /// What the command checks.
 pub enum Target {
@@ -130,19 +130,7 @@ async fn self_test_prefill(config: &NodeConfig, options: Options) -> Result<Vec<
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let node = Node::new(config.clone()).map_err(|e| e.to_string())?;
     let done = Arc::new(AtomicBool::new(false));
-    let stop = done.clone();
-    let connecting = tokio::spawn(async move {
-        while !stop.load(Ordering::SeqCst) {
-            match SenderConn::connect(addr, &node).await {
-                Ok(c) => {
-                    while !c.is_closed() && !stop.load(Ordering::SeqCst) {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                }
-                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-            }
-        }
-    });
+    let connecting = tokio::spawn(conformance::reconnecting_prefill(addr, node, done.clone()));
     println!("kvwire conform: checking kvwire's prefill connecting to {addr}");
     let checked = conformance::run_prefill(&listener, config, options).await;
     done.store(true, Ordering::SeqCst);

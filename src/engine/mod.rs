@@ -473,16 +473,16 @@ fn poll_inputs<D: crate::driver::Driver>(
 /// Hands finished transfers over; first, if the connection ended, says so to the handles
 /// (`is_closed`), so that no transfer reported failed by it can see it still up: a transfer
 /// about to pick a connection never picks one whose peer is already gone.
-fn report<T: ConnectionTask>(task: &mut T, ended: &Ended) {
+fn report<T: ConnectionTask>(task: &mut T, shared: &TaskReport) {
     use crate::driver::Driver;
     if let Some(why) = Driver::closed(task.driver()) {
-        ended.why.get_or_init(|| why.clone());
-        ended.flag.store(true, Ordering::Release);
+        shared.why.get_or_init(|| why.clone());
+        shared.flag.store(true, Ordering::Release);
     }
-    ended
+    shared
         .failed_lanes
         .store(Driver::failed_lanes(task.driver()), Ordering::Relaxed);
-    ended
+    shared
         .open
         .store(Driver::open_transfers(task.driver()), Ordering::Relaxed);
     task.report();
@@ -496,9 +496,10 @@ pub(crate) fn next_connection_label() -> crate::metrics::Connection {
     }
 }
 
-/// Whether a connection ended, and why, as its task saw it; shared with the engine handles.
+/// What a connection's task last reported, shared with the engine handles: whether the
+/// connection ended and why, its failed lanes and its open transfers.
 #[derive(Debug, Default)]
-pub(crate) struct Ended {
+pub(crate) struct TaskReport {
     flag: AtomicBool,
     why: std::sync::OnceLock<crate::transport::Closed>,
     /// The connection's failed lanes and open transfers as its task last reported them.
@@ -506,7 +507,7 @@ pub(crate) struct Ended {
     open: std::sync::atomic::AtomicUsize,
 }
 
-impl Ended {
+impl TaskReport {
     /// Whether the connection ended (its peer lost, it closed, or its task finished).
     pub(crate) fn is_set(&self) -> bool {
         self.flag.load(Ordering::Acquire)
@@ -531,7 +532,7 @@ impl Ended {
 pub(crate) async fn run_task<T: ConnectionTask>(
     mut task: T,
     mut commands: tokio::sync::mpsc::UnboundedReceiver<T::Command>,
-    ended: Arc<Ended>,
+    shared: Arc<TaskReport>,
 ) {
     use crate::driver::Driver;
     use std::time::Instant;
@@ -543,7 +544,7 @@ pub(crate) async fn run_task<T: ConnectionTask>(
     // Writes are held (or commands were handled) since the last release.
     let mut held = false;
     loop {
-        report(&mut task, &ended);
+        report(&mut task, &shared);
         if held {
             held = false;
             // Only worth a scheduler turn when the transport coalesces what it holds and other
@@ -566,13 +567,13 @@ pub(crate) async fn run_task<T: ConnectionTask>(
                 std::task::Poll::Ready(())
             })
             .await;
-            report(&mut task, &ended);
+            report(&mut task, &shared);
         }
         // Checked before waiting: once every engine handle is gone and nothing is open,
         // nothing more can happen on this connection (its pool lives on in the verified
         // handles the engine still holds).
         if !engine_open && task.driver().open_transfers() == 0 {
-            ended.flag.store(true, Ordering::Release);
+            shared.flag.store(true, Ordering::Release);
             return;
         }
         let wake = task

@@ -171,8 +171,9 @@ impl Drop for Verified {
 #[derive(Debug, Clone)]
 pub struct ReceiverConn {
     cmd: mpsc::UnboundedSender<Cmd>,
-    /// Set by the connection's task once the connection ended (its peer lost, or closed).
-    ended: Arc<super::Ended>,
+    /// What the connection's task last reported: whether it ended and why, its lanes and
+    /// transfers.
+    shared: Arc<super::TaskReport>,
     peer: Hello,
 }
 
@@ -213,11 +214,11 @@ impl ReceiverConn {
             stats: ReceiverConnStats::default(),
             log: super::FailureLog::new("receiver", est.peer.node_id),
         };
-        let ended = Arc::new(super::Ended::default());
-        tokio::spawn(super::run_task(task, cmd_rx, ended.clone()));
+        let shared = Arc::new(super::TaskReport::default());
+        tokio::spawn(super::run_task(task, cmd_rx, shared.clone()));
         Ok(Self {
             cmd,
-            ended,
+            shared,
             peer: est.peer,
         })
     }
@@ -230,26 +231,26 @@ impl ReceiverConn {
     /// Whether the connection ended (its peer lost, it closed, or its task is gone): no new
     /// transfer can go over it. Does not wait (unlike the `peer_lost` of its stats).
     pub fn is_closed(&self) -> bool {
-        self.ended.is_set() || self.cmd.is_closed()
+        self.shared.is_set() || self.cmd.is_closed()
     }
 
     /// Why the connection ended, once its task saw it end: the peer gone, a frame that failed
     /// authentication, the peer unresponsive or flooding PINGs (SPEC §8.3), closed by this
     /// side. `None` while it is up (and after a close by dropping every handle).
     pub fn closed_reason(&self) -> Option<crate::transport::Closed> {
-        self.ended.why()
+        self.shared.why()
     }
 
     /// The connection's failed lanes as its task last reported them (RDMA rails lost or
     /// left out while it goes on, SPEC §9.2; 0 over TCP): without waiting, unlike its stats.
     pub fn failed_lanes(&self) -> usize {
-        self.ended.failed_lanes()
+        self.shared.failed_lanes()
     }
 
     /// The transfers open on the connection as its task last reported them: without
     /// waiting, unlike its stats.
     pub fn open_transfers(&self) -> usize {
-        self.ended.open_transfers()
+        self.shared.open_transfers()
     }
 
     /// Reserves pages for a transfer and waits for its verified KV, or the typed reason it

@@ -105,8 +105,9 @@ pub struct SenderConnStats {
 #[derive(Debug, Clone)]
 pub struct SenderConn {
     cmd: mpsc::UnboundedSender<Cmd>,
-    /// Set by the connection's task once the connection ended (its peer lost, or closed).
-    ended: Arc<super::Ended>,
+    /// What the connection's task last reported: whether it ended and why, its lanes and
+    /// transfers.
+    shared: Arc<super::TaskReport>,
     peer: Hello,
     admission: AdmissionPolicy,
 }
@@ -143,18 +144,17 @@ impl SenderConn {
                 .metrics
                 .as_ref()
                 .map(|_| super::next_connection_label()),
-            failed_lanes_published: None,
             peer: est.peer.node_id,
             waiting: TransferIdMap::default(),
             stats: SenderConnStats::default(),
             log: super::FailureLog::new("sender", est.peer.node_id),
             rooms: node.rooms().clone(),
         };
-        let ended = Arc::new(super::Ended::default());
-        tokio::spawn(super::run_task(task, cmd_rx, ended.clone()));
+        let shared = Arc::new(super::TaskReport::default());
+        tokio::spawn(super::run_task(task, cmd_rx, shared.clone()));
         Ok(Self {
             cmd,
-            ended,
+            shared,
             peer: est.peer,
             admission,
         })
@@ -168,26 +168,26 @@ impl SenderConn {
     /// Whether the connection ended (its peer lost, it closed, or its task is gone): no new
     /// transfer can go over it. Does not wait (unlike the `peer_lost` of its stats).
     pub fn is_closed(&self) -> bool {
-        self.ended.is_set() || self.cmd.is_closed()
+        self.shared.is_set() || self.cmd.is_closed()
     }
 
     /// Why the connection ended, once its task saw it end: the peer gone, a frame that failed
     /// authentication, the peer unresponsive or flooding PINGs (SPEC §8.3), closed by this
     /// side. `None` while it is up (and after a close by dropping every handle).
     pub fn closed_reason(&self) -> Option<crate::transport::Closed> {
-        self.ended.why()
+        self.shared.why()
     }
 
     /// The connection's failed lanes as its task last reported them (RDMA rails lost or
     /// left out while it goes on, SPEC §9.2; 0 over TCP): without waiting, unlike its stats.
     pub fn failed_lanes(&self) -> usize {
-        self.ended.failed_lanes()
+        self.shared.failed_lanes()
     }
 
     /// The transfers open on the connection as its task last reported them: without
     /// waiting, unlike its stats.
     pub fn open_transfers(&self) -> usize {
-        self.ended.open_transfers()
+        self.shared.open_transfers()
     }
 
     /// Admits a request, or rejects it with its typed error, at once, in the caller's thread
@@ -341,8 +341,6 @@ struct Task<T> {
     metrics: Option<Arc<Metrics>>,
     /// The connection's label in the per-connection gauges, when metrics are on.
     label: Option<crate::metrics::Connection>,
-    /// The failed lanes last published (the gauge is set when they change).
-    failed_lanes_published: Option<usize>,
     peer: u64,
     waiting: TransferIdMap<oneshot::Sender<Result<(), TransferError>>>,
     stats: SenderConnStats,
@@ -486,16 +484,13 @@ impl<T: SenderTransport> Task<T> {
 }
 
 impl<T: SenderTransport> Task<T> {
-    /// Publishes the connection's failed lanes when they changed (metrics on).
+    /// Publishes the connection's failed lanes (metrics on), as the receiver does its gauges.
     fn publish(&mut self) {
         let (Some(m), Some(label)) = (&self.metrics, &self.label) else {
             return;
         };
         let failed = self.driver.transport().failed_lanes();
-        if self.failed_lanes_published != Some(failed) {
-            self.failed_lanes_published = Some(failed);
-            m.failed_lanes.get_or_create(label).set(failed as i64);
-        }
+        m.failed_lanes.get_or_create(label).set(failed as i64);
     }
 
     /// Starts one transfer, or answers why it cannot start.

@@ -29,7 +29,7 @@ use crate::engine::{handshake_hello, EngineError};
 use crate::transport::tcp::{DataHeader, TcpParams};
 
 mod prefill;
-pub use prefill::run_prefill;
+pub use prefill::{reconnecting_prefill, run_prefill};
 
 /// How a check ended.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -157,6 +157,31 @@ pub async fn run_prefill(
     out
 }
 
+/// kvwire's own prefill as [`run_prefill`]'s target: connects to `addr` as `node`, and again
+/// each time a check ended its connection (or refused it), until `stop` is set; how each
+/// connection it completed ended.
+pub async fn reconnecting_prefill(
+    addr: std::net::SocketAddr,
+    node: crate::engine::Node,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<Option<crate::transport::Closed>> {
+    use std::sync::atomic::Ordering;
+    let mut reasons = Vec::new();
+    while !stop.load(Ordering::SeqCst) {
+        match crate::engine::SenderConn::connect(addr, &node).await {
+            Ok(c) => {
+                while !c.is_closed() && !stop.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                reasons.push(c.closed_reason());
+            }
+            // Refused, or the kit said nothing: connect again.
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    reasons
+}
+
 struct Kit<'a> {
     listener: &'a TcpListener,
     config: NodeConfig,
