@@ -513,3 +513,315 @@ fn ping_and_pong_are_never_connection_errors_in_a_session() {
     let e = r.handle_frame(now, Frame::Pong(1)).unwrap_err();
     assert_eq!(e.scope, kvwire_proto::Scope::Frame);
 }
+
+/// A sender and a receiver session with moves allowed (SPEC §9.2, moving a transfer off a
+/// failed lane), the sender's request 1 (two pages) admitted and submitted, the receiver's
+/// reservation for it made and delivered to the sender, whose writes and digest job are
+/// posted. Returns the reservation's ref.
+fn moving_pair(now: Instant) -> (SenderSession, ReceiverSession, TransferRef) {
+    let mut s = SenderSession::new(&established(Role::SENDER, 1), SenderConfig::default());
+    s.allow_moves();
+    let mut r = ReceiverSession::new(
+        &established(Role::RECEIVER, 1),
+        ReceiverConfig::default(),
+        0x6b76_7769_7265_0002,
+    );
+    r.allow_moves();
+    let admitted = AdmissionPolicy {
+        tokens_per_page: 16,
+        pool_pages: 64,
+        max_context_tokens: 1024,
+    }
+    .admit(Request {
+        transfer_id: TransferId(1),
+        tokens: 32,
+    })
+    .unwrap();
+    s.submit(now, admitted, vec![0, 1]).unwrap();
+    let t = r
+        .reserve(now, common::reservation_request(TransferId(1)))
+        .unwrap();
+    drain_actions(|| r.poll_action());
+    shuttle_to_sender(now, &mut r, &mut s);
+    (s, r, t)
+}
+
+/// Every frame the receiver has queued, handed to the sender.
+fn shuttle_to_sender(now: Instant, r: &mut ReceiverSession, s: &mut SenderSession) {
+    while let Some(f) = r.poll_transmit() {
+        let _ = s.handle_frame(now, f);
+    }
+}
+
+/// The sender's posted writes and digest jobs for `t`, as (pages written, digest jobs).
+fn posted_for(s: &mut SenderSession, t: TransferRef) -> (usize, usize) {
+    let mut posted = (0, 0);
+    for a in drain_actions(|| s.poll_action()) {
+        match a {
+            SenderAction::PostWrites {
+                transfer, writes, ..
+            } if transfer == t => posted.0 += writes.len(),
+            SenderAction::ComputeDigests { transfer, .. } if transfer == t => posted.1 += 1,
+            _ => {}
+        }
+    }
+    posted
+}
+
+/// The sender completes `t`'s writes and digests and sends its COMMIT; returns it.
+fn commit_now(now: Instant, s: &mut SenderSession, t: TransferRef) -> kvwire_proto::wire::Commit {
+    s.handle_write_outcome(now, t, WriteOutcome::Completed, 2);
+    s.handle_digests(
+        now,
+        t,
+        TransferDigests {
+            buffers: vec![Digest128::from_u128(5)],
+            pages: vec![],
+            aux: Digest128::from_u128(6),
+        },
+    );
+    std::iter::from_fn(|| s.poll_transmit())
+        .find_map(|f| match f {
+            Frame::Commit(c) => Some(c),
+            _ => None,
+        })
+        .expect("no COMMIT")
+}
+
+/// SPEC §9.2, moving a transfer: the receiver's lane fails before the COMMIT; the
+/// reservation is fenced, its pages reopened on a live lane and reserved again with a fresh
+/// nonce; the sender, still writing, drains the old writes and writes every page again under
+/// the new reservation; a late COMMIT of the old reservation is dropped; the new COMMIT
+/// verifies and both sides count the transfer delivered, with no failure on either side.
+#[test]
+fn a_transfer_whose_lane_fails_before_its_commit_moves_and_verifies() {
+    use kvwire_proto::receiver::{ReceiverAction, ReceiverEvent};
+    use kvwire_proto::sender::SenderEvent;
+    let now = Instant::now();
+    let (mut s, mut r, t1) = moving_pair(now);
+    assert_eq!(posted_for(&mut s, t1), (2, 1));
+
+    assert!(r.handle_transfer_lost(now, TransferId(1)));
+    assert_eq!(
+        drain_actions(|| r.poll_action()),
+        vec![ReceiverAction::Fence(t1)]
+    );
+    assert!(r.poll_transmit().is_none(), "a frame before the fence");
+    r.handle_fenced(now, t1);
+    assert_eq!(
+        drain_actions(|| r.poll_action()),
+        vec![ReceiverAction::Reopen(t1)]
+    );
+    let t2 = r
+        .handle_reopened(now, t1, vec![3, 4], vec![0xaa])
+        .expect("not moved");
+    assert_eq!(t2.transfer_id, t1.transfer_id);
+    assert_ne!(t2.nonce, t1.nonce, "a move keeps the nonce");
+    assert_eq!(r.stats().moves, 1);
+    let reserve = match r.poll_transmit() {
+        Some(Frame::Reserve(x)) => x,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        (
+            reserve.nonce,
+            reserve.tokens,
+            &reserve.pages[..],
+            &reserve.access[..]
+        ),
+        (t2.nonce, 32, &[3u32, 4][..], &[0xaau8][..])
+    );
+
+    // The sender: the old writes are drained first, nothing new is posted meanwhile.
+    s.handle_frame(now, Frame::Reserve(reserve)).unwrap();
+    assert!(
+        drain_actions(|| s.poll_action())
+            .iter()
+            .all(|a| !matches!(a, SenderAction::PostWrites { .. })),
+        "new writes before the old ones were drained"
+    );
+    s.handle_write_outcome(now, t1, WriteOutcome::Failed, 2);
+    s.handle_digests(now, t1, TransferDigests::default());
+    assert!(
+        s.poll_transmit().is_none(),
+        "an ABORT or COMMIT for the moved reservation"
+    );
+    assert_eq!(posted_for(&mut s, t2), (2, 1), "every page written again");
+    assert_eq!(s.stats().moves, 1);
+
+    // A COMMIT of the old reservation is dropped, the transfer unaffected.
+    let mut late = common::commit_of(t1, vec![]);
+    late.transfer = t1;
+    assert!(r.handle_frame(now, Frame::Commit(late)).is_err());
+    assert!(r.poll_transmit().is_none(), "the late COMMIT was answered");
+    assert_eq!(r.open_transfers(), 1);
+
+    let c = commit_now(now, &mut s, t2);
+    assert_eq!(c.transfer, t2);
+    r.handle_frame(now, Frame::Commit(c)).unwrap();
+    assert_eq!(
+        drain_actions(|| r.poll_action()),
+        vec![ReceiverAction::Fence(t2)]
+    );
+    r.handle_fenced(now, t2);
+    drain_actions(|| r.poll_action());
+    r.handle_digests(
+        now,
+        t2,
+        TransferDigests {
+            buffers: vec![Digest128::from_u128(5)],
+            pages: vec![],
+            aux: Digest128::from_u128(6),
+        },
+    );
+    assert!(std::iter::from_fn(|| r.poll_event())
+        .any(|e| matches!(e, ReceiverEvent::Delivered(d) if d.transfer == t2)));
+    shuttle_to_sender(now, &mut r, &mut s);
+    let events: Vec<_> = std::iter::from_fn(|| s.poll_event()).collect();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, SenderEvent::Verified(x) if *x == t2)),
+        "{events:?}"
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, SenderEvent::Failed { .. })),
+        "{events:?}"
+    );
+    assert_eq!((s.open_transfers(), r.open_transfers()), (0, 0));
+}
+
+/// SPEC §9.2, moving a transfer, the sender's side first: its lane fails while it writes,
+/// or after its COMMIT went; it drains and waits, holding the source, without an ABORT; the
+/// receiver's move then takes it (written again, committed again). A move that never comes
+/// ends, at the verdict timeout, in ABORT(SHUTDOWN) as before; without moves a second
+/// RESERVE is still refused (DUPLICATE_TRANSFER).
+#[test]
+fn a_sender_whose_lane_fails_waits_for_the_move() {
+    use kvwire_proto::receiver::ReceiverAction;
+    use kvwire_proto::sender::SenderEvent;
+    let now = Instant::now();
+    for committed in [false, true] {
+        let (mut s, mut r, t1) = moving_pair(now);
+        posted_for(&mut s, t1);
+        if committed {
+            commit_now(now, &mut s, t1);
+        }
+        assert!(s.handle_transfer_lost(now, TransferId(1)));
+        if !committed {
+            s.handle_write_outcome(now, t1, WriteOutcome::Failed, 2);
+            s.handle_digests(now, t1, TransferDigests::default());
+        }
+        assert!(
+            s.poll_transmit().is_none(),
+            "the sender aborted instead of waiting"
+        );
+        assert!(
+            !drain_actions(|| s.poll_action())
+                .iter()
+                .any(|a| matches!(a, SenderAction::ReleaseSource(_))),
+            "the source was released while a move may come"
+        );
+        assert!(s.poll_event().is_none());
+        // Chunks are not refused meanwhile (a whole submit has none left; nothing changes).
+        assert!(r.handle_transfer_lost(now, TransferId(1)));
+        drain_actions(|| r.poll_action());
+        r.handle_fenced(now, t1);
+        assert_eq!(
+            drain_actions(|| r.poll_action()),
+            vec![ReceiverAction::Reopen(t1)]
+        );
+        let t2 = r.handle_reopened(now, t1, vec![3, 4], vec![]).unwrap();
+        shuttle_to_sender(now, &mut r, &mut s);
+        assert_eq!(posted_for(&mut s, t2), (2, 1), "committed: {committed}");
+        assert_eq!(commit_now(now, &mut s, t2).transfer, t2);
+    }
+
+    // No move within the verdict timeout: ABORT(SHUTDOWN), then the answer decides.
+    let (mut s, _r, t1) = moving_pair(now);
+    posted_for(&mut s, t1);
+    commit_now(now, &mut s, t1);
+    s.handle_transfer_lost(now, TransferId(1));
+    let later = now + SenderConfig::default().verdict_timeout + Duration::from_millis(1);
+    s.handle_timeout(later);
+    match s.poll_transmit() {
+        Some(Frame::Abort(a)) => assert_eq!((a.transfer, a.code), (t1, ErrorCode::SHUTDOWN)),
+        other => panic!("{other:?}"),
+    }
+    s.handle_frame(later, Frame::AbortAck(t1)).unwrap();
+    assert!(std::iter::from_fn(|| s.poll_event()).any(|e| matches!(
+        e,
+        SenderEvent::Failed {
+            reason: kvwire_proto::FailureReason::PeerLost,
+            ..
+        }
+    )));
+
+    // Without moves, a RESERVE with another nonce for a transfer being written is refused.
+    let (mut s, t) = sender_with_transfer(now, false);
+    let mut again = common::reserve_for(TransferId(1), 10);
+    again.nonce = t.nonce + 1;
+    assert!(s.handle_frame(now, Frame::Reserve(again)).is_err());
+    match s.poll_transmit() {
+        Some(Frame::Reject(x)) => assert_eq!(x.code, ErrorCode::DUPLICATE_TRANSFER),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// SPEC §9.2, moving a transfer: the sender gives up on the old reservation (its ABORT names
+/// the nonce the transfer moved from) — the receiver's transfer ends, answered with that
+/// ref; a reservation whose COMMIT came before its lane failed is not moved: it verifies.
+#[test]
+fn a_moved_reservation_ends_on_an_abort_of_its_old_nonce_and_a_committed_one_stays() {
+    use kvwire_proto::receiver::{ReceiverAction, ReceiverEvent};
+    let now = Instant::now();
+    let (mut s, mut r, t1) = moving_pair(now);
+    posted_for(&mut s, t1);
+    r.handle_transfer_lost(now, TransferId(1));
+    drain_actions(|| r.poll_action());
+    r.handle_fenced(now, t1);
+    drain_actions(|| r.poll_action());
+    r.handle_reopened(now, t1, vec![3, 4], vec![]).unwrap();
+    std::iter::from_fn(|| r.poll_transmit()).for_each(drop);
+    r.handle_frame(
+        now,
+        Frame::Abort(kvwire_proto::wire::Abort {
+            transfer: t1,
+            code: ErrorCode::SHUTDOWN,
+            completed_pages: 0,
+            detail: String::new(),
+        }),
+    )
+    .unwrap();
+    assert!(matches!(r.poll_transmit(), Some(Frame::AbortAck(x)) if x == t1));
+    let actions = drain_actions(|| r.poll_action());
+    assert!(
+        actions
+            .iter()
+            .any(|a| matches!(a, ReceiverAction::Fence(_))),
+        "{actions:?}"
+    );
+
+    // Committed before the lane failed: the verification goes on.
+    let (mut s, mut r, t1) = moving_pair(now);
+    posted_for(&mut s, t1);
+    let c = commit_now(now, &mut s, t1);
+    r.handle_frame(now, Frame::Commit(c)).unwrap();
+    drain_actions(|| r.poll_action());
+    assert!(r.handle_transfer_lost(now, TransferId(1)));
+    assert!(drain_actions(|| r.poll_action()).is_empty());
+    r.handle_fenced(now, t1);
+    drain_actions(|| r.poll_action());
+    r.handle_digests(
+        now,
+        t1,
+        TransferDigests {
+            buffers: vec![Digest128::from_u128(5)],
+            pages: vec![],
+            aux: Digest128::from_u128(6),
+        },
+    );
+    assert!(std::iter::from_fn(|| r.poll_event()).any(|e| matches!(e, ReceiverEvent::Delivered(_))));
+}

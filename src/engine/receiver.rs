@@ -79,6 +79,9 @@ pub struct ReceiverConnStats {
     /// Lanes that failed while the connection went on (RDMA over several rails, SPEC §9.2);
     /// reconnect to use their rails again.
     pub failed_lanes: usize,
+    /// Reservations moved off a failed lane: fenced, their pages bound on a live lane and
+    /// reserved again (SPEC §9.2, moving a transfer).
+    pub moves: u64,
 }
 
 /// KV pages of a verified transfer, read in place. Only a transfer whose digests, computed
@@ -425,6 +428,7 @@ impl<T: ReceiverTransport> Task<T> {
                 s.same_host_pulls = self.driver.transport().pulls_pages();
                 s.open_transfers = self.driver.session().open_transfers();
                 s.failed_lanes = self.driver.transport().failed_lanes();
+                s.moves = d.moves;
                 let _ = reply.send(s);
             }
         }

@@ -91,6 +91,9 @@ pub struct SenderConnStats {
     /// Lanes that failed while the connection went on (RDMA over several rails, SPEC §9.2);
     /// reconnect to use their rails again.
     pub failed_lanes: usize,
+    /// Transfers the receiver moved off a failed lane, written again over a live one (SPEC
+    /// §9.2, moving a transfer).
+    pub moves: u64,
     /// Digest jobs split across several threads (`NodeConfig::digest_threads`).
     pub digest_jobs_split: u64,
     /// Digest jobs run on the blocking pool beside the connection, split or not
@@ -477,6 +480,7 @@ impl<T: SenderTransport> Task<T> {
                 s.peer_lost = self.driver.closed().is_some();
                 s.open_transfers = self.driver.session().open_transfers();
                 s.failed_lanes = self.driver.transport().failed_lanes();
+                s.moves = self.driver.session().stats().moves;
                 let _ = reply.send(s);
             }
         }

@@ -196,6 +196,9 @@ pub struct ReceiverDriverStats {
     pub digest_jobs_split: u64,
     /// Digest jobs run on the blocking pool, split or not (`DigestExecution::Offload`).
     pub digest_jobs_offloaded: u64,
+    /// Reservations moved off a failed lane: their pages given a scope on a live lane and
+    /// reserved again (SPEC §9.2).
+    pub moves: u64,
 }
 
 /// Who waits for a fence that has not completed yet.
@@ -244,12 +247,12 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
     ) -> Result<Self, ConfigError> {
         engine.validate(&pool)?;
         crate::config::check_layout(&pool, established.layout())?;
+        let mut session = ReceiverSession::new(established, config, nonce_seed);
+        if transport.moves_transfers() {
+            session.allow_moves();
+        }
         Ok(Self {
-            core: Core::new(
-                ReceiverSession::new(established, config, nonce_seed),
-                transport,
-                pool,
-            ),
+            core: Core::new(session, transport, pool),
             leases: TransferIdMap::default(),
             open: BTreeSet::new(),
             fencing: TransferIdMap::default(),
@@ -580,6 +583,7 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                     Some(aux),
                 );
             }
+            ReceiverAction::Reopen(t) => self.reopen(now, t),
             ReceiverAction::Release(t) => {
                 // The session releases only after the fence completed. Should it ever ask
                 // earlier, fence first and give the pages back only after that fence.
@@ -601,6 +605,45 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
                 self.release_transfer(t);
             }
         }
+    }
+
+    /// A transfer moving off a failed lane, its old reservation fenced: the same pages get a
+    /// scope on a live lane (RDMA: scrubbed again, windows bound there) and are reserved
+    /// again (SPEC §9.2).
+    fn reopen(&mut self, now: Instant, t: TransferRef) {
+        let Some(pages) = self
+            .leases_of(t)
+            .map(|l| l.iter().map(PageLease::page).collect::<Vec<u32>>())
+        else {
+            return self.core.session.handle_reopen_failed(now, t);
+        };
+        let access = match self.core.transport.open_scope(t.transfer_id, &pages) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(transfer_id = t.transfer_id.0, error = %e.0, "a transfer could not move off its failed lane");
+                return self.core.session.handle_reopen_failed(now, t);
+            }
+        };
+        let count = pages.len();
+        let Some(moved) = self.core.session.handle_reopened(now, t, pages, access) else {
+            // It failed meanwhile: nobody saw the new scope.
+            return self.core.transport.abandon_scope(t.transfer_id);
+        };
+        self.core.transport.bind_scope(moved);
+        self.open.insert(t.transfer_id);
+        if let Some(entry) = self.leases.get_mut(&t.transfer_id) {
+            entry.0 = moved;
+        }
+        if let Some(landings) = self.coverage.get_mut(&t.transfer_id) {
+            // Coverage starts afresh with the new reservation (its pages digested after the
+            // fence, not as they land).
+            *landings = Landings::new(moved, count, self.core.pool.buffers(), None);
+        }
+        self.stats.moves += 1;
+        tracing::info!(
+            transfer_id = t.transfer_id.0,
+            "a transfer moved off its failed lane: reserved again on a live one"
+        );
     }
 
     fn release_transfer(&mut self, t: TransferRef) {

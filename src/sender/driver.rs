@@ -159,6 +159,9 @@ impl<T: SenderTransport> SenderDriver<T> {
         if let Some(pages) = transport.destination_pages() {
             session.limit_destination_pages(pages);
         }
+        if transport.moves_transfers() {
+            session.allow_moves();
+        }
         Ok(Self {
             core: Core::new(session, transport, pool),
             admission,

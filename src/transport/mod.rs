@@ -278,6 +278,14 @@ pub trait Transport: Send {
     fn failed_lanes(&self) -> usize {
         0
     }
+
+    /// Whether a transfer whose lane fails moves to a live lane of the connection instead
+    /// of failing (SPEC §9.2, "Moving a transfer off a failed lane"): both ends of a
+    /// connection whose lanes can fail one by one (several RDMA queue pairs) do. The
+    /// drivers turn the sessions' moves on by it.
+    fn moves_transfers(&self) -> bool {
+        false
+    }
 }
 
 /// Frames one end holds unsent for its peer, at most, on one TCP stream or one RDMA queue

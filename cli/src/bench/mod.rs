@@ -126,6 +126,7 @@ impl Tally {
             ratio_to_tcp_stream: None,
             same_host_pulls: None,
             failed_lanes: None,
+            moves: None,
             memcpy_gb_per_s: None,
             ratio_to_memcpy: None,
         }
@@ -764,6 +765,7 @@ async fn with_pool_state(mut case: CaseResult, receiver: &ReceiverConn) -> CaseR
             case.pages_total = Some(s.pages_total);
             case.same_host_pulls = Some(s.same_host_pulls);
             case.failed_lanes = Some(s.failed_lanes);
+            case.moves = Some(s.moves);
             if s.pages_free == s.pages_total {
                 break;
             }
@@ -782,6 +784,7 @@ async fn run_sender_side(spec: &BenchSpec, page: u32, sender: &SenderConn) -> Ca
     let mut case = run_side(spec, page, move |id| send_one(&s, tokens, id)).await;
     if let Ok(s) = sender.stats().await {
         case.failed_lanes = Some(s.failed_lanes);
+        case.moves = Some(s.moves);
     }
     case
 }

@@ -256,6 +256,10 @@ pub struct CaseResult {
     /// several rails, SPEC §9.2): either side.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub failed_lanes: Option<usize>,
+    /// Transfers moved off a failed lane during the case and written again over a live one
+    /// (SPEC §9.2, moving a transfer): either side.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moves: Option<u64>,
     /// A single-threaded memcpy of the same bytes, page index by page index, between two
     /// buffers of the run's placement, in the same run (the prefill side, TCP only), 10^9
     /// bytes/s: what one copy per byte costs on this host.

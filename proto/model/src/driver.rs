@@ -169,6 +169,12 @@ impl RxDriver {
                     self.pages[*p as usize].quarantined = true;
                 }
             }
+            ReceiverAction::Reopen(t) => {
+                // Moves (SPEC §9.2) need a lane to fail; the model's connection has one.
+                return Err(crate::Violation(format!(
+                    "Reopen({t:?}): the model's sessions never move a transfer"
+                )));
+            }
             ReceiverAction::Fence(t) => {
                 ensure!(
                     self.scopes.contains_key(&t),

@@ -54,6 +54,8 @@ pub struct ReceiverSession {
     timers: Timers,
     out: Out,
     lost: bool,
+    /// Whether a transfer whose lane fails is moved to a live lane (SPEC §9.2).
+    moves: bool,
 }
 
 /// SplitMix64's finaliser: a bijection on u64, so distinct counters give distinct nonces.
@@ -86,7 +88,15 @@ impl ReceiverSession {
             history,
             timers: Timers::default(),
             lost: false,
+            moves: false,
         }
+    }
+
+    /// Moves a transfer whose lane fails before its COMMIT came to a live lane instead of
+    /// failing it (SPEC §9.2, moving a transfer): the driver of a connection whose lanes can
+    /// fail one by one (several RDMA queue pairs) turns it on; the sender must too.
+    pub fn allow_moves(&mut self) {
+        self.moves = true;
     }
 
     fn fresh_nonce(&mut self) -> u64 {
@@ -159,6 +169,8 @@ impl ReceiverSession {
             digest,
             page_digests: req.page_digests,
             max_aux: self.max_aux,
+            timeout: req.timeout,
+            moved_from: Vec::new(),
         };
         let deadline = now + req.timeout;
         self.out.transmit.push_back(Frame::Reserve(Reserve {
@@ -212,7 +224,10 @@ impl ReceiverSession {
             return false;
         };
         let (next, applied) = match t.state {
-            s @ (State::AwaitingCommit(_) | State::FencingForVerify(_) | State::Verifying(_)) => {
+            s @ (State::AwaitingCommit(_)
+            | State::Moving(_)
+            | State::FencingForVerify(_)
+            | State::Verifying(_)) => {
                 let reason = FailureReason::LocalAbort { code };
                 (
                     self.out.fail(
@@ -286,6 +301,25 @@ impl ReceiverSession {
         };
         if let Frame::Abort(a) = &frame {
             let current = t.spec.transfer.nonce;
+            if t.spec.moved_from.contains(&a.transfer.nonce) {
+                // The sender gave up on a reservation this transfer moved from (it never saw
+                // the new one in time): the transfer ends, answered with that reservation's
+                // ref, which is the one the sender waits on (SPEC §9.2).
+                self.out.transmit.push_back(Frame::AbortAck(a.transfer));
+                let reason = FailureReason::PeerAbort {
+                    code: a.code,
+                    completed_pages: a.completed_pages,
+                };
+                let next = match t.state {
+                    s @ (State::AwaitingCommit(_) | State::Moving(_)) => {
+                        self.out
+                            .fail(&t.spec, s.pending(), reason, AfterFence::Nothing, now)
+                    }
+                    other => Next::Stay(other),
+                };
+                self.settle(t.spec, next);
+                return Ok(());
+            }
             if a.transfer.nonce != current && a.transfer.nonce != 0 {
                 // An ABORT for another (earlier) reservation of an open id: answered as for a
                 // finished one (VERIFIED if the history says it verified, else ABORT_ACK);
@@ -317,6 +351,83 @@ impl ReceiverSession {
             State::Failing(f) if f.awaiting == Awaiting::Fence => {
                 self.out.after_fence(&t.spec, f.reason, f.after, now)
             }
+            State::Moving(mut m) if !m.fenced => {
+                // Nothing of the old reservation can land any more: a scope on a live lane.
+                m.fenced = true;
+                self.out.actions.push_back(ReceiverAction::Reopen(transfer));
+                Next::Stay(State::Moving(m))
+            }
+            other => Next::Stay(other),
+        };
+        self.settle(t.spec, next);
+    }
+
+    /// The driver opened a new access scope over a moving transfer's pages on a live lane
+    /// (its [`ReceiverAction::Reopen`]): `pages` are the reservation's pages in ordinal
+    /// order, `access` the new scope's descriptor. The transfer is reserved again with a
+    /// fresh nonce (RESERVE goes out) and waits for its COMMIT anew. Returns the new
+    /// reservation's ref, or `None` when the transfer is no longer moving (it failed
+    /// meanwhile: the driver closes the new scope).
+    pub fn handle_reopened(
+        &mut self,
+        now: Instant,
+        transfer: TransferRef,
+        pages: Vec<u32>,
+        access: Vec<u8>,
+    ) -> Option<TransferRef> {
+        let t = self.take_current(transfer)?;
+        let fenced = matches!(&t.state, State::Moving(m) if m.fenced);
+        if !fenced || pages.len() != t.spec.pages as usize || access.len() > MAX_ACCESS {
+            let next = match t.state {
+                s @ State::Moving(_) => self.out.fail(
+                    &t.spec,
+                    s.pending(),
+                    FailureReason::PeerLost,
+                    AfterFence::SendAbort(ErrorCode::SHUTDOWN),
+                    now,
+                ),
+                other => Next::Stay(other),
+            };
+            self.settle(t.spec, next);
+            return None;
+        }
+        let mut spec = t.spec;
+        spec.moved_from.push(transfer.nonce);
+        spec.transfer.nonce = self.fresh_nonce();
+        self.out.stats.moves += 1;
+        self.out.transmit.push_back(Frame::Reserve(Reserve {
+            transfer_id: spec.transfer.transfer_id,
+            nonce: spec.transfer.nonce,
+            tokens: spec.tokens,
+            digest: spec.digest,
+            page_digests: spec.page_digests,
+            deadline_ms: u32::try_from(spec.timeout.as_millis()).unwrap_or(u32::MAX),
+            pages,
+            access,
+        }));
+        let moved = spec.transfer;
+        let deadline = now + spec.timeout;
+        self.settle(
+            spec,
+            Next::Stay(State::AwaitingCommit(AwaitingCommit { deadline })),
+        );
+        Some(moved)
+    }
+
+    /// The driver could not open a scope for a moving transfer (no live lane, a bind that
+    /// failed): it fails as a transfer whose lane was lost, with ABORT(SHUTDOWN).
+    pub fn handle_reopen_failed(&mut self, now: Instant, transfer: TransferRef) {
+        let Some(t) = self.take_current(transfer) else {
+            return;
+        };
+        let next = match t.state {
+            s @ State::Moving(_) => self.out.fail(
+                &t.spec,
+                s.pending(),
+                FailureReason::PeerLost,
+                AfterFence::SendAbort(ErrorCode::SHUTDOWN),
+                now,
+            ),
             other => Next::Stay(other),
         };
         self.settle(t.spec, next);
@@ -420,7 +531,7 @@ impl ReceiverSession {
                 continue;
             };
             let next = match t.state {
-                s @ State::AwaitingCommit(_) => self.out.fail(
+                s @ (State::AwaitingCommit(_) | State::Moving(_)) => self.out.fail(
                     &t.spec,
                     s.pending(),
                     FailureReason::Timeout {
@@ -464,12 +575,16 @@ impl ReceiverSession {
     }
 
     /// One transfer's path to the peer is gone (SPEC §9.2, several rails: the queue pair its
-    /// reservation was bound on failed) while the connection goes on over its other lanes:
-    /// the transfer fails with [`FailureReason::PeerLost`], fenced first where writes could
-    /// still land, then the peer is told with ABORT(SHUTDOWN) (sent on a live lane) and its
-    /// ABORT_ACK awaited as for any abort. A transfer not open here, or already failing, is
-    /// left alone. Whether the transfer was open here (a lane's failure names every transfer
-    /// it carried, ended ones too).
+    /// reservation was bound on failed) while the connection goes on over its other lanes.
+    /// With moves allowed ([`ReceiverSession::allow_moves`]) a transfer still awaiting its
+    /// COMMIT moves: it is fenced (`Fence`), then the driver is asked to open a scope on a
+    /// live lane (`Reopen`, answered by [`ReceiverSession::handle_reopened`]), and it is
+    /// reserved again; one whose COMMIT came goes on (its writes landed before it). Without
+    /// moves the transfer fails with [`FailureReason::PeerLost`], fenced first where writes
+    /// could still land, then the peer is told with ABORT(SHUTDOWN) (sent on a live lane)
+    /// and its ABORT_ACK awaited as for any abort. A transfer not open here, or already
+    /// failing, is left alone. Whether the transfer was open here (a lane's failure names
+    /// every transfer it carried, ended ones too).
     pub fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) -> bool {
         if self.lost {
             return false;
@@ -478,7 +593,20 @@ impl ReceiverSession {
             return false;
         };
         let next = match t.state {
-            s @ (State::AwaitingAbortAck(_) | State::Failing(_)) => Next::Stay(s),
+            s @ (State::AwaitingAbortAck(_) | State::Failing(_) | State::Moving(_)) => {
+                Next::Stay(s)
+            }
+            State::AwaitingCommit(s) if self.moves => {
+                self.out.stats.fences += 1;
+                self.out
+                    .actions
+                    .push_back(ReceiverAction::Fence(t.spec.transfer));
+                Next::Stay(State::Moving(state::Moving {
+                    deadline: s.deadline,
+                    fenced: false,
+                }))
+            }
+            s @ (State::FencingForVerify(_) | State::Verifying(_)) if self.moves => Next::Stay(s),
             s => self.out.fail(
                 &t.spec,
                 s.pending(),

@@ -1,7 +1,7 @@
 //! The states of one receiver transfer, one type per state, and what a failing transfer
 //! still waits for before its pages may be released.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::FailureReason;
 use crate::wire::{Commit, DigestAlgorithm, ErrorCode, TransferRef};
@@ -9,6 +9,17 @@ use crate::wire::{Commit, DigestAlgorithm, ErrorCode, TransferRef};
 #[derive(Clone, Debug)]
 pub(super) struct AwaitingCommit {
     pub(super) deadline: Instant,
+}
+
+/// The transfer's lane failed before its COMMIT came (SPEC §9.2, moving a transfer): the
+/// reservation is being fenced and its pages given a scope on a live lane, after which a
+/// RESERVE with a fresh nonce goes out for the same pages.
+#[derive(Clone, Debug)]
+pub(super) struct Moving {
+    /// The commit deadline of the reservation being moved.
+    pub(super) deadline: Instant,
+    /// Whether the old reservation's fence completed (the driver was then asked to reopen).
+    pub(super) fenced: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -69,6 +80,7 @@ pub(super) struct AwaitingAbortAck {
 #[derive(Clone, Debug)]
 pub(super) enum State {
     AwaitingCommit(AwaitingCommit),
+    Moving(Moving),
     FencingForVerify(FencingForVerify),
     Verifying(Verifying),
     Failing(Failing),
@@ -79,6 +91,7 @@ impl State {
     pub(super) fn name(&self) -> &'static str {
         match self {
             Self::AwaitingCommit(_) => "AwaitingCommit",
+            Self::Moving(_) => "Moving",
             Self::FencingForVerify(_) => "FencingForVerify",
             Self::Verifying(_) => "Verifying",
             Self::Failing(_) => "Failing",
@@ -89,6 +102,7 @@ impl State {
     pub(super) fn deadline(&self) -> Option<Instant> {
         match self {
             Self::AwaitingCommit(s) => Some(s.deadline),
+            Self::Moving(s) => Some(s.deadline),
             Self::AwaitingAbortAck(s) => Some(s.deadline),
             _ => None,
         }
@@ -98,6 +112,8 @@ impl State {
     pub(super) fn pending(&self) -> Pending {
         match self {
             Self::AwaitingCommit(_) => Pending::NoFenceYet,
+            Self::Moving(m) if m.fenced => Pending::Nothing,
+            Self::Moving(_) => Pending::InFlight(Awaiting::Fence),
             Self::FencingForVerify(_) => Pending::InFlight(Awaiting::Fence),
             Self::Verifying(_) => Pending::InFlight(Awaiting::Digests),
             Self::Failing(f) => Pending::InFlight(f.awaiting),
@@ -118,4 +134,9 @@ pub(super) struct Spec {
     pub(super) page_digests: bool,
     /// The longest aux record this receiver accepts (its hello's `max_aux`).
     pub(super) max_aux: u32,
+    /// The reservation's timeout (RESERVE's `deadline_ms`), again for a moved reservation.
+    pub(super) timeout: Duration,
+    /// Nonces of this transfer's earlier reservations, moved off failed lanes (SPEC §9.2):
+    /// a COMMIT naming one is the sender's late frame for this same transfer.
+    pub(super) moved_from: Vec<u64>,
 }

@@ -116,6 +116,17 @@ impl Transfer {
         let Transfer { spec, state } = self;
         let name = state.name();
         let (next, result) = match (state, frame) {
+            (state, Frame::Commit(c)) if spec.moved_from.contains(&c.transfer.nonce) => {
+                // The sender's COMMIT for a reservation this transfer moved from: it will
+                // write again under the new one (SPEC §9.2).
+                out.stats.dropped_frames += 1;
+                (
+                    Next::Stay(state),
+                    Err(FrameError::frame(
+                        "COMMIT for a reservation moved off its lane",
+                    )),
+                )
+            }
             (state @ State::AwaitingCommit(_), Frame::Commit(c))
                 if c.transfer.nonce != spec.transfer.nonce =>
             {

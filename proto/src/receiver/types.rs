@@ -126,6 +126,13 @@ pub enum ReceiverAction {
     },
     /// Return the transfer's pages to the pool. Always after its fence.
     Release(TransferRef),
+    /// The transfer is moving off a failed lane and its old reservation is fenced: open a
+    /// new access scope over the same pages on a live lane, then call
+    /// [`ReceiverSession::handle_reopened`](super::ReceiverSession::handle_reopened) with
+    /// its descriptor (or
+    /// [`ReceiverSession::handle_reopen_failed`](super::ReceiverSession::handle_reopen_failed)).
+    /// The pages stay leased to the transfer.
+    Reopen(TransferRef),
 }
 
 /// A verified transfer, ready for the engine.
@@ -169,4 +176,6 @@ pub struct ReceiverStats {
     pub dropped_frames: u64,
     /// Fences requested.
     pub fences: u64,
+    /// Reservations moved off a failed lane (SPEC §9.2).
+    pub moves: u64,
 }

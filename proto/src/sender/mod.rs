@@ -5,6 +5,8 @@
 //!        │ RESERVE mismatch: REJECT                  │ write failed / ABORT / timeout / abort()     │ VERIFIED | NACK | ABORT
 //!        ▼                                           ▼                                              ▼
 //!   failed (source released)              Draining (cancel unposted, wait for posted) ─▶ ABORT | ABORT_ACK ─▶ done
+//!  (RDMA, several lanes: a lane that fails, or the receiver's RESERVE moving the transfer,
+//!   drains it, then Writing again under the new reservation; AwaitingMove until it comes.)
 //!  retire(Rejected) ─▶ any RESERVE for it gets REJECT with the original error; nothing else happens.
 //! ```
 //!
@@ -34,7 +36,7 @@ use crate::open::OpenTransfers;
 use crate::scope::FrameError;
 use crate::timers::Timers;
 use crate::wire::{DigestAlgorithm, ErrorCode, Frame, Reserve, TransferDigests, TransferRef};
-use state::{AfterDrain, State};
+use state::{unconfirmed_if, AfterDrain, State};
 use transfer::{Ctx, Next, Out, Transfer};
 
 pub use types::{
@@ -62,6 +64,8 @@ pub struct SenderSession {
     timers: Timers,
     out: Out,
     lost: bool,
+    /// Whether transfers move off failed lanes (SPEC §9.2).
+    moves: bool,
 }
 
 impl SenderSession {
@@ -81,7 +85,18 @@ impl SenderSession {
             timers: Timers::default(),
             out: Out::default(),
             lost: false,
+            moves: false,
         }
+    }
+
+    /// Moves a transfer off a failed lane instead of failing it (SPEC §9.2, moving a
+    /// transfer): a RESERVE with a new nonce for a transfer being written or committed
+    /// replaces its reservation (the writes are drained, then every page is written again
+    /// under the new one), and a transfer whose lane fails here waits for that RESERVE. The
+    /// driver of a connection whose lanes can fail one by one (several RDMA queue pairs)
+    /// turns it on; the receiver must too.
+    pub fn allow_moves(&mut self) {
+        self.moves = true;
     }
 
     fn ctx(&mut self, now: Instant) -> Ctx<'_> {
@@ -95,12 +110,21 @@ impl SenderSession {
             destination_pages: self.destination_pages,
             now,
             reserve_received: now,
+            moves: self.moves,
         }
     }
 
     fn settle(&mut self, t: Transfer, next: Next) {
         let id = t.transfer.transfer_id;
         match next {
+            Next::Move(r, received) => {
+                // The receiver's new reservation, taken as a fresh one (SPEC §9.2).
+                let mut t = t;
+                // Its writes deadline counts from its receipt, as for any RESERVE.
+                let mut cx = self.ctx(received);
+                let (next, _) = cx.accept_reservation(&mut t, *r);
+                self.settle(t, next);
+            }
             Next::Stay(state) => {
                 let deadline = state.deadline();
                 if let Some(d) = deadline.filter(|&d| t.armed != Some(d)) {
@@ -165,6 +189,7 @@ impl SenderSession {
                 cx.abandon_committed(&t, reason, AfterDrain::SendAbort(code)),
                 true,
             ),
+            State::AwaitingMove(m) => (cx.abandon_move(&t, m, code, reason), true),
             other => (Next::Stay(other), false),
         };
         self.settle(t, next);
@@ -340,6 +365,10 @@ impl SenderSession {
                     timeout(Wait::Verdict),
                     AfterDrain::SendAbort(ErrorCode::TIMEOUT),
                 ),
+                // The receiver never moved the transfer off the failed lane.
+                State::AwaitingMove(m) => {
+                    cx.abandon_move(&t, m, ErrorCode::SHUTDOWN, FailureReason::PeerLost)
+                }
                 // The peer never answered our ABORT: report why we abandoned the transfer
                 // (unconfirmed if the COMMIT had gone: the receiver may have delivered).
                 State::AwaitingAbortAck(s) => {
@@ -379,13 +408,16 @@ impl SenderSession {
     }
 
     /// One transfer's path to the peer is gone (SPEC §9.2, several rails: the queue pair it
-    /// was bound to failed) while the connection goes on over its other lanes. The transfer
-    /// is abandoned with [`FailureReason::PeerLost`] and the peer told with ABORT(SHUTDOWN)
-    /// (sent on a live lane): once its posted writes are drained, as for any abort; a
-    /// committed one waits for the answer (VERIFIED: delivered after all; ABORT_ACK: a
-    /// definite failure; neither within the abort-ack deadline: `Unconfirmed`). A transfer
-    /// not open here, or already stopping, is left alone. Whether the transfer was open here
-    /// (a lane's failure names every transfer it carried, ended ones too).
+    /// was bound to failed) while the connection goes on over its other lanes. With moves
+    /// allowed ([`SenderSession::allow_moves`]) a transfer being written or committed is
+    /// drained and then waits, its source held, for the receiver's RESERVE moving it to a
+    /// live lane (AwaitingMove; at its verdict timeout it gives up as below). Without moves
+    /// it is abandoned with [`FailureReason::PeerLost`] and the peer told with
+    /// ABORT(SHUTDOWN) (sent on a live lane): once its posted writes are drained, as for any
+    /// abort; a committed one waits for the answer (VERIFIED: delivered after all;
+    /// ABORT_ACK: a definite failure; neither within the abort-ack deadline: `Unconfirmed`).
+    /// A transfer not open here, or already stopping, is left alone. Whether the transfer was
+    /// open here (a lane's failure names every transfer it carried, ended ones too).
     pub fn handle_transfer_lost(&mut self, now: Instant, transfer_id: TransferId) -> bool {
         if self.lost {
             return false;
@@ -394,8 +426,12 @@ impl SenderSession {
             return false;
         };
         let state = t.take_state(now);
+        let after = if self.moves {
+            AfterDrain::AwaitMove
+        } else {
+            AfterDrain::SendAbort(ErrorCode::SHUTDOWN)
+        };
         let mut cx = self.ctx(now);
-        let after = AfterDrain::SendAbort(ErrorCode::SHUTDOWN);
         let next = match state {
             State::Writing(w) => cx.drain(&t, w, FailureReason::PeerLost, after),
             State::AwaitingVerdict(_) => cx.abandon_committed(&t, FailureReason::PeerLost, after),
@@ -415,6 +451,9 @@ impl SenderSession {
                 Next::Stay(State::Draining(d))
             }
             State::AwaitingAbortAck(s) => Next::Done(Some(cx.report_failure(&t, s.unanswered()))),
+            State::AwaitingMove(m) => Next::Done(Some(
+                cx.failed(&t, unconfirmed_if(m.committed, reason.clone())),
+            )),
             State::AwaitingReservation(_) => Next::Done(Some(cx.failed(&t, reason.clone()))),
             // The COMMIT is out and no verdict came back: the receiver may have delivered.
             State::AwaitingVerdict(_) => Next::Done(Some(cx.failed(

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use crate::error::FailureReason;
-use crate::wire::{DigestAlgorithm, ErrorCode, TransferDigests};
+use crate::wire::{DigestAlgorithm, ErrorCode, Reserve, TransferDigests};
 
 #[derive(Clone, Debug)]
 pub(super) struct AwaitingReservation {
@@ -41,6 +41,18 @@ pub(super) enum AfterDrain {
     SendAbort(ErrorCode),
     SendAbortAck,
     Nothing,
+    /// The transfer's lane failed here: wait for the receiver to move it (SPEC §9.2).
+    AwaitMove,
+    /// The receiver moved the transfer: take this reservation (received then) and write
+    /// every page again under it.
+    Move(Box<Reserve>, Instant),
+}
+
+impl AfterDrain {
+    /// Whether the drain leads to a move rather than to the transfer's end.
+    pub(super) fn moves(&self) -> bool {
+        matches!(self, Self::AwaitMove | Self::Move(..))
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -61,6 +73,15 @@ pub(super) struct Draining {
 #[derive(Clone, Debug)]
 pub(super) struct AwaitingVerdict {
     pub(super) deadline: Instant,
+}
+
+/// The transfer's lane failed at this end: its writes are drained, its source still held,
+/// and the receiver's RESERVE moving it to a live lane is awaited (SPEC §9.2).
+#[derive(Clone, Debug)]
+pub(super) struct AwaitingMove {
+    pub(super) deadline: Instant,
+    /// The COMMIT had been sent on the failed lane.
+    pub(super) committed: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -99,6 +120,7 @@ pub(super) enum State {
     Writing(Writing),
     Draining(Draining),
     AwaitingVerdict(AwaitingVerdict),
+    AwaitingMove(AwaitingMove),
     AwaitingAbortAck(AwaitingAbortAck),
 }
 
@@ -109,6 +131,7 @@ impl State {
             Self::Writing(_) => "Writing",
             Self::Draining(_) => "Draining",
             Self::AwaitingVerdict(_) => "AwaitingVerdict",
+            Self::AwaitingMove(_) => "AwaitingMove",
             Self::AwaitingAbortAck(_) => "AwaitingAbortAck",
         }
     }
@@ -118,6 +141,7 @@ impl State {
             Self::AwaitingReservation(s) => Some(s.deadline),
             Self::Writing(s) => Some(s.deadline),
             Self::AwaitingVerdict(s) => Some(s.deadline),
+            Self::AwaitingMove(s) => Some(s.deadline),
             Self::AwaitingAbortAck(s) => Some(s.deadline),
             Self::Draining(_) => None,
         }

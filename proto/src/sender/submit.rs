@@ -91,6 +91,7 @@ impl SenderSession {
             },
             state: State::AwaitingReservation(AwaitingReservation { deadline }),
             armed: None,
+            moves: 0,
         };
         self.settle(
             t,
@@ -134,7 +135,13 @@ impl SenderSession {
         if t.has_final_chunk() {
             return Err(ChunkError::AfterFinal(transfer_id));
         }
-        if !matches!(t.state, State::AwaitingReservation(_) | State::Writing(_)) {
+        let takes_chunks = match &t.state {
+            State::AwaitingReservation(_) | State::Writing(_) | State::AwaitingMove(_) => true,
+            // Drained to move (SPEC §9.2): the pages wait for the new reservation.
+            State::Draining(d) => d.after.moves(),
+            State::AwaitingVerdict(_) | State::AwaitingAbortAck(_) => false,
+        };
+        if !takes_chunks {
             return Err(ChunkError::TransferEnding(transfer_id));
         }
         if source.is_empty() {

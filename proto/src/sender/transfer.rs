@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::state::{
-    unconfirmed_if, AfterDrain, AwaitingAbortAck, AwaitingReservation, AwaitingVerdict, Draining,
-    Reserved, State, Writing,
+    unconfirmed_if, AfterDrain, AwaitingAbortAck, AwaitingMove, AwaitingReservation,
+    AwaitingVerdict, Draining, Reserved, State, Writing,
 };
 use super::{PageWrite, SenderAction, SenderConfig, SenderEvent, SenderStats};
 use crate::admission::Admitted;
@@ -31,7 +31,14 @@ pub(super) struct Transfer {
     /// The deadline last armed in the session's timers for this transfer, while that entry
     /// is still there: settling with the same deadline again arms nothing.
     pub(super) armed: Option<Instant>,
+    /// Reservations of this transfer moved off failed lanes (SPEC §9.2), at most
+    /// [`MAX_MOVES`].
+    pub(super) moves: u32,
 }
+
+/// The most times one transfer is moved to another lane; a RESERVE moving it again is
+/// refused as a second reservation (DUPLICATE_TRANSFER).
+pub(super) const MAX_MOVES: u32 = 16;
 
 impl Clone for Transfer {
     fn clone(&self) -> Self {
@@ -42,6 +49,7 @@ impl Clone for Transfer {
             transfer: self.transfer,
             state: self.state.clone(),
             armed: self.armed,
+            moves: self.moves,
         }
     }
 }
@@ -56,6 +64,9 @@ impl Transfer {
 pub(super) enum Next {
     Stay(State),
     Done(Option<(ErrorCode, String)>),
+    /// The transfer is drained and moves (SPEC §9.2): take this reservation, received then,
+    /// as a fresh one (the session does, with the transfer in hand).
+    Move(Box<Reserve>, Instant),
 }
 
 #[derive(Clone, Debug, Default)]
@@ -80,6 +91,8 @@ pub(super) struct Ctx<'a> {
     /// When the RESERVE being handled was received: `now`, or earlier for a parked one.
     /// Its `deadline_ms` counts from here (SPEC §5.1, §8.1).
     pub(super) reserve_received: Instant,
+    /// Whether transfers move off failed lanes (SPEC §9.2).
+    pub(super) moves: bool,
 }
 
 impl Ctx<'_> {
@@ -193,6 +206,88 @@ impl Ctx<'_> {
             }
             AfterDrain::Nothing => {
                 Next::Done(Some(self.failed(t, unconfirmed_if(d.committed, d.reason))))
+            }
+            // The source stays held: it is written again once the receiver moved the transfer.
+            AfterDrain::AwaitMove => Next::Stay(State::AwaitingMove(AwaitingMove {
+                deadline: self.now + self.config.verdict_timeout,
+                committed: d.committed,
+            })),
+            AfterDrain::Move(r, received) => Next::Move(r, received),
+        }
+    }
+
+    /// Gives up on a transfer whose move never came (its deadline): the source is free (its
+    /// writes were drained), the receiver is told ABORT(SHUTDOWN) as for a transfer whose
+    /// lane was lost, and its answer awaited.
+    pub(super) fn abandon_move(
+        &mut self,
+        t: &Transfer,
+        m: AwaitingMove,
+        code: ErrorCode,
+        reason: FailureReason,
+    ) -> Next {
+        self.release_source(t);
+        self.out.transmit.push_back(Frame::Abort(Abort {
+            transfer: t.transfer,
+            code,
+            completed_pages: 0,
+            detail: reason.to_string(),
+        }));
+        Next::Stay(State::AwaitingAbortAck(AwaitingAbortAck {
+            deadline: self.now + self.config.abort_ack_timeout,
+            reason,
+            committed: m.committed,
+        }))
+    }
+
+    /// Takes a reservation for a transfer awaiting one (its first, or the one it moves to):
+    /// the checks of SPEC §5.3.1, then Writing with every submitted page posted; or REJECT
+    /// and the transfer's end.
+    pub(super) fn accept_reservation(
+        &mut self,
+        t: &mut Transfer,
+        r: Reserve,
+    ) -> (Next, Result<(), FrameError>) {
+        match self.check_reservation(t, &r) {
+            Err((code, detail)) => {
+                self.out.stats.rejected_reservations += 1;
+                self.out.transmit.push_back(Frame::Reject(Reject {
+                    transfer: TransferRef {
+                        transfer_id: r.transfer_id,
+                        nonce: r.nonce,
+                    },
+                    code,
+                    detail: detail.clone(),
+                }));
+                t.transfer.nonce = r.nonce;
+                let done = self.failed(
+                    t,
+                    FailureReason::ReservationRefused {
+                        code,
+                        detail: detail.clone(),
+                    },
+                );
+                (Next::Done(Some(done)), Err(FrameError::transfer(detail)))
+            }
+            Ok(()) => {
+                t.transfer.nonce = r.nonce;
+                let deadline =
+                    self.reserve_received + Duration::from_millis(u64::from(r.deadline_ms));
+                let mut w = Writing {
+                    deadline,
+                    reserved: Reserved {
+                        digest: r.digest,
+                        page_digests: r.page_digests,
+                        pages: r.pages,
+                        access: r.access,
+                    },
+                    posted: 0,
+                    completed: 0,
+                    digest_jobs: 0,
+                    digests: None,
+                };
+                self.post_available(t, &mut w);
+                (Next::Stay(State::Writing(w)), Ok(()))
             }
         }
     }
@@ -335,6 +430,16 @@ const SENDER_ACCEPTS: &[FrameType] = &[
     FrameType::ABORT_ACK,
 ];
 
+/// Whether a RESERVE with another nonce moves a transfer in `state` (SPEC §9.2): one whose
+/// writes or COMMIT went under its reservation, or that awaits a move; not one ending.
+fn state_moves(state: &State) -> bool {
+    match state {
+        State::Writing(_) | State::AwaitingVerdict(_) | State::AwaitingMove(_) => true,
+        State::Draining(d) => d.after.moves(),
+        State::AwaitingReservation(_) | State::AwaitingAbortAck(_) => false,
+    }
+}
+
 impl Transfer {
     /// Takes the state out for a consuming transition. Every caller hands the transfer to
     /// `settle` afterwards with the next state (or ends it), so the placeholder left here is
@@ -357,51 +462,7 @@ impl Transfer {
         let state = self.take_state(cx.now);
         let (next, result) = match (state, frame) {
             (State::AwaitingReservation(_), Frame::Reserve(r)) => {
-                let reply = |code, detail| {
-                    Frame::Reject(Reject {
-                        transfer: TransferRef {
-                            transfer_id: r.transfer_id,
-                            nonce: r.nonce,
-                        },
-                        code,
-                        detail,
-                    })
-                };
-                match cx.check_reservation(&self, &r) {
-                    Err((code, detail)) => {
-                        cx.out.stats.rejected_reservations += 1;
-                        cx.out.transmit.push_back(reply(code, detail.clone()));
-                        self.transfer.nonce = r.nonce;
-                        let done = cx.failed(
-                            &self,
-                            FailureReason::ReservationRefused {
-                                code,
-                                detail: detail.clone(),
-                            },
-                        );
-                        (Next::Done(Some(done)), Err(FrameError::transfer(detail)))
-                    }
-                    Ok(()) => {
-                        self.transfer.nonce = r.nonce;
-                        let deadline =
-                            cx.reserve_received + Duration::from_millis(u64::from(r.deadline_ms));
-                        let mut w = Writing {
-                            deadline,
-                            reserved: Reserved {
-                                digest: r.digest,
-                                page_digests: r.page_digests,
-                                pages: r.pages,
-                                access: r.access,
-                            },
-                            posted: 0,
-                            completed: 0,
-                            digest_jobs: 0,
-                            digests: None,
-                        };
-                        cx.post_available(&self, &mut w);
-                        (Next::Stay(State::Writing(w)), Ok(()))
-                    }
-                }
+                cx.accept_reservation(&mut self, r)
             }
             (state, Frame::Reserve(r)) if r.nonce == current => {
                 // The same reservation again (a duplicated frame): idempotent.
@@ -410,6 +471,31 @@ impl Transfer {
                     Next::Stay(state),
                     Err(FrameError::frame("duplicate RESERVE")),
                 )
+            }
+            (state, Frame::Reserve(r))
+                if cx.moves && self.moves < MAX_MOVES && state_moves(&state) =>
+            {
+                // The receiver moved the transfer off a failed lane (SPEC §9.2): stop
+                // writing under the old reservation, drain, then write again under this one.
+                self.moves += 1;
+                cx.out.stats.moves += 1;
+                let after = AfterDrain::Move(Box::new(r), cx.now);
+                let next = match state {
+                    State::Writing(w) => cx.drain(&self, w, FailureReason::PeerLost, after),
+                    State::AwaitingVerdict(_) => {
+                        cx.abandon_committed(&self, FailureReason::PeerLost, after)
+                    }
+                    State::Draining(mut d) => {
+                        d.after = after;
+                        Next::Stay(State::Draining(d))
+                    }
+                    State::AwaitingMove(_) => match after {
+                        AfterDrain::Move(r, at) => Next::Move(r, at),
+                        _ => unreachable!("built as a move above"),
+                    },
+                    other => Next::Stay(other),
+                };
+                (next, Ok(()))
             }
             (state, Frame::Reserve(r)) => {
                 // A second reservation while one is being served: refuse the newcomer.
@@ -427,12 +513,17 @@ impl Transfer {
                     Err(FrameError::frame("second RESERVE for an open transfer")),
                 )
             }
-            (State::AwaitingVerdict(_), Frame::Verified(t)) if matches(t) => {
+            (State::AwaitingVerdict(_) | State::AwaitingMove(_), Frame::Verified(t))
+                if matches(t) =>
+            {
+                // From AwaitingMove: the receiver had the COMMIT and verified (it did not move).
                 cx.release_source(&self);
                 cx.report_verified(&self);
                 (Next::Done(None), Ok(()))
             }
-            (State::AwaitingVerdict(_), Frame::Nack(n)) if matches(n.transfer) => {
+            (State::AwaitingVerdict(_) | State::AwaitingMove(_), Frame::Nack(n))
+                if matches(n.transfer) =>
+            {
                 let opt = |v| (v != NONE_INDEX).then_some(v);
                 let reason = FailureReason::Nacked {
                     code: n.code,
@@ -470,7 +561,11 @@ impl Transfer {
                 let next = match state {
                     State::Writing(w) => cx.drain(&self, w, reason, AfterDrain::SendAbortAck),
                     State::Draining(mut d) => {
-                        // Already stopping: acknowledge once drained instead of aborting.
+                        // Already stopping: acknowledge once drained instead of aborting
+                        // (or moving: the receiver gave the transfer up).
+                        if d.after.moves() {
+                            d.reason = reason;
+                        }
                         d.after = AfterDrain::SendAbortAck;
                         Next::Stay(State::Draining(d))
                     }

@@ -288,4 +288,6 @@ pub struct SenderStats {
     pub rejected_reservations: u64,
     /// Frames dropped as late, duplicate or stale.
     pub dropped_frames: u64,
+    /// Transfers moved by the receiver off a failed lane (SPEC §9.2).
+    pub moves: u64,
 }

@@ -474,6 +474,10 @@ impl<T: SenderTransport> Transport for FaultySender<T> {
     fn failed_lanes(&self) -> usize {
         self.0.inner.failed_lanes()
     }
+
+    fn moves_transfers(&self) -> bool {
+        self.0.inner.moves_transfers()
+    }
 }
 
 impl<T: SenderTransport> SenderTransport for FaultySender<T> {

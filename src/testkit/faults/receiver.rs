@@ -99,6 +99,10 @@ impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
     fn failed_lanes(&self) -> usize {
         self.0.inner.failed_lanes()
     }
+
+    fn moves_transfers(&self) -> bool {
+        self.0.inner.moves_transfers()
+    }
 }
 
 impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {

@@ -258,10 +258,29 @@ impl Lanes {
                 lanes: self.lanes.len(),
             });
         }
-        for (l, p) in self.lanes.iter_mut().zip(peer).filter(|(l, _)| !l.dead) {
-            l.link.connect(p)?;
+        // A lane that cannot connect (its rail went down after the parameters were taken:
+        // RTR fails with "network unreachable") is dead from the start here while another
+        // lane connects; the peer finds it failed as any failed lane (its SENDs there make no
+        // progress), and moves what it reserved there (SPEC §9.2).
+        let mut first_error = None;
+        for (i, (l, p)) in self.lanes.iter_mut().zip(peer).enumerate() {
+            if l.dead {
+                continue;
+            }
+            if let Err(e) = l.link.connect(p) {
+                tracing::warn!(lane = i, rail = l.rail, error = %e,
+                    "a lane could not connect; the connection goes on without it");
+                if let Err(r) = l.link.recover() {
+                    tracing::error!(error = %r, lane = i, "queue pair reset failed");
+                }
+                l.dead = true;
+                first_error.get_or_insert(e);
+            }
         }
-        Ok(())
+        match first_error {
+            Some(e) if self.live() == 0 => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Resets every lane's queue pair: after this none of their work requests touches
@@ -344,6 +363,21 @@ impl Lanes {
         Some(Closed::Unresponsive {
             silent_for: blocked_for,
         })
+    }
+
+    /// Queues `frame` on `lane`, or, for a PING while two lanes or more live, on every live
+    /// lane (SPEC §9.2, a lane that fails): each lane then carries a SEND per heartbeat
+    /// interval, so a lane that no longer delivers is found by [`Lanes::stalled_lane`] at
+    /// this end too, not only at the end whose writes use it. Why the connection must close,
+    /// as [`Lanes::queue`].
+    pub(crate) fn queue_frame(&mut self, lane: usize, frame: &Frame) -> Option<Closed> {
+        if !matches!(frame, Frame::Ping(_)) || self.live() < 2 {
+            return self.queue(lane, frame);
+        }
+        let live: Vec<usize> = (0..self.lanes.len())
+            .filter(|&i| !self.lanes[i].dead)
+            .collect();
+        live.into_iter().find_map(|i| self.queue(i, frame))
     }
 
     /// When [`Lanes::stalled_lane`] may next find a lane, with two lanes or more alive.

@@ -365,7 +365,7 @@ impl Transport for RdmaReceiver {
             return;
         }
         let lane = self.lane_of.of(frame);
-        if let Some(why) = self.lanes.queue(lane, frame) {
+        if let Some(why) = self.lanes.queue_frame(lane, frame) {
             self.fail(why);
         }
     }
@@ -380,6 +380,10 @@ impl Transport for RdmaReceiver {
 
     fn failed_lanes(&self) -> usize {
         self.lanes.lanes.len() - self.lanes.live()
+    }
+
+    fn moves_transfers(&self) -> bool {
+        self.lanes.lanes.len() > 1
     }
 
     fn poll_timeout(&self) -> Option<Instant> {

@@ -368,7 +368,7 @@ impl Transport for RdmaSender {
             return;
         }
         let lane = self.lane_of.of(frame);
-        if let Some(why) = self.lanes.queue(lane, frame) {
+        if let Some(why) = self.lanes.queue_frame(lane, frame) {
             self.fail(why);
         }
     }
@@ -383,6 +383,10 @@ impl Transport for RdmaSender {
 
     fn failed_lanes(&self) -> usize {
         self.lanes.lanes.len() - self.lanes.live()
+    }
+
+    fn moves_transfers(&self) -> bool {
+        self.lanes.lanes.len() > 1
     }
 
     fn poll_timeout(&self) -> Option<Instant> {
@@ -507,7 +511,11 @@ impl SenderTransport for RdmaSender {
         };
         let lane = self.lane_of.get(transfer.transfer_id);
         if self.lanes.lanes[lane].dead {
-            // Its lane failed: the transfer is being ended as lost (TransferLost).
+            // Its reservation came on a lane that has failed since (a parked one taken now,
+            // or a chunk): the transfer is lost with it (before its writes' outcomes, so it
+            // ends, or waits to be moved, as on the lane's failure; SPEC §9.2).
+            self.events
+                .push_back(TransportEvent::TransferLost(transfer.transfer_id));
             self.done(transfer, writes.len() as u32, false);
             return;
         }
