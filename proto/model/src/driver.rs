@@ -47,6 +47,8 @@ pub enum RxOutcome {
     Delivered,
     /// Failed.
     Failed,
+    /// Moved off a failed lane: its pages went on under a new reservation (SPEC §9.2).
+    Moved,
 }
 
 /// The receiver's driver: pool, scopes, fences, digest jobs.
@@ -170,9 +172,9 @@ impl RxDriver {
                 }
             }
             ReceiverAction::Reopen(t) => {
-                // Moves (SPEC §9.2) need a lane to fail; the model's connection has one.
+                // Handled by the world, which calls the session back (`reopen_pages`, `moved`).
                 return Err(crate::Violation(format!(
-                    "Reopen({t:?}): the model's sessions never move a transfer"
+                    "Reopen({t:?}) reached the driver model unhandled"
                 )));
             }
             ReceiverAction::Fence(t) => {
@@ -235,6 +237,56 @@ impl RxDriver {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// A moving reservation's pages, for a new scope on a live lane (SPEC §9.2): only once its
+    /// own fence completed (no write of the old reservation can land any more), before any
+    /// release or outcome.
+    pub fn reopen_pages(&self, t: TransferRef) -> Result<Vec<u32>, Violation> {
+        ensure!(
+            self.fenced.contains(&t),
+            "Reopen({t:?}) before its fence completed: a write of the old reservation could still land"
+        );
+        ensure!(!self.released.contains(&t), "Reopen({t:?}) after Release");
+        ensure!(
+            !self.outcomes.contains_key(&t),
+            "Reopen({t:?}) after its outcome"
+        );
+        ensure!(
+            !self.digest_jobs.iter().any(|j| j.0 == t) && !self.accepted.contains_key(&t),
+            "Reopen({t:?}) of a reservation whose COMMIT was accepted"
+        );
+        Ok(self.reserved[&t].clone())
+    }
+
+    /// The session reserved `old`'s pages again as `new` (a move): the pages pass to the
+    /// new reservation with a new open scope; `old` ends as moved.
+    pub fn moved(&mut self, old: TransferRef, new: TransferRef) -> Result<(), Violation> {
+        let pages = self.reserved[&old].clone();
+        for &p in &pages {
+            let page = &mut self.pages[p as usize];
+            ensure!(
+                page.owner == Some(old) && !page.quarantined,
+                "moved {old:?}: page {p} is {:?}, quarantined {}",
+                page.owner,
+                page.quarantined
+            );
+            page.owner = Some(new);
+        }
+        ensure!(
+            self.outcomes.insert(old, RxOutcome::Moved).is_none(),
+            "moved {old:?} after its outcome"
+        );
+        self.released.insert(old);
+        self.scopes.insert(
+            new,
+            AccessScope {
+                pages: pages.clone(),
+                open: true,
+            },
+        );
+        self.reserved.insert(new, pages);
         Ok(())
     }
 

@@ -14,7 +14,7 @@ use kvwire_proto::receiver::{
     ReceiverAction, ReceiverConfig, ReceiverEvent, ReceiverSession, ReservationRequest,
     ReserveError,
 };
-use kvwire_proto::sender::{SenderConfig, SenderEvent, SenderSession, SubmitError};
+use kvwire_proto::sender::{SenderConfig, SenderEvent, SenderSession, SubmitError, WriteOutcome};
 use kvwire_proto::wire::{ErrorCode, Frame, Role, TransferRef};
 use kvwire_proto::Scope;
 
@@ -49,6 +49,10 @@ pub struct Bounds {
     /// fence or digest job in flight, an engine step left): the "slow peer" races. When
     /// nothing else can progress, time always may advance.
     pub early_timeouts: u8,
+    /// Lane failures (SPEC §9.2): the lane of a reservation fails, losing its frames and
+    /// writes; each end sees it later, in either order, and the transfer moves. Non-zero
+    /// turns moves on in both sessions (an RDMA connection of several lanes).
+    pub lane_failures: u8,
 }
 
 impl Bounds {
@@ -65,6 +69,7 @@ impl Bounds {
             peer_losses: 1,
             rereservations: 1,
             early_timeouts: 1,
+            lane_failures: 0,
         }
     }
 }
@@ -109,6 +114,15 @@ pub enum Action {
     AbortReceiver(usize),
     /// The connection is lost.
     PeerLost,
+    /// The lane of the receiver's open reservation of transfer `i` fails: frames and writes
+    /// of that reservation in flight, and those sent on it until each end sees the failure,
+    /// are lost (SPEC §9.2).
+    LaneFails(usize),
+    /// The sender sees the failed lane of this reservation (its transport: the transfer
+    /// lost, then its writes there failed).
+    SenderSeesLane(TransferRef),
+    /// The receiver sees the failed lane of this reservation.
+    ReceiverSeesLane(TransferRef),
 }
 
 /// Fault budgets left.
@@ -121,6 +135,7 @@ struct Budget {
     peer_losses: u8,
     rereservations: u8,
     early_timeouts: u8,
+    lane_failures: u8,
 }
 
 /// Both sessions, the channel, both drivers.
@@ -138,6 +153,14 @@ pub struct World {
     reservations: Vec<u8>,
     submitted: Vec<bool>,
     lost: bool,
+    /// Reservations whose lane failed: nothing of theirs arrives any more.
+    dead: std::collections::BTreeSet<TransferRef>,
+    /// Dead reservations the sender, and the receiver, have not seen fail yet.
+    sender_unaware: std::collections::BTreeSet<TransferRef>,
+    receiver_unaware: std::collections::BTreeSet<TransferRef>,
+    /// Only lane failures may happen (no other fault budget): then every transfer must end
+    /// verified at both ends (a move loses no request, SPEC §9.2).
+    only_lane_faults: bool,
     /// The actions that led here.
     pub trace: Vec<Action>,
 }
@@ -161,22 +184,35 @@ impl World {
             abort_ack_timeout: Duration::from_millis(50),
             history: 16,
             // One parked reservation at most: a second is refused with PARKED_LIMIT (Q10).
-            max_parked: 1,
+            // With lane failures, room for every transfer's: a moved reservation arriving
+            // while another is parked is then served, so that a transfer lost with only lane
+            // faults is the move's failure, not the parking bound's.
+            max_parked: if bounds.lane_failures > 0 {
+                bounds.transfers.len()
+            } else {
+                1
+            },
         };
         let receiver_config = ReceiverConfig {
             abort_ack_timeout: Duration::from_millis(50),
             history: 16,
         };
         let buffers = crate::layout().buffers();
+        let mut sender = SenderSession::new(&established(Role::SENDER), sender_config);
+        let mut receiver = ReceiverSession::new(
+            &established(Role::RECEIVER),
+            receiver_config,
+            MODEL_NONCE_SEED,
+        );
+        if bounds.lane_failures > 0 {
+            sender.allow_moves();
+            receiver.allow_moves();
+        }
         Self {
             now: base,
             transfers: bounds.transfers.clone(),
-            sender: SenderSession::new(&established(Role::SENDER), sender_config),
-            receiver: ReceiverSession::new(
-                &established(Role::RECEIVER),
-                receiver_config,
-                MODEL_NONCE_SEED,
-            ),
+            sender,
+            receiver,
             to_receiver: VecDeque::new(),
             to_sender: VecDeque::new(),
             rx: RxDriver::new(bounds.pool_pages, buffers),
@@ -189,10 +225,30 @@ impl World {
                 peer_losses: bounds.peer_losses,
                 rereservations: bounds.rereservations,
                 early_timeouts: bounds.early_timeouts,
+                lane_failures: bounds.lane_failures,
             },
             reservations: vec![0; bounds.transfers.len()],
             submitted: vec![false; bounds.transfers.len()],
             lost: false,
+            dead: Default::default(),
+            sender_unaware: Default::default(),
+            receiver_unaware: Default::default(),
+            only_lane_faults: bounds.lane_failures > 0
+                && Bounds {
+                    lane_failures: 0,
+                    ..bounds.clone()
+                } == Bounds {
+                    pool_pages: bounds.pool_pages,
+                    transfers: bounds.transfers.clone(),
+                    drops: 0,
+                    duplicates: 0,
+                    lost_writes: 0,
+                    aborts: 0,
+                    peer_losses: 0,
+                    rereservations: 0,
+                    early_timeouts: 0,
+                    lane_failures: 0,
+                },
             trace: Vec::new(),
         }
     }
@@ -222,6 +278,20 @@ impl World {
         n > ended
     }
 
+    /// Whether `t` is the receiver's open reservation of its transfer.
+    fn rx_open_ref(&self, t: TransferRef) -> bool {
+        self.rx.reserved.contains_key(&t) && !self.rx.outcomes.contains_key(&t)
+    }
+
+    /// Reports every posted write of dead reservation `t` failed (its queue pair flushed).
+    fn fail_dead_writes(&mut self, now: Instant, t: TransferRef) {
+        while let Some(k) = self.tx.writes.iter().position(|w| w.transfer == t) {
+            let w = self.tx.take_write(k);
+            self.sender
+                .handle_write_outcome(now, w.transfer, WriteOutcome::Failed, 1);
+        }
+    }
+
     fn next_deadline(&mut self) -> Option<Instant> {
         match (self.sender.poll_timeout(), self.receiver.poll_timeout()) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -241,6 +311,8 @@ impl World {
                     | Action::SenderDigests(_)
                     | Action::Reserve(_)
                     | Action::Submit(_)
+                    | Action::SenderSeesLane(_)
+                    | Action::ReceiverSeesLane(_)
             )
         })
     }
@@ -260,10 +332,28 @@ impl World {
             }
         }
         for i in 0..self.tx.writes.len() {
+            if self.dead.contains(&self.tx.writes[i].transfer) {
+                // On the failed lane: reported failed once the sender sees it.
+                continue;
+            }
             out.push(Action::Write(i));
             if self.budget.lost_writes > 0 {
                 out.push(Action::LoseWrite(i));
             }
+        }
+        if !self.lost {
+            out.extend(
+                self.sender_unaware
+                    .iter()
+                    .copied()
+                    .map(Action::SenderSeesLane),
+            );
+            out.extend(
+                self.receiver_unaware
+                    .iter()
+                    .copied()
+                    .map(Action::ReceiverSeesLane),
+            );
         }
         out.extend((0..self.rx.fences.len()).map(Action::Fence));
         out.extend((0..self.rx.digest_jobs.len()).map(Action::ReceiverDigests));
@@ -292,6 +382,13 @@ impl World {
                     .any(|a| matches!(a, Action::Reserve(_) | Action::Submit(_)));
             if self.budget.peer_losses > 0 {
                 out.push(Action::PeerLost);
+            }
+            if self.budget.lane_failures > 0 {
+                for i in 0..self.transfers.len() {
+                    if self.rx_open(i).is_some_and(|t| !self.dead.contains(&t)) {
+                        out.push(Action::LaneFails(i));
+                    }
+                }
             }
         }
         if (!progress || self.budget.early_timeouts > 0) && self.next_deadline().is_some() {
@@ -454,6 +551,37 @@ impl World {
                 self.to_sender.clear();
                 self.sender.handle_peer_lost(now);
                 self.receiver.handle_peer_lost(now);
+                self.sender_unaware.clear();
+                self.receiver_unaware.clear();
+                for t in std::mem::take(&mut self.dead) {
+                    self.fail_dead_writes(now, t);
+                }
+            }
+            Action::LaneFails(i) => {
+                self.budget.lane_failures -= 1;
+                let t = self
+                    .rx_open(i)
+                    .ok_or_else(|| Violation("LaneFails enabled without a reservation".into()))?;
+                self.dead.insert(t);
+                self.sender_unaware.insert(t);
+                self.receiver_unaware.insert(t);
+                // Its frames in flight are lost with it.
+                self.to_receiver.retain(|f| f.transfer() != Some(t));
+                self.to_sender.retain(|f| f.transfer() != Some(t));
+            }
+            Action::SenderSeesLane(t) => {
+                self.sender_unaware.remove(&t);
+                // The transport names the transfer if the failed lane is its lane now.
+                if self.sender.transfer_ref(t.transfer_id) == Some(t) {
+                    self.sender.handle_transfer_lost(now, t.transfer_id);
+                }
+                self.fail_dead_writes(now, t);
+            }
+            Action::ReceiverSeesLane(t) => {
+                self.receiver_unaware.remove(&t);
+                if self.rx_open_ref(t) {
+                    self.receiver.handle_transfer_lost(now, t.transfer_id);
+                }
             }
         }
         self.pump_receiver(None)?;
@@ -466,7 +594,7 @@ impl World {
         &mut self,
         commit: Option<kvwire_proto::wire::Commit>,
     ) -> Result<(), Violation> {
-        let actions: Vec<ReceiverAction> =
+        let mut actions: Vec<ReceiverAction> =
             std::iter::from_fn(|| self.receiver.poll_action()).collect();
         if let Some(c) = commit {
             let t = c.transfer;
@@ -476,8 +604,22 @@ impl World {
                 self.rx.accept(c);
             }
         }
-        for a in actions {
-            self.rx.apply(a)?;
+        while !actions.is_empty() {
+            for a in actions {
+                match a {
+                    // A move (SPEC §9.2): the same pages, a new scope, reserved again.
+                    ReceiverAction::Reopen(old) => {
+                        let pages = self.rx.reopen_pages(old)?;
+                        if let Some(new) =
+                            self.receiver.handle_reopened(self.now, old, pages, vec![])
+                        {
+                            self.rx.moved(old, new)?;
+                        }
+                    }
+                    a => self.rx.apply(a)?,
+                }
+            }
+            actions = std::iter::from_fn(|| self.receiver.poll_action()).collect();
         }
         while let Some(e) = self.receiver.poll_event() {
             let truth = match &e {
@@ -493,14 +635,38 @@ impl World {
                 !self.lost,
                 "receiver sent {f:?} after the connection was lost"
             );
+            if f.transfer()
+                .is_some_and(|t| self.receiver_unaware.contains(&t))
+            {
+                continue; // sent on the failed lane
+            }
             self.to_sender.push_back(f);
         }
         Ok(())
     }
 
     fn pump_sender(&mut self) -> Result<(), Violation> {
-        while let Some(a) = self.sender.poll_action() {
-            self.tx.apply(a)?;
+        loop {
+            while let Some(a) = self.sender.poll_action() {
+                self.tx.apply(a)?;
+            }
+            // Writes posted under a reservation whose lane the sender already saw fail (it
+            // took a parked RESERVE that came on it): the transport reports the transfer
+            // lost, then the writes failed, at once.
+            let Some(t) = self
+                .tx
+                .writes
+                .iter()
+                .map(|w| w.transfer)
+                .find(|t| self.dead.contains(t) && !self.sender_unaware.contains(t))
+            else {
+                break;
+            };
+            let now = self.now;
+            if self.sender.transfer_ref(t.transfer_id) == Some(t) {
+                self.sender.handle_transfer_lost(now, t.transfer_id);
+            }
+            self.fail_dead_writes(now, t);
         }
         while let Some(e) = self.sender.poll_event() {
             self.tx.event(&e)?;
@@ -516,6 +682,11 @@ impl World {
                 !self.lost,
                 "sender sent {f:?} after the connection was lost"
             );
+            if f.transfer()
+                .is_some_and(|t| self.sender_unaware.contains(&t))
+            {
+                continue; // sent on the failed lane
+            }
             self.to_receiver.push_back(f);
         }
         Ok(())
@@ -541,6 +712,21 @@ impl World {
                 ensure!(self.reservations[i] > 0, "transfer {i} never reserved");
             }
         }
+        if self.only_lane_faults {
+            for i in 0..self.transfers.len() {
+                let id = transfer_id(i);
+                let delivered = self
+                    .rx
+                    .outcomes
+                    .iter()
+                    .any(|(t, o)| t.transfer_id == id && *o == RxOutcome::Delivered);
+                let verified = self.tx.outcomes.get(&id).map(|o| o.1) == Some(TxOutcome::Verified);
+                ensure!(
+                    delivered && verified,
+                    "transfer {i} lost to a lane failure with no other fault (delivered: {delivered}, verified at the sender: {verified})"
+                );
+            }
+        }
         // Both sides agree whenever the sender says verified (checked as it happens); note
         // the converse (receiver delivered, sender failed) is allowed only after peer loss
         // or a lost VERIFIED plus its ABORT's answer (SPEC Q3): not asserted here.
@@ -556,7 +742,7 @@ impl World {
         let mut s = String::with_capacity(4096);
         let _ = write!(
             s,
-            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
+            "{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}|{:?}",
             self.sender,
             self.receiver,
             self.to_receiver,
@@ -566,7 +752,10 @@ impl World {
             self.budget,
             self.reservations,
             self.submitted,
-            self.lost
+            self.lost,
+            self.dead,
+            self.sender_unaware,
+            self.receiver_unaware
         );
         let s = strip(&s, "timers: Timers {");
         let s = strip(&s, "stats: SenderStats {");

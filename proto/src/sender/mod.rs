@@ -500,6 +500,12 @@ impl SenderSession {
         self.transfers.len()
     }
 
+    /// The reservation an open transfer is served under (nonce 0 before one was accepted);
+    /// `None` when no transfer with the id is open.
+    pub fn transfer_ref(&self, transfer_id: TransferId) -> Option<TransferRef> {
+        self.transfers.get(&transfer_id).map(|t| t.transfer)
+    }
+
     /// Counters.
     pub fn stats(&self) -> SenderStats {
         self.out.stats
