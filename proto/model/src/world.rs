@@ -56,6 +56,20 @@ pub struct Bounds {
 }
 
 impl Bounds {
+    /// Whether lane failures are the only fault these bounds allow.
+    pub fn only_lane_faults(&self) -> bool {
+        let others = [
+            self.drops,
+            self.duplicates,
+            self.lost_writes,
+            self.aborts,
+            self.peer_losses,
+            self.rereservations,
+            self.early_timeouts,
+        ];
+        self.lane_failures > 0 && others.iter().all(|&n| n == 0)
+    }
+
     /// The default bounds: 2 transfers (2 pages and 1 page) over a 3-page pool, one of each
     /// fault.
     pub fn small() -> Self {
@@ -233,22 +247,7 @@ impl World {
             dead: Default::default(),
             sender_unaware: Default::default(),
             receiver_unaware: Default::default(),
-            only_lane_faults: bounds.lane_failures > 0
-                && Bounds {
-                    lane_failures: 0,
-                    ..bounds.clone()
-                } == Bounds {
-                    pool_pages: bounds.pool_pages,
-                    transfers: bounds.transfers.clone(),
-                    drops: 0,
-                    duplicates: 0,
-                    lost_writes: 0,
-                    aborts: 0,
-                    peer_losses: 0,
-                    rereservations: 0,
-                    early_timeouts: 0,
-                    lane_failures: 0,
-                },
+            only_lane_faults: bounds.only_lane_faults(),
             trace: Vec::new(),
         }
     }

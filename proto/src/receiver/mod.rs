@@ -375,23 +375,16 @@ impl ReceiverSession {
         pages: Vec<u32>,
         access: Vec<u8>,
     ) -> Option<TransferRef> {
-        let t = self.take_current(transfer)?;
-        let fenced = matches!(&t.state, State::Moving(m) if m.fenced);
-        if !fenced || pages.len() != t.spec.pages as usize || access.len() > MAX_ACCESS {
-            let next = match t.state {
-                s @ State::Moving(_) => self.out.fail(
-                    &t.spec,
-                    s.pending(),
-                    FailureReason::PeerLost,
-                    AfterFence::SendAbort(ErrorCode::SHUTDOWN),
-                    now,
-                ),
-                other => Next::Stay(other),
-            };
-            self.settle(t.spec, next);
+        let ready = self.transfers.get(&transfer.transfer_id).is_some_and(|t| {
+            t.spec.transfer == transfer
+                && matches!(&t.state, State::Moving(m) if m.fenced)
+                && pages.len() == t.spec.pages as usize
+        });
+        if !ready || access.len() > MAX_ACCESS {
+            self.handle_reopen_failed(now, transfer);
             return None;
         }
-        let mut spec = t.spec;
+        let mut spec = self.take_current(transfer)?.spec;
         spec.moved_from.push(transfer.nonce);
         spec.transfer.nonce = self.fresh_nonce();
         self.out.stats.moves += 1;

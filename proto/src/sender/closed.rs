@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::{SenderEvent, SenderSession};
 use crate::history::Finished;
 use crate::scope::FrameError;
-use crate::wire::{ErrorCode, Frame, Reject, Reserve, TransferId, TransferRef};
+use crate::wire::{ErrorCode, Frame, Reserve, TransferId, TransferRef};
 
 /// How long a parked RESERVE outlives its own deadline (SPEC.md §5.1): time for the receiver's
 /// ABORT, sent when that deadline passes, to arrive and end the park.
@@ -14,15 +14,7 @@ pub(super) const PARK_GRACE: std::time::Duration = std::time::Duration::from_sec
 
 impl SenderSession {
     pub(super) fn reject_reservation(&mut self, r: &Reserve, code: ErrorCode, detail: String) {
-        self.out.stats.rejected_reservations += 1;
-        self.out.transmit.push_back(Frame::Reject(Reject {
-            transfer: TransferRef {
-                transfer_id: r.transfer_id,
-                nonce: r.nonce,
-            },
-            code,
-            detail,
-        }));
+        self.out.reject(r, code, detail);
     }
 
     pub(super) fn handle_closed_transfer(

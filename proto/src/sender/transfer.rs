@@ -77,6 +77,21 @@ pub(super) struct Out {
     pub(super) stats: SenderStats,
 }
 
+impl Out {
+    /// Refuses reservation `r` with REJECT (its own ref, `code`, `detail`).
+    pub(super) fn reject(&mut self, r: &Reserve, code: ErrorCode, detail: String) {
+        self.stats.rejected_reservations += 1;
+        self.transmit.push_back(Frame::Reject(Reject {
+            transfer: TransferRef {
+                transfer_id: r.transfer_id,
+                nonce: r.nonce,
+            },
+            code,
+            detail,
+        }));
+    }
+}
+
 pub(super) struct Ctx<'a> {
     pub(super) out: &'a mut Out,
     pub(super) config: &'a SenderConfig,
@@ -250,15 +265,7 @@ impl Ctx<'_> {
     ) -> (Next, Result<(), FrameError>) {
         match self.check_reservation(t, &r) {
             Err((code, detail)) => {
-                self.out.stats.rejected_reservations += 1;
-                self.out.transmit.push_back(Frame::Reject(Reject {
-                    transfer: TransferRef {
-                        transfer_id: r.transfer_id,
-                        nonce: r.nonce,
-                    },
-                    code,
-                    detail: detail.clone(),
-                }));
+                self.out.reject(&r, code, detail.clone());
                 t.transfer.nonce = r.nonce;
                 let done = self.failed(
                     t,
@@ -499,15 +506,11 @@ impl Transfer {
             }
             (state, Frame::Reserve(r)) => {
                 // A second reservation while one is being served: refuse the newcomer.
-                cx.out.stats.rejected_reservations += 1;
-                cx.out.transmit.push_back(Frame::Reject(Reject {
-                    transfer: TransferRef {
-                        transfer_id: r.transfer_id,
-                        nonce: r.nonce,
-                    },
-                    code: ErrorCode::DUPLICATE_TRANSFER,
-                    detail: format!("transfer already reserved (state {name})"),
-                }));
+                cx.out.reject(
+                    &r,
+                    ErrorCode::DUPLICATE_TRANSFER,
+                    format!("transfer already reserved (state {name})"),
+                );
                 (
                     Next::Stay(state),
                     Err(FrameError::frame("second RESERVE for an open transfer")),
