@@ -568,18 +568,20 @@ fn posted_for(s: &mut SenderSession, t: TransferRef) -> (usize, usize) {
     posted
 }
 
+/// The digests `commit_now` commits and the receiver's landed memory then matches
+/// (`common::commit_of`'s buffer digest 5, aux digest 6).
+fn the_commits_digests() -> TransferDigests {
+    TransferDigests {
+        buffers: vec![Digest128::from_u128(5)],
+        pages: vec![],
+        aux: Digest128::from_u128(6),
+    }
+}
+
 /// The sender completes `t`'s writes and digests and sends its COMMIT; returns it.
 fn commit_now(now: Instant, s: &mut SenderSession, t: TransferRef) -> kvwire_proto::wire::Commit {
     s.handle_write_outcome(now, t, WriteOutcome::Completed, 2);
-    s.handle_digests(
-        now,
-        t,
-        TransferDigests {
-            buffers: vec![Digest128::from_u128(5)],
-            pages: vec![],
-            aux: Digest128::from_u128(6),
-        },
-    );
+    s.handle_digests(now, t, the_commits_digests());
     std::iter::from_fn(|| s.poll_transmit())
         .find_map(|f| match f {
             Frame::Commit(c) => Some(c),
@@ -665,15 +667,7 @@ fn a_transfer_whose_lane_fails_before_its_commit_moves_and_verifies() {
     );
     r.handle_fenced(now, t2);
     drain_actions(|| r.poll_action());
-    r.handle_digests(
-        now,
-        t2,
-        TransferDigests {
-            buffers: vec![Digest128::from_u128(5)],
-            pages: vec![],
-            aux: Digest128::from_u128(6),
-        },
-    );
+    r.handle_digests(now, t2, the_commits_digests());
     assert!(std::iter::from_fn(|| r.poll_event())
         .any(|e| matches!(e, ReceiverEvent::Delivered(d) if d.transfer == t2)));
     shuttle_to_sender(now, &mut r, &mut s);
@@ -814,14 +808,6 @@ fn a_moved_reservation_ends_on_an_abort_of_its_old_nonce_and_a_committed_one_sta
     assert!(drain_actions(|| r.poll_action()).is_empty());
     r.handle_fenced(now, t1);
     drain_actions(|| r.poll_action());
-    r.handle_digests(
-        now,
-        t1,
-        TransferDigests {
-            buffers: vec![Digest128::from_u128(5)],
-            pages: vec![],
-            aux: Digest128::from_u128(6),
-        },
-    );
+    r.handle_digests(now, t1, the_commits_digests());
     assert!(std::iter::from_fn(|| r.poll_event()).any(|e| matches!(e, ReceiverEvent::Delivered(_))));
 }
