@@ -3,11 +3,12 @@
 ratios: two rails against one, and each beside ib_write_bw on one rail. Exits non-zero on
 any violation:
 
-* both rails, one rail, and both rails after rail 1 came back: every transfer verified on
-  both sides, every verified byte checked by the decode, and with two rails each device
-  carried at least a quarter of the packets;
-* rail 1 taken down mid-run: the transfers bound to it move to rail 0 (SPEC §9.2, moving a
-  transfer off a failed lane) and every transfer verifies at both ends: none failed, none
+* both rails (striped, and not), one rail, and both rails after rail 1 came back: every
+  transfer verified on both sides, every verified byte checked by the decode, and with two
+  rails each device carried at least a quarter of the packets; where striped (SPEC §9.2,
+  striping a transfer over lanes) the decode striped every reservation, where not none;
+* rail 1 taken down mid-run: the transfers bound or striped on it move to rail 0 (SPEC §9.2,
+  moving a transfer off a failed lane) and every transfer verifies at both ends: none failed, none
   Unconfirmed, the decode checked the bytes of every transfer it verified; the decode moved
   at least one reservation (the rail went down while it carried some) and both ends'
   connections report one failed lane (`failed_lanes`): the connection went on over rail 0;
@@ -85,12 +86,27 @@ def rail_shares(name, table):
     return sent
 
 
+def striped(name, every):
+    """The decode striped every reservation of the run (`every`) or none."""
+    d = case(name, "decode")
+    if d is None:
+        return None
+    n, s = d.get("transfers") or 0, d.get("striped")
+    if every and (not isinstance(s, int) or s < n):
+        problems.append(f"{name}: the decode striped {s} of {n} reservations, expected every one")
+    if not every and s != 0:
+        problems.append(f"{name}: the decode striped {s} reservations with --stripe-pages 0")
+    return s
+
+
 two = all_verified("two")
+flat = all_verified("flat")
 one = all_verified("one")
 back = all_verified("back")
 startdown = all_verified("startdown", failed_lanes=1)
+stripes = {"two": striped("two", True), "flat": striped("flat", False), "back": striped("back", True)}
 table = counters()
-shares = {name: rail_shares(name, table) for name in ("two", "back")}
+shares = {name: rail_shares(name, table) for name in ("two", "flat", "back")}
 # Rail 1 down before the connection: rail 0 carried the run, rail 1 nothing.
 keys = [(f"{when}-startdown", d) for when in ("before", "after") for d in ("rxe0", "rxe1")]
 if any(k not in table for k in keys):
@@ -119,6 +135,9 @@ if p is not None and d is not None:
         "failed_lanes": {"prefill": p.get("failed_lanes"), "decode": d.get("failed_lanes")},
     }
     down["moves"] = {"prefill": p.get("moves"), "decode": d.get("moves")}
+    down["decode_striped"] = d.get("striped")
+    if (d.get("striped") or 0) < 1:
+        problems.append(f"down: the decode striped {d.get('striped')} reservations")
     # Both ends saw the lane fail and said so (SenderConnStats/ReceiverConnStats::failed_lanes):
     # the decode's PINGs on every lane make its own SENDs there stall too.
     if p.get("failed_lanes") != 1 or d.get("failed_lanes") != 1:
@@ -186,8 +205,12 @@ def ib_write_bw(dev):
 ibw = {dev: ib_write_bw(dev) for dev in ("rxe0", "rxe1")}
 summary = {
     "two_rails_gb_per_s": two,
+    "two_rails_unstriped_gb_per_s": flat,
     "one_rail_gb_per_s": one,
     "two_over_one": two / one if two and one else None,
+    "two_unstriped_over_one": flat / one if flat and one else None,
+    "striped_over_unstriped": two / flat if two and flat else None,
+    "reservations_striped": stripes,
     "ib_write_bw_gb_per_s": ibw,
     "one_rail_over_ib_write_bw_rxe0": one / ibw["rxe0"] if one and ibw["rxe0"] else None,
     "packets_sent_per_rail": shares,

@@ -3,13 +3,17 @@
 # rxe0 and rxe1 on each). VM b runs the decode (`kvwire bench --listen`), VM a the prefill
 # (`--connect`), every byte checked:
 #
-#   1. both rails (--device rxe0,rxe1): every transfer verified, and each device's packet
+#   1. both rails (--device rxe0,rxe1), each 8-page transfer striped over both
+#      (--stripe-pages 4, SPEC §9.2): every transfer verified, and each device's packet
 #      counters show it carried its share;
-#   2. one rail (--device rxe0), the same workload: the baseline of the ratio;
+#   1b. both rails, no striping (--stripe-pages 0: each transfer on one rail, the transfers
+#      spread over both), the same checks;
+#   2. one rail (--device rxe0), the same workload: the baseline of the ratios;
 #   3. ib_write_bw on each rail alone, the same message size and bytes;
-#   4. both rails, rail 1's link taken down in VM a mid-run: the transfers on rail 1 fail
-#      (retryably, or Unconfirmed), the connection goes on over rail 0 and verifies the rest,
-#      and nothing unverified is delivered (the decode checked every byte it verified);
+#   4. both rails, striped, rail 1's link taken down in VM a mid-run: the transfers with a
+#      stripe on rail 1 move whole to rail 0 (SPEC §9.2), the connection goes on over rail 0,
+#      every transfer verifies, and nothing unverified is delivered (the decode checked every
+#      byte it verified);
 #   5. rail 1 still down in VM a, a new connection over both rails: rail 1's lane is left out
 #      at both ends from the start (SPEC §9.2, a rail down when the connection opens) and
 #      every transfer verifies over rail 0;
@@ -44,9 +48,9 @@ out=$KVWIRE_RAILS_OUT
 mib=$KVWIRE_RAILS_MIB
 renew_n=$KVWIRE_RAILS_RENEW
 bin=target/release/kvwire
-bench_args() { # DEVICES
-  echo --transport rdma --device "$1" --page-sizes 64K --pages 8 --bytes "${mib}M" \
-    --peer-timeout-ms 10000 --check-bytes --json
+bench_args() { # DEVICES [STRIPE_PAGES, default 4: 8-page transfers over two rails]
+  echo --transport rdma --device "$1" --stripe-pages "${2:-4}" --page-sizes 64K --pages 8 \
+    --bytes "${mib}M" --peer-timeout-ms 10000 --check-bytes --json
 }
 wait_for() { # FILE TEXT
   for _ in $(seq 1 600); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.2; done
@@ -62,11 +66,12 @@ counters() { # NAME: every rail device packet counters, appended to $out/counter
 
 # VM b: the decode, one listener per run.
 decode="$common"'
-serve() { # NAME DEVICES: one listener, one connection; a failed run is recorded
-  $bin bench --listen 10.0.0.2:7500 $(bench_args "$2") >"$out/$1-decode.json" 2>"$out/$1-decode.log" ||
+serve() { # NAME DEVICES [STRIPE_PAGES]: one listener, one connection; a failed run is recorded
+  $bin bench --listen 10.0.0.2:7500 $(bench_args "$2" "${3:-}") >"$out/$1-decode.json" 2>"$out/$1-decode.log" ||
     echo "exit $?" >"$out/$1-decode.exit"
 }
 serve two rxe0,rxe1
+serve flat rxe0,rxe1 0
 serve one rxe0
 for d in rxe0 rxe1; do
   ib_write_bw -d $d -x 1 -s 65536 -n $((mib * 16)) -F >/dev/null 2>&1 || true
@@ -87,12 +92,13 @@ echo b-done >"$out/b-done"
 
 # VM a: the prefill.
 prefill="$common"'
-connect() { # NAME DEVICES: a failed run is recorded (rails-check judges), the sequence goes on
+connect() { # NAME DEVICES [STRIPE_PAGES]: a failed run is recorded (rails-check judges), the sequence goes on
   wait_for "$out/$1-decode.log" listening
-  $bin bench --connect 10.0.0.2:7500 $(bench_args "$2") >"$out/$1-prefill.json" 2>"$out/$1-prefill.log" ||
+  $bin bench --connect 10.0.0.2:7500 $(bench_args "$2" "${3:-}") >"$out/$1-prefill.json" 2>"$out/$1-prefill.log" ||
     echo "exit $?" >"$out/$1-prefill.exit"
 }
 counters before-two; connect two rxe0,rxe1; counters after-two
+counters before-flat; connect flat rxe0,rxe1 0; counters after-flat
 connect one rxe0
 for i in 0 1; do
   for _ in $(seq 1 30); do

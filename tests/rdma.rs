@@ -908,6 +908,135 @@ mod driven {
         assert_invariants(&pair);
     }
 
+    /// SPEC §9.2, striping a transfer over lanes: with two pages per stripe, each 12-page
+    /// reservation is bound over both lanes (half its pages' windows on each queue pair), its
+    /// RESERVE sent once the other lane's binds completed, and the sender writes each half
+    /// through the lane its windows were bound on (a window admits writes through no other
+    /// queue pair: a write routed wrongly fails at the NIC and fails the lane). Every
+    /// transfer verifies at both ends with both lanes alive and nothing moved, and each
+    /// reservation's windows are invalidated on both lanes at its fence.
+    #[tokio::test(flavor = "current_thread")]
+    async fn transfers_striped_over_two_lanes_verify_and_every_lane_fences_its_windows() {
+        let Some(d) = super::device(
+            "transfers_striped_over_two_lanes_verify_and_every_lane_fences_its_windows",
+        ) else {
+            return;
+        };
+        let (_dev, mut pair) = pair(&d.name, 2);
+        pair.receiver
+            .transport_mut()
+            .inner_mut()
+            .set_stripe_pages(2);
+        for id in 1..=4u64 {
+            transfer(&mut pair, id, 12 * 16);
+        }
+        // Two pages: not striped (one stripe's worth).
+        transfer(&mut pair, 5, 2 * 16);
+        assert!(pair.drive_live(LIMIT).await, "did not settle");
+        for id in (1..=5).map(TransferId) {
+            assert!(
+                pair.sender_verified(id) && pair.verified.contains(&id),
+                "transfer {id}: {:?} / {:?}",
+                pair.sender_failure(id),
+                pair.receiver_failures
+            );
+        }
+        let st = pair.receiver.transport().inner().stats();
+        assert_eq!((st.striped, st.striped_lanes), (4, 8), "{st:?}");
+        assert_eq!(pair.sender.transport().inner().live_lanes(), 2);
+        assert_eq!(pair.receiver.transport().inner().live_lanes(), 2);
+        assert_eq!(pair.receiver.stats().moves, 0);
+        assert_eq!(pair.sender.transport().inner().stats().writes_refused, 0);
+        assert_all_fenced(&pair);
+        assert_invariants(&pair);
+    }
+
+    /// SPEC §9.2, striping and moving: the second lane fails under both ends while striped
+    /// transfers are being written over both. Every reservation with a stripe on it moves
+    /// whole (its windows on the live lane deallocated too; reserved again, unstriped, on
+    /// the live lane) and verifies; nothing unverified is delivered and every page comes
+    /// back.
+    #[tokio::test(flavor = "current_thread")]
+    async fn striped_transfers_move_whole_when_one_of_their_lanes_fails() {
+        let Some(d) = super::device("striped_transfers_move_whole_when_one_of_their_lanes_fails")
+        else {
+            return;
+        };
+        let mut cfg = config();
+        cfg.sender.abort_ack_timeout = Duration::from_secs(2);
+        cfg.receiver.abort_ack_timeout = Duration::from_secs(2);
+        let dev = Arc::new(RdmaDevice::open(Some(&d.name)).unwrap());
+        let pools = cfg.pools().unwrap();
+        let mut pair = pair_over(&dev, &cfg, pools, 2);
+        pair.receiver
+            .transport_mut()
+            .inner_mut()
+            .set_stripe_pages(2);
+        for id in 1..=3u64 {
+            let now = pair.now;
+            let params =
+                kvwire::ReserveParams::new(TransferId(id), 12 * 16, LIMIT).with_page_digests();
+            pair.receiver.reserve(now, params).unwrap();
+        }
+        let announced = |pair: &RdmaPair| {
+            pair.sender_events
+                .iter()
+                .filter(|e| matches!(e, kvwire::proto::sender::SenderEvent::Announced { .. }))
+                .count()
+        };
+        let start = Instant::now();
+        while announced(&pair) < 3 {
+            assert!(start.elapsed() < LIMIT, "{:?}", pair.sender_events);
+            pair.drive_live(Duration::from_millis(20)).await;
+        }
+        // 1 and 2 written (over both lanes) before the failure, 3 after it.
+        for id in 1..=2u64 {
+            send(&mut pair, id, 12 * 16).unwrap();
+        }
+        pair.sender
+            .transport_mut()
+            .inner_mut()
+            .inject_lane_failure(1)
+            .unwrap();
+        pair.receiver
+            .transport_mut()
+            .inner_mut()
+            .inject_lane_failure(1)
+            .unwrap();
+        send(&mut pair, 3, 12 * 16).unwrap();
+        assert!(pair.drive_live(LIMIT).await, "did not settle");
+        assert!(pair.sender.closed().is_none(), "{:?}", pair.sender.closed());
+        assert_eq!(pair.sender.transport().inner().live_lanes(), 1);
+        assert_eq!(pair.receiver.transport().inner().live_lanes(), 1);
+        for id in (1..=3).map(TransferId) {
+            assert!(
+                pair.sender_verified(id) && pair.verified.contains(&id),
+                "transfer {id}: {:?} / {:?}",
+                pair.sender_failure(id),
+                pair.receiver_failures
+            );
+        }
+        let st = pair.receiver.transport().inner().stats();
+        assert_eq!(st.striped, 3, "every first reservation striped: {st:?}");
+        // Each had a stripe on the failed lane and none had its COMMIT yet when it failed
+        // (3 was not even submitted): all three moved, onto the one live lane, unstriped.
+        assert_eq!(pair.receiver.stats().moves, 3);
+        assert_invariants(&pair);
+        // Later reservations take the live lane alone, and verify.
+        for id in 4..=5u64 {
+            transfer(&mut pair, id, 12 * 16);
+        }
+        assert!(pair.drive_live(LIMIT).await, "did not settle");
+        for id in (4..=5).map(TransferId) {
+            assert!(
+                pair.sender_verified(id) && pair.verified.contains(&id),
+                "transfer {id}"
+            );
+        }
+        assert_eq!(pair.receiver.transport().inner().stats().striped, 3);
+        assert_invariants(&pair);
+    }
+
     /// SPEC §8.3, frames held unsent are bounded over RDMA too: a queue pair holding
     /// `MAX_UNSENT_FRAMES` (65,536) frames it could not post ends the connection as
     /// unresponsive at once, instead of growing for as long as the not-reading verdict takes.

@@ -224,6 +224,11 @@ typedef struct {
   // Same-host pulls: threads that copy pages, shared by the manager's connections; 1
   // on each connection's own task; 0 (the default) half the cores, at most 8.
   uint32_t pull_threads;
+  // RDMA, decode side: a transfer of P pages is written over min(P / n, queue pairs)
+  // queue pairs at once, each rail once before any twice (striping, SPEC §9.2). Default
+  // 16; 0 never stripes. This field follows `pull_threads`: a program built against an
+  // older header keeps the default.
+  uint32_t rdma_stripe_pages;
 } kvwire_config_t;
 
 // One of the engine's KV buffers: base pointer, length in bytes, bytes per page (SGLang's

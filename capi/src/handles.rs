@@ -98,6 +98,11 @@ pub struct kvwire_config_t {
     /// Same-host pulls: threads that copy pages, shared by the manager's connections; 1
     /// on each connection's own task; 0 (the default) half the cores, at most 8.
     pub pull_threads: u32,
+    /// RDMA, decode side: a transfer of P pages is written over min(P / n, queue pairs)
+    /// queue pairs at once, each rail once before any twice (striping, SPEC §9.2). Default
+    /// 16; 0 never stripes. This field follows `pull_threads`: a program built against an
+    /// older header keeps the default.
+    pub rdma_stripe_pages: u32,
 }
 
 /// The smallest `size` a kvwire_config_t may declare: every field up to `tcp_streams`,
@@ -127,6 +132,7 @@ impl kvwire_config_t {
             rdma_ack_timeout: kvwire::config::DEFAULT_ACK_TIMEOUT.into(),
             same_host: crate::codes::KVWIRE_SAME_HOST_AUTO,
             pull_threads: 0,
+            rdma_stripe_pages: kvwire::config::DEFAULT_STRIPE_PAGES,
         }
     }
 }

@@ -97,7 +97,8 @@ pub(crate) unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig
         config = config.transport(
             TransportConfig::rdma_devices(dev, queue_pairs)
                 .busy_poll(c.rdma_busy_poll != 0)
-                .ack_timeout(ack_timeout),
+                .ack_timeout(ack_timeout)
+                .stripe_pages(c.rdma_stripe_pages),
         );
     }
     config.node_id = c.node_id;

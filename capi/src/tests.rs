@@ -522,6 +522,7 @@ fn rdma_settings_are_read_defaulted_and_checked() {
     c.rdma_queue_pairs = 3;
     c.rdma_busy_poll = 1;
     c.rdma_ack_timeout = 18;
+    c.rdma_stripe_pages = 4;
     // SAFETY: a complete config whose strings are NUL-terminated or null.
     let read = unsafe { crate::manager::manager_config(&c) }.unwrap();
     assert_eq!(
@@ -530,13 +531,15 @@ fn rdma_settings_are_read_defaulted_and_checked() {
             devices: vec!["rxe9".into()],
             queue_pairs: 3,
             busy_poll: true,
-            ack_timeout: 18
+            ack_timeout: 18,
+            stripe_pages: 4,
         }
     );
     c.rdma_device = c"".as_ptr();
     c.rdma_queue_pairs = 0;
     c.rdma_busy_poll = 0;
     c.rdma_ack_timeout = 0;
+    c.rdma_stripe_pages = kvwire::config::DEFAULT_STRIPE_PAGES;
     // SAFETY: as above.
     let read = unsafe { crate::manager::manager_config(&c) }.unwrap();
     assert_eq!(
@@ -544,6 +547,11 @@ fn rdma_settings_are_read_defaulted_and_checked() {
         TransportConfig::rdma(None),
         "0 reads as the default"
     );
+    // Striping off is 0 itself, not the default.
+    c.rdma_stripe_pages = 0;
+    // SAFETY: as above.
+    let read = unsafe { crate::manager::manager_config(&c) }.unwrap();
+    assert_eq!(read.transport, TransportConfig::rdma(None).stripe_pages(0));
 
     // An older program's struct: the fields beyond its size keep their defaults.
     let mut old = kvwire_config_t::defaults();
@@ -621,11 +629,20 @@ fn same_host_settings_are_read_defaulted_and_checked() {
     old.size = std::mem::offset_of!(kvwire_config_t, same_host);
     old.same_host = 77;
     old.pull_threads = 9;
+    old.rdma_stripe_pages = 0;
     // SAFETY: valid for reads of its whole size.
     let copied = unsafe { crate::manager::read_config(&old) }.unwrap();
     assert_eq!(
-        (copied.same_host, copied.pull_threads),
-        (KVWIRE_SAME_HOST_AUTO, 0)
+        (
+            copied.same_host,
+            copied.pull_threads,
+            copied.rdma_stripe_pages
+        ),
+        (
+            KVWIRE_SAME_HOST_AUTO,
+            0,
+            kvwire::config::DEFAULT_STRIPE_PAGES
+        )
     );
 
     c.same_host = 7;

@@ -141,6 +141,12 @@ struct BenchArgs {
     #[arg(long, default_value_t = kvwire::config::DEFAULT_ACK_TIMEOUT,
           value_parser = ack_timeout_arg)]
     ack_timeout: u8,
+    /// With --transport rdma, decode side: pages per stripe below which a transfer is not
+    /// written over one more queue pair at once (a transfer of P pages takes
+    /// min(P / N, queue pairs), each rail once before any twice; 0: one queue pair per
+    /// transfer).
+    #[arg(long, default_value_t = kvwire::config::DEFAULT_STRIPE_PAGES)]
+    stripe_pages: u32,
     /// Worker threads of the bench's tokio runtime (default: one per core). Engines choose
     /// their own runtime; with both ends of a two-process run on one small host, fewer
     /// workers mean fewer wake-ups across threads per transfer (docs/BENCHMARKS.md).
@@ -471,6 +477,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
                 queue_pairs: a.queue_pairs,
                 busy_poll: a.busy_poll,
                 ack_timeout: a.ack_timeout,
+                stripe_pages: a.stripe_pages,
             },
         },
     };

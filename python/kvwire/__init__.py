@@ -144,8 +144,10 @@ class KVManager:
     to 146, the same on both engines, raised to one per device; transfers take them in turn), ``ib_busy_poll`` (poll completion queues in a loop: lower
     latency, one core busy per connection), ``ib_ack_timeout`` (the queue pairs' local ACK
     timeout exponent, 1 to 31: 4.096 µs x 2^n before a packet is sent again; 14, about 67 ms,
-    by default; 18, about 1.1 s, where queueing on the path can exceed that). A value out of
-    range raises ``ConfigError`` naming it.
+    by default; 18, about 1.1 s, where queueing on the path can exceed that),
+    ``ib_stripe_pages`` (decode side: a transfer of P pages is written over
+    min(P / ib_stripe_pages, queue pairs) queue pairs at once, each rail once before any twice;
+    16 by default, 0 never stripes). A value out of range raises ``ConfigError`` naming it.
 
     Discovery: ``bootstrap`` (an embedded bootstrap server's ``host:port``) or
     ``etcd_endpoints``, with ``cluster``: a prefill manager registers itself
@@ -175,6 +177,7 @@ class KVManager:
         ib_queue_pairs: int = 1,
         ib_busy_poll: bool = False,
         ib_ack_timeout: int = 14,
+        ib_stripe_pages: int = 16,
         bootstrap: Optional[str] = None,
         etcd_endpoints: Optional[Sequence[str]] = None,
         cluster: str = "kvwire",
@@ -215,6 +218,7 @@ class KVManager:
             ib_queue_pairs=ib_queue_pairs,
             ib_busy_poll=ib_busy_poll,
             ib_ack_timeout=ib_ack_timeout,
+            ib_stripe_pages=ib_stripe_pages,
             keepalive=keepalive,
         )
         self._resolved: Dict[Tuple[str, str, int], str] = {}

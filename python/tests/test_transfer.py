@@ -109,10 +109,11 @@ def test_over_three_lanes_every_byte_lands(psk):
 @pytest.mark.parametrize("setting,value", [
     ("ib_ack_timeout", 0), ("ib_ack_timeout", 32), ("ib_ack_timeout", 300),
     ("ib_queue_pairs", 0), ("ib_queue_pairs", 147), ("ib_queue_pairs", 70000),
+    ("ib_stripe_pages", -1), ("ib_stripe_pages", 2**32),
 ])
 def test_an_rdma_setting_out_of_range_is_a_config_error(setting, value):
     """ib_ack_timeout is the verbs exponent, 1 to 31; ib_queue_pairs is 1 to 146 (what a
-    HELLO can list): anything else is refused with ConfigError naming the value, in any build
+    HELLO can list); ib_stripe_pages is a page count (0: never striped): anything else is refused with ConfigError naming the value, in any build
     (values are checked before the transport is looked for), rather than truncated, sent to
     the NIC or left to fail every handshake."""
     name = setting.removeprefix("ib_")

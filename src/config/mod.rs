@@ -12,7 +12,7 @@ mod node;
 
 pub use node::{
     random_bytes, Auth, NodeConfig, NodeConfigBuilder, SameHost, TransportConfig, ACK_TIMEOUTS,
-    DEFAULT_ACK_TIMEOUT, MAX_QUEUE_PAIRS, MAX_STREAMS,
+    DEFAULT_ACK_TIMEOUT, DEFAULT_STRIPE_PAGES, MAX_QUEUE_PAIRS, MAX_STREAMS,
 };
 
 use std::fmt;
@@ -354,6 +354,7 @@ mod tests {
                 queue_pairs,
                 busy_poll: false,
                 ack_timeout,
+                stripe_pages: DEFAULT_STRIPE_PAGES,
             })
             .build()
     }

@@ -152,8 +152,9 @@ pub enum TransportConfig {
         /// The RDMA devices (e.g. `mlx5_0`, `rxe0`), one per rail; empty for the first
         /// device. With several, the node registers its memory on each, and a connection's
         /// queue pairs take the rails in turn (queue pair `i` on device `i % devices.len()`;
-        /// SPEC §9.2, several rails): each transfer moves over one rail, and transfers are
-        /// spread over all of them. Rail `i` of one node must reach rail `i` of its peers.
+        /// SPEC §9.2, several rails): transfers are spread over all of them, and a transfer
+        /// of enough pages is striped over several at once (`stripe_pages`). Rail `i` of one
+        /// node must reach rail `i` of its peers.
         devices: Vec<String>,
         /// RC queue pairs per connection (both ends must agree; transfers take them in turn),
         /// 1 to [`MAX_QUEUE_PAIRS`], and at least one per device.
@@ -170,12 +171,21 @@ pub enum TransportConfig {
         /// lost (docs/BENCHMARKS.md, "Retransmissions on SoftRoCE"). A local setting; the two
         /// ends need not agree.
         ack_timeout: u8,
+        /// Decode side: pages per stripe below which a reservation is not striped over one
+        /// more queue pair (SPEC §9.2, striping a transfer over lanes): a reservation of `P`
+        /// pages is written over `min(P / stripe_pages, live queue pairs)` of them at once,
+        /// each rail once before any twice, its RESERVE and COMMIT on the first.
+        /// [`DEFAULT_STRIPE_PAGES`] (16) by default; 0 never stripes (a transfer on one queue
+        /// pair, as peers that predate striping expect). A local setting: the prefill follows
+        /// the access descriptor.
+        stripe_pages: u32,
     },
 }
 
 // The RDMA transport's bounds, where [`TransportConfig::Rdma`] is checked against them:
 // `DEFAULT_ACK_TIMEOUT` (14, as perftest's `ib_write_bw`), `ACK_TIMEOUTS` (1 to 31) and
 // `MAX_QUEUE_PAIRS` (146, SPEC §9.2).
+pub use crate::transport::rdma::descriptor::DEFAULT_STRIPE_PAGES;
 pub use crate::transport::rdma::{ACK_TIMEOUTS, DEFAULT_ACK_TIMEOUT, MAX_QUEUE_PAIRS};
 /// The most TCP streams a connection may run (`NodeConfig::tcp_streams`, SPEC §9.1).
 pub use crate::transport::tcp::MAX_STREAMS;
@@ -189,6 +199,7 @@ impl TransportConfig {
             queue_pairs: 1,
             busy_poll: false,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
+            stripe_pages: DEFAULT_STRIPE_PAGES,
         }
     }
 
@@ -200,6 +211,7 @@ impl TransportConfig {
             queue_pairs: devices.len().clamp(1, usize::from(MAX_QUEUE_PAIRS)) as u16,
             busy_poll: false,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
+            stripe_pages: DEFAULT_STRIPE_PAGES,
         }
     }
 
@@ -224,6 +236,7 @@ impl TransportConfig {
             },
             busy_poll: false,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
+            stripe_pages: DEFAULT_STRIPE_PAGES,
         }
     }
 
@@ -242,6 +255,15 @@ impl TransportConfig {
     pub fn ack_timeout(mut self, exponent: u8) -> Self {
         if let Self::Rdma { ack_timeout, .. } = &mut self {
             *ack_timeout = exponent;
+        }
+        self
+    }
+
+    /// RDMA only: pages per stripe (`TransportConfig::Rdma::stripe_pages`; 0 never stripes);
+    /// TCP is returned as it is.
+    pub fn stripe_pages(mut self, pages: u32) -> Self {
+        if let Self::Rdma { stripe_pages, .. } = &mut self {
+            *stripe_pages = pages;
         }
         self
     }

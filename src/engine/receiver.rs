@@ -82,6 +82,10 @@ pub struct ReceiverConnStats {
     /// Reservations moved off a failed lane: fenced, their pages bound on a live lane and
     /// reserved again (SPEC §9.2, moving a transfer).
     pub moves: u64,
+    /// Reservations striped over several queue pairs, written over all of them at once
+    /// (RDMA, SPEC §9.2, striping a transfer over lanes;
+    /// `TransportConfig::Rdma::stripe_pages`).
+    pub striped: u64,
 }
 
 /// KV pages of a verified transfer, read in place. Only a transfer whose digests, computed
@@ -428,6 +432,7 @@ impl<T: ReceiverTransport> Task<T> {
                 s.same_host_pulls = self.driver.transport().pulls_pages();
                 s.open_transfers = self.driver.session().open_transfers();
                 s.failed_lanes = self.driver.transport().failed_lanes();
+                s.striped = self.driver.transport().striped_reservations();
                 s.moves = d.moves;
                 let _ = reply.send(s);
             }

@@ -279,6 +279,12 @@ pub trait Transport: Send {
         0
     }
 
+    /// Reservations this end (a receiver) striped over several lanes so far (RDMA, SPEC §9.2
+    /// "Striping a transfer over lanes"); 0 for transports that never stripe.
+    fn striped_reservations(&self) -> u64 {
+        0
+    }
+
     /// Whether a transfer whose lane fails moves to a live lane of the connection instead
     /// of failing (SPEC §9.2, "Moving a transfer off a failed lane"): both ends of a
     /// connection whose lanes can fail one by one (several RDMA queue pairs) do. The

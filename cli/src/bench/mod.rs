@@ -127,6 +127,7 @@ impl Tally {
             same_host_pulls: None,
             failed_lanes: None,
             moves: None,
+            striped: None,
             memcpy_gb_per_s: None,
             ratio_to_memcpy: None,
         }
@@ -766,6 +767,7 @@ async fn with_pool_state(mut case: CaseResult, receiver: &ReceiverConn) -> CaseR
             case.same_host_pulls = Some(s.same_host_pulls);
             case.failed_lanes = Some(s.failed_lanes);
             case.moves = Some(s.moves);
+            case.striped = Some(s.striped);
             if s.pages_free == s.pages_total {
                 break;
             }

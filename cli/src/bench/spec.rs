@@ -28,6 +28,8 @@ pub enum BenchTransport {
         busy_poll: bool,
         /// The queue pairs' local ACK timeout exponent.
         ack_timeout: u8,
+        /// Pages per stripe at the decode (0: never striped).
+        stripe_pages: u32,
     },
     /// The in-process loopback wire.
     Loopback,
@@ -260,6 +262,10 @@ pub struct CaseResult {
     /// (SPEC §9.2, moving a transfer): either side.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moves: Option<u64>,
+    /// Reservations the decode striped over several queue pairs during the case (RDMA, SPEC
+    /// §9.2, striping a transfer over lanes; `--stripe-pages`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub striped: Option<u64>,
     /// A single-threaded memcpy of the same bytes, page index by page index, between two
     /// buffers of the run's placement, in the same run (the prefill side, TCP only), 10^9
     /// bytes/s: what one copy per byte costs on this host.
@@ -383,9 +389,11 @@ impl BenchSpec {
                 queue_pairs,
                 busy_poll,
                 ack_timeout,
+                stripe_pages,
             } => TransportConfig::rdma_devices(device.as_deref().unwrap_or(""), *queue_pairs)
                 .busy_poll(*busy_poll)
-                .ack_timeout(*ack_timeout),
+                .ack_timeout(*ack_timeout)
+                .stripe_pages(*stripe_pages),
         };
         c
     }

@@ -162,6 +162,9 @@ impl End for ReceiverConn {
             .map_err(rdma::error)?;
         let mut t = t;
         t.set_lane_timeout(config.liveness.timeout / 2);
+        if let TransportConfig::Rdma { stripe_pages, .. } = config.transport {
+            t.set_stripe_pages(stripe_pages);
+        }
         ReceiverConn::run(est, node.pool().clone(), t, config)
     }
 }
@@ -187,6 +190,7 @@ pub(crate) async fn open<E: End>(
             queue_pairs,
             busy_poll,
             ack_timeout,
+            ..
         } => {
             let settings = rdma::Settings {
                 devices,

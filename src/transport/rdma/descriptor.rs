@@ -6,15 +6,20 @@
 //! Encoding (little-endian, like every frame field):
 //!
 //! ```text
-//! u8  kind            1 = per-reservation memory windows, 2 = region rkeys (no NIC fence)
+//! u8  kind            1 = per-reservation memory windows, 2 = region rkeys (no NIC fence),
+//!                     3 and 4 = the same, striped over several lanes
 //! u8  buffers B       1..=255
 //! u64 base[B]         remote address of page 0 of each buffer
 //! u16 runs R          1..
-//! R x { u32 first_page; u32 pages (>= 1); u32 rkey[B] }   sorted, non-overlapping
+//! R x { u32 first_page; u32 pages (>= 1); [u16 lane, kinds 3 and 4]; u32 rkey[B] }
+//!                     sorted, non-overlapping
 //! ```
 //!
-//! Decoding never panics and checks every invariant the sender relies on: runs sorted and
-//! disjoint, no empty run, no address arithmetic that overflows, nothing after the last run.
+//! A striped descriptor names, per run, the lane (queue pair) its windows were bound on: the
+//! sender writes that run's pages through that lane (SPEC §9.2, striping a transfer over
+//! lanes). Decoding never panics and checks every invariant the sender relies on: runs sorted
+//! and disjoint, no empty run, no address arithmetic that overflows, nothing after the last
+//! run.
 
 use std::ops::Range;
 
@@ -31,6 +36,32 @@ impl AccessKind {
     /// The memory region's own rkeys (devices without memory windows): the fence is only
     /// the protocol's; a late write can still land. The receiver warns and counts it.
     pub const REGION: Self = Self(2);
+    /// [`Self::WINDOWS`] striped over several lanes: each run names the lane its windows
+    /// were bound on.
+    pub const STRIPED_WINDOWS: Self = Self(3);
+    /// [`Self::REGION`] striped over several lanes: each run names the lane (and so the
+    /// rail) whose region rkeys it carries.
+    pub const STRIPED_REGION: Self = Self(4);
+
+    /// Whether every run names its lane.
+    pub fn is_striped(self) -> bool {
+        self == Self::STRIPED_WINDOWS || self == Self::STRIPED_REGION
+    }
+
+    /// Whether the NIC fences the scope (memory windows).
+    pub fn has_windows(self) -> bool {
+        self == Self::WINDOWS || self == Self::STRIPED_WINDOWS
+    }
+
+    /// This kind striped over several lanes (`striped`) or not.
+    pub fn striped(self, striped: bool) -> Self {
+        match (self.has_windows(), striped) {
+            (true, false) => Self::WINDOWS,
+            (false, false) => Self::REGION,
+            (true, true) => Self::STRIPED_WINDOWS,
+            (false, true) => Self::STRIPED_REGION,
+        }
+    }
 }
 
 /// One run of consecutive destination pages and its rkey per buffer.
@@ -40,6 +71,9 @@ pub struct AccessRun {
     pub first_page: u32,
     /// Pages in the run (at least 1).
     pub pages: u32,
+    /// The lane the run's windows were bound on: `Some` in a striped descriptor (every run
+    /// names one), `None` in an unstriped one (every page goes on the reservation's lane).
+    pub lane: Option<u16>,
     /// The rkey of each buffer's window over the run.
     pub rkeys: Vec<u32>,
 }
@@ -110,9 +144,55 @@ pub fn page_runs(pages: &[u32]) -> Vec<(u32, u32)> {
     runs
 }
 
-/// Encoded size of a descriptor with `buffers` buffers and `runs` runs.
-pub fn encoded_len(buffers: usize, runs: usize) -> usize {
-    2 + 8 * buffers + 2 + runs * (8 + 4 * buffers)
+/// Pages per stripe below which a reservation is not striped further, unless the engine
+/// sets it (`TransportConfig::Rdma::stripe_pages`): a reservation of `P` pages is striped
+/// over `min(P / 16, live lanes)` lanes.
+pub const DEFAULT_STRIPE_PAGES: u32 = 16;
+
+/// How a receiver stripes a reservation of `pages` (in ordinal order) over `lanes`, the live
+/// lanes in the order it takes them (its round robin, from the next one) with each one's
+/// rail (SPEC §9.2, striping a transfer over lanes): over `min(pages / stripe_pages, lanes)`
+/// lanes (at least one; `stripe_pages = 0` never stripes), lanes of rails not yet used taken
+/// before a second lane of any rail, and the pages split in that many consecutive ordinal
+/// ranges of equal size (the first ones one page longer where they do not divide). Each
+/// entry is a lane and its pages; the first is the reservation's own lane, which carries its
+/// RESERVE and COMMIT.
+pub fn plan_stripes(
+    pages: &[u32],
+    lanes: &[(usize, usize)],
+    stripe_pages: u32,
+) -> Vec<(usize, Vec<u32>)> {
+    let mut order: Vec<usize> = Vec::with_capacity(lanes.len());
+    let mut rails: Vec<usize> = Vec::new();
+    for &(lane, rail) in lanes {
+        if !rails.contains(&rail) {
+            rails.push(rail);
+            order.push(lane);
+        }
+    }
+    for &(lane, _) in lanes {
+        if !order.contains(&lane) {
+            order.push(lane);
+        }
+    }
+    let wanted = match stripe_pages {
+        0 => 1,
+        n => pages.len() / n as usize,
+    };
+    let k = wanted.clamp(1, order.len().max(1)).min(pages.len().max(1));
+    let n = pages.len();
+    order
+        .into_iter()
+        .take(k)
+        .enumerate()
+        .map(|(j, lane)| (lane, pages[j * n / k..(j + 1) * n / k].to_vec()))
+        .collect()
+}
+
+/// Encoded size of a descriptor with `buffers` buffers and `runs` runs, `striped` (each run
+/// names its lane) or not.
+pub fn encoded_len(buffers: usize, runs: usize, striped: bool) -> usize {
+    2 + 8 * buffers + 2 + runs * (8 + 2 * usize::from(striped) + 4 * buffers)
 }
 
 impl AccessDescriptor {
@@ -125,7 +205,13 @@ impl AccessDescriptor {
                 got: self.runs.first().map_or(0, |r| r.rkeys.len()),
             });
         }
-        let len = encoded_len(b, self.runs.len());
+        let striped = self.kind.is_striped();
+        if self.runs.iter().any(|r| r.lane.is_some() != striped) {
+            return Err(DescriptorError::Malformed(
+                "a striped descriptor names every run's lane, another none",
+            ));
+        }
+        let len = encoded_len(b, self.runs.len(), striped);
         if len > MAX_ACCESS || self.runs.len() > usize::from(u16::MAX) {
             return Err(DescriptorError::TooManyRuns {
                 runs: self.runs.len(),
@@ -141,6 +227,9 @@ impl AccessDescriptor {
         for r in &self.runs {
             out.extend_from_slice(&r.first_page.to_le_bytes());
             out.extend_from_slice(&r.pages.to_le_bytes());
+            if let Some(lane) = r.lane {
+                out.extend_from_slice(&lane.to_le_bytes());
+            }
             for k in &r.rkeys {
                 out.extend_from_slice(&k.to_le_bytes());
             }
@@ -160,7 +249,7 @@ impl AccessDescriptor {
             Ok(h)
         };
         let kind = AccessKind(take(1, "kind")?[0]);
-        if kind != AccessKind::WINDOWS && kind != AccessKind::REGION {
+        if !(1..=4).contains(&kind.0) {
             return Err(DescriptorError::UnknownKind(kind.0));
         }
         let b = usize::from(take(1, "buffers")?[0]);
@@ -182,6 +271,13 @@ impl AccessDescriptor {
             let first_page =
                 u32::from_le_bytes(take(4, "first_page")?.try_into().unwrap_or([0; 4]));
             let pages = u32::from_le_bytes(take(4, "pages")?.try_into().unwrap_or([0; 4]));
+            let lane = if kind.is_striped() {
+                Some(u16::from_le_bytes(
+                    take(2, "lane")?.try_into().unwrap_or([0; 2]),
+                ))
+            } else {
+                None
+            };
             let mut rkeys = Vec::with_capacity(b);
             for _ in 0..b {
                 rkeys.push(u32::from_le_bytes(
@@ -191,6 +287,7 @@ impl AccessDescriptor {
             runs.push(AccessRun {
                 first_page,
                 pages,
+                lane,
                 rkeys,
             });
         }
@@ -206,6 +303,30 @@ impl AccessDescriptor {
         Ok(Self { kind, base, runs })
     }
 
+    /// The lanes a striped descriptor's runs name (sorted, each once); empty when unstriped.
+    pub fn lanes(&self) -> Vec<u16> {
+        let mut lanes: Vec<u16> = self.runs.iter().filter_map(|r| r.lane).collect();
+        lanes.sort_unstable();
+        lanes.dedup();
+        lanes
+    }
+
+    /// The lane destination page `page` is written through: its run's (striped), `None` for
+    /// the reservation's own lane (unstriped). Refuses pages outside every run.
+    pub fn lane_of(&self, page: u32) -> Result<Option<u16>, DescriptorError> {
+        Ok(self.run_of(page)?.lane)
+    }
+
+    fn run_of(&self, page: u32) -> Result<&AccessRun, DescriptorError> {
+        let i = self
+            .runs
+            .partition_point(|r| r.span().end <= u64::from(page));
+        self.runs
+            .get(i)
+            .filter(|r| r.span().contains(&u64::from(page)))
+            .ok_or(DescriptorError::PageOutsideScope(page))
+    }
+
     /// The rkey and remote address for buffer `b` of destination page `page`, whose pages in
     /// that buffer are `page_bytes` long. Refuses pages outside every run.
     pub fn locate(
@@ -214,14 +335,7 @@ impl AccessDescriptor {
         b: usize,
         page_bytes: u32,
     ) -> Result<(u32, u64), DescriptorError> {
-        let i = self
-            .runs
-            .partition_point(|r| r.span().end <= u64::from(page));
-        let run = self
-            .runs
-            .get(i)
-            .filter(|r| r.span().contains(&u64::from(page)))
-            .ok_or(DescriptorError::PageOutsideScope(page))?;
+        let run = self.run_of(page)?;
         let (Some(&rkey), Some(&base)) = (run.rkeys.get(b), self.base.get(b)) else {
             return Err(DescriptorError::Buffers {
                 expected: self.base.len(),
@@ -258,11 +372,13 @@ mod tests {
                 AccessRun {
                     first_page: 3,
                     pages: 2,
+                    lane: None,
                     rkeys: vec![0x11, 0x12],
                 },
                 AccessRun {
                     first_page: 9,
                     pages: 1,
+                    lane: None,
                     rkeys: vec![0x21, 0x22],
                 },
             ],
@@ -288,8 +404,83 @@ mod tests {
         ]
         .concat();
         assert_eq!(bytes, want);
-        assert_eq!(bytes.len(), encoded_len(2, 2));
+        assert_eq!(bytes.len(), encoded_len(2, 2, false));
         assert_eq!(AccessDescriptor::decode(&bytes, 2).unwrap(), sample());
+    }
+
+    fn striped() -> AccessDescriptor {
+        let mut d = sample();
+        d.kind = AccessKind::STRIPED_WINDOWS;
+        d.runs[0].lane = Some(1);
+        d.runs[1].lane = Some(0);
+        d
+    }
+
+    /// SPEC §9.2, striping: kinds 3 and 4 carry each run's lane after its page count.
+    #[test]
+    fn a_striped_descriptor_names_each_runs_lane() {
+        let bytes = striped().encode().unwrap();
+        let want: Vec<u8> = [
+            &[3u8, 2][..],
+            &0x1000u64.to_le_bytes(),
+            &0x20_0000u64.to_le_bytes(),
+            &2u16.to_le_bytes(),
+            &3u32.to_le_bytes(),
+            &2u32.to_le_bytes(),
+            &1u16.to_le_bytes(),
+            &0x11u32.to_le_bytes(),
+            &0x12u32.to_le_bytes(),
+            &9u32.to_le_bytes(),
+            &1u32.to_le_bytes(),
+            &0u16.to_le_bytes(),
+            &0x21u32.to_le_bytes(),
+            &0x22u32.to_le_bytes(),
+        ]
+        .concat();
+        assert_eq!(bytes, want);
+        assert_eq!(bytes.len(), encoded_len(2, 2, true));
+        let d = AccessDescriptor::decode(&bytes, 2).unwrap();
+        assert_eq!(d, striped());
+        assert_eq!(d.lanes(), vec![0, 1]);
+        assert_eq!(d.lane_of(4), Ok(Some(1)));
+        assert_eq!(d.lane_of(9), Ok(Some(0)));
+        assert_eq!(d.lane_of(5), Err(DescriptorError::PageOutsideScope(5)));
+        assert_eq!(d.locate(4, 1, 8192), Ok((0x12, 0x20_0000 + 4 * 8192)));
+        // Unstriped: no lane per run, every page on the reservation's lane.
+        assert_eq!(sample().lane_of(3), Ok(None));
+        assert!(sample().lanes().is_empty());
+        // The region kind striped.
+        let mut region = striped();
+        region.kind = AccessKind::STRIPED_REGION;
+        let bytes = region.encode().unwrap();
+        assert_eq!(bytes[0], 4);
+        assert_eq!(AccessDescriptor::decode(&bytes, 2).unwrap(), region);
+        // A kind and its runs' lanes must agree to encode.
+        let mut mixed = striped();
+        mixed.runs[1].lane = None;
+        assert!(matches!(mixed.encode(), Err(DescriptorError::Malformed(_))));
+        let mut unnamed = sample();
+        unnamed.runs[0].lane = Some(0);
+        assert!(matches!(
+            unnamed.encode(),
+            Err(DescriptorError::Malformed(_))
+        ));
+        // Every truncation of a striped descriptor is refused.
+        let good = striped().encode().unwrap();
+        for n in 0..good.len() {
+            assert!(
+                AccessDescriptor::decode(&good[..n], 2).is_err(),
+                "prefix {n}"
+            );
+        }
+        assert_eq!(
+            AccessKind::WINDOWS.striped(true),
+            AccessKind::STRIPED_WINDOWS
+        );
+        assert_eq!(
+            AccessKind::STRIPED_REGION.striped(false),
+            AccessKind::REGION
+        );
     }
 
     #[test]
@@ -343,12 +534,14 @@ mod tests {
                 got: 2
             })
         ));
-        let mut kind = good.clone();
-        kind[0] = 7;
-        assert_eq!(
-            AccessDescriptor::decode(&kind, 2),
-            Err(DescriptorError::UnknownKind(7))
-        );
+        for unknown in [0u8, 5, 7, 255] {
+            let mut kind = good.clone();
+            kind[0] = unknown;
+            assert_eq!(
+                AccessDescriptor::decode(&kind, 2),
+                Err(DescriptorError::UnknownKind(unknown))
+            );
+        }
         // Overlapping, unsorted and empty runs.
         for (first, pages) in [(4u32, 1u32), (1, 1), (9, 0)] {
             let mut d = sample();
@@ -390,6 +583,52 @@ mod tests {
     }
 
     #[test]
+    fn stripes_take_each_rail_once_before_any_twice_and_split_the_pages_in_order() {
+        let pages: Vec<u32> = (100..164).rev().collect(); // 64 pages, ordinal order
+                                                          // Lanes 1, 2, 3, 0 (the round robin from lane 1) on rails 1, 0, 1, 0.
+        let lanes = [(1, 1), (2, 0), (3, 1), (0, 0)];
+        let plan = plan_stripes(&pages, &lanes, 16);
+        assert_eq!(
+            plan.iter().map(|(l, p)| (*l, p.len())).collect::<Vec<_>>(),
+            vec![(1, 16), (2, 16), (3, 16), (0, 16)]
+        );
+        assert_eq!(
+            plan.iter().flat_map(|(_, p)| p.clone()).collect::<Vec<_>>(),
+            pages
+        );
+        // Two stripes' worth: the two rails, not two lanes of one rail.
+        let plan = plan_stripes(&pages[..40], &lanes, 16);
+        assert_eq!(
+            plan.iter().map(|(l, p)| (*l, p.len())).collect::<Vec<_>>(),
+            vec![(1, 20), (2, 20)]
+        );
+        // Uneven: 7 pages over 2 lanes, in order.
+        let plan = plan_stripes(&pages[..7], &lanes, 3);
+        assert_eq!(plan[0], (1, pages[..3].to_vec()));
+        assert_eq!(plan[1], (2, pages[3..7].to_vec()));
+        // Not striped: too few pages, striping off, one lane.
+        for (n, stripe, lanes) in [
+            (15, 16, &lanes[..]),
+            (64, 0, &lanes[..]),
+            (64, 1, &lanes[..1]),
+            (1, 1, &lanes[..]),
+        ] {
+            assert_eq!(
+                plan_stripes(&pages[..n], lanes, stripe),
+                vec![(1, pages[..n].to_vec())],
+                "{n} pages, stripe {stripe}"
+            );
+        }
+        assert!(plan_stripes(&pages, &[], 16).is_empty());
+        // One rail, two lanes: its lanes.
+        let plan = plan_stripes(&pages[..4], &[(0, 0), (1, 0)], 1);
+        assert_eq!(
+            plan,
+            vec![(0, pages[..2].to_vec()), (1, pages[2..4].to_vec())]
+        );
+    }
+
+    #[test]
     fn runs_of_scattered_pages() {
         assert_eq!(
             page_runs(&[7, 3, 4, 5, 9, 10, 1]),
@@ -408,6 +647,7 @@ mod tests {
             .map(|i| AccessRun {
                 first_page: 2 * i,
                 pages: 1,
+                lane: None,
                 rkeys: vec![1, 2, 3],
             })
             .collect();

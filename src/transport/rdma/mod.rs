@@ -8,11 +8,16 @@
 //! [`ReceiverTransport`](crate::transport::ReceiverTransport)); `bootstrap` sets them up
 //! between two processes over a TCP connection.
 //!
-//! A connection has one or more RC queue pairs ("lanes", SPEC.md §9.2). Everything of one
-//! transfer travels on its lane: the receiver's memory-window binds, then its RESERVE (a
+//! A connection has one or more RC queue pairs ("lanes", SPEC.md §9.2). The frames of one
+//! transfer travel on its lane: the receiver's memory-window binds, then its RESERVE (a
 //! SEND); the sender's WRITEs, then its COMMIT (a SEND), so RC ordering puts the commit after
 //! the data it describes and the reservation after the windows it names. Reservations take
-//! the lanes in turn.
+//! the lanes in turn. A reservation of enough pages is **striped** over several lanes
+//! ([`descriptor::plan_stripes`], each rail once before any twice): each lane binds the
+//! windows of its share of the pages and the sender writes that share through it; the
+//! RESERVE waits for the other lanes' binds to complete, the COMMIT for every WRITE's
+//! completion (RC orders nothing across queue pairs), and the fence invalidates on every
+//! lane.
 //!
 //! **Data path.** Page writes are RDMA WRITEs (one per page and buffer) from the sender's
 //! registered pages into the receiver's, batched behind one doorbell per lane per round,

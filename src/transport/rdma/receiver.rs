@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 
 use kvwire_proto::wire::{Frame, TransferRef, MAX_ACCESS};
 
-use super::descriptor::{encoded_len, page_runs, AccessDescriptor, AccessKind, AccessRun};
+use super::descriptor::{
+    encoded_len, page_runs, plan_stripes, AccessDescriptor, AccessKind, AccessRun,
+    DEFAULT_STRIPE_PAGES,
+};
 use super::lanes::{LaneEvent, LaneLoss, Lanes};
 use super::verbs::{MemoryWindow, RdmaDevice, RegisteredMemory};
 use crate::memory::PagePool;
@@ -42,17 +45,34 @@ pub struct RdmaReceiverStats {
     /// Pages overwritten with a reservation's unpredictable pattern before their access
     /// descriptor was published (the coverage scrub).
     pub pages_scrubbed: u64,
+    /// Reservations striped over several lanes (SPEC §9.2, striping a transfer over lanes).
+    pub striped: u64,
+    /// Lanes those reservations took, together (`striped_lanes / striped` per reservation).
+    pub striped_lanes: u64,
 }
 
-/// A fence in progress: the invalidations not yet completed.
-struct Fencing {
-    transfer: TransferRef,
-    /// The lane whose queue pair posted the invalidations.
+/// The windows of one lane of a scope.
+struct Stripe {
     lane: usize,
     /// The rail whose device the windows belong to.
     rail: usize,
-    remaining: usize,
     windows: Vec<MemoryWindow>,
+}
+
+/// A striped reservation's binds on lanes other than its own, not yet completed: its RESERVE
+/// waits for them (a window is valid for the peer's writes once its bind has executed, and
+/// only the RESERVE's own queue pair orders its binds before it).
+struct Binding {
+    remaining: usize,
+    reserve: Option<Frame>,
+}
+
+/// A fence in progress: the invalidations not yet completed (one completion per lane).
+struct Fencing {
+    transfer: TransferRef,
+    /// The windows, per lane whose queue pair posted their invalidations.
+    stripes: Vec<Stripe>,
+    remaining: usize,
     since: Instant,
 }
 
@@ -70,8 +90,17 @@ pub struct RdmaReceiver {
     pool: Arc<PagePool>,
     page_bytes: Vec<u32>,
     kind: AccessKind,
-    /// Windows of open scopes, per transfer id.
-    bound: BTreeMap<TransferId, Vec<MemoryWindow>>,
+    /// Windows of open scopes, per transfer id and lane (the reservation's own lane first).
+    bound: BTreeMap<TransferId, Vec<Stripe>>,
+    /// Striped reservations whose binds on other lanes are still executing.
+    binding: BTreeMap<TransferId, Binding>,
+    /// Signaled bind work request → transfer id.
+    bind_wrs: BTreeMap<u64, TransferId>,
+    /// Pages per stripe below which a reservation is not striped further (0: never).
+    stripe_pages: u32,
+    /// Windows of a reservation whose binds were posted on some lanes before a later lane's
+    /// failed: kept until the connection ends (their binds may still be executing).
+    retired: Vec<MemoryWindow>,
     /// Invalidated windows with keys left, per rail, bound again by the next reservations on
     /// that rail.
     spare: Vec<Vec<MemoryWindow>>,
@@ -129,6 +158,10 @@ impl RdmaReceiver {
             page_bytes,
             kind,
             bound: BTreeMap::new(),
+            binding: BTreeMap::new(),
+            bind_wrs: BTreeMap::new(),
+            stripe_pages: DEFAULT_STRIPE_PAGES,
+            retired: Vec::new(),
             spare: (0..rails).map(|_| Vec::new()).collect(),
             fencing: BTreeMap::new(),
             fence_wrs: BTreeMap::new(),
@@ -191,6 +224,14 @@ impl RdmaReceiver {
         self.lane_timeout = timeout;
     }
 
+    /// Pages per stripe below which a reservation is not striped over one more lane
+    /// (`TransportConfig::Rdma::stripe_pages`; 0: never striped): a reservation of `P` pages
+    /// takes `min(P / stripe_pages, live lanes)` lanes, each rail once before any twice (SPEC
+    /// §9.2, striping a transfer over lanes).
+    pub fn set_stripe_pages(&mut self, pages: u32) {
+        self.stripe_pages = pages;
+    }
+
     /// Counters.
     pub fn stats(&self) -> RdmaReceiverStats {
         self.stats
@@ -216,44 +257,37 @@ impl RdmaReceiver {
         Ok(())
     }
 
-    /// Binds one window per run of `pages` and per buffer on `lane`, behind one doorbell and
-    /// unsignaled (the RESERVE posted after them on the same queue pair cannot be executed
-    /// before them; a bind that fails completes in error and breaks the link); the
-    /// descriptor. Invalidated windows are bound again before new ones are allocated.
+    /// Binds one window per run of `pages` and per buffer on `lane` (its rail's device and
+    /// registration) behind one doorbell, the last bind signaled with `signal` when given
+    /// (else unsignaled: the RESERVE posted after them on the same queue pair cannot be
+    /// executed before them; a bind that fails completes in error and breaks the link); the
+    /// runs, naming `lane` when `striped`. Invalidated windows are bound again before new ones
+    /// are allocated. Region rkeys (no memory windows) bind nothing.
     fn bind(
         &mut self,
         lane: usize,
         pages: &[u32],
+        striped: bool,
+        signal: Option<u64>,
         windows: &mut Vec<MemoryWindow>,
-    ) -> Result<Vec<u8>, String> {
+    ) -> Result<Vec<AccessRun>, String> {
         let runs = page_runs(pages);
         let b = self.page_bytes.len();
         let rail = self.lanes.lanes[lane].rail;
-        if encoded_len(b, runs.len()) > MAX_ACCESS {
-            return Err(format!(
-                "{} runs of pages do not fit one access descriptor",
-                runs.len()
-            ));
-        }
-        let base = (0..b).map(|i| self.regs[rail].addr(i, 0)).collect();
+        let lane_id = striped.then_some(lane as u16);
         if self.kind == AccessKind::REGION {
-            let runs = runs
+            return Ok(runs
                 .into_iter()
                 .map(|(first, n)| AccessRun {
                     first_page: first,
                     pages: n,
+                    lane: lane_id,
                     rkeys: (0..b).map(|i| self.regs[rail].rkey(i)).collect(),
                 })
-                .collect();
-            return AccessDescriptor {
-                kind: self.kind,
-                base,
-                runs,
-            }
-            .encode()
-            .map_err(|e| e.to_string());
+                .collect());
         }
         let mut ranges = Vec::with_capacity(runs.len() * b);
+        let mark = windows.len();
         for &(first, n) in &runs {
             for (i, &bytes) in self.page_bytes.iter().enumerate() {
                 let w = match self.spare[rail].pop() {
@@ -271,27 +305,37 @@ impl RdmaReceiver {
                 ));
             }
         }
+        let mine = &mut windows[mark..];
         self.lanes.lanes[lane]
             .link
-            .bind_windows(windows, &self.regs[rail], &ranges, None)
+            .bind_windows(mine, &self.regs[rail], &ranges, signal)
             .map_err(|e| e.to_string())?;
-        self.stats.binds += windows.len() as u64;
-        let out = runs
+        self.stats.binds += mine.len() as u64;
+        Ok(runs
             .into_iter()
             .enumerate()
             .map(|(r, (first, n))| AccessRun {
                 first_page: first,
                 pages: n,
-                rkeys: windows[r * b..(r + 1) * b].iter().map(|w| w.rkey).collect(),
+                lane: lane_id,
+                rkeys: mine[r * b..(r + 1) * b].iter().map(|w| w.rkey).collect(),
             })
-            .collect();
-        AccessDescriptor {
-            kind: self.kind,
-            base,
-            runs: out,
-        }
-        .encode()
-        .map_err(|e| e.to_string())
+            .collect())
+    }
+
+    /// The transfers with a scope, a fence or a bind on lane `i` (open scopes, fences in
+    /// progress, and the transfers the lane carries frames for).
+    fn on_lane(&self, i: usize) -> Vec<TransferId> {
+        let mut ids = self.lane_of.on_lane(i);
+        ids.extend(
+            self.bound
+                .iter()
+                .filter(|(_, stripes)| stripes.iter().any(|s| s.lane == i))
+                .map(|(id, _)| *id),
+        );
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 
     /// Lane `i`'s queue pair failed. With other lanes alive the connection goes on without
@@ -308,23 +352,29 @@ impl RdmaReceiver {
             LaneLoss::Last => return self.fail(Closed::LinkFailed(why)),
             LaneLoss::Lost => {}
         }
-        let ids = self.lane_of.on_lane(i);
+        let ids = self.on_lane(i);
         for id in &ids {
-            if let Some(windows) = self.bound.get_mut(id) {
-                // Deallocating a window invalidates it: the scope's fence is then immediate.
-                windows.clear();
+            if let Some(stripes) = self.bound.get_mut(id) {
+                // Deallocating a window invalidates it: the scope's fence is then immediate
+                // (a striped scope's windows on live lanes too: the transfer moves whole).
+                for s in stripes {
+                    s.windows.clear();
+                }
             }
+            // A RESERVE still waiting for its binds is never sent: the move reserves again.
+            self.binding.remove(id);
         }
+        self.bind_wrs.retain(|_, tid| !ids.contains(tid));
         let fencing: Vec<TransferId> = self
             .fencing
             .iter()
-            .filter(|(_, f)| f.lane == i)
+            .filter(|(_, f)| f.stripes.iter().any(|s| s.lane == i))
             .map(|(id, _)| *id)
             .collect();
         self.fence_wrs.retain(|_, tid| !fencing.contains(tid));
         for id in fencing {
             if let Some(f) = self.fencing.remove(&id) {
-                drop(f.windows);
+                drop(f.stripes);
                 self.events.push_back(TransportEvent::Fenced(f.transfer));
             }
         }
@@ -347,12 +397,15 @@ impl RdmaReceiver {
         self.lanes.reset();
         // Deallocating a window invalidates it: no write through it can land any more.
         self.bound.clear();
+        self.retired.clear();
+        self.binding.clear();
+        self.bind_wrs.clear();
         for spare in &mut self.spare {
             spare.clear();
         }
         self.fence_wrs.clear();
         for (_, f) in std::mem::take(&mut self.fencing) {
-            drop(f.windows);
+            drop(f.stripes);
             self.events.push_back(TransportEvent::Fenced(f.transfer));
         }
         self.events.push_back(TransportEvent::Closed(why));
@@ -363,6 +416,13 @@ impl Transport for RdmaReceiver {
     fn send_frame(&mut self, _now: Instant, frame: &Frame) {
         if self.closed {
             return;
+        }
+        if let Frame::Reserve(r) = frame {
+            if let Some(b) = self.binding.get_mut(&r.transfer_id) {
+                // Its windows on other lanes are not valid yet: it goes when they are.
+                b.reserve = Some(frame.clone());
+                return;
+            }
         }
         let lane = self.lane_of.of(frame);
         if let Some(why) = self.lanes.queue_frame(lane, frame) {
@@ -380,6 +440,10 @@ impl Transport for RdmaReceiver {
 
     fn failed_lanes(&self) -> usize {
         self.lanes.lanes.len() - self.lanes.live()
+    }
+
+    fn striped_reservations(&self) -> u64 {
+        self.stats.striped
     }
 
     fn moves_transfers(&self) -> bool {
@@ -407,8 +471,9 @@ impl Transport for RdmaReceiver {
                 continue;
             }
             let mut fenced: Vec<TransferId> = Vec::new();
+            let mut bound: Vec<TransferId> = Vec::new();
             let mut frames: Vec<Frame> = Vec::new();
-            let fence_wrs = &mut self.fence_wrs;
+            let (fence_wrs, bind_wrs) = (&mut self.fence_wrs, &mut self.bind_wrs);
             let pass = self.lanes.poll_pass(cx, |_, i, e| match e {
                 LaneEvent::Frame(f) => {
                     frames.push(f);
@@ -418,9 +483,12 @@ impl Transport for RdmaReceiver {
                     "a memory window bind or invalidation on lane {i} failed"
                 ))),
                 LaneEvent::LocalDone { wr_id, ok: true } => {
-                    // An invalidation of a fence (binds need nothing).
+                    // An invalidation of a fence, or the binds of a stripe (a reservation's
+                    // binds on its own lane need nothing).
                     if let Some(tid) = fence_wrs.remove(&wr_id) {
                         fenced.push(tid);
+                    } else if let Some(tid) = bind_wrs.remove(&wr_id) {
+                        bound.push(tid);
                     }
                     None
                 }
@@ -437,12 +505,27 @@ impl Transport for RdmaReceiver {
                         self.events.push_back(TransportEvent::Fenced(f.transfer));
                         // Invalidated: bound again (with new keys) by later reservations while
                         // they have keys left, else deallocated.
-                        for w in f.windows {
-                            let spare = &mut self.spare[f.rail];
-                            if w.reusable() && spare.len() < SPARE_WINDOWS {
-                                spare.push(w);
+                        for s in f.stripes {
+                            for w in s.windows {
+                                let spare = &mut self.spare[s.rail];
+                                if w.reusable() && spare.len() < SPARE_WINDOWS {
+                                    spare.push(w);
+                                }
                             }
                         }
+                    }
+                }
+            }
+            for tid in bound {
+                let ready = self.binding.get_mut(&tid).is_some_and(|b| {
+                    b.remaining -= 1;
+                    b.remaining == 0
+                });
+                if ready {
+                    // Every stripe's windows are valid: the RESERVE goes (if the session has
+                    // sent it yet; else send_frame posts it directly).
+                    if let Some(reserve) = self.binding.remove(&tid).and_then(|b| b.reserve) {
+                        self.send_frame(now, &reserve);
                     }
                 }
             }
@@ -484,23 +567,90 @@ impl ReceiverTransport for RdmaReceiver {
         // landed digest cannot match a COMMIT computed over anything the sender had, not
         // even over the page's stale contents.
         self.scrub(pages).map_err(ScopeError)?;
-        // The next live lane in turn (a dead lane takes no reservation).
+        // The live lanes in turn from the next one (a dead lane takes no reservation); the
+        // reservation's own lane is the first, its stripes (if any) the next, each rail once
+        // before any twice.
         let n = self.lanes.lanes.len();
-        let lane = (0..n)
+        let live: Vec<(usize, usize)> = (0..n)
             .map(|k| (self.next_lane + k) % n)
-            .find(|&l| !self.lanes.lanes[l].dead)
-            .ok_or_else(|| ScopeError("every lane is down".into()))?;
-        self.next_lane = lane;
-        let mut windows = Vec::new();
-        // On failure the windows bound so far are dropped: deallocating invalidates them, and
-        // no peer ever saw their rkeys.
-        let access = self.bind(lane, pages, &mut windows).map_err(ScopeError)?;
+            .filter(|&l| !self.lanes.lanes[l].dead)
+            .map(|l| (l, self.lanes.lanes[l].rail))
+            .collect();
+        let plan = plan_stripes(pages, &live, self.stripe_pages);
+        let Some(&(lane, _)) = plan.first() else {
+            return Err(ScopeError("every lane is down".into()));
+        };
+        let striped = plan.len() > 1;
+        let b = self.page_bytes.len();
+        let runs: usize = plan.iter().map(|(_, p)| page_runs(p).len()).sum();
+        if encoded_len(b, runs, striped) > MAX_ACCESS {
+            return Err(ScopeError(format!(
+                "{runs} runs of pages do not fit one access descriptor"
+            )));
+        }
+        // On failure no peer ever saw the rkeys of the windows bound so far; those whose binds
+        // were posted are kept until the connection ends (a posted bind must find its window).
+        let mut stripes: Vec<Stripe> = Vec::with_capacity(plan.len());
+        let mut all_runs: Vec<AccessRun> = Vec::with_capacity(runs);
+        let mut signals: Vec<u64> = Vec::new();
+        for (k, (l, p)) in plan.iter().enumerate() {
+            // The binds on other lanes than the RESERVE's are awaited before it is posted.
+            let signal = (k > 0 && self.kind == AccessKind::WINDOWS).then(|| {
+                let id = self.next_wr;
+                self.next_wr += 1;
+                id
+            });
+            let mut windows = Vec::new();
+            match self.bind(*l, p, striped, signal, &mut windows) {
+                Ok(runs) => all_runs.extend(runs),
+                Err(e) => {
+                    // This lane's windows were never posted (dropping deallocates them).
+                    for s in stripes {
+                        self.retired.extend(s.windows);
+                    }
+                    return Err(ScopeError(e));
+                }
+            }
+            stripes.push(Stripe {
+                lane: *l,
+                rail: self.lanes.lanes[*l].rail,
+                windows,
+            });
+            signals.extend(signal);
+        }
+        all_runs.sort_unstable_by_key(|r| r.first_page);
+        let base = (0..b)
+            .map(|i| self.regs[self.lanes.lanes[lane].rail].addr(i, 0))
+            .collect();
+        let access = AccessDescriptor {
+            kind: self.kind.striped(striped),
+            base,
+            runs: all_runs,
+        }
+        .encode()
+        .map_err(|e| ScopeError(e.to_string()))?;
         if self.kind == AccessKind::REGION {
             self.stats.region_fallbacks += 1;
         }
-        self.next_lane = self.next_lane.wrapping_add(1);
+        if striped {
+            self.stats.striped += 1;
+            self.stats.striped_lanes += plan.len() as u64;
+        }
+        if !signals.is_empty() {
+            for &id in &signals {
+                self.bind_wrs.insert(id, transfer_id);
+            }
+            self.binding.insert(
+                transfer_id,
+                Binding {
+                    remaining: signals.len(),
+                    reserve: None,
+                },
+            );
+        }
+        self.next_lane = lane.wrapping_add(1);
         self.lane_of.set(transfer_id, lane);
-        self.bound.insert(transfer_id, windows);
+        self.bound.insert(transfer_id, stripes);
         Ok(access)
     }
 
@@ -508,6 +658,7 @@ impl ReceiverTransport for RdmaReceiver {
 
     fn abandon_scope(&mut self, transfer_id: TransferId) {
         self.bound.remove(&transfer_id);
+        self.forget_binds(transfer_id);
     }
 
     fn open_scopes(&self) -> usize {
@@ -515,46 +666,64 @@ impl ReceiverTransport for RdmaReceiver {
     }
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {
-        let windows = self.bound.remove(&transfer.transfer_id).unwrap_or_default();
-        if windows.is_empty() || self.closed {
+        self.forget_binds(transfer.transfer_id);
+        let stripes: Vec<Stripe> = self
+            .bound
+            .remove(&transfer.transfer_id)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|s| !s.windows.is_empty())
+            .collect();
+        if stripes.is_empty() || self.closed {
             // Region rkeys (no windows: only the protocol's fence), or a link already reset
-            // with every window deallocated.
+            // (or a lane failed) with every window deallocated.
             return Fence::Done;
         }
-        let lane = self.lane_of.get(transfer.transfer_id);
-        // One doorbell, one completion: the last invalidation's covers the others (the send
-        // queue completes in order; one that fails completes in error and breaks the link).
-        let id = self.next_wr;
-        self.next_wr += 1;
-        let rkeys: Vec<u32> = windows.iter().map(|w| w.rkey).collect();
-        let posted = match self.lanes.lanes[lane].link.invalidate_all(&rkeys, id) {
-            Ok(()) => {
-                self.fence_wrs.insert(id, transfer.transfer_id);
-                self.stats.invalidations += rkeys.len() as u64;
-                true
+        // One doorbell and one completion per lane: the last invalidation's covers the others
+        // (a send queue completes in order; one that fails completes in error and breaks the
+        // link).
+        let mut posted = 0;
+        let mut failed = false;
+        for s in &stripes {
+            let id = self.next_wr;
+            self.next_wr += 1;
+            let rkeys: Vec<u32> = s.windows.iter().map(|w| w.rkey).collect();
+            match self.lanes.lanes[s.lane].link.invalidate_all(&rkeys, id) {
+                Ok(()) => {
+                    self.fence_wrs.insert(id, transfer.transfer_id);
+                    self.stats.invalidations += rkeys.len() as u64;
+                    posted += 1;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, lane = s.lane, "invalidations could not be posted");
+                    failed = true;
+                }
             }
-            Err(e) => {
-                tracing::error!(error = %e, lane, "invalidations could not be posted");
-                false
-            }
-        };
+        }
         self.fencing.insert(
             transfer.transfer_id,
             Fencing {
                 transfer,
-                lane,
-                rail: self.lanes.lanes[lane].rail,
-                remaining: usize::from(posted),
-                windows,
+                stripes,
+                remaining: posted,
                 since: Instant::now(),
             },
         );
-        if !posted {
+        if failed {
             // A fence that cannot be posted: tear the link down (SPEC §8.2), which fences.
             self.fail(Closed::LinkFailed(
                 "an invalidation could not be posted".into(),
             ));
         }
         Fence::Pending
+    }
+}
+
+impl RdmaReceiver {
+    /// Forgets a reservation's binds still awaited (its RESERVE, if held, is never sent).
+    fn forget_binds(&mut self, transfer_id: TransferId) {
+        if self.binding.remove(&transfer_id).is_some() {
+            self.bind_wrs.retain(|_, tid| *tid != transfer_id);
+        }
     }
 }

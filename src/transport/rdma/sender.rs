@@ -260,8 +260,29 @@ impl RdmaSender {
             LaneLoss::Last => return self.fail(Closed::LinkFailed(why)),
             LaneLoss::Lost => {}
         }
-        // Lost first, so each transfer ends as on peer loss (no ABORT for the failed writes).
-        for id in self.lane_of.on_lane(i) {
+        // Lost first, so each transfer ends as on peer loss (no ABORT for the failed writes):
+        // those the lane carries frames for, and those striped over it (their descriptor
+        // names it, or writes of theirs are on it).
+        let mut ids = self.lane_of.on_lane(i);
+        ids.extend(
+            self.descriptors
+                .iter()
+                .filter(|(_, _, d)| {
+                    d.as_ref()
+                        .is_ok_and(|d| d.runs.iter().any(|r| r.lane == Some(i as u16)))
+                })
+                .map(|(t, _, _)| t.transfer_id),
+        );
+        ids.extend(
+            self.inflight
+                .values()
+                .filter(|s| s.lane == i)
+                .map(|s| s.transfer.transfer_id),
+        );
+        ids.extend(self.groups[i].map(|(t, _)| t.transfer_id));
+        ids.sort_unstable();
+        ids.dedup();
+        for id in ids {
             self.events.push_back(TransportEvent::TransferLost(id));
         }
         let posted: Vec<u64> = self
@@ -338,7 +359,10 @@ impl RdmaSender {
         let Ok((rkey, addr)) = d.locate(page, 0, self.page_bytes[0]) else {
             return Ok(None);
         };
-        let lane = self.lane_of.get(transfer.transfer_id);
+        let lane = match d.lane_of(page) {
+            Ok(Some(l)) => usize::from(l),
+            _ => self.lane_of.get(transfer.transfer_id),
+        };
         let id = self.next_wr;
         self.next_wr += 1;
         self.inflight.insert(
@@ -509,18 +533,48 @@ impl SenderTransport for RdmaSender {
             self.done(transfer, writes.len() as u32, false);
             return;
         };
-        let lane = self.lane_of.get(transfer.transfer_id);
-        if self.lanes.lanes[lane].dead {
-            // Its reservation came on a lane that has failed since (a parked one taken now,
-            // or a chunk): the transfer is lost with it (before its writes' outcomes, so it
-            // ends, or waits to be moved, as on the lane's failure; SPEC §9.2).
-            self.events
-                .push_back(TransportEvent::TransferLost(transfer.transfer_id));
-            self.done(transfer, writes.len() as u32, false);
-            return;
-        }
-        let rail = self.lanes.lanes[lane].rail;
+        // Each page on its run's lane (a striped descriptor), else on the transfer's.
+        let own = self.lane_of.get(transfer.transfer_id);
+        let mut lost = false;
         for w in writes {
+            if lost {
+                self.done(transfer, 1, false);
+                continue;
+            }
+            let lane = match d.lane_of(w.dst_page) {
+                Ok(None) => own,
+                Ok(Some(l)) if usize::from(l) < self.lanes.lanes.len() => usize::from(l),
+                Ok(Some(l)) => {
+                    tracing::error!(
+                        transfer_id = transfer.transfer_id.0,
+                        lane = l,
+                        "write refused: the descriptor names a lane the connection does not have"
+                    );
+                    self.stats.writes_refused += 1;
+                    self.done(transfer, 1, false);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::error!(transfer_id = transfer.transfer_id.0, error = %e, "write refused");
+                    self.stats.writes_refused += 1;
+                    self.done(transfer, 1, false);
+                    continue;
+                }
+            };
+            if self.lanes.lanes[lane].dead {
+                // Its reservation came on (or was striped over) a lane that has failed since
+                // (a parked one taken now, or a chunk): the transfer is lost with it (before
+                // its writes' outcomes, so it ends, or waits to be moved, as on the lane's
+                // failure; SPEC §9.2).
+                if !lost {
+                    lost = true;
+                    self.events
+                        .push_back(TransportEvent::TransferLost(transfer.transfer_id));
+                }
+                self.done(transfer, 1, false);
+                continue;
+            }
+            let rail = self.lanes.lanes[lane].rail;
             // Close the lane's previous transfer group with a signaled write.
             if self.groups[lane].is_some_and(|(t, _)| t != transfer) {
                 self.signal(lane);
