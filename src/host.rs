@@ -19,6 +19,9 @@ pub struct RdmaDevice {
     /// Memory-window support as `ibv_devinfo -v` reports it, if that tool is installed:
     /// (type 2B windows supported, max_mw).
     pub memory_windows: Option<(bool, u64)>,
+    /// The NUMA node of the device's PCI function (`device/numa_node`), where the kernel
+    /// knows it (not for a software device such as rxe, nor on a host without NUMA).
+    pub numa_node: Option<u32>,
 }
 
 impl RdmaDevice {
@@ -118,6 +121,20 @@ pub struct Report {
     pub ptrace_scope: Option<u8>,
 }
 
+/// The NUMA node of RDMA device `name` on the host whose root is `root`, where the kernel
+/// knows it: `sys/class/infiniband/NAME/device/numa_node`, absent for software devices (rxe)
+/// and -1 where the host has no NUMA information.
+pub fn device_numa_node(root: &Path, name: &str) -> Option<u32> {
+    read(
+        &root
+            .join("sys/class/infiniband")
+            .join(name)
+            .join("device/numa_node"),
+    )
+    .and_then(|v| v.parse::<i64>().ok())
+    .and_then(|n| u32::try_from(n).ok())
+}
+
 fn read(p: &Path) -> Option<String> {
     std::fs::read_to_string(p)
         .ok()
@@ -169,11 +186,13 @@ pub fn inspect_at(root: &Path) -> Report {
                 }
             }
             let memory_windows = info.as_deref().and_then(memory_windows);
+            let numa_node = device_numa_node(root, &name);
             rdma.push(RdmaDevice {
                 name,
                 ports,
                 gids,
                 memory_windows,
+                numa_node,
             });
         }
     }
@@ -268,6 +287,42 @@ mod tests {
         let gid = "fe80:0000:0000:0000:0200:00ff:fe00:0000".to_string();
         assert_eq!(r.rdma[0].gids, vec![("1".into(), 0, gid, "RoCE v2".into())]);
         assert!(r.rdma[0].usable());
+        // A software device: no PCI function, no NUMA node.
+        assert_eq!(r.rdma[0].numa_node, None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A NIC's NUMA node is its PCI function's; -1 (no NUMA information) and a missing file
+    /// (a software device) are unknown.
+    #[test]
+    fn a_devices_numa_node_comes_from_its_pci_function() {
+        let dir = std::env::temp_dir().join(format!("kvwire-numa-{}", std::process::id()));
+        for (name, node) in [("mlx5_0", "0\n"), ("mlx5_1", "1\n"), ("mlx5_2", "-1\n")] {
+            let d = dir.join("sys/class/infiniband").join(name).join("device");
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("numa_node"), node).unwrap();
+        }
+        std::fs::create_dir_all(dir.join("sys/class/infiniband/rxe0")).unwrap();
+        assert_eq!(device_numa_node(&dir, "mlx5_0"), Some(0));
+        assert_eq!(device_numa_node(&dir, "mlx5_1"), Some(1));
+        assert_eq!(device_numa_node(&dir, "mlx5_2"), None);
+        assert_eq!(device_numa_node(&dir, "rxe0"), None);
+        assert_eq!(device_numa_node(&dir, "absent"), None);
+        let r = inspect_at(&dir);
+        let nodes: Vec<_> = r
+            .rdma
+            .iter()
+            .map(|d| (d.name.as_str(), d.numa_node))
+            .collect();
+        assert_eq!(
+            nodes,
+            [
+                ("mlx5_0", Some(0)),
+                ("mlx5_1", Some(1)),
+                ("mlx5_2", None),
+                ("rxe0", None)
+            ]
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

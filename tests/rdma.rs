@@ -1037,6 +1037,111 @@ mod driven {
         assert_invariants(&pair);
     }
 
+    /// SPEC §9.2, striping and moving, the decode first: lane 1 fails under the decode only;
+    /// the prefill, which has not seen it, then writes its striped transfers over both
+    /// lanes. The decode leaves the transfers' windows on the live lane bound for a lane
+    /// timeout before it fences them (a write into an invalidated window would fail lane 0
+    /// too, and with it the connection): the prefill's writes there land, its writes on lane
+    /// 1 fail and it sees the lane fail, and then the transfers move whole to lane 0 and
+    /// verify. The connection goes on over lane 0.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_striped_transfers_live_stripes_stay_writable_until_the_sender_can_have_seen_the_lane_fail(
+    ) {
+        let Some(d) = super::device(
+            "a_striped_transfers_live_stripes_stay_writable_until_the_sender_can_have_seen_the_lane_fail",
+        ) else {
+            return;
+        };
+        let mut cfg = config();
+        cfg.sender.abort_ack_timeout = Duration::from_secs(2);
+        cfg.receiver.abort_ack_timeout = Duration::from_secs(2);
+        let dev = Arc::new(RdmaDevice::open(Some(&d.name)).unwrap());
+        let pools = cfg.pools().unwrap();
+        let mut pair = pair_over(&dev, &cfg, pools, 2);
+        pair.receiver
+            .transport_mut()
+            .inner_mut()
+            .set_stripe_pages(2);
+        // Heartbeats on every lane, as engines run them: the prefill's PINGs on lane 1 making
+        // no progress while lane 0's do is how it sees the lane fail (on SoftRoCE its writes
+        // there retry for ever).
+        let now = Instant::now();
+        let heartbeats = LivenessConfig {
+            interval: Duration::from_millis(250),
+            timeout: Duration::from_secs(10),
+        };
+        pair.sender.enable_liveness(now, heartbeats);
+        pair.receiver.enable_liveness(now, heartbeats);
+        for id in 1..=3u64 {
+            let now = pair.now;
+            let params =
+                kvwire::ReserveParams::new(TransferId(id), 12 * 16, LIMIT).with_page_digests();
+            pair.receiver.reserve(now, params).unwrap();
+        }
+        let announced = |pair: &RdmaPair| {
+            pair.sender_events
+                .iter()
+                .filter(|e| matches!(e, kvwire::proto::sender::SenderEvent::Announced { .. }))
+                .count()
+        };
+        let start = Instant::now();
+        while announced(&pair) < 3 {
+            assert!(start.elapsed() < LIMIT, "{:?}", pair.sender_events);
+            pair.drive_live(Duration::from_millis(20)).await;
+        }
+        pair.receiver
+            .transport_mut()
+            .inner_mut()
+            .inject_lane_failure(1)
+            .unwrap();
+        let start = Instant::now();
+        while pair.receiver.transport().inner().live_lanes() > 1 {
+            assert!(
+                start.elapsed() < LIMIT,
+                "the decode did not see its lane fail"
+            );
+            pair.drive_live(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            pair.sender.transport().inner().live_lanes(),
+            2,
+            "the prefill saw the lane fail already: the race this test needs did not happen"
+        );
+        for id in 1..=3u64 {
+            send(&mut pair, id, 12 * 16).unwrap();
+        }
+        let settled = pair.drive_live(LIMIT).await;
+        assert!(
+            settled,
+            "did not settle: prefill {:?}, decode failures {:?}, verified {:?}, live lanes {} / {}, closed {:?} / {:?}",
+            pair.sender_events,
+            pair.receiver_failures,
+            pair.verified,
+            pair.sender.transport().inner().live_lanes(),
+            pair.receiver.transport().inner().live_lanes(),
+            pair.sender.closed(),
+            pair.receiver.closed()
+        );
+        assert!(pair.sender.closed().is_none(), "{:?}", pair.sender.closed());
+        assert!(
+            pair.receiver.closed().is_none(),
+            "{:?}",
+            pair.receiver.closed()
+        );
+        assert_eq!(pair.sender.transport().inner().live_lanes(), 1);
+        assert_eq!(pair.receiver.transport().inner().live_lanes(), 1);
+        for id in (1..=3).map(TransferId) {
+            assert!(
+                pair.sender_verified(id) && pair.verified.contains(&id),
+                "transfer {id}: {:?} / {:?}",
+                pair.sender_failure(id),
+                pair.receiver_failures
+            );
+        }
+        assert_eq!(pair.receiver.stats().moves, 3);
+        assert_invariants(&pair);
+    }
+
     /// SPEC §8.3, frames held unsent are bounded over RDMA too: a queue pair holding
     /// `MAX_UNSENT_FRAMES` (65,536) frames it could not post ends the connection as
     /// unresponsive at once, instead of growing for as long as the not-reading verdict takes.

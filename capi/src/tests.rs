@@ -533,6 +533,7 @@ fn rdma_settings_are_read_defaulted_and_checked() {
             busy_poll: true,
             ack_timeout: 18,
             stripe_pages: 4,
+            rail_affinity: true,
         }
     );
     c.rdma_device = c"".as_ptr();

@@ -26,7 +26,10 @@ pub fn render(report: &Report) -> String {
         } else {
             " (not usable: no ACTIVE port with a RoCE v2 GID)"
         };
-        let _ = writeln!(o, "rdma:      {}{note}", d.name);
+        let numa = d
+            .numa_node
+            .map_or_else(String::new, |n| format!(" (NUMA node {n})"));
+        let _ = writeln!(o, "rdma:      {}{numa}{note}", d.name);
         match d.memory_windows {
             Some((true, max)) => {
                 let _ = writeln!(
@@ -58,12 +61,9 @@ pub fn render(report: &Report) -> String {
         }
     }
     // The rails a node naming every usable device would run (SPEC §9.2, several rails).
-    let usable: Vec<&str> = report
-        .rdma
-        .iter()
-        .filter(|d| d.usable())
-        .map(|d| d.name.as_str())
-        .collect();
+    let usable_devices: Vec<&kvwire::host::RdmaDevice> =
+        report.rdma.iter().filter(|d| d.usable()).collect();
+    let usable: Vec<&str> = usable_devices.iter().map(|d| d.name.as_str()).collect();
     match usable.len() {
         0 => {}
         1 => {
@@ -81,6 +81,29 @@ pub fn render(report: &Report) -> String {
                 usable.join(","),
                 usable.join(",")
             );
+            // Rail affinity (SPEC §9.2, striping): a decode whose KV memory is on a node with
+            // rails stripes and reserves over those first.
+            let mut nodes: Vec<u32> = usable_devices.iter().filter_map(|d| d.numa_node).collect();
+            nodes.sort_unstable();
+            nodes.dedup();
+            if nodes.len() > 1 {
+                let groups: Vec<String> = nodes
+                    .iter()
+                    .map(|n| {
+                        let on: Vec<&str> = usable_devices
+                            .iter()
+                            .filter(|d| d.numa_node == Some(*n))
+                            .map(|d| d.name.as_str())
+                            .collect();
+                        format!("node {n}: {}", on.join(", "))
+                    })
+                    .collect();
+                let _ = writeln!(
+                    o,
+                    "           by NUMA node ({}): a decode uses the rails of its KV memory's node while one of them is up",
+                    groups.join("; ")
+                );
+            }
         }
     }
     match report.memlock {
@@ -172,6 +195,7 @@ mod tests {
                     "RoCE v2".into(),
                 )],
                 memory_windows: None,
+                numa_node: None,
             }],
             rdma_sysfs: true,
             memlock: Some(Some(8 << 20)),
@@ -199,6 +223,7 @@ mod tests {
             ports: vec![("1".into(), state.into(), "1024".into(), "Ethernet".into())],
             gids: vec![("1".into(), 1, "::ffff:10.0.0.1".into(), "RoCE v2".into())],
             memory_windows: None,
+            numa_node: None,
         };
         let mut report = Report {
             rdma: vec![
@@ -215,6 +240,16 @@ mod tests {
         let text = render(&report);
         assert!(
             text.contains("rails:     2 (rxe0, rxe1): --device rxe0,rxe1"),
+            "{text}"
+        );
+        assert!(!text.contains("NUMA"), "{text}");
+        // NICs on two NUMA nodes: each says its node, and the rails line groups them.
+        report.rdma[0].numa_node = Some(0);
+        report.rdma[1].numa_node = Some(1);
+        let text = render(&report);
+        assert!(text.contains("rdma:      rxe0 (NUMA node 0)"), "{text}");
+        assert!(
+            text.contains("by NUMA node (node 0: rxe0; node 1: rxe1)"),
             "{text}"
         );
         report.rdma.truncate(1);

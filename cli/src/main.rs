@@ -147,6 +147,11 @@ struct BenchArgs {
     /// transfer).
     #[arg(long, default_value_t = kvwire::config::DEFAULT_STRIPE_PAGES)]
     stripe_pages: u32,
+    /// With --transport rdma, decode side: use every rail alike instead of keeping to those
+    /// on the KV memory's NUMA node while one is up (`kvwire doctor` shows each device's
+    /// node).
+    #[arg(long)]
+    no_rail_affinity: bool,
     /// Worker threads of the bench's tokio runtime (default: one per core). Engines choose
     /// their own runtime; with both ends of a two-process run on one small host, fewer
     /// workers mean fewer wake-ups across threads per transfer (docs/BENCHMARKS.md).
@@ -478,6 +483,7 @@ fn bench_main(a: BenchArgs) -> ExitCode {
                 busy_poll: a.busy_poll,
                 ack_timeout: a.ack_timeout,
                 stripe_pages: a.stripe_pages,
+                rail_affinity: !a.no_rail_affinity,
             },
         },
     };

@@ -355,6 +355,7 @@ mod tests {
                 busy_poll: false,
                 ack_timeout,
                 stripe_pages: DEFAULT_STRIPE_PAGES,
+                rail_affinity: true,
             })
             .build()
     }

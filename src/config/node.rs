@@ -179,6 +179,12 @@ pub enum TransportConfig {
         /// pair, as peers that predate striping expect). A local setting: the prefill follows
         /// the access descriptor.
         stripe_pages: u32,
+        /// Decode side: reservations keep to the rails whose NIC sits on the NUMA node of
+        /// the KV memory (sysfs `device/numa_node` of each device, `get_mempolicy` of the
+        /// registered memory) while one of them is up, the others taking them only when none
+        /// is (SPEC §9.2, striping). On by default; no effect where the topology is unknown
+        /// (software devices, hosts without NUMA) or every rail is on that node.
+        rail_affinity: bool,
     },
 }
 
@@ -200,6 +206,7 @@ impl TransportConfig {
             busy_poll: false,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
             stripe_pages: DEFAULT_STRIPE_PAGES,
+            rail_affinity: true,
         }
     }
 
@@ -212,6 +219,7 @@ impl TransportConfig {
             busy_poll: false,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
             stripe_pages: DEFAULT_STRIPE_PAGES,
+            rail_affinity: true,
         }
     }
 
@@ -237,6 +245,7 @@ impl TransportConfig {
             busy_poll: false,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
             stripe_pages: DEFAULT_STRIPE_PAGES,
+            rail_affinity: true,
         }
     }
 
@@ -264,6 +273,15 @@ impl TransportConfig {
     pub fn stripe_pages(mut self, pages: u32) -> Self {
         if let Self::Rdma { stripe_pages, .. } = &mut self {
             *stripe_pages = pages;
+        }
+        self
+    }
+
+    /// RDMA only: whether the decode keeps reservations to the rails on its KV memory's
+    /// NUMA node (`TransportConfig::Rdma::rail_affinity`); TCP is returned as it is.
+    pub fn rail_affinity(mut self, on: bool) -> Self {
+        if let Self::Rdma { rail_affinity, .. } = &mut self {
+            *rail_affinity = on;
         }
         self
     }

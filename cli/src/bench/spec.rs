@@ -30,6 +30,8 @@ pub enum BenchTransport {
         ack_timeout: u8,
         /// Pages per stripe at the decode (0: never striped).
         stripe_pages: u32,
+        /// The decode keeps to the rails on its memory's NUMA node.
+        rail_affinity: bool,
     },
     /// The in-process loopback wire.
     Loopback,
@@ -390,10 +392,12 @@ impl BenchSpec {
                 busy_poll,
                 ack_timeout,
                 stripe_pages,
+                rail_affinity,
             } => TransportConfig::rdma_devices(device.as_deref().unwrap_or(""), *queue_pairs)
                 .busy_poll(*busy_poll)
                 .ack_timeout(*ack_timeout)
-                .stripe_pages(*stripe_pages),
+                .stripe_pages(*stripe_pages)
+                .rail_affinity(*rail_affinity),
         };
         c
     }

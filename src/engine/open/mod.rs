@@ -162,8 +162,14 @@ impl End for ReceiverConn {
             .map_err(rdma::error)?;
         let mut t = t;
         t.set_lane_timeout(config.liveness.timeout / 2);
-        if let TransportConfig::Rdma { stripe_pages, .. } = config.transport {
+        if let TransportConfig::Rdma {
+            stripe_pages,
+            rail_affinity,
+            ..
+        } = config.transport
+        {
             t.set_stripe_pages(stripe_pages);
+            t.set_rail_affinity(rail_affinity);
         }
         ReceiverConn::run(est, node.pool().clone(), t, config)
     }

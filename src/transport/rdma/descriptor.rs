@@ -181,11 +181,40 @@ pub fn plan_stripes(
     };
     let k = wanted.clamp(1, order.len().max(1)).min(pages.len().max(1));
     let n = pages.len();
+    // Ranges of n / k pages, the first n % k of them one page longer.
+    let start = |j: usize| j * (n / k) + j.min(n % k);
     order
         .into_iter()
         .take(k)
         .enumerate()
-        .map(|(j, lane)| (lane, pages[j * n / k..(j + 1) * n / k].to_vec()))
+        .map(|(j, lane)| (lane, pages[start(j)..start(j + 1)].to_vec()))
+        .collect()
+}
+
+/// The lanes a receiver reserves and stripes over, out of `lanes` (live lanes with their
+/// rails, in its round-robin order), given which rails are **near** its KV memory
+/// (`near[rail]`: the rail's NIC sits on the memory's NUMA node; SPEC §9.2, striping): the
+/// lanes of near rails while one of them lives, else every lane given. With no rail near
+/// (the topology unknown, or no NIC on the memory's node) every lane is taken.
+pub fn prefer_near_rails(lanes: &[(usize, usize)], near: &[bool]) -> Vec<(usize, usize)> {
+    let close: Vec<(usize, usize)> = lanes
+        .iter()
+        .copied()
+        .filter(|&(_, rail)| near.get(rail).copied().unwrap_or(false))
+        .collect();
+    if close.is_empty() {
+        lanes.to_vec()
+    } else {
+        close
+    }
+}
+
+/// Per rail, whether its NIC is near the KV memory: its NUMA node (`device_nodes[rail]`) is
+/// the memory's. All false unless both are known.
+pub fn near_rails(memory_node: Option<u32>, device_nodes: &[Option<u32>]) -> Vec<bool> {
+    device_nodes
+        .iter()
+        .map(|d| memory_node.is_some() && *d == memory_node)
         .collect()
 }
 
@@ -602,10 +631,15 @@ mod tests {
             plan.iter().map(|(l, p)| (*l, p.len())).collect::<Vec<_>>(),
             vec![(1, 20), (2, 20)]
         );
-        // Uneven: 7 pages over 2 lanes, in order.
+        // Uneven: 7 pages over 2 lanes, in order, the first range the longer; 10 over 4.
         let plan = plan_stripes(&pages[..7], &lanes, 3);
-        assert_eq!(plan[0], (1, pages[..3].to_vec()));
-        assert_eq!(plan[1], (2, pages[3..7].to_vec()));
+        assert_eq!(plan[0], (1, pages[..4].to_vec()));
+        assert_eq!(plan[1], (2, pages[4..7].to_vec()));
+        let plan = plan_stripes(&pages[..10], &lanes, 2);
+        assert_eq!(
+            plan.iter().map(|(_, p)| p.len()).collect::<Vec<_>>(),
+            vec![3, 3, 2, 2]
+        );
         // Not striped: too few pages, striping off, one lane.
         for (n, stripe, lanes) in [
             (15, 16, &lanes[..]),
@@ -625,6 +659,40 @@ mod tests {
         assert_eq!(
             plan,
             vec![(0, pages[..2].to_vec()), (1, pages[2..4].to_vec())]
+        );
+    }
+
+    /// Rail affinity: the near rails' lanes while one lives, every lane otherwise.
+    #[test]
+    fn near_rails_are_taken_while_one_lives() {
+        // Lanes 0..4 on rails 0, 1, 2, 3; rails 1 and 3 near the memory.
+        let lanes = [(0, 0), (1, 1), (2, 2), (3, 3)];
+        let near = [false, true, false, true];
+        assert_eq!(prefer_near_rails(&lanes, &near), vec![(1, 1), (3, 3)]);
+        // Rail 1's lane dead: rail 3 alone.
+        assert_eq!(
+            prefer_near_rails(&[(0, 0), (2, 2), (3, 3)], &near),
+            vec![(3, 3)]
+        );
+        // Every near rail dead: the far ones.
+        assert_eq!(
+            prefer_near_rails(&[(0, 0), (2, 2)], &near),
+            vec![(0, 0), (2, 2)]
+        );
+        assert_eq!(
+            near_rails(Some(1), &[Some(0), Some(1), None, Some(1)]),
+            near
+        );
+        assert_eq!(near_rails(None, &[Some(0), None]), [false, false]);
+        // Nothing known (or nothing near), or a rail beyond the table: every lane.
+        assert_eq!(prefer_near_rails(&lanes, &[]), lanes.to_vec());
+        assert_eq!(prefer_near_rails(&lanes, &[false; 4]), lanes.to_vec());
+        // Striping then spreads over the near rails only.
+        let pages: Vec<u32> = (0..64).collect();
+        let plan = plan_stripes(&pages, &prefer_near_rails(&lanes, &near), 16);
+        assert_eq!(
+            plan.iter().map(|(l, p)| (*l, p.len())).collect::<Vec<_>>(),
+            vec![(1, 32), (3, 32)]
         );
     }
 

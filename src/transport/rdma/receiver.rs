@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use kvwire_proto::wire::{Frame, TransferRef, MAX_ACCESS};
 
 use super::descriptor::{
-    encoded_len, page_runs, plan_stripes, AccessDescriptor, AccessKind, AccessRun,
-    DEFAULT_STRIPE_PAGES,
+    encoded_len, near_rails, page_runs, plan_stripes, prefer_near_rails, AccessDescriptor,
+    AccessKind, AccessRun, DEFAULT_STRIPE_PAGES,
 };
 use super::lanes::{LaneEvent, LaneLoss, Lanes};
 use super::verbs::{MemoryWindow, RdmaDevice, RegisteredMemory};
@@ -57,6 +57,8 @@ struct Stripe {
     /// The rail whose device the windows belong to.
     rail: usize,
     windows: Vec<MemoryWindow>,
+    /// The invalidation work request of a fence posted on the lane and not yet completed.
+    invalidating: Option<u64>,
 }
 
 /// A striped reservation's binds on lanes other than its own, not yet completed: its RESERVE
@@ -69,11 +71,17 @@ struct Binding {
 
 /// A fence in progress: the invalidations not yet completed (one completion per lane).
 struct Fencing {
-    transfer: TransferRef,
-    /// The windows, per lane whose queue pair posted their invalidations.
+    /// The transfer whose fence it is (reported `Fenced` once complete); `None` for the
+    /// windows of a scope no peer saw (abandoned), which are only recycled.
+    transfer: Option<TransferRef>,
+    /// The windows, per lane whose queue pair posts their invalidations.
     stripes: Vec<Stripe>,
     remaining: usize,
     since: Instant,
+    /// Invalidations not posted before this instant: a moved striped reservation's windows
+    /// on live lanes, left valid while the sender may not yet have seen the lane fail
+    /// (SPEC §9.2, striping).
+    post_at: Option<Instant>,
 }
 
 /// The decode end of an RDMA connection: one or more RC queue pairs (lanes) over the
@@ -98,15 +106,21 @@ pub struct RdmaReceiver {
     bind_wrs: BTreeMap<u64, TransferId>,
     /// Pages per stripe below which a reservation is not striped further (0: never).
     stripe_pages: u32,
-    /// Windows of a reservation whose binds were posted on some lanes before a later lane's
-    /// failed: kept until the connection ends (their binds may still be executing).
-    retired: Vec<MemoryWindow>,
+    /// Per rail: its NIC is on the NUMA node of the KV memory (all false where unknown).
+    near_rails: Vec<bool>,
+    /// Whether reservations keep to the near rails while one lives.
+    rail_affinity: bool,
     /// Invalidated windows with keys left, per rail, bound again by the next reservations on
     /// that rail.
     spare: Vec<Vec<MemoryWindow>>,
-    fencing: BTreeMap<TransferId, Fencing>,
-    /// Invalidation work request → transfer id.
-    fence_wrs: BTreeMap<u64, TransferId>,
+    /// Fences in progress, by fence number.
+    fencing: BTreeMap<u64, Fencing>,
+    next_fence: u64,
+    /// Invalidation work request → fence number.
+    fence_wrs: BTreeMap<u64, u64>,
+    /// Transfers lost with a lane while they had windows on live lanes: their fence is not
+    /// posted before this instant (a lane timeout after the loss).
+    defer_fence: BTreeMap<TransferId, Instant>,
     next_wr: u64,
     events: VecDeque<TransportEvent>,
     closed: bool,
@@ -148,6 +162,17 @@ impl RdmaReceiver {
             }
         }
         let rails = devs.len();
+        // Rail affinity (SPEC §9.2, striping): which NICs share the KV memory's NUMA node.
+        let memory_node = regs.first().and_then(|r| r.numa_node());
+        let device_nodes: Vec<Option<u32>> = devs
+            .iter()
+            .map(|d| crate::host::device_numa_node(std::path::Path::new("/"), &d.name))
+            .collect();
+        let near_rails = near_rails(memory_node, &device_nodes);
+        if near_rails.contains(&true) && near_rails.contains(&false) {
+            tracing::info!(?memory_node, ?device_nodes,
+                "reservations keep to the rails on the KV memory's NUMA node while one of them is up");
+        }
         Self {
             lanes,
             lane_of: LaneMap::default(),
@@ -161,10 +186,13 @@ impl RdmaReceiver {
             binding: BTreeMap::new(),
             bind_wrs: BTreeMap::new(),
             stripe_pages: DEFAULT_STRIPE_PAGES,
-            retired: Vec::new(),
+            near_rails,
+            rail_affinity: true,
             spare: (0..rails).map(|_| Vec::new()).collect(),
             fencing: BTreeMap::new(),
+            next_fence: 1,
             fence_wrs: BTreeMap::new(),
+            defer_fence: BTreeMap::new(),
             next_wr: 1,
             events: VecDeque::new(),
             closed: false,
@@ -230,6 +258,19 @@ impl RdmaReceiver {
     /// §9.2, striping a transfer over lanes).
     pub fn set_stripe_pages(&mut self, pages: u32) {
         self.stripe_pages = pages;
+    }
+
+    /// Whether reservations keep to the rails whose NIC is on the KV memory's NUMA node
+    /// while one of them is up (`TransportConfig::Rdma::rail_affinity`; on by default; no
+    /// effect where the topology is unknown or every rail is on that node).
+    pub fn set_rail_affinity(&mut self, on: bool) {
+        self.rail_affinity = on;
+    }
+
+    /// Per rail, whether its NIC is on the KV memory's NUMA node (all false where either is
+    /// unknown).
+    pub fn near_rails(&self) -> &[bool] {
+        &self.near_rails
     }
 
     /// Counters.
@@ -340,9 +381,13 @@ impl RdmaReceiver {
 
     /// Lane `i`'s queue pair failed. With other lanes alive the connection goes on without
     /// it (SPEC §9.2, several rails): its queue pair is reset (nothing more lands through
-    /// it), the windows of the reservations bound on it are deallocated (their fences complete
-    /// at once), fences in progress on it complete, its unsent frames move to a live lane,
-    /// and its transfers are reported lost. The last live lane's failure is the connection's.
+    /// it, none of its work requests uses a window any more), the windows bound through it are
+    /// deallocated, a fence's invalidations there count as done, its unsent frames move to a
+    /// live lane, and the transfers it carries or stripes are reported lost. Their windows on
+    /// live lanes stay bound until their fence, which waits a lane timeout: a sender that
+    /// has not yet seen the lane fail may still write those stripes, and a write into an
+    /// invalidated window would fail its lane too (SPEC §9.2, striping). The last live lane's
+    /// failure is the connection's.
     fn lose_lane(&mut self, i: usize, why: String) {
         if self.closed {
             return;
@@ -352,34 +397,123 @@ impl RdmaReceiver {
             LaneLoss::Last => return self.fail(Closed::LinkFailed(why)),
             LaneLoss::Lost => {}
         }
+        let now = Instant::now();
         let ids = self.on_lane(i);
         for id in &ids {
             if let Some(stripes) = self.bound.get_mut(id) {
-                // Deallocating a window invalidates it: the scope's fence is then immediate
-                // (a striped scope's windows on live lanes too: the transfer moves whole).
-                for s in stripes {
+                // Deallocating a window invalidates it (its queue pair is reset: no bind
+                // of it is pending any more).
+                for s in stripes.iter_mut().filter(|s| s.lane == i) {
                     s.windows.clear();
+                }
+                if stripes.iter().any(|s| !s.windows.is_empty()) {
+                    self.defer_fence.insert(*id, now + self.lane_timeout);
                 }
             }
             // A RESERVE still waiting for its binds is never sent: the move reserves again.
             self.binding.remove(id);
         }
         self.bind_wrs.retain(|_, tid| !ids.contains(tid));
-        let fencing: Vec<TransferId> = self
-            .fencing
-            .iter()
-            .filter(|(_, f)| f.stripes.iter().any(|s| s.lane == i))
-            .map(|(id, _)| *id)
-            .collect();
-        self.fence_wrs.retain(|_, tid| !fencing.contains(tid));
-        for id in fencing {
-            if let Some(f) = self.fencing.remove(&id) {
-                drop(f.stripes);
-                self.events.push_back(TransportEvent::Fenced(f.transfer));
+        let mut done = Vec::new();
+        for (&key, f) in self.fencing.iter_mut() {
+            for s in f.stripes.iter_mut().filter(|s| s.lane == i) {
+                s.windows.clear();
+                if let Some(wr) = s.invalidating.take() {
+                    self.fence_wrs.remove(&wr);
+                    f.remaining -= 1;
+                }
             }
+            if f.remaining == 0 && f.post_at.is_none() {
+                done.push(key);
+            }
+        }
+        for key in done {
+            self.complete_fence(key, now);
         }
         for id in ids {
             self.events.push_back(TransportEvent::TransferLost(id));
+        }
+    }
+
+    /// Posts the invalidations of fence `key`, one doorbell and one completion per lane with
+    /// windows (the last invalidation's covers the others: a send queue completes in order;
+    /// one that fails completes in error and breaks the lane). Completes it at once when
+    /// nothing is left to invalidate.
+    fn post_fence(&mut self, key: u64, now: Instant) {
+        let Some(f) = self.fencing.get_mut(&key) else {
+            return;
+        };
+        f.post_at = None;
+        let mut failed = false;
+        for s in f.stripes.iter_mut().filter(|s| !s.windows.is_empty()) {
+            let id = self.next_wr;
+            self.next_wr += 1;
+            let rkeys: Vec<u32> = s.windows.iter().map(|w| w.rkey).collect();
+            match self.lanes.lanes[s.lane].link.invalidate_all(&rkeys, id) {
+                Ok(()) => {
+                    self.fence_wrs.insert(id, key);
+                    self.stats.invalidations += rkeys.len() as u64;
+                    s.invalidating = Some(id);
+                    f.remaining += 1;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, lane = s.lane, "invalidations could not be posted");
+                    failed = true;
+                }
+            }
+        }
+        if failed {
+            // A fence that cannot be posted: tear the link down (SPEC §8.2), which fences.
+            self.fail(Closed::LinkFailed(
+                "an invalidation could not be posted".into(),
+            ));
+        } else if f.remaining == 0 {
+            self.complete_fence(key, now);
+        }
+    }
+
+    /// Fence `key` is complete: reported (when it is a transfer's), its windows bound again
+    /// (with new keys) by later reservations while they have keys left, else deallocated.
+    fn complete_fence(&mut self, key: u64, now: Instant) {
+        let Some(f) = self.fencing.remove(&key) else {
+            return;
+        };
+        if let Some(t) = f.transfer {
+            self.stats.fence_time += now.saturating_duration_since(f.since);
+            self.events.push_back(TransportEvent::Fenced(t));
+        }
+        for s in f.stripes {
+            for w in s.windows {
+                let spare = &mut self.spare[s.rail];
+                if w.reusable() && spare.len() < SPARE_WINDOWS {
+                    spare.push(w);
+                }
+            }
+        }
+    }
+
+    /// Starts a fence over `stripes` (posted now, or at `post_at`).
+    fn start_fence(
+        &mut self,
+        transfer: Option<TransferRef>,
+        stripes: Vec<Stripe>,
+        post_at: Option<Instant>,
+        now: Instant,
+    ) {
+        let key = self.next_fence;
+        self.next_fence += 1;
+        self.fencing.insert(
+            key,
+            Fencing {
+                transfer,
+                stripes,
+                remaining: 0,
+                since: now,
+                post_at,
+            },
+        );
+        if post_at.is_none() {
+            self.post_fence(key, now);
         }
     }
 
@@ -397,16 +531,18 @@ impl RdmaReceiver {
         self.lanes.reset();
         // Deallocating a window invalidates it: no write through it can land any more.
         self.bound.clear();
-        self.retired.clear();
         self.binding.clear();
         self.bind_wrs.clear();
+        self.defer_fence.clear();
         for spare in &mut self.spare {
             spare.clear();
         }
         self.fence_wrs.clear();
         for (_, f) in std::mem::take(&mut self.fencing) {
             drop(f.stripes);
-            self.events.push_back(TransportEvent::Fenced(f.transfer));
+            if let Some(t) = f.transfer {
+                self.events.push_back(TransportEvent::Fenced(t));
+            }
         }
         self.events.push_back(TransportEvent::Closed(why));
     }
@@ -452,9 +588,12 @@ impl Transport for RdmaReceiver {
 
     fn poll_timeout(&self) -> Option<Instant> {
         if self.closed {
-            None
-        } else {
-            self.lanes.next_stall_check(self.lane_timeout)
+            return None;
+        }
+        let deferred = self.fencing.values().filter_map(|f| f.post_at).min();
+        match (self.lanes.next_stall_check(self.lane_timeout), deferred) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         }
     }
 
@@ -470,7 +609,20 @@ impl Transport for RdmaReceiver {
                 self.lose_lane(i, why);
                 continue;
             }
-            let mut fenced: Vec<TransferId> = Vec::new();
+            // Deferred fences whose time has come (SPEC §9.2, striping).
+            let due: Vec<u64> = self
+                .fencing
+                .iter()
+                .filter(|(_, f)| f.post_at.is_some_and(|t| t <= now))
+                .map(|(k, _)| *k)
+                .collect();
+            if !due.is_empty() {
+                for key in due {
+                    self.post_fence(key, now);
+                }
+                continue;
+            }
+            let mut fenced: Vec<(u64, u64)> = Vec::new();
             let mut bound: Vec<TransferId> = Vec::new();
             let mut frames: Vec<Frame> = Vec::new();
             let (fence_wrs, bind_wrs) = (&mut self.fence_wrs, &mut self.bind_wrs);
@@ -485,8 +637,8 @@ impl Transport for RdmaReceiver {
                 LaneEvent::LocalDone { wr_id, ok: true } => {
                     // An invalidation of a fence, or the binds of a stripe (a reservation's
                     // binds on its own lane need nothing).
-                    if let Some(tid) = fence_wrs.remove(&wr_id) {
-                        fenced.push(tid);
+                    if let Some(key) = fence_wrs.remove(&wr_id) {
+                        fenced.push((key, wr_id));
                     } else if let Some(tid) = bind_wrs.remove(&wr_id) {
                         bound.push(tid);
                     }
@@ -494,27 +646,33 @@ impl Transport for RdmaReceiver {
                 }
                 LaneEvent::WriteDone { .. } => None,
             });
-            for tid in fenced {
-                let done = self.fencing.get_mut(&tid).is_some_and(|f| {
+            for (key, wr) in fenced {
+                let done = self.fencing.get_mut(&key).is_some_and(|f| {
+                    for s in &mut f.stripes {
+                        if s.invalidating == Some(wr) {
+                            s.invalidating = None;
+                        }
+                    }
                     f.remaining -= 1;
                     f.remaining == 0
                 });
                 if done {
-                    if let Some(f) = self.fencing.remove(&tid) {
-                        self.stats.fence_time += now.saturating_duration_since(f.since);
-                        self.events.push_back(TransportEvent::Fenced(f.transfer));
-                        // Invalidated: bound again (with new keys) by later reservations while
-                        // they have keys left, else deallocated.
-                        for s in f.stripes {
-                            for w in s.windows {
-                                let spare = &mut self.spare[s.rail];
-                                if w.reusable() && spare.len() < SPARE_WINDOWS {
-                                    spare.push(w);
-                                }
-                            }
-                        }
-                    }
+                    self.complete_fence(key, now);
                 }
+            }
+            // Frames before the failures of this pass (a COMMIT that came before its lane
+            // failed is verified), and the failures before the RESERVEs whose binds completed
+            // in it (one whose lane failed is not sent: its transfer is lost and moves).
+            self.events
+                .extend(frames.into_iter().map(TransportEvent::Frame));
+            let failed = self.lanes.take_failed();
+            if failed.len() < self.lanes.live() {
+                for (i, why) in failed {
+                    self.lose_lane(i, why);
+                }
+            } else if let Some((_, why)) = failed.into_iter().next() {
+                // Every live lane failed: the connection's end.
+                self.fail(Closed::LinkFailed(why));
             }
             for tid in bound {
                 let ready = self.binding.get_mut(&tid).is_some_and(|b| {
@@ -528,17 +686,6 @@ impl Transport for RdmaReceiver {
                         self.send_frame(now, &reserve);
                     }
                 }
-            }
-            self.events
-                .extend(frames.into_iter().map(TransportEvent::Frame));
-            let failed = self.lanes.take_failed();
-            if failed.len() < self.lanes.live() {
-                for (i, why) in failed {
-                    self.lose_lane(i, why);
-                }
-            } else if let Some((_, why)) = failed.into_iter().next() {
-                // Every live lane failed: the connection's end.
-                self.fail(Closed::LinkFailed(why));
             }
             match pass {
                 Poll::Ready(Ok(())) => {}
@@ -567,15 +714,18 @@ impl ReceiverTransport for RdmaReceiver {
         // landed digest cannot match a COMMIT computed over anything the sender had, not
         // even over the page's stale contents.
         self.scrub(pages).map_err(ScopeError)?;
-        // The live lanes in turn from the next one (a dead lane takes no reservation); the
-        // reservation's own lane is the first, its stripes (if any) the next, each rail once
-        // before any twice.
+        // The live lanes in turn from the next one (a dead lane takes no reservation), those
+        // of the rails near the KV memory while one lives; the reservation's own lane is the
+        // first, its stripes (if any) the next, each rail once before any twice.
         let n = self.lanes.lanes.len();
-        let live: Vec<(usize, usize)> = (0..n)
+        let mut live: Vec<(usize, usize)> = (0..n)
             .map(|k| (self.next_lane + k) % n)
             .filter(|&l| !self.lanes.lanes[l].dead)
             .map(|l| (l, self.lanes.lanes[l].rail))
             .collect();
+        if self.rail_affinity {
+            live = prefer_near_rails(&live, &self.near_rails);
+        }
         let plan = plan_stripes(pages, &live, self.stripe_pages);
         let Some(&(lane, _)) = plan.first() else {
             return Err(ScopeError("every lane is down".into()));
@@ -604,10 +754,10 @@ impl ReceiverTransport for RdmaReceiver {
             match self.bind(*l, p, striped, signal, &mut windows) {
                 Ok(runs) => all_runs.extend(runs),
                 Err(e) => {
-                    // This lane's windows were never posted (dropping deallocates them).
-                    for s in stripes {
-                        self.retired.extend(s.windows);
-                    }
+                    // This lane's windows were never posted (dropping deallocates them); the
+                    // other lanes' binds were: their windows are invalidated behind them
+                    // before they are reused or deallocated.
+                    self.start_fence(None, stripes, None, Instant::now());
                     return Err(ScopeError(e));
                 }
             }
@@ -615,6 +765,7 @@ impl ReceiverTransport for RdmaReceiver {
                 lane: *l,
                 rail: self.lanes.lanes[*l].rail,
                 windows,
+                invalidating: None,
             });
             signals.extend(signal);
         }
@@ -622,13 +773,19 @@ impl ReceiverTransport for RdmaReceiver {
         let base = (0..b)
             .map(|i| self.regs[self.lanes.lanes[lane].rail].addr(i, 0))
             .collect();
-        let access = AccessDescriptor {
+        let encoded = AccessDescriptor {
             kind: self.kind.striped(striped),
             base,
             runs: all_runs,
         }
-        .encode()
-        .map_err(|e| ScopeError(e.to_string()))?;
+        .encode();
+        let access = match encoded {
+            Ok(a) => a,
+            Err(e) => {
+                self.start_fence(None, stripes, None, Instant::now());
+                return Err(ScopeError(e.to_string()));
+            }
+        };
         if self.kind == AccessKind::REGION {
             self.stats.region_fallbacks += 1;
         }
@@ -657,8 +814,15 @@ impl ReceiverTransport for RdmaReceiver {
     fn bind_scope(&mut self, _transfer: TransferRef) {}
 
     fn abandon_scope(&mut self, transfer_id: TransferId) {
-        self.bound.remove(&transfer_id);
         self.forget_binds(transfer_id);
+        self.defer_fence.remove(&transfer_id);
+        if let Some(stripes) = self.bound.remove(&transfer_id) {
+            // Its binds may still be executing: its windows are invalidated behind them
+            // (nobody waits for it) before they are reused or deallocated.
+            if !self.closed {
+                self.start_fence(None, stripes, None, Instant::now());
+            }
+        }
     }
 
     fn open_scopes(&self) -> usize {
@@ -666,10 +830,13 @@ impl ReceiverTransport for RdmaReceiver {
     }
 
     fn fence(&mut self, transfer: TransferRef) -> Fence {
-        self.forget_binds(transfer.transfer_id);
+        let id = transfer.transfer_id;
+        self.forget_binds(id);
+        let now = Instant::now();
+        let post_at = self.defer_fence.remove(&id).filter(|&t| t > now);
         let stripes: Vec<Stripe> = self
             .bound
-            .remove(&transfer.transfer_id)
+            .remove(&id)
             .unwrap_or_default()
             .into_iter()
             .filter(|s| !s.windows.is_empty())
@@ -679,42 +846,7 @@ impl ReceiverTransport for RdmaReceiver {
             // (or a lane failed) with every window deallocated.
             return Fence::Done;
         }
-        // One doorbell and one completion per lane: the last invalidation's covers the others
-        // (a send queue completes in order; one that fails completes in error and breaks the
-        // link).
-        let mut posted = 0;
-        let mut failed = false;
-        for s in &stripes {
-            let id = self.next_wr;
-            self.next_wr += 1;
-            let rkeys: Vec<u32> = s.windows.iter().map(|w| w.rkey).collect();
-            match self.lanes.lanes[s.lane].link.invalidate_all(&rkeys, id) {
-                Ok(()) => {
-                    self.fence_wrs.insert(id, transfer.transfer_id);
-                    self.stats.invalidations += rkeys.len() as u64;
-                    posted += 1;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, lane = s.lane, "invalidations could not be posted");
-                    failed = true;
-                }
-            }
-        }
-        self.fencing.insert(
-            transfer.transfer_id,
-            Fencing {
-                transfer,
-                stripes,
-                remaining: posted,
-                since: Instant::now(),
-            },
-        );
-        if failed {
-            // A fence that cannot be posted: tear the link down (SPEC §8.2), which fences.
-            self.fail(Closed::LinkFailed(
-                "an invalidation could not be posted".into(),
-            ));
-        }
+        self.start_fence(Some(transfer), stripes, post_at, now);
         Fence::Pending
     }
 }

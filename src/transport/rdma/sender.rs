@@ -440,6 +440,7 @@ impl Transport for RdmaSender {
             }
             let mut completed: Vec<(TransferRef, u32, bool)> = Vec::new();
             let mut frames: Vec<Frame> = Vec::new();
+            let mut reserved: Vec<(kvwire_proto::wire::TransferId, u64)> = Vec::new();
             let (inflight, lane_of) = (&mut self.inflight, &mut self.lane_of);
             let pass = self.lanes.poll_pass(cx, |lane, i, e| match e {
                 LaneEvent::WriteDone { wr_id, ok } => {
@@ -456,12 +457,19 @@ impl Transport for RdmaSender {
                     if let Frame::Reserve(r) = &f {
                         // The transfer's writes and COMMIT go back on this lane.
                         lane_of.set(r.transfer_id, i);
+                        reserved.push((r.transfer_id, r.nonce));
                     }
                     frames.push(f);
                     None
                 }
                 LaneEvent::LocalDone { .. } => None,
             });
+            // A reservation of a transfer makes its earlier ones' descriptors stale (a move):
+            // a later lane failure must not lose the transfer for lanes it no longer uses.
+            for (id, nonce) in reserved {
+                self.descriptors
+                    .retain(|(t, _, _)| t.transfer_id != id || t.nonce == nonce);
+            }
             // A failed lane's transfers are reported lost before its writes' outcomes (so
             // each ends as on peer loss); completions before the frames that came with them
             // (a VERIFIED after the writes it covers).
@@ -533,9 +541,16 @@ impl SenderTransport for RdmaSender {
             self.done(transfer, writes.len() as u32, false);
             return;
         };
-        // Each page on its run's lane (a striped descriptor), else on the transfer's.
+        // Each page on its run's lane (a striped descriptor), else on the transfer's. A lane of
+        // the transfer that has failed loses it before any of these writes is posted (its
+        // stripes on live lanes are not written further: the receiver moves it whole).
         let own = self.lane_of.get(transfer.transfer_id);
-        let mut lost = false;
+        let dead = |l: usize| self.lanes.lanes.get(l).is_some_and(|x| x.dead);
+        let mut lost = dead(own) || d.lanes().into_iter().any(|l| dead(usize::from(l)));
+        if lost {
+            self.events
+                .push_back(TransportEvent::TransferLost(transfer.transfer_id));
+        }
         for w in writes {
             if lost {
                 self.done(transfer, 1, false);

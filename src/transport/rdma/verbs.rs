@@ -352,6 +352,36 @@ impl RegisteredMemory {
         self.mrs[b].1 + offset
     }
 
+    /// The NUMA node holding the first page of every buffer, where the kernel says so and
+    /// they agree (`get_mempolicy(MPOL_F_NODE | MPOL_F_ADDR)`; registered pages are
+    /// resident). `None` for memory the kernel cannot place (device memory) or buffers on
+    /// different nodes.
+    pub fn numa_node(&self) -> Option<u32> {
+        const MPOL_F_NODE: libc::c_ulong = 1;
+        const MPOL_F_ADDR: libc::c_ulong = 2;
+        let mut nodes = self.mrs.iter().map(|(_, addr)| {
+            let mut node: libc::c_int = -1;
+            // SAFETY: get_mempolicy with MPOL_F_ADDR only reads the policy of the page at
+            // `addr` (registered, so mapped and resident, for as long as `self`) and writes
+            // one int to `node`; no nodemask is passed (null, maxnode 0).
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_get_mempolicy,
+                    &mut node as *mut libc::c_int,
+                    std::ptr::null_mut::<libc::c_ulong>(),
+                    0 as libc::c_ulong,
+                    *addr as *const libc::c_void,
+                    MPOL_F_NODE | MPOL_F_ADDR,
+                )
+            };
+            (rc == 0)
+                .then_some(node)
+                .and_then(|n| u32::try_from(n).ok())
+        });
+        let first = nodes.next()??;
+        nodes.all(|n| n == Some(first)).then_some(first)
+    }
+
     pub(super) fn mr_ptr(&self, b: usize) -> *mut rdma_mummy_sys::ibv_mr {
         // SAFETY: the MR lives as long as `self`; the pointer is only passed to a bind.
         unsafe { self.mrs[b].0.mr().as_ptr() }
