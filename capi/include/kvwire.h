@@ -229,6 +229,11 @@ typedef struct {
   // 16; 0 never stripes. This field follows `pull_threads`: a program built against an
   // older header keeps the default.
   uint32_t rdma_stripe_pages;
+  // RDMA, decode side: non-zero (the default, kvwire_config_init) keeps reservations to
+  // the rails whose NIC is on the KV memory's NUMA node while one is up, where the kernel
+  // reports the nodes; 0 uses every rail alike. This field follows `rdma_stripe_pages`: a
+  // program built against an older header keeps the default.
+  int rdma_rail_affinity;
 } kvwire_config_t;
 
 // One of the engine's KV buffers: base pointer, length in bytes, bytes per page (SGLang's

@@ -103,6 +103,11 @@ pub struct kvwire_config_t {
     /// 16; 0 never stripes. This field follows `pull_threads`: a program built against an
     /// older header keeps the default.
     pub rdma_stripe_pages: u32,
+    /// RDMA, decode side: non-zero (the default, kvwire_config_init) keeps reservations to
+    /// the rails whose NIC is on the KV memory's NUMA node while one is up, where the kernel
+    /// reports the nodes; 0 uses every rail alike. This field follows `rdma_stripe_pages`: a
+    /// program built against an older header keeps the default.
+    pub rdma_rail_affinity: c_int,
 }
 
 /// The smallest `size` a kvwire_config_t may declare: every field up to `tcp_streams`,
@@ -133,6 +138,7 @@ impl kvwire_config_t {
             same_host: crate::codes::KVWIRE_SAME_HOST_AUTO,
             pull_threads: 0,
             rdma_stripe_pages: kvwire::config::DEFAULT_STRIPE_PAGES,
+            rdma_rail_affinity: 1,
         }
     }
 }

@@ -98,7 +98,8 @@ pub(crate) unsafe fn manager_config(c: &kvwire_config_t) -> Result<ManagerConfig
             TransportConfig::rdma_devices(dev, queue_pairs)
                 .busy_poll(c.rdma_busy_poll != 0)
                 .ack_timeout(ack_timeout)
-                .stripe_pages(c.rdma_stripe_pages),
+                .stripe_pages(c.rdma_stripe_pages)
+                .rail_affinity(c.rdma_rail_affinity != 0),
         );
     }
     config.node_id = c.node_id;

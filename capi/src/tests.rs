@@ -523,6 +523,7 @@ fn rdma_settings_are_read_defaulted_and_checked() {
     c.rdma_busy_poll = 1;
     c.rdma_ack_timeout = 18;
     c.rdma_stripe_pages = 4;
+    c.rdma_rail_affinity = 0;
     // SAFETY: a complete config whose strings are NUL-terminated or null.
     let read = unsafe { crate::manager::manager_config(&c) }.unwrap();
     assert_eq!(
@@ -533,7 +534,7 @@ fn rdma_settings_are_read_defaulted_and_checked() {
             busy_poll: true,
             ack_timeout: 18,
             stripe_pages: 4,
-            rail_affinity: true,
+            rail_affinity: false,
         }
     );
     c.rdma_device = c"".as_ptr();
@@ -541,6 +542,7 @@ fn rdma_settings_are_read_defaulted_and_checked() {
     c.rdma_busy_poll = 0;
     c.rdma_ack_timeout = 0;
     c.rdma_stripe_pages = kvwire::config::DEFAULT_STRIPE_PAGES;
+    c.rdma_rail_affinity = 1;
     // SAFETY: as above.
     let read = unsafe { crate::manager::manager_config(&c) }.unwrap();
     assert_eq!(
@@ -631,18 +633,21 @@ fn same_host_settings_are_read_defaulted_and_checked() {
     old.same_host = 77;
     old.pull_threads = 9;
     old.rdma_stripe_pages = 0;
+    old.rdma_rail_affinity = 0;
     // SAFETY: valid for reads of its whole size.
     let copied = unsafe { crate::manager::read_config(&old) }.unwrap();
     assert_eq!(
         (
             copied.same_host,
             copied.pull_threads,
-            copied.rdma_stripe_pages
+            copied.rdma_stripe_pages,
+            copied.rdma_rail_affinity
         ),
         (
             KVWIRE_SAME_HOST_AUTO,
             0,
-            kvwire::config::DEFAULT_STRIPE_PAGES
+            kvwire::config::DEFAULT_STRIPE_PAGES,
+            1
         )
     );
 

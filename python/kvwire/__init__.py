@@ -147,7 +147,9 @@ class KVManager:
     by default; 18, about 1.1 s, where queueing on the path can exceed that),
     ``ib_stripe_pages`` (decode side: a transfer of P pages is written over
     min(P / ib_stripe_pages, queue pairs) queue pairs at once, each rail once before any twice;
-    16 by default, 0 never stripes). A value out of range raises ``ConfigError`` naming it.
+    16 by default, 0 never stripes), ``ib_rail_affinity`` (decode side: keep to the rails whose
+    NIC is on the KV memory's NUMA node while one is up, where the kernel reports the nodes;
+    True by default). A value out of range raises ``ConfigError`` naming it.
 
     Discovery: ``bootstrap`` (an embedded bootstrap server's ``host:port``) or
     ``etcd_endpoints``, with ``cluster``: a prefill manager registers itself
@@ -178,6 +180,7 @@ class KVManager:
         ib_busy_poll: bool = False,
         ib_ack_timeout: int = 14,
         ib_stripe_pages: int = 16,
+        ib_rail_affinity: bool = True,
         bootstrap: Optional[str] = None,
         etcd_endpoints: Optional[Sequence[str]] = None,
         cluster: str = "kvwire",
@@ -219,6 +222,7 @@ class KVManager:
             ib_busy_poll=ib_busy_poll,
             ib_ack_timeout=ib_ack_timeout,
             ib_stripe_pages=ib_stripe_pages,
+            ib_rail_affinity=ib_rail_affinity,
             keepalive=keepalive,
         )
         self._resolved: Dict[Tuple[str, str, int], str] = {}

@@ -33,6 +33,7 @@ class Engine:
         ib_busy_poll: bool = False,
         ib_ack_timeout: int = 14,
         ib_stripe_pages: int = 16,
+        ib_rail_affinity: bool = True,
         liveness_timeout_s: float = 2.0,
         reserve_timeout_s: float = 30.0,
         reservation_wait_s: float = 30.0,

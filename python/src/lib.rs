@@ -134,7 +134,7 @@ impl Engine {
     /// writes of its length for as long as this engine and everything made from it live, the
     /// buffers do not overlap, and the engine writes no page kvwire holds.
     #[new]
-    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, ib_queue_pairs=1, ib_busy_poll=false, ib_ack_timeout=14, ib_stripe_pages=16, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, parked_reservation_s=30.0, worker_threads=2, tcp_streams=1, same_host="auto".to_string(), pull_threads=0, keepalive=None))]
+    #[pyo3(signature = (prefill, kv_data_ptrs, kv_data_lens, kv_item_lens, aux_data_ptrs, aux_data_lens, aux_item_lens, page_size, *, max_context_tokens=None, psk=None, insecure_no_auth=false, fingerprint="kvwire-python".to_string(), node_id=None, listen=None, transport="tcp".to_string(), ib_device=None, ib_queue_pairs=1, ib_busy_poll=false, ib_ack_timeout=14, ib_stripe_pages=16, ib_rail_affinity=true, liveness_timeout_s=2.0, reserve_timeout_s=30.0, reservation_wait_s=30.0, parked_reservation_s=30.0, worker_threads=2, tcp_streams=1, same_host="auto".to_string(), pull_threads=0, keepalive=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -158,6 +158,7 @@ impl Engine {
         ib_busy_poll: bool,
         ib_ack_timeout: u32,
         ib_stripe_pages: i64,
+        ib_rail_affinity: bool,
         liveness_timeout_s: f64,
         reserve_timeout_s: f64,
         reservation_wait_s: f64,
@@ -243,6 +244,7 @@ impl Engine {
                     .busy_poll(ib_busy_poll)
                     .ack_timeout(ack_timeout)
                     .stripe_pages(stripe_pages)
+                    .rail_affinity(ib_rail_affinity)
             }
             other => {
                 return Err(PyValueError::new_err(format!(
