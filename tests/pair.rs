@@ -277,3 +277,41 @@ fn the_sender_digests_a_page_only_after_its_write_when_writes_leave_it_in_cache(
     assert_eq!(pair.verified, vec![TransferId(1), TransferId(2)]);
     assert_invariants(&pair);
 }
+
+/// Regression: a second reservation for an id that is already open was refused
+/// (DuplicateTransfer) only after the transport had opened a new access scope for it, which
+/// replaced the open transfer's scope: the sender's writes then fell outside every scope and
+/// the open transfer failed. The duplicate is now refused before any page is leased or any
+/// scope opened, and the open transfer verifies.
+#[test]
+fn a_duplicate_reservation_is_refused_without_touching_the_open_one() {
+    let mut pair = Pair::new(PairConfig::small()).unwrap();
+    let free = pair.receiver.pool().free_pages();
+    common::reserve(&mut pair, 5, 64);
+    let now = pair.now;
+    let dup = pair.receiver.reserve(
+        now,
+        kvwire::ReserveParams::new(TransferId(5), 64, std::time::Duration::from_secs(30)),
+    );
+    assert!(
+        matches!(
+            dup,
+            Err(kvwire::ReceiveError::Reserve(
+                kvwire::proto::receiver::ReserveError::DuplicateTransfer(TransferId(5))
+            ))
+        ),
+        "{dup:?}"
+    );
+    // Only the first reservation's pages are out.
+    assert_eq!(pair.receiver.pool().free_pages(), free - 4);
+    common::send(&mut pair, 5, 64).unwrap();
+    pair.drive();
+    assert_eq!(
+        pair.verified,
+        vec![TransferId(5)],
+        "receiver failures: {:?}, sender: {:?}",
+        pair.receiver_failures,
+        pair.sender_failure(TransferId(5))
+    );
+    assert_invariants(&pair);
+}

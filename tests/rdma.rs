@@ -1039,8 +1039,8 @@ mod driven {
 
     /// SPEC §9.2, striping and moving, the decode first: lane 1 fails under the decode only;
     /// the prefill, which has not seen it, then writes its striped transfers over both
-    /// lanes. The decode leaves the transfers' windows on the live lane bound for a lane
-    /// timeout before it fences them (a write into an invalidated window would fail lane 0
+    /// lanes. The decode leaves the transfers' windows on the live lane bound for its
+    /// liveness timeout (twice its lane timeout) before it fences them (a write into an invalidated window would fail lane 0
     /// too, and with it the connection): the prefill's writes there land, its writes on lane
     /// 1 fail and it sees the lane fail, and then the transfers move whole to lane 0 and
     /// verify. The connection goes on over lane 0.
@@ -1139,6 +1139,79 @@ mod driven {
             );
         }
         assert_eq!(pair.receiver.stats().moves, 3);
+        assert_invariants(&pair);
+    }
+
+    /// Regression (SPEC §9.2, a lane that fails): a RESERVE still queued on a lane when the
+    /// lane fails was moved with the lane's other unsent frames to a live lane, though its
+    /// access names windows deallocated with the failed lane; the sender then wrote through
+    /// the live lane with those rkeys, failed it too, and lost the connection. Such a RESERVE
+    /// is now never sent: the transfer moves, and its new RESERVE is the one the sender sees.
+    ///
+    /// Lane 1 breaks silently under the decode (the prefill's queue pair goes to the error
+    /// state): the decode's SENDs there are never acknowledged, fill its send slots, and the
+    /// RESERVEs bound on lane 1 beyond them wait until the decode finds the lane stalled.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_reserve_queued_on_a_lane_that_fails_is_not_sent_on_another() {
+        let Some(d) = super::device("a_reserve_queued_on_a_lane_that_fails_is_not_sent_on_another")
+        else {
+            return;
+        };
+        let mut cfg = config();
+        cfg.sender.abort_ack_timeout = Duration::from_secs(2);
+        cfg.receiver.abort_ack_timeout = Duration::from_secs(2);
+        cfg.sender.reservation_timeout = Duration::from_secs(30);
+        // One-page transfers, more on each lane than it has send slots.
+        let n = 2 * (kvwire::transport::rdma::SEND_SLOTS as u64 + 8);
+        cfg.sender_pool.pages = n as u32 + 16;
+        cfg.receiver_pool.pages = n as u32 + 16;
+        let dev = Arc::new(RdmaDevice::open(Some(&d.name)).unwrap());
+        let pools = cfg.pools().unwrap();
+        let mut pair = pair_over(&dev, &cfg, pools, 2);
+        let now = Instant::now();
+        let heartbeats = LivenessConfig {
+            interval: Duration::from_millis(250),
+            timeout: Duration::from_secs(30),
+        };
+        pair.sender.enable_liveness(now, heartbeats);
+        pair.receiver.enable_liveness(now, heartbeats);
+        pair.sender
+            .transport_mut()
+            .inner_mut()
+            .inject_lane_failure(1)
+            .unwrap();
+        // Odd ids on lane 0, even ids on lane 1 (the receiver takes the lanes in turn).
+        for id in 1..=n {
+            let now = pair.now;
+            let params = kvwire::ReserveParams::new(TransferId(id), 16, LIMIT).with_page_digests();
+            pair.receiver.reserve(now, params).unwrap();
+        }
+        for id in 1..=n {
+            send(&mut pair, id, 16).unwrap();
+        }
+        assert!(pair.drive_live(LIMIT).await, "did not settle");
+        assert!(
+            pair.sender.closed().is_none() && pair.receiver.closed().is_none(),
+            "closed {:?} / {:?}; prefill {:?}, decode failures {:?}, verified {:?}, live lanes {} / {}, decode moves {}",
+            pair.sender.closed(),
+            pair.receiver.closed(),
+            pair.sender_events,
+            pair.receiver_failures,
+            pair.verified,
+            pair.sender.transport().inner().live_lanes(),
+            pair.receiver.transport().inner().live_lanes(),
+            pair.receiver.stats().moves
+        );
+        assert_eq!(pair.receiver.transport().inner().live_lanes(), 1);
+        for id in (1..=n).map(TransferId) {
+            assert!(
+                pair.sender_verified(id) && pair.verified.contains(&id),
+                "transfer {id}: {:?} / {:?}",
+                pair.sender_failure(id),
+                pair.receiver_failures
+            );
+        }
+        assert_eq!(pair.receiver.stats().moves, n / 2);
         assert_invariants(&pair);
     }
 

@@ -293,6 +293,11 @@ impl<T: ReceiverTransport> ReceiverDriver<T> {
             );
             return Err(e);
         }
+        if self.core.session.has_transfer(p.transfer_id) {
+            // Refused before any page is leased or any scope opened: a transport keys its
+            // scopes by transfer id, and a second scope would replace the open transfer's.
+            return Err(ReserveError::DuplicateTransfer(p.transfer_id).into());
+        }
         let holder = Holder::Receiving(p.transfer_id);
         let leases = match &p.pages {
             Some(pages) => self.core.pool.lease_pages_for(pages, holder)?,

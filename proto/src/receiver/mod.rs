@@ -109,6 +109,12 @@ impl ReceiverSession {
         }
     }
 
+    /// Whether `transfer_id` has a transfer here (open, or ending: a reservation for it
+    /// would be refused, [`ReserveError::DuplicateTransfer`]).
+    pub fn has_transfer(&self, transfer_id: TransferId) -> bool {
+        self.transfers.contains_key(&transfer_id)
+    }
+
     /// Reserves pages for a transfer: queues RESERVE and arms the commit deadline.
     /// Returns the reservation's transfer reference (with its fresh nonce).
     pub fn reserve(

@@ -192,6 +192,15 @@ impl Lanes {
         }
     }
 
+    /// Drops the frames queued on any lane and not yet posted that `stale` picks (a
+    /// reservation's RESERVE once its transfer was lost: its access names windows that are
+    /// gone).
+    pub(crate) fn drop_unsent(&mut self, mut stale: impl FnMut(&Frame) -> bool) {
+        for lane in &mut self.lanes {
+            lane.outbox.retain(|f| !stale(f));
+        }
+    }
+
     /// Lane `i` takes no part in this connection from its start (its rail is down at this
     /// end, or at the peer's): it is dead before anything was posted on it, its queue pair
     /// never connected, and its record says so to the peer ([`QpParams::DOWN`]).

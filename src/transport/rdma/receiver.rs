@@ -119,7 +119,8 @@ pub struct RdmaReceiver {
     /// Invalidation work request → fence number.
     fence_wrs: BTreeMap<u64, u64>,
     /// Transfers lost with a lane while they had windows on live lanes: their fence is not
-    /// posted before this instant (a lane timeout after the loss).
+    /// posted before this instant (the liveness timeout, twice the lane timeout, after the
+    /// loss).
     defer_fence: BTreeMap<TransferId, Instant>,
     next_wr: u64,
     events: VecDeque<TransportEvent>,
@@ -232,6 +233,12 @@ impl RdmaReceiver {
             .iter()
             .map(|l| l.link.receives_posted())
             .sum()
+    }
+
+    /// Control frames queued on every lane and not yet posted (waiting for a send slot or
+    /// for the next poll).
+    pub fn frames_unsent(&self) -> usize {
+        self.lanes.lanes.iter().map(|l| l.unsent()).sum()
     }
 
     /// How access is scoped on this device.
@@ -384,7 +391,7 @@ impl RdmaReceiver {
     /// it, none of its work requests uses a window any more), the windows bound through it are
     /// deallocated, a fence's invalidations there count as done, its unsent frames move to a
     /// live lane, and the transfers it carries or stripes are reported lost. Their windows on
-    /// live lanes stay bound until their fence, which waits a lane timeout: a sender that
+    /// live lanes stay bound until their fence, which waits the liveness timeout: a sender that
     /// has not yet seen the lane fail may still write those stripes, and a write into an
     /// invalidated window would fail its lane too (SPEC §9.2, striping). The last live lane's
     /// failure is the connection's.
@@ -399,19 +406,28 @@ impl RdmaReceiver {
         }
         let now = Instant::now();
         let ids = self.on_lane(i);
+        // A RESERVE of a lost transfer not posted yet (queued on the failed lane and moved to
+        // a live one, or waiting for a send slot) is never sent: its access names windows
+        // that are gone, and the move reserves again.
+        self.lanes
+            .drop_unsent(|f| matches!(f, Frame::Reserve(r) if ids.contains(&r.transfer_id)));
         for id in &ids {
+            // A RESERVE still waiting for its binds is never sent either: no peer saw the
+            // reservation's windows, so their fence need not wait.
+            let unseen = self.binding.remove(id).is_some();
             if let Some(stripes) = self.bound.get_mut(id) {
                 // Deallocating a window invalidates it (its queue pair is reset: no bind
                 // of it is pending any more).
                 for s in stripes.iter_mut().filter(|s| s.lane == i) {
                     s.windows.clear();
                 }
-                if stripes.iter().any(|s| !s.windows.is_empty()) {
-                    self.defer_fence.insert(*id, now + self.lane_timeout);
+                if !unseen && stripes.iter().any(|s| !s.windows.is_empty()) {
+                    // The peer may not have seen the lane fail yet, and may still write the
+                    // live stripes: it has until it can have (its liveness timeout, twice
+                    // the lane timeout).
+                    self.defer_fence.insert(*id, now + 2 * self.lane_timeout);
                 }
             }
-            // A RESERVE still waiting for its binds is never sent: the move reserves again.
-            self.binding.remove(id);
         }
         self.bind_wrs.retain(|_, tid| !ids.contains(tid));
         let mut done = Vec::new();
@@ -663,6 +679,13 @@ impl Transport for RdmaReceiver {
             // Frames before the failures of this pass (a COMMIT that came before its lane
             // failed is verified), and the failures before the RESERVEs whose binds completed
             // in it (one whose lane failed is not sent: its transfer is lost and moves).
+            let committed: Vec<TransferId> = frames
+                .iter()
+                .filter_map(|f| match f {
+                    Frame::Commit(c) => Some(c.transfer.transfer_id),
+                    _ => None,
+                })
+                .collect();
             self.events
                 .extend(frames.into_iter().map(TransportEvent::Frame));
             let failed = self.lanes.take_failed();
@@ -673,6 +696,11 @@ impl Transport for RdmaReceiver {
             } else if let Some((_, why)) = failed.into_iter().next() {
                 // Every live lane failed: the connection's end.
                 self.fail(Closed::LinkFailed(why));
+            }
+            // A COMMIT is sent after every write of its reservation completed: nothing of it
+            // is left to land, and its fence need not wait.
+            for id in committed {
+                self.defer_fence.remove(&id);
             }
             for tid in bound {
                 let ready = self.binding.get_mut(&tid).is_some_and(|b| {
@@ -708,6 +736,14 @@ impl ReceiverTransport for RdmaReceiver {
     ) -> Result<Vec<u8>, ScopeError> {
         if self.closed {
             return Err(ScopeError("the link is down".into()));
+        }
+        if self.bound.contains_key(&transfer_id) || self.binding.contains_key(&transfer_id) {
+            // A second scope would replace the open one's windows while their binds may still
+            // execute (the driver refuses a duplicate reservation before this).
+            return Err(ScopeError(format!(
+                "transfer {} already has an open scope",
+                transfer_id.0
+            )));
         }
         // Coverage (SPEC §9.2): before any peer can write the pages, overwrite them with a
         // pattern only this receiver knows. A page the sender never wrote keeps it, so its
