@@ -119,8 +119,7 @@ pub struct RdmaReceiver {
     /// Invalidation work request → fence number.
     fence_wrs: BTreeMap<u64, u64>,
     /// Transfers lost with a lane while they had windows on live lanes: their fence is not
-    /// posted before this instant (the liveness timeout, twice the lane timeout, after the
-    /// loss).
+    /// posted before this instant (`move_grace` after the loss).
     defer_fence: BTreeMap<TransferId, Instant>,
     next_wr: u64,
     events: VecDeque<TransportEvent>,
@@ -128,6 +127,10 @@ pub struct RdmaReceiver {
     /// How long a lane's SENDs may make no progress while another lane's do before the lane
     /// is taken as failed ([`Lanes::stalled_lane`]; half the liveness timeout).
     lane_timeout: std::time::Duration,
+    /// How long a moved striped reservation's windows on live lanes stay valid after its lane
+    /// failed: the time the peer's own stall rule can take to see it (its lane timeout and
+    /// two heartbeat intervals).
+    move_grace: Duration,
     stats: RdmaReceiverStats,
 }
 
@@ -198,6 +201,7 @@ impl RdmaReceiver {
             events: VecDeque::new(),
             closed: false,
             lane_timeout: super::DEFAULT_LANE_TIMEOUT,
+            move_grace: super::DEFAULT_LANE_TIMEOUT + 2 * Duration::from_millis(250),
             stats: RdmaReceiverStats::default(),
         }
     }
@@ -257,6 +261,16 @@ impl RdmaReceiver {
     /// liveness timeout, so a lane is given up before the peer would be.
     pub fn set_lane_timeout(&mut self, timeout: std::time::Duration) {
         self.lane_timeout = timeout;
+    }
+
+    /// How long a striped reservation moved off a failed lane keeps its windows on the live
+    /// lanes before its fence invalidates them (SPEC §9.2, striping): as long as the peer can
+    /// take to see the lane fail by its stall rule, its lane timeout plus two heartbeat
+    /// intervals (the engine sets its own: the two ends' liveness settings are alike by
+    /// default). Longer keeps a moved transfer waiting; shorter lets a peer still writing a
+    /// live stripe fail that lane too.
+    pub fn set_move_grace(&mut self, grace: Duration) {
+        self.move_grace = grace;
     }
 
     /// Pages per stripe below which a reservation is not striped over one more lane
@@ -391,7 +405,7 @@ impl RdmaReceiver {
     /// it, none of its work requests uses a window any more), the windows bound through it are
     /// deallocated, a fence's invalidations there count as done, its unsent frames move to a
     /// live lane, and the transfers it carries or stripes are reported lost. Their windows on
-    /// live lanes stay bound until their fence, which waits the liveness timeout: a sender that
+    /// live lanes stay bound until their fence, which waits `move_grace`: a sender that
     /// has not yet seen the lane fail may still write those stripes, and a write into an
     /// invalidated window would fail its lane too (SPEC §9.2, striping). The last live lane's
     /// failure is the connection's.
@@ -423,9 +437,8 @@ impl RdmaReceiver {
                 }
                 if !unseen && stripes.iter().any(|s| !s.windows.is_empty()) {
                     // The peer may not have seen the lane fail yet, and may still write the
-                    // live stripes: it has until it can have (its liveness timeout, twice
-                    // the lane timeout).
-                    self.defer_fence.insert(*id, now + 2 * self.lane_timeout);
+                    // live stripes: it has until it can have.
+                    self.defer_fence.insert(*id, now + self.move_grace);
                 }
             }
         }
