@@ -1039,8 +1039,9 @@ mod driven {
 
     /// SPEC §9.2, striping and moving, the decode first: lane 1 fails under the decode only;
     /// the prefill, which has not seen it, then writes its striped transfers over both
-    /// lanes. The decode leaves the transfers' windows on the live lane bound for its lane
-    /// timeout and two heartbeat intervals before it fences them (a write into an invalidated window would fail lane 0
+    /// lanes. The decode, which saw its own queue pair fail, leaves the transfers' windows on
+    /// the live lane bound for its lane timeout and two heartbeat intervals before it fences
+    /// them (a write into an invalidated window would fail lane 0
     /// too, and with it the connection): the prefill's writes there land, its writes on lane
     /// 1 fail and it sees the lane fail, and then the transfers move whole to lane 0 and
     /// verify. The connection goes on over lane 0.

@@ -162,7 +162,7 @@ impl End for ReceiverConn {
             .map_err(rdma::error)?;
         let mut t = t;
         t.set_lane_timeout(config.liveness.timeout / 2);
-        t.set_move_grace(config.liveness.timeout / 2 + 2 * config.liveness.interval);
+        t.set_heartbeat_interval(config.liveness.interval);
         if let TransportConfig::Rdma {
             stripe_pages,
             rail_affinity,

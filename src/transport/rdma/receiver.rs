@@ -127,10 +127,9 @@ pub struct RdmaReceiver {
     /// How long a lane's SENDs may make no progress while another lane's do before the lane
     /// is taken as failed ([`Lanes::stalled_lane`]; half the liveness timeout).
     lane_timeout: std::time::Duration,
-    /// How long a moved striped reservation's windows on live lanes stay valid after its lane
-    /// failed: the time the peer's own stall rule can take to see it (its lane timeout and
-    /// two heartbeat intervals).
-    move_grace: Duration,
+    /// The heartbeat interval (PINGs on every lane): how far apart the two ends' stall rules
+    /// can see one lane fail.
+    heartbeat: Duration,
     stats: RdmaReceiverStats,
 }
 
@@ -201,7 +200,7 @@ impl RdmaReceiver {
             events: VecDeque::new(),
             closed: false,
             lane_timeout: super::DEFAULT_LANE_TIMEOUT,
-            move_grace: super::DEFAULT_LANE_TIMEOUT + 2 * Duration::from_millis(250),
+            heartbeat: Duration::from_millis(250),
             stats: RdmaReceiverStats::default(),
         }
     }
@@ -263,14 +262,14 @@ impl RdmaReceiver {
         self.lane_timeout = timeout;
     }
 
-    /// How long a striped reservation moved off a failed lane keeps its windows on the live
-    /// lanes before its fence invalidates them (SPEC §9.2, striping): as long as the peer can
-    /// take to see the lane fail by its stall rule, its lane timeout plus two heartbeat
-    /// intervals (the engine sets its own: the two ends' liveness settings are alike by
-    /// default). Longer keeps a moved transfer waiting; shorter lets a peer still writing a
-    /// live stripe fail that lane too.
-    pub fn set_move_grace(&mut self, grace: Duration) {
-        self.move_grace = grace;
+    /// The heartbeat interval (the engine's liveness interval), which bounds how long a
+    /// striped reservation moved off a failed lane keeps its windows on the live lanes before
+    /// its fence invalidates them (SPEC §9.2, striping): as long as the peer's stall rule can
+    /// lag this end's in seeing the lane fail. Two intervals when this end saw it by the
+    /// stall rule too; the lane timeout and two intervals when it saw it at once (its own
+    /// queue pair failed), the peer assumed to run the same liveness settings.
+    pub fn set_heartbeat_interval(&mut self, interval: Duration) {
+        self.heartbeat = interval;
     }
 
     /// Pages per stripe below which a reservation is not striped over one more lane
@@ -405,11 +404,11 @@ impl RdmaReceiver {
     /// it, none of its work requests uses a window any more), the windows bound through it are
     /// deallocated, a fence's invalidations there count as done, its unsent frames move to a
     /// live lane, and the transfers it carries or stripes are reported lost. Their windows on
-    /// live lanes stay bound until their fence, which waits `move_grace`: a sender that
+    /// live lanes stay bound until their fence, which waits for the peer's stall rule: a sender that
     /// has not yet seen the lane fail may still write those stripes, and a write into an
     /// invalidated window would fail its lane too (SPEC §9.2, striping). The last live lane's
     /// failure is the connection's.
-    fn lose_lane(&mut self, i: usize, why: String) {
+    fn lose_lane(&mut self, i: usize, why: String, by_stall: bool) {
         if self.closed {
             return;
         }
@@ -437,8 +436,13 @@ impl RdmaReceiver {
                 }
                 if !unseen && stripes.iter().any(|s| !s.windows.is_empty()) {
                     // The peer may not have seen the lane fail yet, and may still write the
-                    // live stripes: it has until it can have.
-                    self.defer_fence.insert(*id, now + self.move_grace);
+                    // live stripes: it has until it can have, by its stall rule.
+                    let grace = if by_stall {
+                        2 * self.heartbeat
+                    } else {
+                        self.lane_timeout + 2 * self.heartbeat
+                    };
+                    self.defer_fence.insert(*id, now + grace);
                 }
             }
         }
@@ -635,7 +639,7 @@ impl Transport for RdmaReceiver {
                 return Poll::Pending;
             }
             if let Some((i, why)) = self.lanes.stalled_lane(Instant::now(), self.lane_timeout) {
-                self.lose_lane(i, why);
+                self.lose_lane(i, why, true);
                 continue;
             }
             // Deferred fences whose time has come (SPEC §9.2, striping).
@@ -704,7 +708,7 @@ impl Transport for RdmaReceiver {
             let failed = self.lanes.take_failed();
             if failed.len() < self.lanes.live() {
                 for (i, why) in failed {
-                    self.lose_lane(i, why);
+                    self.lose_lane(i, why, false);
                 }
             } else if let Some((_, why)) = failed.into_iter().next() {
                 // Every live lane failed: the connection's end.
