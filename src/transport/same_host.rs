@@ -145,8 +145,22 @@ pub fn looks_local(local: SocketAddr, peer: SocketAddr) -> bool {
 /// namespace's TCP sockets names the socket whose local address is `peer` and remote address
 /// is `local`, and that socket's inode is among `/proc/<pid>/fd`. A peer cannot claim another
 /// process's pid: that process would have to hold this very connection.
+///
+/// The peer's socket may still wait in its listener's accept queue (a connection's extra
+/// streams are accepted as they come): the kernel lists it with no inode until the peer
+/// accepts it, so the table is read again for up to [`ACCEPT_WAIT`] before the socket counts
+/// as not found.
 pub fn attest_peer(local: SocketAddr, peer: SocketAddr, pid: u32) -> Result<(), SameHostError> {
-    let inode = socket_inode(peer, local)?.ok_or(SameHostError::SocketNotFound { local, peer })?;
+    let start = std::time::Instant::now();
+    let inode = loop {
+        match socket_inode(peer, local)? {
+            Some(inode) => break inode,
+            None if start.elapsed() < ACCEPT_WAIT => {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            None => return Err(SameHostError::SocketNotFound { local, peer }),
+        }
+    };
     let dir = format!("/proc/{pid}/fd");
     let entries = std::fs::read_dir(&dir).map_err(|cause| SameHostError::Proc {
         path: dir.clone(),
@@ -160,6 +174,9 @@ pub fn attest_peer(local: SocketAddr, peer: SocketAddr, pid: u32) -> Result<(), 
     }
     Err(SameHostError::NotTheOwner { pid })
 }
+
+/// How long [`attest_peer`] waits for the peer to accept its end of the connection.
+pub const ACCEPT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The inode of the TCP socket bound to `local` and connected to `remote`, from
 /// `/proc/net/tcp` and `/proc/net/tcp6`.
@@ -463,6 +480,23 @@ mod tests {
         ));
         drop(c);
         Puller::new(std::process::id()).probe().unwrap();
+    }
+
+    /// Regression (a CI run's same-host `require` connection refused, "no socket of this host
+    /// is the other end"): an extra stream's server end still in the listener's accept queue
+    /// has no inode yet; attestation waits for the accept instead of failing at once.
+    #[test]
+    fn a_connection_not_yet_accepted_is_attested_once_it_is() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        // The client's view: this end, and the server end not accepted yet.
+        let (local, peer) = (c.local_addr().unwrap(), c.peer_addr().unwrap());
+        let accepter = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            l.accept().unwrap()
+        });
+        attest_peer(local, peer, std::process::id()).unwrap();
+        drop(accepter.join().unwrap());
     }
 
     #[test]
