@@ -488,6 +488,57 @@ mod driven {
         (dev, p)
     }
 
+    /// Two lanes on `name`, with short ABORT_ACK waits (moves and aborts end in seconds).
+    fn moving_pair(name: &str) -> RdmaPair {
+        let mut cfg = config();
+        cfg.sender.abort_ack_timeout = Duration::from_secs(2);
+        cfg.receiver.abort_ack_timeout = Duration::from_secs(2);
+        let dev = Arc::new(RdmaDevice::open(Some(name)).unwrap());
+        let pools = cfg.pools().unwrap();
+        pair_over(&dev, &cfg, pools, 2)
+    }
+
+    /// The receiver reserves `ids` (`tokens` each, page digests) before the sender has any of
+    /// them; returns once every RESERVE reached the sender (announced: parked).
+    async fn reserve_until_announced(
+        pair: &mut RdmaPair,
+        ids: std::ops::RangeInclusive<u64>,
+        tokens: u32,
+    ) {
+        let n = ids.clone().count();
+        for id in ids {
+            let now = pair.now;
+            let params =
+                kvwire::ReserveParams::new(TransferId(id), tokens, LIMIT).with_page_digests();
+            pair.receiver.reserve(now, params).unwrap();
+        }
+        let start = Instant::now();
+        while pair
+            .sender_events
+            .iter()
+            .filter(|e| matches!(e, kvwire::proto::sender::SenderEvent::Announced { .. }))
+            .count()
+            < n
+        {
+            assert!(start.elapsed() < LIMIT, "{:?}", pair.sender_events);
+            pair.drive_live(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Lane `lane`'s queue pairs fail under both ends (as a port or link going down does).
+    fn fail_lane_at_both_ends(pair: &mut RdmaPair, lane: usize) {
+        pair.sender
+            .transport_mut()
+            .inner_mut()
+            .inject_lane_failure(lane)
+            .unwrap();
+        pair.receiver
+            .transport_mut()
+            .inner_mut()
+            .inject_lane_failure(lane)
+            .unwrap();
+    }
+
     /// `bootstrap::prepare` (which every connection's ends go through) gives each queue pair
     /// of a connection the configured ACK timeout: both ends of a two-lane connection hold it
     /// once connected, as `ibv_query_qp` reports it.
@@ -817,49 +868,15 @@ mod driven {
         ) else {
             return;
         };
-        let mut cfg = config();
-        cfg.sender.abort_ack_timeout = Duration::from_secs(2);
-        cfg.receiver.abort_ack_timeout = Duration::from_secs(2);
-        let dev = Arc::new(RdmaDevice::open(Some(&d.name)).unwrap());
-        let pools = cfg.pools().unwrap();
-        let mut pair = pair_over(&dev, &cfg, pools, 2);
+        let mut pair = moving_pair(&d.name);
         // The receiver takes the lanes in turn: 1 and 3 on lane 0, 2 and 4 on lane 1. Every
         // reservation reaches the sender (announced: nothing submitted yet) before lane 1
         // fails; the sender submits 1 and 2 before the failure, 3 and 4 after it.
-        let reserve_long = |pair: &mut RdmaPair, id: u64| {
-            let now = pair.now;
-            let params =
-                kvwire::ReserveParams::new(TransferId(id), 4 * 16, LIMIT).with_page_digests();
-            pair.receiver.reserve(now, params).unwrap();
-        };
-        for id in 1..=4u64 {
-            reserve_long(&mut pair, id);
-        }
-        let announced = |pair: &RdmaPair| {
-            pair.sender_events
-                .iter()
-                .filter(|e| matches!(e, kvwire::proto::sender::SenderEvent::Announced { .. }))
-                .count()
-        };
-        let start = Instant::now();
-        while announced(&pair) < 4 {
-            assert!(start.elapsed() < LIMIT, "{:?}", pair.sender_events);
-            pair.drive_live(Duration::from_millis(20)).await;
-        }
+        reserve_until_announced(&mut pair, 1..=4, 4 * 16).await;
         for id in 1..=2u64 {
             send(&mut pair, id, 4 * 16).unwrap();
         }
-        // The rail of lane 1 fails under both ends (as a port or link going down does).
-        pair.sender
-            .transport_mut()
-            .inner_mut()
-            .inject_lane_failure(1)
-            .unwrap();
-        pair.receiver
-            .transport_mut()
-            .inner_mut()
-            .inject_lane_failure(1)
-            .unwrap();
+        fail_lane_at_both_ends(&mut pair, 1);
         let start = Instant::now();
         while pair.sender.transport().inner().live_lanes() > 1
             || pair.receiver.transport().inner().live_lanes() > 1
@@ -892,7 +909,10 @@ mod driven {
         assert_invariants(&pair);
         // Every later reservation takes the live lane, and verifies.
         for id in 5..=8u64 {
-            reserve_long(&mut pair, id);
+            let now = pair.now;
+            let params =
+                kvwire::ReserveParams::new(TransferId(id), 4 * 16, LIMIT).with_page_digests();
+            pair.receiver.reserve(now, params).unwrap();
             send(&mut pair, id, 4 * 16).unwrap();
         }
         assert!(pair.drive_live(LIMIT).await, "did not settle");
@@ -962,47 +982,17 @@ mod driven {
         else {
             return;
         };
-        let mut cfg = config();
-        cfg.sender.abort_ack_timeout = Duration::from_secs(2);
-        cfg.receiver.abort_ack_timeout = Duration::from_secs(2);
-        let dev = Arc::new(RdmaDevice::open(Some(&d.name)).unwrap());
-        let pools = cfg.pools().unwrap();
-        let mut pair = pair_over(&dev, &cfg, pools, 2);
+        let mut pair = moving_pair(&d.name);
         pair.receiver
             .transport_mut()
             .inner_mut()
             .set_stripe_pages(2);
-        for id in 1..=3u64 {
-            let now = pair.now;
-            let params =
-                kvwire::ReserveParams::new(TransferId(id), 12 * 16, LIMIT).with_page_digests();
-            pair.receiver.reserve(now, params).unwrap();
-        }
-        let announced = |pair: &RdmaPair| {
-            pair.sender_events
-                .iter()
-                .filter(|e| matches!(e, kvwire::proto::sender::SenderEvent::Announced { .. }))
-                .count()
-        };
-        let start = Instant::now();
-        while announced(&pair) < 3 {
-            assert!(start.elapsed() < LIMIT, "{:?}", pair.sender_events);
-            pair.drive_live(Duration::from_millis(20)).await;
-        }
+        reserve_until_announced(&mut pair, 1..=3, 12 * 16).await;
         // 1 and 2 written (over both lanes) before the failure, 3 after it.
         for id in 1..=2u64 {
             send(&mut pair, id, 12 * 16).unwrap();
         }
-        pair.sender
-            .transport_mut()
-            .inner_mut()
-            .inject_lane_failure(1)
-            .unwrap();
-        pair.receiver
-            .transport_mut()
-            .inner_mut()
-            .inject_lane_failure(1)
-            .unwrap();
+        fail_lane_at_both_ends(&mut pair, 1);
         send(&mut pair, 3, 12 * 16).unwrap();
         assert!(pair.drive_live(LIMIT).await, "did not settle");
         assert!(pair.sender.closed().is_none(), "{:?}", pair.sender.closed());
@@ -1053,12 +1043,7 @@ mod driven {
         ) else {
             return;
         };
-        let mut cfg = config();
-        cfg.sender.abort_ack_timeout = Duration::from_secs(2);
-        cfg.receiver.abort_ack_timeout = Duration::from_secs(2);
-        let dev = Arc::new(RdmaDevice::open(Some(&d.name)).unwrap());
-        let pools = cfg.pools().unwrap();
-        let mut pair = pair_over(&dev, &cfg, pools, 2);
+        let mut pair = moving_pair(&d.name);
         pair.receiver
             .transport_mut()
             .inner_mut()
@@ -1073,23 +1058,7 @@ mod driven {
         };
         pair.sender.enable_liveness(now, heartbeats);
         pair.receiver.enable_liveness(now, heartbeats);
-        for id in 1..=3u64 {
-            let now = pair.now;
-            let params =
-                kvwire::ReserveParams::new(TransferId(id), 12 * 16, LIMIT).with_page_digests();
-            pair.receiver.reserve(now, params).unwrap();
-        }
-        let announced = |pair: &RdmaPair| {
-            pair.sender_events
-                .iter()
-                .filter(|e| matches!(e, kvwire::proto::sender::SenderEvent::Announced { .. }))
-                .count()
-        };
-        let start = Instant::now();
-        while announced(&pair) < 3 {
-            assert!(start.elapsed() < LIMIT, "{:?}", pair.sender_events);
-            pair.drive_live(Duration::from_millis(20)).await;
-        }
+        reserve_until_announced(&mut pair, 1..=3, 12 * 16).await;
         pair.receiver
             .transport_mut()
             .inner_mut()
