@@ -19,6 +19,10 @@ use crate::memory::PagePool;
 use crate::transport::lanes::LaneMap;
 use crate::transport::{Closed, Fence, ReceiverTransport, ScopeError, Transport, TransportEvent};
 
+mod fences;
+
+use fences::{Binding, Fencing, Stripe};
+
 /// Send-queue depth of each of a receiver's queue pairs (binds, invalidations, frames).
 pub const RECEIVER_QUEUE_DEPTH: u32 = 4096;
 
@@ -49,39 +53,6 @@ pub struct RdmaReceiverStats {
     pub striped: u64,
     /// Lanes those reservations took, together (`striped_lanes / striped` per reservation).
     pub striped_lanes: u64,
-}
-
-/// The windows of one lane of a scope.
-struct Stripe {
-    lane: usize,
-    /// The rail whose device the windows belong to.
-    rail: usize,
-    windows: Vec<MemoryWindow>,
-    /// The invalidation work request of a fence posted on the lane and not yet completed.
-    invalidating: Option<u64>,
-}
-
-/// A striped reservation's binds on lanes other than its own, not yet completed: its RESERVE
-/// waits for them (a window is valid for the peer's writes once its bind has executed, and
-/// only the RESERVE's own queue pair orders its binds before it).
-struct Binding {
-    remaining: usize,
-    reserve: Option<Frame>,
-}
-
-/// A fence in progress: the invalidations not yet completed (one completion per lane).
-struct Fencing {
-    /// The transfer whose fence it is (reported `Fenced` once complete); `None` for the
-    /// windows of a scope no peer saw (abandoned), which are only recycled.
-    transfer: Option<TransferRef>,
-    /// The windows, per lane whose queue pair posts their invalidations.
-    stripes: Vec<Stripe>,
-    remaining: usize,
-    since: Instant,
-    /// Invalidations not posted before this instant: a moved striped reservation's windows
-    /// on live lanes, left valid while the sender may not yet have seen the lane fail
-    /// (SPEC §9.2, striping).
-    post_at: Option<Instant>,
 }
 
 /// The decode end of an RDMA connection: one or more RC queue pairs (lanes) over the
@@ -468,88 +439,6 @@ impl RdmaReceiver {
         }
     }
 
-    /// Posts the invalidations of fence `key`, one doorbell and one completion per lane with
-    /// windows (the last invalidation's covers the others: a send queue completes in order;
-    /// one that fails completes in error and breaks the lane). Completes it at once when
-    /// nothing is left to invalidate.
-    fn post_fence(&mut self, key: u64, now: Instant) {
-        let Some(f) = self.fencing.get_mut(&key) else {
-            return;
-        };
-        f.post_at = None;
-        let mut failed = false;
-        for s in f.stripes.iter_mut().filter(|s| !s.windows.is_empty()) {
-            let id = self.next_wr;
-            self.next_wr += 1;
-            let rkeys: Vec<u32> = s.windows.iter().map(|w| w.rkey).collect();
-            match self.lanes.lanes[s.lane].link.invalidate_all(&rkeys, id) {
-                Ok(()) => {
-                    self.fence_wrs.insert(id, key);
-                    self.stats.invalidations += rkeys.len() as u64;
-                    s.invalidating = Some(id);
-                    f.remaining += 1;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, lane = s.lane, "invalidations could not be posted");
-                    failed = true;
-                }
-            }
-        }
-        if failed {
-            // A fence that cannot be posted: tear the link down (SPEC §8.2), which fences.
-            self.fail(Closed::LinkFailed(
-                "an invalidation could not be posted".into(),
-            ));
-        } else if f.remaining == 0 {
-            self.complete_fence(key, now);
-        }
-    }
-
-    /// Fence `key` is complete: reported (when it is a transfer's), its windows bound again
-    /// (with new keys) by later reservations while they have keys left, else deallocated.
-    fn complete_fence(&mut self, key: u64, now: Instant) {
-        let Some(f) = self.fencing.remove(&key) else {
-            return;
-        };
-        if let Some(t) = f.transfer {
-            self.stats.fence_time += now.saturating_duration_since(f.since);
-            self.events.push_back(TransportEvent::Fenced(t));
-        }
-        for s in f.stripes {
-            for w in s.windows {
-                let spare = &mut self.spare[s.rail];
-                if w.reusable() && spare.len() < SPARE_WINDOWS {
-                    spare.push(w);
-                }
-            }
-        }
-    }
-
-    /// Starts a fence over `stripes` (posted now, or at `post_at`).
-    fn start_fence(
-        &mut self,
-        transfer: Option<TransferRef>,
-        stripes: Vec<Stripe>,
-        post_at: Option<Instant>,
-        now: Instant,
-    ) {
-        let key = self.next_fence;
-        self.next_fence += 1;
-        self.fencing.insert(
-            key,
-            Fencing {
-                transfer,
-                stripes,
-                remaining: 0,
-                since: now,
-                post_at,
-            },
-        );
-        if post_at.is_none() {
-            self.post_fence(key, now);
-        }
-    }
-
     /// A queue pair failed (or the peer is gone): every lane is reset (no remote access
     /// through them after this) and every window deallocated (the fence of every open
     /// reservation); fences in progress complete, then the end of the connection.
@@ -901,14 +790,5 @@ impl ReceiverTransport for RdmaReceiver {
         }
         self.start_fence(Some(transfer), stripes, post_at, now);
         Fence::Pending
-    }
-}
-
-impl RdmaReceiver {
-    /// Forgets a reservation's binds still awaited (its RESERVE, if held, is never sent).
-    fn forget_binds(&mut self, transfer_id: TransferId) {
-        if self.binding.remove(&transfer_id).is_some() {
-            self.bind_wrs.retain(|_, tid| *tid != transfer_id);
-        }
     }
 }
