@@ -15,6 +15,7 @@
 #   bash scripts/sglang-tests.sh -k incident                   # extra pytest arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/engine-venv.sh
 start=$(date +%s)
 
 PYTHON=${PYTHON:-python3}
@@ -37,9 +38,9 @@ PY
 if have_pin; then
   echo "== sglang: reusing $VENV (sglang==$SGLANG_PIN)"
 else
-  echo "== sglang: installing $REQ into $VENV ($("$PYTHON" --version))"
+  echo "== sglang: a new venv $VENV ($("$PYTHON" --version))"
   "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -r "$REQ"
+  install_engine_requirements "$VENV" "$REQ"
   have_pin || { echo "sglang-tests: sglang==$SGLANG_PIN did not install into $VENV" >&2; exit 1; }
 fi
 # The rest of the pins (pytest) in an existing venv too; a no-op when they are there.

@@ -16,6 +16,7 @@
 #   bash scripts/vllm-tests.sh -k layout                     # extra pytest arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/engine-venv.sh
 start=$(date +%s)
 
 PYTHON=${PYTHON:-python3}
@@ -38,9 +39,9 @@ PY
 if have_pin; then
   echo "== vllm: reusing $VENV (vllm==$VLLM_PIN)"
 else
-  echo "== vllm: installing $REQ into $VENV ($("$PYTHON" --version))"
+  echo "== vllm: a new venv $VENV ($("$PYTHON" --version))"
   "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -r "$REQ"
+  install_engine_requirements "$VENV" "$REQ"
   have_pin || { echo "vllm-tests: vllm==$VLLM_PIN did not install into $VENV" >&2; exit 1; }
 fi
 # The rest of the pins (pytest) in an existing venv too; a no-op when they are there.
