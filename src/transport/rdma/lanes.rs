@@ -340,10 +340,14 @@ impl Lanes {
             });
             others_move.then_some(i)
         })?;
+        let link = &self.lanes[i].link;
+        let (sends, signaled) = link.sends_outstanding();
         Some((
             i,
             format!(
-                "the SENDs of lane {i} made no progress for {after:?} while another lane's did"
+                "the SENDs of lane {i} made no progress for {after:?} while another lane's did \
+                 ({sends} SENDs outstanding, {signaled} of them signaled; {} receives posted)",
+                link.receives_posted()
             ),
         ))
     }

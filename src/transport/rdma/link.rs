@@ -305,6 +305,12 @@ impl RcLink {
         self.receives_stopped = true;
     }
 
+    /// SENDs posted and not yet retired by a completion, and how many of them asked for one:
+    /// what a lane declared stalled was waiting on.
+    pub fn sends_outstanding(&self) -> (usize, u32) {
+        (self.sends_in_flight, self.signaled_sends_out)
+    }
+
     /// Receives posted and not yet taken by a SEND of the peer.
     pub fn receives_posted(&self) -> usize {
         self.receives_posted
