@@ -163,8 +163,11 @@ struct Job {
 }
 
 /// A batch is handed out once its pages hold this many bytes (or the stream has nothing more
-/// parsed).
-const BATCH_BYTES: usize = 256 * 1024;
+/// parsed). Each batch costs a handoff, a thread's wake-up and the stream task's: in batches
+/// of 256 KiB (one page of the bench's 64 KiB engine case, four buffers) verified pulls ran at
+/// 0.50 of a memcpy (median of 3 rounds; 2-vCPU Intel Xeon KVM guest, 2026-12-07), in batches
+/// of 1, 2 and 4 MiB at 0.60, 0.62 and 0.62 (BENCHMARKS-LOG, "Same-host pull batches").
+const BATCH_BYTES: usize = 2 << 20;
 
 /// Where a stream's pull threads put what they did, and how its task is woken.
 #[derive(Default)]
