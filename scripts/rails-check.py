@@ -119,7 +119,7 @@ def striped(name, every, out_problems=None):
     return s
 
 
-table, table_b = counters("a"), counters("b")
+hw_a, hw_b = counters("a"), counters("b")
 spontaneous = []
 
 
@@ -134,7 +134,7 @@ def no_fault_pair(name, every_striped):
         lane_problems = []
         gb = all_verified(run, lane_problems=lane_problems)
         s = striped(run, every_striped, lane_problems)
-        sent = rail_shares(run, table, lane_problems)
+        sent = rail_shares(run, hw_a, lane_problems)
         runs.append((run, gb, sent, s, lane_problems))
     clean = [r for r in runs if not r[4]]
     for run, _, _, _, lane_problems in runs:
@@ -145,8 +145,8 @@ def no_fault_pair(name, every_striped):
                if "queue pair failed" in line]
         spontaneous.append({
             "run": run, "problems": lane_problems, "decode_log": why,
-            "counters_a": {d: delta(table, run, d) for d in ("rxe0", "rxe1")},
-            "counters_b": {d: delta(table_b, run, d) for d in ("rxe0", "rxe1")},
+            "counters_a": {d: delta(hw_a, run, d) for d in ("rxe0", "rxe1")},
+            "counters_b": {d: delta(hw_b, run, d) for d in ("rxe0", "rxe1")},
         })
         if not clean:
             problems.extend(lane_problems)
@@ -160,17 +160,17 @@ one = all_verified("one")
 back = all_verified("back")
 startdown = all_verified("startdown", failed_lanes=1)
 stripes = {"two": two_striped, "flat": flat_striped, "back": striped("back", True)}
-sent_pkts = lambda t: {k: v.get("sent_pkts", 0) for k, v in t.items()}
-table_a_full, table = table, sent_pkts(table)
-shares = {"two": two_sent, "flat": flat_sent, "back": rail_shares("back", table_a_full, problems)}
+# (run, device) -> VM a's sent packets at that point.
+sent_pkts = {k: v.get("sent_pkts", 0) for k, v in hw_a.items()}
+shares = {"two": two_sent, "flat": flat_sent, "back": rail_shares("back", hw_a, problems)}
 # Rail 1 down before the connection: rail 0 carried the run, rail 1 nothing.
 keys = [(f"{when}-startdown", d) for when in ("before", "after") for d in ("rxe0", "rxe1")]
-if any(k not in table for k in keys):
+if any(k not in sent_pkts for k in keys):
     problems.append("startdown: packet counters missing (the run did not finish)")
     startdown_sent = None
 else:
     startdown_sent = {
-        d: table[("after-startdown", d)] - table[("before-startdown", d)] for d in ("rxe0", "rxe1")
+        d: sent_pkts[("after-startdown", d)] - sent_pkts[("before-startdown", d)] for d in ("rxe0", "rxe1")
     }
     if startdown_sent["rxe1"] != 0 or startdown_sent["rxe0"] == 0:
         problems.append(f"startdown: packets sent per rail {startdown_sent}, expected rail 0 only")
@@ -235,10 +235,10 @@ if rp is not None and rd is not None:
     if not (out / "renew-up-at.txt").exists():
         problems.append("renew: rail 1 was never brought back")
     up, end = ("renew-up", "rxe1"), ("after-renew", "rxe1")
-    if up in table and end in table:
-        renew["rxe1_sent_after_the_rail_came_back"] = table[end] - table[up]
-        if table[end] - table[up] < 1000:
-            problems.append(f"renew: rxe1 sent {table[end] - table[up]} packets after the rail came back: not taken again")
+    if up in sent_pkts and end in sent_pkts:
+        renew["rxe1_sent_after_the_rail_came_back"] = sent_pkts[end] - sent_pkts[up]
+        if sent_pkts[end] - sent_pkts[up] < 1000:
+            problems.append(f"renew: rxe1 sent {sent_pkts[end] - sent_pkts[up]} packets after the rail came back: not taken again")
     else:
         problems.append("renew: packet counters missing")
     renew["renewals_logged"] = sum(
