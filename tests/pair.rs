@@ -229,7 +229,7 @@ impl kvwire::transport::SenderTransport for CachedWrites {
     ) {
         self.0.post_writes(now, transfer, access, writes);
     }
-    fn writes_leave_source_in_cache(&self) -> bool {
+    fn digests_after_writes(&self) -> bool {
         true
     }
 }

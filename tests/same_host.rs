@@ -42,6 +42,13 @@ fn config_with_pages(same_host: SameHost, buffer_page_bytes: Vec<u32>) -> NodeCo
 /// Runs the integrator's 8 requests of 100 tokens from a prefill configured `prefill` to a
 /// decode configured `decode`; returns whether the decode pulled, and the bytes it checked.
 async fn run(prefill: NodeConfig, decode: NodeConfig) -> (bool, u64) {
+    let (pulled, checked, _) = run_counting_digests(prefill, decode).await;
+    (pulled, checked)
+}
+
+/// [`run`], and the source pages the prefill digested right after their writes (pull records
+/// or data records) rather than before them.
+async fn run_counting_digests(prefill: NodeConfig, decode: NodeConfig) -> (bool, u64, u64) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let decode_node = kvwire::Node::new(decode).unwrap();
@@ -55,7 +62,9 @@ async fn run(prefill: NodeConfig, decode: NodeConfig) -> (bool, u64) {
     });
     let conn = SenderConn::connect(addr, &prefill_node).await.unwrap();
     integrator::prefill(&conn, 8, 100).await.unwrap();
-    decode.await.unwrap()
+    let after_writes = conn.stats().await.unwrap().pages_digested_after_write;
+    let (pulled, checked) = decode.await.unwrap();
+    (pulled, checked, after_writes)
 }
 
 const BYTES: u64 = 8 * 7 * (4096 + 8192);
@@ -106,6 +115,30 @@ async fn large_pages_are_pulled_slot_by_slot_and_verify() {
     .await;
     assert!(pulled);
     assert_eq!(checked, 8 * 7 * (160 + 200) * 1024);
+}
+
+/// The prefill digests the source pages of a pulled transfer of at least
+/// `DIGEST_AFTER_WRITE_MIN_BYTES` right after the write that carried their pull records (the
+/// decode copies them meanwhile), and a smaller transfer's before its records; all verify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prefill_digests_large_pulled_transfers_after_their_pull_records() {
+    // 7 pages of 360 KiB per request: 2.5 MiB, digested after the records.
+    let pages = vec![160 * 1024, 200 * 1024];
+    const { assert!(7 * (160 + 200) * 1024 >= kvwire::sender::DIGEST_AFTER_WRITE_MIN_BYTES) };
+    let (pulled, checked, after_writes) = run_counting_digests(
+        config_with_pages(SameHost::Require, pages.clone()),
+        config_with_pages(SameHost::Require, pages),
+    )
+    .await;
+    assert!(pulled);
+    assert_eq!(checked, 8 * 7 * (160 + 200) * 1024);
+    assert_eq!(after_writes, 8 * 7, "every page of the 8 requests");
+    // 7 pages of 12 KiB per request: digested before the records.
+    let (pulled, checked, after_writes) =
+        run_counting_digests(config(SameHost::Require, 1), config(SameHost::Require, 1)).await;
+    assert!(pulled);
+    assert_eq!(checked, BYTES);
+    assert_eq!(after_writes, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -292,7 +292,7 @@ impl TransportConfig {
     /// * TCP: none (`u64::MAX`). The connection's own thread copies every byte in and out of
     ///   the socket, and digests each page right after that copy, from cache: the receiver as
     ///   it lands, the sender as its write completes
-    ///   (the TCP sender transport's `writes_leave_source_in_cache`).
+    ///   (the TCP sender transport's `digests_after_writes`).
     ///   A job on the pool reads the pages again from memory on another core. On 2 cores
     ///   inline beat the pool for 8 MiB and 32 MiB transfers alike (1.01-1.26x GB/s at
     ///   0.86-1.01x CPU; docs/BENCHMARKS.md, "The sender's digest after the kernel's copy").

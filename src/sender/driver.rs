@@ -94,15 +94,15 @@ pub struct SenderDriverStats {
     pub digest_jobs_split: u64,
     /// Digest jobs run on the blocking pool, split or not (`DigestExecution::Offload`).
     pub digest_jobs_offloaded: u64,
-    /// Source pages digested right after their writes completed, from cache
-    /// ([`SenderTransport::writes_leave_source_in_cache`], chunks of at least
+    /// Source pages digested right after their writes completed
+    /// ([`SenderTransport::digests_after_writes`], chunks of at least
     /// [`DIGEST_AFTER_WRITE_MIN_BYTES`]).
     pub pages_digested_after_write: u64,
 }
 
-/// Chunks of at least this many bytes are digested after their writes over a transport whose
-/// writes leave the source in cache ([`SenderTransport::writes_leave_source_in_cache`]);
-/// smaller ones right before their writes are posted. A digest after the writes finishes only
+/// Chunks of at least this many bytes are digested after their writes over a transport that
+/// asks for it ([`SenderTransport::digests_after_writes`]: TCP, the source then in cache, or
+/// same-host pull records); smaller ones right before their writes are posted. A digest after the writes finishes only
 /// after the last write completed, so the COMMIT leaves in a write of its own rather than
 /// with the last data record: for 4 KiB single-page transfers over TCP that cost 0.68x the
 /// transfers/s, while the digest's read from memory that it saves is about 2 µs per 64 KiB
@@ -464,9 +464,9 @@ impl<T: SenderTransport> SenderDriver<T> {
 
     /// Digests while sending: every stepped digest job covers its transfer's pages up to the
     /// first write still pending, right before the transport sends them; or, for a chunk of
-    /// at least [`DIGEST_AFTER_WRITE_MIN_BYTES`] over a transport whose writes leave the
-    /// source in cache ([`SenderTransport::writes_leave_source_in_cache`]), up to the first
-    /// write not yet done, right after the transport copied them. A job with
+    /// at least [`DIGEST_AFTER_WRITE_MIN_BYTES`] over a transport that asks for it
+    /// ([`SenderTransport::digests_after_writes`]), up to the first write not yet done,
+    /// right after the transport wrote them. A job with
     /// no write left (all done, or cancelled) is finished. Returns whether an outcome went to
     /// the session.
     fn digest_sent(&mut self, now: Instant) -> bool {
@@ -475,7 +475,7 @@ impl<T: SenderTransport> SenderDriver<T> {
         if self.stepping.is_empty() {
             return false;
         }
-        let after_writes = self.core.transport.writes_leave_source_in_cache();
+        let after_writes = self.core.transport.digests_after_writes();
         for &t in &self.stepping {
             let after_write =
                 after_writes && self.core.digests.stepped_bytes(t) >= DIGEST_AFTER_WRITE_MIN_BYTES;

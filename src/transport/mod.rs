@@ -312,16 +312,20 @@ pub trait SenderTransport: Transport {
         None
     }
 
-    /// Whether a page write reads its source pages on the connection's own thread and leaves
-    /// them in that core's cache by the time it is reported done (TCP from host memory: the
-    /// kernel copies them into the socket). The sender driver then digests each page right
-    /// after its write completed, a read from cache, instead of right before it is posted, a
-    /// read from memory (SPEC §6, digests while sending). The driver takes a transfer's writes
-    /// as done in the order it posted them (TCP's one ordered stream does that); a transport
-    /// that did not would only move when each page is read, not what its digest is (the pages
-    /// are pinned until the job ends). Default: no (RDMA reads the pages by DMA; device memory
-    /// is digested where it is).
-    fn writes_leave_source_in_cache(&self) -> bool {
+    /// Whether the sender driver should digest each page right after its write is reported
+    /// done instead of right before it is posted (SPEC §6, digests while sending; chunks of at
+    /// least [`DIGEST_AFTER_WRITE_MIN_BYTES`](crate::sender::DIGEST_AFTER_WRITE_MIN_BYTES)).
+    /// Yes where that is cheaper: where a write reads its source pages on the connection's
+    /// own thread and leaves them in that core's cache by the time it is reported done (TCP
+    /// from host memory: the kernel copies them into the socket), the digest reads them from
+    /// cache instead of memory; where a write only names the pages (a same-host pull record,
+    /// SPEC §9.3), the decode copies them on its own core while this one digests them, instead
+    /// of waiting for the digest before its copy can start. The driver takes a transfer's
+    /// writes as done in the order it posted them (TCP's one ordered stream does that); a
+    /// transport that did not would only move when each page is read, not what its digest is
+    /// (the pages are pinned until the job ends). Default: no (RDMA reads the pages by DMA
+    /// while the digest would compete for them; device memory is digested where it is).
+    fn digests_after_writes(&self) -> bool {
         false
     }
 

@@ -489,8 +489,8 @@ impl<T: SenderTransport> SenderTransport for FaultySender<T> {
         self.0.inner.destination_pages()
     }
 
-    fn writes_leave_source_in_cache(&self) -> bool {
-        self.0.inner.writes_leave_source_in_cache()
+    fn digests_after_writes(&self) -> bool {
+        self.0.inner.digests_after_writes()
     }
 
     fn post_writes(

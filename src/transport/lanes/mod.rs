@@ -385,8 +385,8 @@ impl<T: SenderTransport> SenderTransport for LaneSet<T> {
         self.lanes[0].destination_pages()
     }
 
-    fn writes_leave_source_in_cache(&self) -> bool {
-        self.lanes.iter().all(T::writes_leave_source_in_cache)
+    fn digests_after_writes(&self) -> bool {
+        self.lanes.iter().all(T::digests_after_writes)
     }
 
     fn post_writes(

@@ -24,7 +24,7 @@ const MAX_QUEUED_RECORDS: usize = 256;
 const MAX_IOV: usize = 64;
 /// Page bytes handed to one vectored write at most (one record's at least): the pages a write
 /// copied are still in this core's cache when the sender digests them right after it
-/// ([`SenderTransport::writes_leave_source_in_cache`]). Measured on a 2-vCPU AMD EPYC guest
+/// ([`SenderTransport::digests_after_writes`]). Measured on a 2-vCPU AMD EPYC guest
 /// (1 MiB of L2 per core), 64 KiB pages, in samples of the sender's digest per sample of its
 /// kernel copy: 0.24 after writes of 1 MiB, 0.34 after writes as large as the socket took,
 /// 0.58 read before the copy; writes of 256 KiB cost more in system calls than that saved
@@ -656,11 +656,16 @@ impl SenderTransport for TcpSender {
         self.destination_pages
     }
 
-    /// Host memory: the kernel copies each record's pages into the socket during the write
-    /// that completes it, and [`TcpSender`] reports that write's records before the next one.
-    /// Not where the decode may pull (SPEC §9.3): a pull record leaves the pages unread.
-    fn writes_leave_source_in_cache(&self) -> bool {
-        self.staging.is_none() && !self.pulls
+    /// Host memory: the kernel copies each data record's pages into the socket during the
+    /// write that completes it, and [`TcpSender`] reports that write's records before the next
+    /// one. With same-host pulls (SPEC §9.3) a write carries only pull records: the decode
+    /// starts copying their pages as soon as they arrive, on its own core, while this one
+    /// digests them. Measured on a 2-vCPU Intel Xeon guest, engine workloads, same-host ÷
+    /// memcpy, medians of four rounds: 0.65 and 0.61 (64 KiB and 1 MiB pages) digesting
+    /// before the pull records, 0.71 and 0.67 after (docs/BENCHMARKS-LOG.md, "The prefill's
+    /// digest after its pull records").
+    fn digests_after_writes(&self) -> bool {
+        self.staging.is_none()
     }
 
     fn post_writes(
