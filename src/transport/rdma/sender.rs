@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use kvwire_proto::sender::PageWrite;
-use kvwire_proto::wire::{Frame, TransferRef};
+use kvwire_proto::wire::{Frame, TransferId, TransferRef};
 
 use super::descriptor::AccessDescriptor;
 use super::lanes::{LaneEvent, LaneLoss, Lanes};
@@ -71,6 +71,10 @@ pub struct RdmaSender {
     inflight: BTreeMap<u64, Signaled>,
     next_wr: u64,
     descriptors: VecDeque<CachedDescriptor>,
+    /// The reservations seen, oldest first (transfer id, nonce), at most
+    /// [`RESERVATIONS_REMEMBERED`]: a lane's failure loses a transfer only through its newest
+    /// reservation ([`current_transfers`]).
+    reservations: VecDeque<(TransferId, u64)>,
     events: VecDeque<TransportEvent>,
     closed: bool,
     /// How long a lane's SENDs may make no progress while another lane's do before the lane
@@ -111,6 +115,7 @@ impl RdmaSender {
             inflight: BTreeMap::new(),
             next_wr: 1,
             descriptors: VecDeque::new(),
+            reservations: VecDeque::new(),
             events: VecDeque::new(),
             closed: false,
             lane_timeout: super::DEFAULT_LANE_TIMEOUT,
@@ -262,24 +267,25 @@ impl RdmaSender {
         }
         // Lost first, so each transfer ends as on peer loss (no ABORT for the failed writes):
         // those the lane carries frames for, and those striped over it (their descriptor
-        // names it, or writes of theirs are on it).
+        // names it, or writes of theirs are on it) through their current reservation.
         let mut ids = self.lane_of.on_lane(i);
-        ids.extend(
-            self.descriptors
-                .iter()
-                .filter(|(_, _, d)| {
-                    d.as_ref()
-                        .is_ok_and(|d| d.runs.iter().any(|r| r.lane == Some(i as u16)))
-                })
-                .map(|(t, _, _)| t.transfer_id),
-        );
-        ids.extend(
+        let mut striped: Vec<TransferRef> = self
+            .descriptors
+            .iter()
+            .filter(|(_, _, d)| {
+                d.as_ref()
+                    .is_ok_and(|d| d.runs.iter().any(|r| r.lane == Some(i as u16)))
+            })
+            .map(|(t, _, _)| *t)
+            .collect();
+        striped.extend(
             self.inflight
                 .values()
                 .filter(|s| s.lane == i)
-                .map(|s| s.transfer.transfer_id),
+                .map(|s| s.transfer),
         );
-        ids.extend(self.groups[i].map(|(t, _)| t.transfer_id));
+        striped.extend(self.groups[i].map(|(t, _)| t));
+        ids.extend(current_transfers(&striped, &self.reservations));
         ids.sort_unstable();
         ids.dedup();
         for id in ids {
@@ -440,7 +446,7 @@ impl Transport for RdmaSender {
             }
             let mut completed: Vec<(TransferRef, u32, bool)> = Vec::new();
             let mut frames: Vec<Frame> = Vec::new();
-            let mut reserved: Vec<(kvwire_proto::wire::TransferId, u64)> = Vec::new();
+            let mut reserved: Vec<(TransferId, u64)> = Vec::new();
             let (inflight, lane_of) = (&mut self.inflight, &mut self.lane_of);
             let pass = self.lanes.poll_pass(cx, |lane, i, e| match e {
                 LaneEvent::WriteDone { wr_id, ok } => {
@@ -469,6 +475,10 @@ impl Transport for RdmaSender {
             for (id, nonce) in reserved {
                 self.descriptors
                     .retain(|(t, _, _)| t.transfer_id != id || t.nonce == nonce);
+                if self.reservations.len() == RESERVATIONS_REMEMBERED {
+                    self.reservations.pop_front();
+                }
+                self.reservations.push_back((id, nonce));
             }
             // A failed lane's transfers are reported lost before its writes' outcomes (so
             // each ends as on peer loss); completions before the frames that came with them
@@ -629,5 +639,65 @@ impl SenderTransport for RdmaSender {
                 self.signal(lane);
             }
         }
+    }
+}
+
+/// Reservations an [`RdmaSender`] remembers (a transfer moves at most 16 times, SPEC §9.2;
+/// beyond this many later reservations an old one is forgotten, and a reference to it is then
+/// taken as current).
+const RESERVATIONS_REMEMBERED: usize = 4096;
+
+/// The transfers of `refs` (references a failed lane's writes or cached descriptors name)
+/// whose nonce is the newest reservation of that transfer in `reservations` (oldest first),
+/// or of which none is remembered. A reference under an older nonce is a moved transfer's
+/// old reservation (SPEC §9.2, moving a transfer): a late write under it (in flight, or
+/// whose descriptor was cached again after the move) must not lose the transfer, which no
+/// longer uses that lane.
+fn current_transfers(
+    refs: &[TransferRef],
+    reservations: &VecDeque<(TransferId, u64)>,
+) -> Vec<TransferId> {
+    refs.iter()
+        .filter(|t| {
+            reservations
+                .iter()
+                .rev()
+                .find(|(id, _)| *id == t.transfer_id)
+                .is_none_or(|&(_, nonce)| nonce == t.nonce)
+        })
+        .map(|t| t.transfer_id)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(id: u64, nonce: u64) -> TransferRef {
+        TransferRef {
+            transfer_id: TransferId(id),
+            nonce,
+        }
+    }
+
+    /// A failed lane loses a transfer through its newest reservation, or one never seen
+    /// reserved; not through a reservation it moved off (writes or a descriptor of the old
+    /// nonce still naming the lane).
+    #[test]
+    fn a_lane_loses_only_the_current_reservations_of_its_transfers() {
+        let seen: VecDeque<(TransferId, u64)> = [
+            (TransferId(1), 10),
+            (TransferId(2), 20),
+            (TransferId(1), 11), // transfer 1 moved: 10 -> 11
+            (TransferId(3), 30),
+        ]
+        .into();
+        let refs = [r(1, 10), r(1, 11), r(2, 20), r(3, 31), r(4, 40)];
+        assert_eq!(
+            current_transfers(&refs, &seen),
+            vec![TransferId(1), TransferId(2), TransferId(4)],
+            "1 through nonce 11 only, 2 as reserved, not 3 under a nonce it never had here, 4 unknown"
+        );
+        assert!(current_transfers(&[r(1, 10)], &seen).is_empty());
     }
 }
