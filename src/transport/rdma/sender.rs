@@ -269,7 +269,7 @@ impl RdmaSender {
         // those the lane carries frames for, and those striped over it (their descriptor
         // names it, or writes of theirs are on it) through their current reservation.
         let mut ids = self.lane_of.on_lane(i);
-        let mut striped: Vec<TransferRef> = self
+        let mut naming_lane: Vec<TransferRef> = self
             .descriptors
             .iter()
             .filter(|(_, _, d)| {
@@ -278,14 +278,14 @@ impl RdmaSender {
             })
             .map(|(t, _, _)| *t)
             .collect();
-        striped.extend(
+        naming_lane.extend(
             self.inflight
                 .values()
                 .filter(|s| s.lane == i)
                 .map(|s| s.transfer),
         );
-        striped.extend(self.groups[i].map(|(t, _)| t));
-        ids.extend(current_transfers(&striped, &self.reservations));
+        naming_lane.extend(self.groups[i].map(|(t, _)| t));
+        ids.extend(current_transfers(&naming_lane, &self.reservations));
         ids.sort_unstable();
         ids.dedup();
         for id in ids {
