@@ -102,9 +102,9 @@ pub struct SenderDriverStats {
 
 /// Chunks of at least this many bytes are digested after their writes over a transport that
 /// asks for it ([`SenderTransport::digests_after_writes`]: TCP, the source then in cache, or
-/// same-host pull records); smaller ones right before their writes are posted. A digest after the writes finishes only
-/// after the last write completed, so the COMMIT leaves in a write of its own rather than
-/// with the last data record: for 4 KiB single-page transfers over TCP that cost 0.68x the
+/// same-host pull records); smaller ones right before their writes are posted. A digest after
+/// the writes finishes only after the last write completed, so the COMMIT leaves in a write of
+/// its own rather than with the last data record: for 4 KiB single-page transfers over TCP that cost 0.68x the
 /// transfers/s, while the digest's read from memory that it saves is about 2 µs per 64 KiB
 /// page (docs/BENCHMARKS.md, "The sender's digest after the kernel's copy").
 pub const DIGEST_AFTER_WRITE_MIN_BYTES: u64 = 1 << 20;

@@ -323,8 +323,8 @@ pub trait SenderTransport: Transport {
     /// of waiting for the digest before its copy can start. The driver takes a transfer's
     /// writes as done in the order it posted them (TCP's one ordered stream does that); a
     /// transport that did not would only move when each page is read, not what its digest is
-    /// (the pages are pinned until the job ends). Default: no (RDMA reads the pages by DMA
-    /// while the digest would compete for them; device memory is digested where it is).
+    /// (the pages are pinned until the job ends). Default: no (RDMA reads the pages by DMA;
+    /// device memory is digested where it is).
     fn digests_after_writes(&self) -> bool {
         false
     }

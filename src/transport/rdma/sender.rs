@@ -642,9 +642,10 @@ impl SenderTransport for RdmaSender {
     }
 }
 
-/// Reservations an [`RdmaSender`] remembers (a transfer moves at most 16 times, SPEC §9.2;
-/// beyond this many later reservations an old one is forgotten, and a reference to it is then
-/// taken as current).
+/// Reservations an [`RdmaSender`] remembers, newest last. A reservation older than this many
+/// others is forgotten; a write or descriptor still naming it is then taken as current, as
+/// before moves were told apart (a transfer with that many reservations after it has long
+/// ended or moved again).
 const RESERVATIONS_REMEMBERED: usize = 4096;
 
 /// The transfers of `refs` (references a failed lane's writes or cached descriptors name)
