@@ -164,6 +164,34 @@ mod primitive {
         );
     }
 
+    /// The lane-state log of a connection closed for an unresponsive peer names each queue
+    /// pair's state as the device holds it (`ibv_query_qp`): INIT before connecting, RTS
+    /// once connected, ERR after a failure; with its receives posted.
+    #[test]
+    fn a_queue_pairs_description_names_the_state_the_device_holds() {
+        let Some(d) = super::device("a_queue_pairs_description_names_the_state_the_device_holds")
+        else {
+            return;
+        };
+        let dev = RdmaDevice::open(Some(&d.name)).unwrap();
+        let mut a = RcLink::new(&dev, 64, None).unwrap();
+        let mut b = RcLink::new(&dev, 64, None).unwrap();
+        let before = a.describe();
+        assert!(before.starts_with("state Init,"), "{before}");
+        let (pa, pb) = (a.params(), b.params());
+        a.connect(&pb).unwrap();
+        b.connect(&pa).unwrap();
+        let connected = a.describe();
+        assert!(connected.starts_with("state ReadyToSend,"), "{connected}");
+        assert!(
+            connected.ends_with("0 SENDs outstanding (0 signaled), 32 receives posted"),
+            "{connected}"
+        );
+        a.force_error().unwrap();
+        let failed = a.describe();
+        assert!(failed.starts_with("state Error,"), "{failed}");
+    }
+
     /// The fence on RDMA: the receiver's memory window over the reserved pages admits writes
     /// until it is invalidated; a late write with its rkey then fails at the NIC (remote access
     /// error) and the page keeps its bytes.

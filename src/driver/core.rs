@@ -190,6 +190,7 @@ impl<S: Session, T: Transport> Core<S, T> {
             };
             if self.unresponsive.is_none() {
                 self.unresponsive = Some(silent_for);
+                self.transport.log_state();
                 // The session first, so that its transfers fail for this reason rather than
                 // for the writes the close is about to fail (it is told again, to no effect,
                 // when the transport reports the end).

@@ -262,6 +262,12 @@ pub trait Transport: Send {
         None
     }
 
+    /// Logs what this transport holds toward the peer (RDMA: each lane's queue pair state
+    /// and what is outstanding on it): called once when the driver closes the connection
+    /// for an unresponsive peer, so the log says where the connection stopped moving.
+    /// Transports with nothing to add log nothing.
+    fn log_state(&self) {}
+
     /// When bytes from the peer last arrived, part of a record included (SPEC §8.3: reading
     /// progress counts as the peer heard, so a record longer than the liveness timeout takes
     /// on a slow link does not make a live peer look silent). `None`: this transport reports

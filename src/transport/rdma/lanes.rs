@@ -305,6 +305,31 @@ impl Lanes {
         self.liveness = None;
     }
 
+    /// Logs each lane's state (the queue pair as the device reports it, what is outstanding
+    /// on it, since when its SENDs made no progress): the diagnostic of a connection closed
+    /// for an unresponsive peer ([`Transport::log_state`]).
+    ///
+    /// [`Transport::log_state`]: crate::transport::Transport::log_state
+    pub(crate) fn log_state(&self) {
+        let now = std::time::Instant::now();
+        for (i, l) in self.lanes.iter().enumerate() {
+            let stalled_ms = l
+                .link
+                .sends_stalled_since()
+                .map(|t| now.saturating_duration_since(t).as_millis() as u64);
+            tracing::warn!(
+                lane = i,
+                rail = l.rail,
+                dead = l.dead,
+                writes_in_flight = l.wrs_in_flight,
+                frames_unsent = l.unsent(),
+                sends_stalled_ms = ?stalled_ms,
+                "lane state: {}",
+                l.link.describe()
+            );
+        }
+    }
+
     /// Since when some lane's SENDs have made no progress ([`RcLink::sends_stalled_since`]),
     /// the earliest over the lanes: what [`Transport::write_blocked_since`] reports over RDMA
     /// (SPEC §8.3, a peer that does not read).

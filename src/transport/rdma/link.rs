@@ -372,6 +372,30 @@ impl RcLink {
         Ok(())
     }
 
+    /// What this queue pair holds, for a diagnostic log: its state and next send and expected
+    /// receive PSNs as the device reports them (`ibv_query_qp`), and the SENDs and receives
+    /// it has outstanding.
+    pub fn describe(&self) -> String {
+        let (sends, signaled) = self.sends_outstanding();
+        let device = match self.qp.query(
+            QueuePairAttributeMask::State
+                | QueuePairAttributeMask::SendQueuePacketSequenceNumber
+                | QueuePairAttributeMask::ReceiveQueuePacketSequenceNumber,
+        ) {
+            Ok((attr, _)) => format!(
+                "state {:?}, send PSN {}, expected receive PSN {}",
+                attr.state(),
+                attr.sq_psn(),
+                attr.rq_psn()
+            ),
+            Err(e) => format!("ibv_query_qp failed: {e}"),
+        };
+        format!(
+            "{device}; {sends} SENDs outstanding ({signaled} signaled), {} receives posted",
+            self.receives_posted
+        )
+    }
+
     /// The local ACK timeout exponent the device holds for this queue pair (`ibv_query_qp`):
     /// what [`RcLink::set_ack_timeout`] asked for, once connected.
     pub fn ack_timeout(&self) -> Result<u8, RdmaError> {

@@ -411,6 +411,12 @@ impl Transport for RdmaSender {
         }
     }
 
+    fn log_state(&self) {
+        if !self.closed {
+            self.lanes.log_state();
+        }
+    }
+
     fn failed_lanes(&self) -> usize {
         self.lanes.lanes.len() - self.lanes.live()
     }
