@@ -13,7 +13,10 @@ any violation:
   at least one reservation (the rail went down while it carried some) and both ends'
   connections report one failed lane (`failed_lanes`): the connection went on over rail 0;
   where it fails, the summary's `rail_down.diagnosis` carries both ends' warnings and both
-  VMs' counters over the run (a CI's output is all that comes back from it);
+  VMs' counters over the run (a CI's output is all that comes back from it); a run the
+  liveness rule closed (rail 0 silent for 10 s, seen on the emulated links) was run again
+  (`down-again`): the second is judged, the first reported under
+  `rail_down_first_run_closed_by_liveness`;
 * rail 1 still down when a new connection opens over both rails: rail 1's lane is left out at
   both ends (SPEC §9.2, a rail down when the connection opens; each side reports one failed
   lane), every transfer verifies and is checked, and rail 1 carried none of its packets;
