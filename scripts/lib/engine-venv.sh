@@ -1,4 +1,4 @@
-# Sourced by scripts/sglang-tests.sh and scripts/vllm-tests.sh: install an engine's pinned
+# Sourced by scripts/lib/engine-lane.sh (the SGLang and vLLM lanes): install an engine's pinned
 # requirements into a venv with as little disk as the install can take.
 #
 # An engine venv is ~10.5 GB installed (torch and its CUDA libraries alone ~6 GB), and one pip
