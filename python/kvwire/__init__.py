@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -366,6 +367,44 @@ def _psk_from_env() -> Optional[bytes]:
     elif os.environ.get("KVWIRE_PSK"):
         text = os.environ["KVWIRE_PSK"].strip()
     return bytes.fromhex(text) if text else None
+
+
+# -- configuration the engine adapters (kvwire.sglang, kvwire.vllm) read alike ------------------
+
+
+def _insecure_from_env(options: Dict[str, Any]) -> None:
+    """Sets ``insecure_no_auth`` in an adapter's options when ``KVWIRE_INSECURE_NO_AUTH=1`` and no
+    key is set (in the options or the environment)."""
+    if "psk" in options or options.get("insecure_no_auth"):
+        return
+    if os.environ.get("KVWIRE_INSECURE_NO_AUTH") == "1" and not (
+        os.environ.get("KVWIRE_PSK") or os.environ.get("KVWIRE_PSK_FILE")
+    ):
+        options["insecure_no_auth"] = True
+
+
+def _advertise_host(listen_host: str) -> str:
+    """The host other nodes reach a listener on ``listen_host`` at: ``KVWIRE_ADVERTISE_HOST``,
+    else the listen host itself unless it is a wildcard, else the default route's address."""
+    env = os.environ.get("KVWIRE_ADVERTISE_HOST")
+    if env:
+        return env
+    if listen_host not in ("0.0.0.0", "::", ""):
+        return listen_host
+    try:  # the address another host reaches this one at (no packet is sent)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _join_host_port(host: Any, port: Any) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    host = str(host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
 
 
 class _Transfer:

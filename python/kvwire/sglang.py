@@ -52,7 +52,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import socket
 import sys
 import time
 import zlib
@@ -61,7 +60,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import BootstrapServer, KVManager, KVPoll, _role
+from . import BootstrapServer, KVManager, KVPoll, _advertise_host, _insecure_from_env, _join_host_port, _role
 from . import KVArgs as _KvwireArgs
 from .errors import ConfigError, InvalidRequest, InvalidState, TransferError
 
@@ -285,39 +284,9 @@ def layout_fingerprint(args: Any, server_args: Any, is_mla_backend: bool) -> str
     return "sglang " + " ".join(parts)
 
 
-def _advertise_host(listen_host: str) -> str:
-    env = os.environ.get("KVWIRE_ADVERTISE_HOST")
-    if env:
-        return env
-    if listen_host not in ("0.0.0.0", "::", ""):
-        return listen_host
-    try:  # the address another host reaches this one at (no packet is sent)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def _join(host: str, port: Any) -> str:
-    host = str(host)
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
 def _connect_host(host: Any) -> str:
     host = str(host or "127.0.0.1")
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
-def _psk_options(options: Dict[str, Any]) -> None:
-    if "psk" in options or options.get("insecure_no_auth"):
-        return
-    if os.environ.get("KVWIRE_INSECURE_NO_AUTH") == "1" and not (
-        os.environ.get("KVWIRE_PSK") or os.environ.get("KVWIRE_PSK_FILE")
-    ):
-        options["insecure_no_auth"] = True
 
 
 @dataclass
@@ -344,7 +313,7 @@ class KvwireKVBootstrapServer(BaseKVBootstrapServer):  # type: ignore[misc,valid
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = int(port)
-        self.server = BootstrapServer(_join(host or "0.0.0.0", int(port)))
+        self.server = BootstrapServer(_join_host_port(host or "0.0.0.0", int(port)))
 
     @property
     def address(self) -> str:
@@ -418,15 +387,15 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
         if self.bootstrap is None and self.is_prefill:
             port = _sv(server_args, "disaggregation_bootstrap_port")
             if port:
-                self.bootstrap = _join(_connect_host(_sv(server_args, "host")), port)
+                self.bootstrap = _join_host_port(_connect_host(_sv(server_args, "host")), port)
         self.cluster: str = options.pop("cluster", None) or os.environ.get("KVWIRE_CLUSTER") or "sglang"
         self.register_ttl_s = float(options.pop("ttl_s", 10.0))
-        _psk_options(options)
+        _insecure_from_env(options)
         if "transport" not in options and os.environ.get("KVWIRE_TRANSPORT"):
             options["transport"] = os.environ["KVWIRE_TRANSPORT"]
         listen = options.pop("listen", None)
         if self.is_prefill and listen is None:
-            listen = os.environ.get("KVWIRE_LISTEN") or _join(_sv(server_args, "host", "127.0.0.1"), 0)
+            listen = os.environ.get("KVWIRE_LISTEN") or _join_host_port(_sv(server_args, "host", "127.0.0.1"), 0)
         self._listen_host = listen.rsplit(":", 1)[0].strip("[]") if listen else None
 
         kv_ptrs = [int(p) for p in getattr(args, "kv_data_ptrs", [])]
@@ -527,7 +496,7 @@ class KvwireKVManager(BaseKVManager):  # type: ignore[misc,valid-type]
         for p in self.parts:
             addr = p.mgr.address
             port = addr.rsplit(":", 1)[1]
-            published = _join(_advertise_host(self._listen_host or ""), port)
+            published = _join_host_port(_advertise_host(self._listen_host or ""), port)
             delay = 0.1
             while True:
                 try:

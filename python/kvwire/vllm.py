@@ -54,14 +54,13 @@ import logging
 import os
 import re
 import secrets
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 
-from . import BootstrapServer, KVManager, KVPoll
+from . import BootstrapServer, KVManager, KVPoll, _advertise_host, _insecure_from_env, _join_host_port
 from . import KVArgs as _KvwireArgs
 from .errors import ConfigError, DiscoveryError, InvalidState, LayoutMismatch, TransferError
 
@@ -143,35 +142,7 @@ def check_version() -> None:
         raise VLLMVersionError(f"vllm=={found} is installed but its connector base does not import: {_IMPORT_ERROR!r}")
 
 
-# -- small helpers (the same conventions as kvwire.sglang) -----------------------------------
-
-
-def _join(host: str, port: Any) -> str:
-    host = str(host)
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
-def _advertise_host(listen_host: str) -> str:
-    env = os.environ.get("KVWIRE_ADVERTISE_HOST")
-    if env:
-        return env
-    if listen_host not in ("0.0.0.0", "::", ""):
-        return listen_host
-    try:  # the address another host reaches this one at (no packet is sent)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def _psk_options(options: Dict[str, Any]) -> None:
-    if os.environ.get("KVWIRE_INSECURE_NO_AUTH") == "1" and not (
-        os.environ.get("KVWIRE_PSK") or os.environ.get("KVWIRE_PSK_FILE")
-    ):
-        options["insecure_no_auth"] = True
+# -- small helpers -----------------------------------------------------------------------
 
 
 def _layer_index(name: str) -> Tuple[int, ...]:
@@ -416,10 +387,10 @@ class _Settings:
         self.host = str(extra.get("host") or "0.0.0.0")
         external = extra.get("bootstrap") or os.environ.get("KVWIRE_BOOTSTRAP")
         self.start_bootstrap = bool(extra.get("start_bootstrap", not external))
-        self.bootstrap_listen = _join(self.host, kvc.kv_port)
+        self.bootstrap_listen = _join_host_port(self.host, kvc.kv_port)
         #: The bootstrap server as decodes reach it (in kv_transfer_params) and as this
         #: server's workers register with it.
-        self.bootstrap = str(external or _join(_advertise_host(self.host), kvc.kv_port))
+        self.bootstrap = str(external or _join_host_port(_advertise_host(self.host), kvc.kv_port))
         self.cluster = f"{extra.get('cluster') or os.environ.get('KVWIRE_CLUSTER') or 'vllm'}.{self.engine_id}"
         self.block_size = int(vllm_config.cache_config.block_size)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -608,13 +579,13 @@ class _Worker:
         self.fingerprint = layout_fingerprint(self.vllm_config, layout, s.tp_size)
         extra = s.extra
         options: Dict[str, Any] = {}
-        _psk_options(options)
+        _insecure_from_env(options)
         transport = extra.get("transport") or os.environ.get("KVWIRE_TRANSPORT")
         if transport:
             options["transport"] = transport
         listen = None
         if s.is_producer:
-            listen = extra.get("listen") or os.environ.get("KVWIRE_LISTEN") or _join(s.host, 0)
+            listen = extra.get("listen") or os.environ.get("KVWIRE_LISTEN") or _join_host_port(s.host, 0)
         args = _KvwireArgs(
             engine_rank=self.tp_rank,
             kv_data_ptrs=[r.ptr for r in layout.regions],
@@ -654,7 +625,7 @@ class _Worker:
         published = self.s.extra.get("advertise")
         if not published:
             listen_host = addr.rsplit(":", 1)[0].strip("[]")
-            published = _join(_advertise_host(listen_host), addr.rsplit(":", 1)[1])
+            published = _join_host_port(_advertise_host(listen_host), addr.rsplit(":", 1)[1])
         deadline = time.monotonic() + float(os.environ.get("KVWIRE_REGISTER_TIMEOUT", "60"))
         delay = 0.1
         while True:  # rank 0 starts the bootstrap server concurrently with the other ranks
