@@ -1,34 +1,18 @@
 //! Log hygiene: losing a peer with many open transfers is one WARN line per side (with the
 //! count by reason), not one per transfer; each transfer's detail is at DEBUG.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvwire::{Node, NodeConfig, ReceiverConn, ReserveParams, SenderConn, TransferId};
 
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+#[path = "common/captured_log.rs"]
+mod captured_log;
+use captured_log::CapturedLog;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_peer_with_many_open_transfers_is_one_warning() {
-    let logs = Captured::default();
-    let sink = logs.clone();
-    tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_ansi(false)
-        .with_writer(move || sink.clone())
-        .init();
+    let logs = CapturedLog::default();
+    tracing::subscriber::set_global_default(logs.warn_subscriber()).unwrap();
     let config = NodeConfig::example();
     let (prefill, decode) = (
         Node::new(config.clone()).unwrap(),
@@ -55,7 +39,7 @@ async fn a_lost_peer_with_many_open_transfers_is_one_warning() {
         assert!(w.await.is_err());
     }
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     let warnings: Vec<&str> = text.lines().filter(|l| l.contains("WARN")).collect();
     assert!(
         warnings.len() <= 2,

@@ -14,6 +14,11 @@
 #[cfg(feature = "rdma")]
 mod common;
 
+// What a test asserts kvwire logs.
+#[cfg(feature = "rdma")]
+#[path = "common/captured_log.rs"]
+mod captured_log;
+
 // `device()`: the usable device or a printed skip (shared with cli/tests/rdma_processes.rs).
 #[path = "common/rdma_device.rs"]
 mod rdma_device;
@@ -784,6 +789,8 @@ mod driven {
     /// pages in the drain, where no protocol deadline runs. The prefill declares the peer
     /// unresponsive once its SENDs made no progress for its liveness timeout: the connection
     /// closes, every transfer fails safely, every source page comes back; nothing verifies.
+    /// At that close the prefill logs its lane's state once: the queue pair as the device
+    /// holds it, with the SENDs stuck on it.
     #[tokio::test(flavor = "current_thread")]
     async fn a_peer_that_sends_but_posts_no_receives_is_declared_unresponsive() {
         let Some(d) =
@@ -791,6 +798,8 @@ mod driven {
         else {
             return;
         };
+        let logs = crate::captured_log::CapturedLog::default();
+        let _logging = tracing::subscriber::set_default(logs.warn_subscriber());
         let mut cfg = config();
         // No protocol deadline may end these transfers first: only the liveness rule can.
         cfg.sender.verdict_timeout = Duration::from_secs(600);
@@ -872,6 +881,18 @@ mod driven {
         assert!(
             pair.sender.pool().held_pages().is_empty(),
             "source pages held"
+        );
+        let text = logs.text();
+        let lane_states: Vec<&str> = text.lines().filter(|l| l.contains("lane state:")).collect();
+        assert_eq!(lane_states.len(), 1, "one lane, logged once:\n{text}");
+        let line = lane_states[0];
+        assert!(
+            line.contains("lane state: state ReadyToSend,") && line.contains("lane=0"),
+            "{line}"
+        );
+        assert!(
+            !line.contains("; 0 SENDs outstanding"),
+            "no SEND stuck: {line}"
         );
         // In-process, the decode has no bootstrap connection whose end would tell it: its
         // process closes it, as that end would.

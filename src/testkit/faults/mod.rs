@@ -478,6 +478,10 @@ impl<T: SenderTransport> Transport for FaultySender<T> {
     fn moves_transfers(&self) -> bool {
         self.0.inner.moves_transfers()
     }
+
+    fn log_state(&self) {
+        self.0.inner.log_state()
+    }
 }
 
 impl<T: SenderTransport> SenderTransport for FaultySender<T> {

@@ -103,6 +103,10 @@ impl<T: ReceiverTransport> Transport for FaultyReceiver<T> {
     fn moves_transfers(&self) -> bool {
         self.0.inner.moves_transfers()
     }
+
+    fn log_state(&self) {
+        self.0.inner.log_state()
+    }
 }
 
 impl<T: ReceiverTransport> ReceiverTransport for FaultyReceiver<T> {

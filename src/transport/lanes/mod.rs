@@ -369,6 +369,10 @@ impl<T: Transport> Transport for LaneSet<T> {
     fn failed_lanes(&self) -> usize {
         self.lanes.iter().map(Transport::failed_lanes).sum()
     }
+
+    fn log_state(&self) {
+        self.lanes.iter().for_each(Transport::log_state)
+    }
 }
 
 impl<T: SenderTransport> SenderTransport for LaneSet<T> {
