@@ -147,18 +147,21 @@ pub fn looks_local(local: SocketAddr, peer: SocketAddr) -> bool {
 /// process's pid: that process would have to hold this very connection.
 ///
 /// The peer's socket may still wait in its listener's accept queue (a connection's extra
-/// streams are accepted as they come): the kernel lists it with no inode until the peer
-/// accepts it, so the table is read again for up to [`ACCEPT_WAIT`] before the socket counts
-/// as not found.
+/// streams are accepted as they come): the kernel lists it established with no inode until
+/// the peer accepts it, so the table is read again for up to [`ACCEPT_WAIT`] while it is
+/// listed so. A socket that is not listed, or listed closing (its process closed it or
+/// ended), counts as not found at once: no accept can come for it.
 pub fn attest_peer(local: SocketAddr, peer: SocketAddr, pid: u32) -> Result<(), SameHostError> {
     let start = std::time::Instant::now();
     let inode = loop {
         match socket_inode(peer, local)? {
-            Some(inode) => break inode,
-            None if start.elapsed() < ACCEPT_WAIT => {
+            PeerSocket::Held(inode) => break inode,
+            PeerSocket::NotAccepted if start.elapsed() < ACCEPT_WAIT => {
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
-            None => return Err(SameHostError::SocketNotFound { local, peer }),
+            PeerSocket::NotAccepted | PeerSocket::Gone => {
+                return Err(SameHostError::SocketNotFound { local, peer })
+            }
         }
     };
     let dir = format!("/proc/{pid}/fd");
@@ -178,9 +181,24 @@ pub fn attest_peer(local: SocketAddr, peer: SocketAddr, pid: u32) -> Result<(), 
 /// How long [`attest_peer`] waits for the peer to accept its end of the connection.
 pub const ACCEPT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// The inode of the TCP socket bound to `local` and connected to `remote`, from
-/// `/proc/net/tcp` and `/proc/net/tcp6`.
-fn socket_inode(local: SocketAddr, remote: SocketAddr) -> Result<Option<u64>, SameHostError> {
+/// What the kernel's socket tables say of the peer's end of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PeerSocket {
+    /// A file holds it: its inode.
+    Held(u64),
+    /// Established and without an inode: in its listener's accept queue, not accepted yet.
+    NotAccepted,
+    /// Not listed, or listed closing without an inode (its process closed it or ended).
+    Gone,
+}
+
+/// `/proc/net/tcp`'s state of an established connection.
+const TCP_ESTABLISHED: &str = "01";
+
+/// The TCP socket bound to `local` and connected to `remote`, from `/proc/net/tcp` and
+/// `/proc/net/tcp6`.
+fn socket_inode(local: SocketAddr, remote: SocketAddr) -> Result<PeerSocket, SameHostError> {
+    let mut found = PeerSocket::Gone;
     for (path, v6) in [("/proc/net/tcp", false), ("/proc/net/tcp6", true)] {
         let (Some(l), Some(r)) = (proc_net_addr(local, v6), proc_net_addr(remote, v6)) else {
             continue;
@@ -199,15 +217,15 @@ fn socket_inode(local: SocketAddr, remote: SocketAddr) -> Result<Option<u64>, Sa
             let f: Vec<&str> = line.split_whitespace().collect();
             // sl local rem st tx:rx tr:when retrnsmt uid timeout inode ...
             if f.len() > 9 && f[1].eq_ignore_ascii_case(&l) && f[2].eq_ignore_ascii_case(&r) {
-                if let Ok(inode) = f[9].parse::<u64>() {
-                    if inode != 0 {
-                        return Ok(Some(inode));
-                    }
+                match f[9].parse::<u64>() {
+                    Ok(inode) if inode != 0 => return Ok(PeerSocket::Held(inode)),
+                    _ if f[3] == TCP_ESTABLISHED => found = PeerSocket::NotAccepted,
+                    _ => {}
                 }
             }
         }
     }
-    Ok(None)
+    Ok(found)
 }
 
 /// An address as `/proc/net/tcp` (`v6` false: IPv4 only) or `/proc/net/tcp6` writes it: the
@@ -485,6 +503,34 @@ mod tests {
     /// Regression (a CI run's same-host `require` connection refused, "no socket of this host
     /// is the other end"): an extra stream's server end still in the listener's accept queue
     /// has no inode yet; attestation waits for the accept instead of failing at once.
+    /// Regression (the CI's run of a0f746e: the killed-sender bench test hung): a prefill
+    /// killed right after connecting left the decode waiting the whole accept wait for a
+    /// socket that was already closed, and a later prefill's connection overtook it. A socket
+    /// listed closing is gone at once; one in the accept queue is waited for.
+    #[test]
+    fn a_closed_peer_socket_is_gone_and_an_unaccepted_one_is_waited_for() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        // The client's view of the server end, still in the accept queue.
+        let (local, peer) = (c.local_addr().unwrap(), c.peer_addr().unwrap());
+        assert_eq!(socket_inode(peer, local).unwrap(), PeerSocket::NotAccepted);
+        let (s, _) = l.accept().unwrap();
+        assert!(matches!(
+            socket_inode(peer, local).unwrap(),
+            PeerSocket::Held(_)
+        ));
+        // The server's view of the client end once the client closed it (FIN_WAIT2 with no
+        // inode while the server end stays open).
+        let (s_local, s_peer) = (s.local_addr().unwrap(), s.peer_addr().unwrap());
+        drop(c);
+        assert_eq!(socket_inode(s_peer, s_local).unwrap(), PeerSocket::Gone);
+        assert!(matches!(
+            attest_peer(s_local, s_peer, std::process::id()),
+            Err(SameHostError::SocketNotFound { .. })
+        ));
+        drop(s);
+    }
+
     #[test]
     fn a_connection_not_yet_accepted_is_attested_once_it_is() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
