@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::process::{
-    assert_all_verified, assert_receiver_account, finish, wait_for_line, Reaped,
+    assert_all_verified, assert_receiver_account, finish, wait_for_line, Reaped, StderrLines,
 };
 
 fn kvwire(dev: &str, args: &[&str]) -> Child {
@@ -71,6 +71,7 @@ fn two_processes_over_rdma_survive_a_killed_sender() {
             "2",
         ],
     )));
+    let mut said = StderrLines::of(receiver.0.as_mut().expect("receiver"));
     let sender = || kvwire(&d.name, &["--connect", &addr, "--queue-pairs", "2"]);
 
     let (code, json, err) = finish(sender(), Duration::from_secs(300));
@@ -88,12 +89,14 @@ fn two_processes_over_rdma_survive_a_killed_sender() {
     );
     victim.kill().expect("SIGKILL");
     let _ = victim.wait();
+    // One connection at a time: the next sender once the receiver served the killed one.
+    said.wait_for("verified, failures", 2, Duration::from_secs(120));
 
     let (code, json, err) = finish(sender(), Duration::from_secs(300));
     assert_eq!(code, Some(0), "sender after the kill failed: {err} {json}");
     let case = &json["cases"][0];
     assert_all_verified(case);
 
-    let (code, json, err) = finish(receiver.take(), Duration::from_secs(120));
-    assert_receiver_account(code, &json, &err);
+    let (code, json, _) = finish(receiver.take(), Duration::from_secs(120));
+    assert_receiver_account(code, &json, &said.text());
 }

@@ -2,7 +2,56 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::Child;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+/// A child's stderr lines as it prints them (read on a thread of their own), so a test can
+/// wait for what a process says while it runs and still show all it said.
+pub struct StderrLines {
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl StderrLines {
+    /// Takes `child`'s stderr.
+    pub fn of(child: &mut Child) -> Self {
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        StderrLines {
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits until the child has printed `count` lines containing `needle` in all; panics
+    /// with everything it printed if that takes longer than `deadline`.
+    pub fn wait_for(&mut self, needle: &str, count: usize, deadline: Duration) {
+        let end = Instant::now() + deadline;
+        while self.seen.iter().filter(|l| l.contains(needle)).count() < count {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.seen.push(line),
+                Err(_) => panic!(
+                    "never printed {needle:?} {count} times within {deadline:?}:\n{}",
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// Everything printed so far (all of it once the child has ended).
+    pub fn text(&mut self) -> String {
+        self.seen.extend(self.lines.try_iter());
+        self.seen.join("\n")
+    }
+}
 
 /// Waits until the child prints a line containing `needle` on stderr; returns the lines.
 pub fn wait_for_line(child: &mut Child, needle: &str) -> Vec<String> {
